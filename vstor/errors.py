@@ -1,0 +1,58 @@
+"""The one error hierarchy: every error a user can cause carries a one-line
+message (what is wrong and how to fix it) and the exit code the CLI and the
+hook return for it."""
+
+from __future__ import annotations
+
+# Exit codes, documented in README.md ("Exit codes").
+EXIT_OK = 0
+EXIT_ERROR = 1          # an unexpected failure (still one line, no traceback)
+EXIT_BAD_INPUT = 2      # usage, malformed XML or metadata, unknown device
+EXIT_DOES_NOT_FIT = 3   # the host cannot take the request (cores, hugepages, device busy)
+EXIT_UNAVAILABLE = 4    # a service vstor needs is missing: libvirt, SPDK, qemu-storage-daemon
+EXIT_ACTION_FAILED = 5  # a host change failed; what was done has been undone
+
+
+class VstorError(Exception):
+    """Base of every error vstor reports to a user."""
+
+    exit_code = EXIT_ERROR
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message} ({self.hint})"
+        return self.message
+
+
+class BadInput(VstorError):
+    """The request itself is wrong: XML, metadata, arguments, names."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class DoesNotFit(VstorError):
+    """The request is valid but this host cannot take it now."""
+
+    exit_code = EXIT_DOES_NOT_FIT
+
+    def __init__(self, message: str, *, hint: str | None = None,
+                 reasons: tuple[str, ...] = ()):
+        super().__init__(message, hint=hint)
+        self.reasons = reasons
+
+
+class Unavailable(VstorError):
+    """A component vstor needs cannot be reached (libvirt, SPDK, qsd)."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+class ActionFailed(VstorError):
+    """A host change failed; everything done before it was rolled back."""
+
+    exit_code = EXIT_ACTION_FAILED

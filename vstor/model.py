@@ -1,0 +1,201 @@
+"""The immutable host model: what vstor knows about a host, as plain data.
+
+`vstor.host.read_host(SysFS(root))` builds it from sysfs/procfs; the planner
+and `doctor` only ever read it.  Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NVME_CLASS = "0x010802"
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); '' -> ()."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            cpus.update(range(int(lo), int(hi) + 1))
+        else:
+            cpus.add(int(part))
+    return tuple(sorted(cpus))
+
+
+def format_cpulist(cpus) -> str:
+    """(0, 1, 2, 3, 8) -> '0-3,8', the kernel's and libvirt's notation."""
+    out: list[str] = []
+    ids = sorted(set(cpus))
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+@dataclass(frozen=True)
+class Cpu:
+    id: int
+    node: int
+    package: int
+    core_id: int
+    siblings: tuple[int, ...]   # thread_siblings_list, including itself
+    isolated: bool = False      # in /sys/devices/system/cpu/isolated
+
+
+@dataclass(frozen=True)
+class HugepagePool:
+    size_kib: int               # 2048 or 1048576
+    total: int
+    free: int
+
+
+@dataclass(frozen=True)
+class NumaNode:
+    id: int
+    cpus: tuple[int, ...]
+    memory_kib: int = 0
+    hugepages: tuple[HugepagePool, ...] = ()
+
+    def pool(self, size_kib: int) -> HugepagePool | None:
+        for pool in self.hugepages:
+            if pool.size_kib == size_kib:
+                return pool
+        return None
+
+
+@dataclass(frozen=True)
+class PciDevice:
+    address: str                # '0000:5e:00.0'
+    vendor: str = ""            # '0x8086'
+    device: str = ""            # '0x0a54'
+    pci_class: str = ""         # '0x010802'
+    driver: str | None = None   # 'nvme', 'vfio-pci', None when unbound
+    numa_node: int = -1         # -1: firmware did not say
+
+    @property
+    def is_bridge(self) -> bool:
+        # class 0x0604xx: PCI-to-PCI bridge; 0x0600xx host bridge
+        return self.pci_class.startswith(("0x0604", "0x0600"))
+
+
+@dataclass(frozen=True)
+class Namespace:
+    name: str                   # block device name, 'nvme0n1'
+    nsid: int
+    size_bytes: int = 0
+    partitions: tuple[str, ...] = ()
+    # Why the host is using it, one human-readable phrase each:
+    # 'mounted at / (nvme0n1p2)', 'swap (nvme0n1p3)', 'held by dm-0 (vg-root)'.
+    in_use: tuple[str, ...] = ()
+    scheduler: str = ""         # active I/O scheduler, e.g. 'none'
+
+    @property
+    def dev_path(self) -> str:
+        return f"/dev/{self.name}"
+
+
+@dataclass(frozen=True)
+class NvmeController:
+    address: str                # PCI address
+    numa_node: int = -1
+    vendor: str = ""
+    device: str = ""
+    driver: str | None = None   # 'nvme', 'vfio-pci', 'uio_pci_generic', None
+    name: str | None = None     # 'nvme0' while the kernel driver has it
+    model: str = ""
+    serial: str = ""
+    iommu_group: int | None = None
+    # Every OTHER device in the same IOMMU group.
+    group_peers: tuple[PciDevice, ...] = ()
+    namespaces: tuple[Namespace, ...] = ()
+    local_cpus: tuple[int, ...] = ()
+    # (irq number, cpus it may run on) for each MSI-X vector.
+    irqs: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    backs_root: bool = False    # the root filesystem lives on it
+
+    @property
+    def in_use(self) -> tuple[str, ...]:
+        reasons = [f"{ns.name}: {why}" for ns in self.namespaces for why in ns.in_use]
+        return tuple(reasons)
+
+    def namespace(self, nsid: int) -> Namespace | None:
+        for ns in self.namespaces:
+            if ns.nsid == nsid:
+                return ns
+        return None
+
+
+@dataclass(frozen=True)
+class BlockDevice:
+    """Any whole disk (NVMe or not), for the qsd backend's block sources."""
+    name: str                   # 'sdb', 'nvme0n1'
+    size_bytes: int = 0
+    in_use: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class NetDev:
+    name: str
+    mtu: int = 0
+
+
+@dataclass(frozen=True)
+class RdmaNic:
+    name: str                   # 'mlx5_0'
+    address: str                # its PCI address
+    numa_node: int = -1
+    netdevs: tuple[NetDev, ...] = ()
+
+
+@dataclass(frozen=True)
+class Host:
+    hostname: str
+    cpus: tuple[Cpu, ...]
+    nodes: tuple[NumaNode, ...]
+    controllers: tuple[NvmeController, ...] = ()
+    rdma_nics: tuple[RdmaNic, ...] = ()
+    block_devices: tuple[BlockDevice, ...] = ()
+    cmdline: str = ""
+    iommu_enabled: bool = False     # /sys/kernel/iommu_groups is populated
+    vfio_available: bool = False    # vfio-pci driver or module present
+    thp: str = ""                   # transparent hugepages mode: always|madvise|never
+    irqbalance_running: bool = False
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def controller(self, address: str) -> NvmeController | None:
+        for ctrl in self.controllers:
+            if ctrl.address == address:
+                return ctrl
+        return None
+
+    def node(self, node_id: int) -> NumaNode | None:
+        for node in self.nodes:
+            if node.id == node_id:
+                return node
+        return None
+
+    def cpu(self, cpu_id: int) -> Cpu | None:
+        for cpu in self.cpus:
+            if cpu.id == cpu_id:
+                return cpu
+        return None
+
+    def rdma_nic(self, name: str) -> RdmaNic | None:
+        for nic in self.rdma_nics:
+            if nic.name == name:
+                return nic
+        return None
+
+    def block_device(self, name: str) -> BlockDevice | None:
+        for dev in self.block_devices:
+            if dev.name == name:
+                return dev
+        return None
