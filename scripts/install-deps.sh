@@ -1,0 +1,24 @@
+#!/bin/sh
+# Installs what vstor needs on Debian 12 (run as root): libvirt, QEMU,
+# qemu-storage-daemon, the headers libvirt-python builds against, and vstor
+# itself with its test dependencies.  Safe to run again.
+set -eu
+cd "$(dirname "$0")/.."
+
+PKGS="libvirt-daemon-system libvirt-clients libvirt-dev pkg-config gcc python3-dev
+      qemu-system-x86 qemu-system-common qemu-utils libxml2-utils
+      busybox-static cpio kmod xz-utils tcpdump arping"
+
+missing=""
+for p in $PKGS; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+    echo "vstor: installing Debian packages:$missing"
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
+fi
+
+PY=${PYTHON:-python3}
+echo "vstor: installing the vstor package ($PY)"
+$PY -m pip install -q --disable-pip-version-check -e ".[test]"

@@ -1,0 +1,6 @@
+#!/bin/bash
+# The test command from README.md: installs what the tests need, then runs them all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+sh scripts/install-deps.sh
+exec python3 -m pytest -q -ra "$@"

@@ -1,0 +1,66 @@
+import pytest
+
+from vstor import config
+from vstor.errors import BadInput
+
+
+def write(tmp_path, text):
+    p = tmp_path / "vstor.conf"
+    p.write_text(text)
+    return str(p)
+
+
+def test_missing_default_file_means_defaults(monkeypatch, tmp_path):
+    monkeypatch.setattr(config, "DEFAULT_PATH", str(tmp_path / "absent.conf"))
+    monkeypatch.delenv("VSTOR_CONFIG", raising=False)
+    cfg = config.load()
+    assert cfg.vhost_dir == "/run/vstor/vhost" and cfg.housekeeping is None and cfg.default_backend == "qsd"
+
+
+def test_full_file_is_read(tmp_path):
+    cfg = config.load(write(tmp_path, """
+[paths]
+vhost_dir = /run/x/vhost
+[cpu]
+housekeeping = 0-1,32-33
+reactors = 2,34
+[qemu]
+user = qemu
+group = qemu
+[spdk]
+rpc_socket = /run/spdk.sock
+[pci]
+allowed = 0000:5e:00.0, 5f:00.0
+blocked = 0000:60:00.0
+[vhost]
+default_backend = spdk
+[nvmf]
+hostnqn = nqn.2014-08.org.nvmexpress:uuid:1
+reconnect_delay_sec = 2
+"""))
+    assert cfg.housekeeping == (0, 1, 32, 33) and cfg.reactors == (2, 34)
+    assert cfg.pci_allowed == ("0000:5e:00.0", "0000:5f:00.0") and cfg.pci_blocked == ("0000:60:00.0",)
+    assert cfg.default_backend == "spdk" and cfg.reconnect_delay_sec == 2 and cfg.qemu_user == "qemu"
+    assert cfg.vhost_dir == "/run/x/vhost" and cfg.spdk_socket == "/run/spdk.sock"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[cpu]\nreactor = 2\n", ["unknown key 'reactor'", "reactors"]),
+    ("[spdkk]\n", ["unknown section [spdkk]"]),
+    ("[cpu]\nreactors = two\n", ["not a CPU list"]),
+    ("[pci]\nblocked = 5e:00\n", ["not a PCI address"]),
+    ("[vhost]\ndefault_backend = iscsi\n", ["use qsd or spdk"]),
+    ("[paths]\nvhost_dir = run/vhost\n", ["absolute path"]),
+    ("no section\n", ["vstor.conf"]),
+])
+def test_bad_config_is_one_line_naming_the_key(tmp_path, text, words):
+    with pytest.raises(BadInput) as e:
+        config.load(write(tmp_path, text))
+    for w in words:
+        assert w in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_explicit_missing_file_is_an_error(tmp_path):
+    with pytest.raises(BadInput, match="does not exist"):
+        config.load(str(tmp_path / "nope.conf"))

@@ -1,0 +1,1 @@
+"""The `vstor` command line (virsh-like: vstor [-c URI] COMMAND ...)."""

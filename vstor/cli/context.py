@@ -1,0 +1,51 @@
+"""What every command may need, built lazily from the global options."""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import cached_property
+
+from .. import config as config_mod
+from ..errors import Unavailable
+
+
+class Context:
+    def __init__(self, args):
+        self.args = args
+
+    @cached_property
+    def config(self):
+        return config_mod.load(self.args.config)
+
+    @property
+    def host_root(self) -> str:
+        return self.args.host_root or os.environ.get("VSTOR_HOST_ROOT") or "/"
+
+    @cached_property
+    def host(self):
+        from ..host import read_host
+        from ..sysfs import SysFS
+        return read_host(SysFS(self.host_root))
+
+    @cached_property
+    def conn(self):
+        from .. import virt
+        return virt.connect(self.args.connect)
+
+    def ledger(self):
+        """The ledger from libvirt; planning offline (another host's capture,
+        or no libvirt here) goes on without it, and says so."""
+        from ..inventory import load_ledger
+        if self.host_root != "/" and not self.args.connect:
+            warn("planning against a host capture: other domains' holdings are not known")
+            return load_ledger(None)
+        try:
+            return load_ledger(self.conn)
+        except Unavailable as e:
+            warn(f"{e}; planning without the ledger of other domains")
+            return load_ledger(None)
+
+
+def warn(message: str) -> None:
+    print(f"vstor: warning: {message}", file=sys.stderr)

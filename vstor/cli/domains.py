@@ -1,0 +1,162 @@
+"""plan, render, define, apply: from annotated XML to a defined domain."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from ..domain import Domain
+from ..errors import BadInput
+from ..model import format_cpulist
+from ..plan import Plan
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="show what vstor would do for a domain, and why")
+    p.add_argument("source", metavar="FILE|DOMAIN")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("render", help="print the concrete libvirt XML for an annotated domain")
+    p.add_argument("source", metavar="FILE|DOMAIN")
+    p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    p.set_defaults(func=cmd_render)
+
+    p = sub.add_parser("define", help="render an annotated domain and define it in libvirt")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--dry-run", action="store_true", help="print the XML, define nothing")
+    p.set_defaults(func=cmd_define)
+
+    p = sub.add_parser("apply", help="re-plan a defined domain (e.g. after `virsh define` "
+                                     "of annotated XML) and redefine it")
+    p.add_argument("domain", metavar="DOMAIN")
+    p.add_argument("--dry-run", action="store_true", help="print the XML, define nothing")
+    p.set_defaults(func=cmd_apply)
+
+
+# -- the work ----------------------------------------------------------------------
+
+def load_source(ctx, source: str) -> Domain:
+    """A file path, or else the name of a defined domain."""
+    if os.path.sep in source or os.path.exists(source):
+        return Domain.load(source)
+    from .. import virt
+    return Domain.parse(virt.inactive_xml(virt.lookup(ctx.conn, source)), f"domain '{source}'")
+
+
+def make_plan(ctx, dom: Domain, ledger=None) -> Plan:
+    from ..planner import Request, plan_domain
+    request = Request.from_domain(dom)
+    return plan_domain(ctx.host, ctx.config, request, ledger if ledger is not None else ctx.ledger())
+
+
+def rendered(ctx, dom: Domain, ledger=None) -> tuple[Plan, Domain]:
+    from ..inventory import recorded_plan
+    from ..render import render
+    previous = recorded_plan(dom)
+    plan = make_plan(ctx, dom, ledger)
+    return plan, render(dom, plan, previous)
+
+
+def cmd_plan(ctx, args) -> int:
+    plan = make_plan(ctx, load_source(ctx, args.source))
+    if args.json:
+        json.dump(plan_to_json(plan), sys.stdout, indent=2)
+        print()
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+def cmd_render(ctx, args) -> int:
+    _, out = rendered(ctx, load_source(ctx, args.source))
+    text = out.to_string()
+    if args.output:
+        _write_atomically(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_define(ctx, args) -> int:
+    dom = Domain.load(args.file)
+    return _define(ctx, dom, args.dry_run)
+
+
+def cmd_apply(ctx, args) -> int:
+    from .. import virt
+    vdom = virt.lookup(ctx.conn, args.domain)
+    dom = Domain.parse(virt.inactive_xml(vdom), f"domain '{args.domain}'")
+    code = _define(ctx, dom, args.dry_run)
+    if not args.dry_run and vdom.isActive():
+        print(f"Domain '{args.domain}' is running: the new plan takes effect at its next start")
+    return code
+
+
+def _define(ctx, dom: Domain, dry_run: bool) -> int:
+    from .. import virt
+    from ..inventory import load_ledger
+    conn = ctx.conn
+    plan, out = rendered(ctx, dom, load_ledger(conn))
+    if dry_run:
+        sys.stdout.write(out.to_string())
+        return 0
+    virt.define(conn, out.to_string())
+    print(f"Domain '{plan.domain}' defined: " + ", ".join(
+        f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", node {plan.node}")
+    return 0
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise BadInput(f"cannot write {path}: {e.strerror}") from None
+
+
+# -- output ---------------------------------------------------------------------------
+
+def plan_to_json(plan: Plan) -> dict:
+    data = dataclasses.asdict(plan)
+    for disk, raw in zip(plan.disks, data["disks"]):
+        raw["source"] = {"kind": disk.source.kind, **raw["source"]}
+    return data
+
+
+def _source_text(src) -> str:
+    if src.kind == "nvme":
+        return f"nvme {src.controller} ns {src.namespace}"
+    if src.kind == "nvmf":
+        extra = f" +{len(src.paths)} paths" if src.paths else ""
+        return f"nvmf/{src.transport} {src.traddr}:{src.trsvcid} ns {src.namespace}{extra}"
+    return f"{src.kind} {src.path}"
+
+
+def format_plan(plan: Plan) -> str:
+    rows = [("DISK", "MODE", "BACKEND", "SOURCE", "ATTACHES AS", "REACTOR")]
+    for d in plan.disks:
+        attach = d.socket if d.mode == "vhost" else f"hostdev {d.controller}"
+        rows.append((d.target, d.mode, d.backend, _source_text(d.source), attach,
+                     "-" if d.reactor is None else str(d.reactor)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"Domain {plan.domain} on {plan.host}: NUMA node {plan.node}"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if plan.vcpu_pins:
+        cpus = f"{plan.vcpus} dedicated -> {','.join(map(str, plan.vcpu_pins))}"
+    else:
+        cpus = f"{plan.vcpus} shared on {format_cpulist(plan.shared_cpus)}"
+    lines.append(f"vCPUs:    {cpus}; emulator on {format_cpulist(plan.emulator)}")
+    mem = f"{plan.memory_kib // 1024} MiB, {plan.numa}"
+    if plan.hugepage_kib:
+        mem += f", {plan.hugepages} x {plan.hugepage_kib} KiB hugepages"
+    lines.append(f"Memory:   {mem}")
+    lines.append("Why:")
+    lines += [f"  - {r}" for r in plan.reasons]
+    for d in plan.disks:
+        lines += [f"  - {d.target}: {r}" for r in d.reasons]
+    return "\n".join(lines)

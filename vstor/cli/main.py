@@ -1,0 +1,64 @@
+"""Argument parsing and the one place errors become exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .. import __version__
+from ..errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError
+from . import domains, hostcmds
+from .context import Context
+
+COMMAND_MODULES = [hostcmds, domains]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line and the usage-error exit code, like every other bad input.
+        print(f"vstor: error: {message} (see: {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="vstor", description="Per-VM NVMe storage for libvirt/QEMU: "
+                "VFIO passthrough or SPDK/qemu-storage-daemon vhost-user-blk, NUMA-pinned.")
+    p.add_argument("--version", action="version", version=f"vstor {__version__}")
+    p.add_argument("-c", "--connect", metavar="URI",
+                   help="libvirt URI (default: $LIBVIRT_DEFAULT_URI or qemu:///system)")
+    p.add_argument("--config", metavar="FILE",
+                   help="vstor.conf (default: $VSTOR_CONFIG or /etc/vstor/vstor.conf)")
+    p.add_argument("--host-root", metavar="DIR",
+                   help="read sysfs/procfs under DIR, e.g. an extracted `vstor host capture` "
+                        "(default: $VSTOR_HOST_ROOT or /)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for module in COMMAND_MODULES:
+        module.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    ctx = Context(args)
+    try:
+        return args.func(ctx, args) or 0
+    except VstorError as e:
+        print(f"vstor: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("vstor: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:   # a bug: still one line, the traceback on request
+        if os.environ.get("VSTOR_DEBUG"):
+            raise
+        print(f"vstor: internal error: {type(e).__name__}: {e} "
+              "(run with VSTOR_DEBUG=1 for a traceback)", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

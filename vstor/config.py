@@ -1,0 +1,152 @@
+"""The host configuration file, /etc/vstor/vstor.conf (INI).
+
+Every key is optional; unknown sections or keys are refused so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+from dataclasses import dataclass, field
+
+from .errors import BadInput
+from .model import parse_cpulist
+
+DEFAULT_PATH = "/etc/vstor/vstor.conf"
+
+_KEYS = {
+    "paths": {"state_dir", "vhost_dir", "qsd_dir"},
+    "cpu": {"housekeeping", "reactors"},
+    "qemu": {"user", "group"},
+    "spdk": {"rpc_socket", "timeout"},
+    "pci": {"allowed", "blocked"},
+    "vhost": {"default_backend"},
+    "nvmf": {"hostnqn", "ctrlr_loss_timeout_sec", "reconnect_delay_sec",
+             "fast_io_fail_timeout_sec"},
+}
+
+_BDF = re.compile(r"^(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+@dataclass(frozen=True)
+class Config:
+    state_dir: str = "/run/vstor/state"
+    # SPDK's vhost app must be started with -S set to this directory.
+    vhost_dir: str = "/run/vstor/vhost"
+    qsd_dir: str = "/run/vstor/qsd"
+    # None: not configured, the planner picks the first core of each node.
+    housekeeping: tuple[int, ...] | None = None
+    reactors: tuple[int, ...] = ()
+    qemu_user: str = "libvirt-qemu"
+    qemu_group: str = "kvm"
+    spdk_socket: str = "/var/tmp/spdk.sock"
+    spdk_timeout: float = 30.0
+    pci_allowed: tuple[str, ...] = ()
+    pci_blocked: tuple[str, ...] = ()
+    default_backend: str = "qsd"
+    hostnqn: str | None = None
+    ctrlr_loss_timeout_sec: int = 60
+    reconnect_delay_sec: int = 5
+    fast_io_fail_timeout_sec: int = 30
+    source: str = field(default="(defaults)", compare=False)
+
+
+def load(path: str | None = None) -> Config:
+    """Read the config file; a missing default file means all defaults."""
+    explicit = path or os.environ.get("VSTOR_CONFIG")
+    path = explicit or DEFAULT_PATH
+    if not os.path.exists(path):
+        if explicit:
+            raise BadInput(f"config file {path} does not exist",
+                           hint="create it or drop --config/VSTOR_CONFIG")
+        return Config()
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        with open(path) as f:
+            parser.read_file(f)
+    except (configparser.Error, UnicodeDecodeError) as e:
+        first = str(e).splitlines()[0]
+        raise BadInput(f"{path}: {first}") from None
+    except OSError as e:
+        raise BadInput(f"cannot read config file {path}: {e.strerror}") from None
+    return _from_parser(parser, path)
+
+
+def _from_parser(parser: configparser.ConfigParser, path: str) -> Config:
+    values: dict = {}
+    for section in parser.sections():
+        if section not in _KEYS:
+            raise BadInput(f"{path}: unknown section [{section}]",
+                           hint="known: " + ", ".join(sorted(_KEYS)))
+        for key, raw in parser.items(section):
+            if key not in _KEYS[section]:
+                raise BadInput(f"{path}: unknown key '{key}' in [{section}]",
+                               hint="known: " + ", ".join(sorted(_KEYS[section])))
+            values[(section, key)] = raw.strip()
+    return _build(values, path)
+
+
+def _build(v: dict, path: str) -> Config:
+    kw: dict = {"source": path}
+    for key in ("state_dir", "vhost_dir", "qsd_dir"):
+        if ("paths", key) in v:
+            kw[key] = _abs_dir(v[("paths", key)], f"[paths] {key}", path)
+    if ("cpu", "housekeeping") in v:
+        kw["housekeeping"] = _cpus(v[("cpu", "housekeeping")], "housekeeping", path)
+    if ("cpu", "reactors") in v:
+        kw["reactors"] = _cpus(v[("cpu", "reactors")], "reactors", path)
+    for (section, key), name in {("qemu", "user"): "qemu_user",
+                                 ("qemu", "group"): "qemu_group",
+                                 ("spdk", "rpc_socket"): "spdk_socket",
+                                 ("nvmf", "hostnqn"): "hostnqn"}.items():
+        if (section, key) in v and v[(section, key)]:
+            kw[name] = v[(section, key)]
+    for key in ("allowed", "blocked"):
+        if ("pci", key) in v:
+            kw[f"pci_{key}"] = _pci_list(v[("pci", key)], key, path)
+    if ("vhost", "default_backend") in v:
+        backend = v[("vhost", "default_backend")]
+        if backend not in ("qsd", "spdk"):
+            raise BadInput(f"{path}: [vhost] default_backend is '{backend}'",
+                           hint="use qsd or spdk")
+        kw["default_backend"] = backend
+    for (section, key) in (("nvmf", "ctrlr_loss_timeout_sec"),
+                           ("nvmf", "reconnect_delay_sec"), ("nvmf", "fast_io_fail_timeout_sec")):
+        if (section, key) in v:
+            kw[key] = _int(v[(section, key)], f"[{section}] {key}", path)
+    if ("spdk", "timeout") in v:
+        kw["spdk_timeout"] = float(_int(v[("spdk", "timeout")], "[spdk] timeout", path))
+    return Config(**kw)
+
+
+def _abs_dir(value: str, what: str, path: str) -> str:
+    if not value.startswith("/") or ".." in value.split("/"):
+        raise BadInput(f"{path}: {what} must be an absolute path without '..', not '{value}'")
+    return os.path.normpath(value)
+
+
+def _cpus(value: str, what: str, path: str) -> tuple[int, ...]:
+    try:
+        return parse_cpulist(value)
+    except ValueError:
+        raise BadInput(f"{path}: [cpu] {what} is not a CPU list: '{value}'",
+                       hint="write it like 0-1,32-33") from None
+
+
+def _int(value: str, what: str, path: str) -> int:
+    if not value.isdigit():
+        raise BadInput(f"{path}: {what} must be a whole number of seconds, not '{value}'")
+    return int(value)
+
+
+def _pci_list(value: str, what: str, path: str) -> tuple[str, ...]:
+    out = []
+    for item in value.replace(",", " ").split():
+        item = item.lower()
+        if not _BDF.match(item):
+            raise BadInput(f"{path}: [pci] {what}: '{item}' is not a PCI address",
+                           hint="write it like 0000:5e:00.0")
+        out.append(item if item.count(":") == 2 else "0000:" + item)
+    return tuple(out)

@@ -1,0 +1,157 @@
+"""`vstor doctor`: host readiness, one check per line with the fix.
+
+The host checks are pure functions of the host model and config; the few
+that need a live service (SPDK, libvirt, the qsd binary) take a probe, so
+tests drive them with real-but-local things.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import Config
+from .model import Host, format_cpulist
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+def spdk_in_use(cfg: Config) -> bool:
+    return cfg.default_backend == "spdk" or bool(cfg.reactors)
+
+
+def check_iommu(host: Host, cfg: Config) -> Check:
+    words = host.cmdline.split()
+    on = any(w in ("intel_iommu=on", "amd_iommu=on") for w in words) or host.iommu_enabled
+    pt = "iommu=pt" in words
+    if not host.iommu_enabled:
+        return Check("iommu", WARN, "IOMMU is off: no passthrough, no SPDK on vfio-pci",
+                     "add intel_iommu=on iommu=pt (AMD: amd_iommu=on iommu=pt) to the kernel "
+                     "command line and reboot")
+    if on and not pt:
+        return Check("iommu", WARN, "IOMMU on, without iommu=pt (host DMA pays for translation)",
+                     "add iommu=pt to the kernel command line")
+    return Check("iommu", OK, "IOMMU on, iommu=pt")
+
+
+def check_vfio(host: Host, cfg: Config) -> Check:
+    if host.vfio_available:
+        return Check("vfio-pci", OK, "vfio-pci available")
+    return Check("vfio-pci", WARN, "vfio-pci is not loaded", "modprobe vfio-pci")
+
+
+def check_hugepages(host: Host, cfg: Config) -> list[Check]:
+    out = []
+    for node in host.nodes:
+        pools = [p for p in node.hugepages if p.total]
+        if pools:
+            text = ", ".join(f"{p.free}/{p.total} free x {p.size_kib} KiB" for p in pools)
+            out.append(Check(f"hugepages node{node.id}", OK, text))
+            continue
+        status = WARN if spdk_in_use(cfg) else OK
+        out.append(Check(f"hugepages node{node.id}", status,
+                         "no hugepages reserved (SPDK disks need them; qsd disks do not)",
+                         f"echo 2048 > /sys/devices/system/node/node{node.id}/hugepages/"
+                         "hugepages-2048kB/nr_hugepages" if status == WARN else ""))
+    return out
+
+
+def check_thp(host: Host, cfg: Config) -> Check:
+    if not spdk_in_use(cfg) or host.thp in ("never", ""):
+        return Check("transparent hugepages", OK, host.thp or "not reported")
+    return Check("transparent hugepages", WARN, f"'{host.thp}' on an SPDK host",
+                 "echo never > /sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def check_irqbalance(host: Host, cfg: Config) -> Check:
+    if not host.irqbalance_running:
+        return Check("irqbalance", OK, "not running")
+    return Check("irqbalance", WARN, "running: it moves IRQs onto dedicated and reactor cores",
+                 "stop it, or ban those cores with IRQBALANCE_BANNED_CPULIST")
+
+
+def check_nvme(host: Host, cfg: Config) -> list[Check]:
+    out = []
+    for ctrl in host.controllers:
+        if ctrl.driver != "nvme":
+            continue
+        local = set(ctrl.local_cpus)
+        stray = sorted({c for _, cpus in ctrl.irqs for c in cpus if local and c not in local})
+        name = f"nvme {ctrl.address}"
+        if stray:
+            out.append(Check(f"{name} irqs", WARN, f"IRQs may run on CPUs {format_cpulist(stray)}, "
+                             f"off node {ctrl.numa_node}",
+                             f"write {format_cpulist(sorted(local))} to /proc/irq/N/smp_affinity_list "
+                             "for its vectors"))
+        elif ctrl.irqs:
+            out.append(Check(f"{name} irqs", OK, f"{len(ctrl.irqs)} vectors on local CPUs"))
+        for ns in ctrl.namespaces:
+            if ns.scheduler and ns.scheduler != "none":
+                out.append(Check(f"{ns.name} scheduler", WARN, f"'{ns.scheduler}' adds latency",
+                                 f"echo none > /sys/block/{ns.name}/queue/scheduler"))
+    return out
+
+
+def check_rdma(host: Host, cfg: Config) -> list[Check]:
+    if not host.rdma_nics:
+        return [Check("rdma", OK, "no RDMA NICs (NVMe-oF over RDMA unavailable here)")]
+    out = []
+    for nic in host.rdma_nics:
+        low = [n for n in nic.netdevs if n.mtu and n.mtu < 4096]
+        if low:
+            out.append(Check(f"rdma {nic.name}", WARN,
+                             ", ".join(f"{n.name} MTU {n.mtu}" for n in low),
+                             "; ".join(f"ip link set dev {n.name} mtu 4096" for n in low)))
+        else:
+            out.append(Check(f"rdma {nic.name}", OK, f"node {nic.numa_node}"))
+    return out
+
+
+def check_cores(host: Host, cfg: Config) -> Check:
+    online = {c.id for c in host.cpus}
+    missing = [c for c in (*cfg.reactors, *(cfg.housekeeping or ())) if c not in online]
+    if missing:
+        return Check("cores", FAIL, f"vstor.conf names CPUs {format_cpulist(missing)}, "
+                     "which are not online here", "fix [cpu] in vstor.conf")
+    hk = "first core of each node" if cfg.housekeeping is None else format_cpulist(cfg.housekeeping)
+    return Check("cores", OK, f"housekeeping {hk}; reactors {format_cpulist(cfg.reactors) or 'none'}")
+
+
+def check_qsd(binary: str | None = None) -> Check:
+    path = binary or shutil.which("qemu-storage-daemon")
+    if path:
+        return Check("qemu-storage-daemon", OK, path)
+    return Check("qemu-storage-daemon", FAIL, "not installed (the embedded backend)",
+                 "apt-get install qemu-system-common")
+
+
+def check_spdk(cfg: Config, probe: Callable[[], str]) -> Check:
+    """probe() returns SPDK's version or raises a VstorError saying why not."""
+    from .errors import VstorError
+    try:
+        return Check("spdk", OK, f"SPDK {probe()} at {cfg.spdk_socket}")
+    except VstorError as e:
+        status = FAIL if cfg.default_backend == "spdk" else WARN
+        return Check("spdk", status, e.message, e.hint or "")
+
+
+HOST_CHECKS = (check_iommu, check_vfio, check_hugepages, check_thp, check_irqbalance,
+               check_nvme, check_rdma, check_cores)
+
+
+def run(host: Host, cfg: Config, extra: list[Check] = ()) -> list[Check]:
+    out: list[Check] = []
+    for check in HOST_CHECKS:
+        result = check(host, cfg)
+        out.extend(result if isinstance(result, list) else [result])
+    out.extend(extra)
+    return out

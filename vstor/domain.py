@@ -1,0 +1,126 @@
+"""A libvirt domain document: parsing, the few facts the planner needs, and
+access to vstor's element in <metadata>.  No decisions are made here."""
+
+from __future__ import annotations
+
+import re
+
+from lxml import etree
+
+from . import NS, PREFIX
+from .errors import BadInput
+from .intent import Intent, parse_intent
+
+_UNITS = {  # libvirt's memory units, to KiB
+    "b": 1 / 1024, "bytes": 1 / 1024, "KB": 1000 / 1024, "k": 1, "KiB": 1,
+    "MB": 1000**2 / 1024, "M": 1024, "MiB": 1024, "GB": 1000**3 / 1024,
+    "G": 1024**2, "GiB": 1024**2, "TB": 1000**4 / 1024, "T": 1024**3, "TiB": 1024**3,
+}
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
+
+
+def _parser() -> etree.XMLParser:
+    # Domain XML comes from operators and from libvirt: never expand entities
+    # or fetch anything it points at.
+    return etree.XMLParser(resolve_entities=False, no_network=True,
+                           remove_blank_text=True, huge_tree=False)
+
+
+class Domain:
+    def __init__(self, root: etree._Element, origin: str = "domain XML"):
+        if root.tag != "domain":
+            raise BadInput(f"{origin}: the root element is <{root.tag}>, not <domain>")
+        self.root = root
+        self.origin = origin
+
+    @classmethod
+    def parse(cls, text: str | bytes, origin: str = "domain XML") -> "Domain":
+        if isinstance(text, str):
+            text = text.encode()
+        try:
+            root = etree.fromstring(text, _parser())
+        except etree.XMLSyntaxError as e:
+            raise BadInput(f"{origin}: malformed XML: {e.msg} (line {e.lineno})") from None
+        return cls(root, origin)
+
+    @classmethod
+    def load(cls, path: str) -> "Domain":
+        try:
+            with open(path, "rb") as f:
+                return cls.parse(f.read(), path)
+        except OSError as e:
+            raise BadInput(f"cannot read {path}: {e.strerror}") from None
+
+    def to_string(self) -> str:
+        return etree.tostring(self.root, pretty_print=True, encoding="unicode")
+
+    # -- facts -------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        name = (self.root.findtext("name") or "").strip()
+        if not name:
+            raise BadInput(f"{self.origin}: the domain has no <name>")
+        return name
+
+    @property
+    def uuid(self) -> str | None:
+        text = self.root.findtext("uuid")
+        return text.strip().lower() if text else None
+
+    @property
+    def safe_name(self) -> str:
+        """The name as it may appear in a file name; the UUID when the name
+        holds anything but letters, digits and _.+- (never trusted into a path)."""
+        if _SAFE_NAME.match(self.name):
+            return self.name
+        if self.uuid and re.match(r"^[0-9a-f-]{36}$", self.uuid):
+            return self.uuid
+        raise BadInput(f"{self.origin}: domain name '{self.name}' cannot be used in socket names",
+                       hint="use letters, digits and _.+- or give the domain a <uuid>")
+
+    @property
+    def vcpus(self) -> int:
+        text = (self.root.findtext("vcpu") or "1").strip()
+        if not text.isdigit() or int(text) < 1:
+            raise BadInput(f"{self.origin}: <vcpu> is '{text}', not a positive number")
+        return int(text)
+
+    @property
+    def memory_kib(self) -> int:
+        e = self.root.find("memory")
+        if e is None or not (e.text or "").strip():
+            raise BadInput(f"{self.origin}: the domain has no <memory>")
+        unit = e.get("unit", "KiB")
+        if unit not in _UNITS:
+            raise BadInput(f"{self.origin}: <memory unit='{unit}'> is not a libvirt unit")
+        try:
+            return int(int(e.text.strip()) * _UNITS[unit])
+        except ValueError:
+            raise BadInput(f"{self.origin}: <memory> is '{e.text.strip()}', not a number") from None
+
+    @property
+    def domain_type(self) -> str:
+        return self.root.get("type", "")
+
+    @property
+    def machine(self) -> str:
+        e = self.root.find("os/type")
+        return e.get("machine", "") if e is not None else ""
+
+    # -- vstor metadata ----------------------------------------------------
+    def vstor_element(self) -> etree._Element | None:
+        return self.root.find(f"metadata/{{{NS}}}vstor")
+
+    def has_vstor(self) -> bool:
+        return self.vstor_element() is not None
+
+    def intent(self) -> Intent:
+        elem = self.vstor_element()
+        if elem is None:
+            raise BadInput(f"{self.origin}: domain '{self.name}' has no vstor metadata",
+                           hint=f"add <metadata><{PREFIX}:vstor xmlns:{PREFIX}='{NS}'>...")
+        return parse_intent(elem)
+
+    def plan_element(self) -> etree._Element | None:
+        elem = self.vstor_element()
+        return None if elem is None else elem.find(f"{{{NS}}}plan")

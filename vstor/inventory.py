@@ -1,0 +1,46 @@
+"""Where the ledger comes from: the plans recorded in every defined domain
+(through libvirt) and, for running domains, the state directory."""
+
+from __future__ import annotations
+
+import sys
+
+from .domain import Domain
+from .errors import VstorError
+from .ledger import Holding, Ledger
+from .plan import Plan, from_element
+from . import virt
+
+
+def recorded_plan(dom: Domain) -> Plan | None:
+    """The plan a rendered domain carries, or None if it was never planned."""
+    elem = dom.plan_element()
+    if elem is None:
+        return None
+    return from_element(elem, dom.intent(), dom.name, dom.uuid)
+
+
+def holdings_from_libvirt(conn) -> list[Holding]:
+    out = []
+    for vdom in virt.all_domains(conn):
+        try:
+            dom = Domain.parse(virt.inactive_xml(vdom), f"domain '{vdom.name()}'")
+            if not dom.has_vstor():
+                continue
+            plan = recorded_plan(dom)
+        except VstorError as e:
+            # One damaged neighbour must not block planning for everybody.
+            print(f"vstor: warning: ledger skips {e}", file=sys.stderr)
+            continue
+        if plan is not None:
+            out.append(Holding.from_plan(plan, active=bool(vdom.isActive())))
+    return out
+
+
+def load_ledger(conn=None, extra: list[Holding] | None = None) -> Ledger:
+    holdings = holdings_from_libvirt(conn) if conn is not None else []
+    seen = {(h.domain, h.uuid) for h in holdings}
+    for h in extra or ():
+        if (h.domain, h.uuid) not in seen:
+            holdings.append(h)
+    return Ledger(holdings)

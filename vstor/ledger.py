@@ -1,0 +1,109 @@
+"""The host-wide ledger: what every other vstor domain holds.
+
+Built from the plans recorded in defined domains and the state directory's
+records of running ones; the planner consults it so that no core is
+dedicated twice, no vCPU lands on a reactor, and no controller, volume or
+socket is handed out twice.  Pure data: loading lives in `vstor.inventory`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from .plan import DiskPlan, Plan
+
+
+def volume_key(disk: DiskPlan) -> str | None:
+    """What two writers must never share, as one string."""
+    src = disk.source
+    if src.kind == "nvme":
+        return f"nvme:{src.controller}/{src.namespace}"
+    if src.kind == "nvmf":
+        return f"nvmf:{src.subnqn}/{src.namespace}"
+    return f"{src.kind}:{src.path}"
+
+
+@dataclass(frozen=True)
+class Holding:
+    domain: str
+    uuid: str | None
+    active: bool                      # running now (its hugepages are already taken)
+    node: int | None
+    cpus: frozenset[int]              # dedicated vCPU cores and reserved siblings
+    reactors: tuple[int, ...]
+    hugepages: tuple[int, int, int] | None   # (node, page KiB, count)
+    passthrough: frozenset[str]       # PCI addresses handed to the guest
+    spdk_controllers: frozenset[str]  # local PCI addresses SPDK attaches for it
+    volumes: frozenset[tuple[str, bool]]  # (volume key, read-only)
+    sockets: frozenset[str]
+
+    @classmethod
+    def from_plan(cls, plan: Plan, active: bool = False) -> "Holding":
+        pages = None
+        if plan.hugepage_kib and plan.hugepages and plan.node is not None:
+            pages = (plan.node, plan.hugepage_kib, plan.hugepages)
+        return cls(
+            domain=plan.domain, uuid=plan.uuid, active=active, node=plan.node,
+            cpus=plan.dedicated_cpus,
+            reactors=tuple(d.reactor for d in plan.disks if d.reactor is not None),
+            hugepages=pages,
+            passthrough=frozenset(d.controller for d in plan.disks
+                                  if d.mode == "passthrough" and d.controller),
+            spdk_controllers=frozenset(d.controller for d in plan.disks
+                                       if d.backend == "spdk" and d.controller),
+            volumes=frozenset((volume_key(d), d.readonly) for d in plan.disks),
+            sockets=frozenset(d.socket for d in plan.disks if d.socket),
+        )
+
+
+class Ledger:
+    """Indexes over a set of holdings, built once (linear in their number)."""
+
+    def __init__(self, holdings: tuple[Holding, ...] | list[Holding] = ()):
+        self.holdings = tuple(holdings)
+        self.cpu_owner: dict[int, str] = {}
+        self.reactor_load: Counter[int] = Counter()
+        self.passthrough: dict[str, str] = {}
+        self.spdk_users: dict[str, list[str]] = {}
+        self.volumes: dict[str, list[tuple[str, bool]]] = {}
+        self.sockets: dict[str, str] = {}
+        self._pages: Counter[tuple[int, int]] = Counter()
+        for h in self.holdings:
+            self._index(h)
+
+    def _index(self, h: Holding) -> None:
+        for cpu in h.cpus:
+            self.cpu_owner.setdefault(cpu, h.domain)
+        self.reactor_load.update(h.reactors)
+        for addr in h.passthrough:
+            self.passthrough.setdefault(addr, h.domain)
+        for addr in h.spdk_controllers:
+            self.spdk_users.setdefault(addr, []).append(h.domain)
+        for key, ro in h.volumes:
+            self.volumes.setdefault(key, []).append((h.domain, ro))
+        for sock in h.sockets:
+            self.sockets.setdefault(sock, h.domain)
+        if h.hugepages and not h.active:
+            node, size, count = h.hugepages
+            self._pages[(node, size)] += count
+
+    def without(self, domain: str, uuid: str | None = None) -> "Ledger":
+        """The ledger minus the domain being planned (re-planning is not a conflict)."""
+        keep = [h for h in self.holdings
+                if h.domain != domain and (uuid is None or h.uuid != uuid)]
+        if len(keep) == len(self.holdings):
+            return self
+        return Ledger(keep)
+
+    def promised_hugepages(self, node: int, size_kib: int) -> int:
+        """Pages planned for defined domains that are not running: still in the
+        free pool, but spoken for."""
+        return self._pages[(node, size_kib)]
+
+    def volume_conflict(self, key: str, readonly: bool) -> str | None:
+        """The domain that already writes (or would be written under) this volume."""
+        for domain, ro in self.volumes.get(key, ()):
+            if not (ro and readonly):
+                return domain
+        return None

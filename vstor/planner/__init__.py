@@ -1,0 +1,168 @@
+"""The planner: a host, the config, the ledger and an annotated domain in;
+a Plan with its reasons out, or DoesNotFit naming what is short.
+
+Pure and deterministic: no I/O, and the same inputs give the same plan.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..config import Config
+from ..domain import Domain
+from ..errors import BadInput, DoesNotFit
+from ..intent import Intent
+from ..ledger import Ledger
+from ..model import Host, format_cpulist
+from ..plan import DiskPlan, Plan
+from .disks import DiskChoice, NoFit, choose_all, socket_path, spdk_controller_name
+from .placement import CpuPlacement, dedicated_pool, place_cpus, place_hugepages, place_reactor
+
+_PAGE_KIB = {"2M": 2048, "1G": 1048576}
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the planner needs from a domain document."""
+    name: str
+    safe_name: str
+    uuid: str | None
+    vcpus: int
+    memory_kib: int
+    machine: str
+    intent: Intent
+
+    @classmethod
+    def from_domain(cls, dom: Domain) -> "Request":
+        return cls(dom.name, dom.safe_name, dom.uuid, dom.vcpus, dom.memory_kib,
+                   dom.machine, dom.intent())
+
+
+def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
+    _check_config(cfg)
+    ledger = ledger.without(req.name, req.uuid)
+    choices = choose_all(host, cfg, req.intent.vm, req.intent.disks, ledger)
+    if isinstance(choices, NoFit):
+        raise DoesNotFit(f"domain '{req.name}' does not fit: {choices.reason}")
+    page_kib = _page_size(req, choices)
+    failures: list[str] = []
+    for node_id, why in _candidate_nodes(host, cfg, req, choices, ledger):
+        placed = _place_on(host, cfg, req, choices, ledger, node_id, page_kib)
+        if isinstance(placed, NoFit):
+            failures.append(placed.reason)
+            continue
+        return _assemble(host, cfg, req, choices, node_id, why, page_kib, *placed)
+    raise DoesNotFit(f"domain '{req.name}' does not fit: {failures[0]}",
+                     reasons=tuple(failures))
+
+
+def _check_config(cfg: Config) -> None:
+    both = set(cfg.reactors) & set(cfg.housekeeping or ())
+    if both:
+        raise BadInput(f"{cfg.source}: cores {format_cpulist(both)} are both SPDK reactors and "
+                       "housekeeping cores", hint="a core has one owner: fix [cpu]")
+
+
+def _page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
+    wanted = req.intent.vm.hugepages
+    spdk = any(c.backend == "spdk" for c in choices)
+    if wanted == "none" and spdk:
+        raise BadInput(f"domain '{req.name}': hugepages='none' with an SPDK disk; SPDK maps guest "
+                       "memory in 2 MiB units and needs it hugepage-backed",
+                       hint="use hugepages='2M', '1G' or 'auto'")
+    size = _PAGE_KIB.get(wanted) or (2048 if wanted == "auto" and spdk else None)
+    if size and req.memory_kib % size:
+        raise BadInput(f"domain '{req.name}': memory {req.memory_kib} KiB is not a whole number "
+                       f"of {size} KiB hugepages", hint="round <memory> to the page size")
+    return size
+
+
+def _candidate_nodes(host, cfg, req, choices, ledger):
+    """Nodes to try, best first, with why each is a candidate."""
+    device = [(c.node, c.node_from) for c in choices if c.node is not None]
+    if device:
+        node, origin = device[0]
+        yield node, f"node {node}: where {origin} is"
+        if req.intent.vm.numa == "strict":
+            return
+    elif len(host.nodes) == 1:
+        yield host.nodes[0].id, f"node {host.nodes[0].id}: the host's only node"
+        return
+    not_ours = frozenset(cfg.reactors)
+    ranked = sorted(host.nodes, key=lambda n: (-len(dedicated_pool(host, cfg, n, ledger, not_ours)), n.id))
+    for n in ranked:
+        if device and n.id == device[0][0]:
+            continue
+        yield n.id, (f"node {n.id}: the device's node has no room (numa='{req.intent.vm.numa}')"
+                     if device else f"node {n.id}: no device ties the VM to a node; the freest")
+
+
+def _place_on(host, cfg, req, choices, ledger, node_id, page_kib):
+    node = host.node(node_id)
+    if node is None:
+        return NoFit(f"node {node_id} is not online on this host")
+    cpus = place_cpus(host, cfg, node, req.vcpus, req.intent.vm.cpus, ledger)
+    if isinstance(cpus, NoFit):
+        return cpus
+    pages = 0
+    if page_kib:
+        pages = place_hugepages(node, page_kib, req.memory_kib, ledger)
+        if isinstance(pages, NoFit):
+            return pages
+    reactors: dict[str, tuple[int, str]] = {}
+    load = Counter(ledger.reactor_load)
+    for c in choices:
+        if c.backend != "spdk":
+            continue
+        picked = place_reactor(cfg, node, req.intent.vm.numa == "strict", load)
+        if isinstance(picked, NoFit):
+            return picked
+        reactors[c.disk.target] = picked
+        load[picked[0]] += 1
+    return cpus, pages, reactors
+
+
+def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
+              cpus: CpuPlacement, pages: int, reactors) -> Plan:
+    vm = req.intent.vm
+    reasons = [node_why, *cpus.reasons]
+    nodes = {c.node for c in choices if c.node is not None}
+    if len(nodes) > 1:
+        reasons.append(f"disks sit on nodes {sorted(nodes)}: I/O to the others crosses the interconnect")
+    if vm.numa != "none":
+        reasons.append(f"guest memory {vm.numa} on node {node_id}")
+    if page_kib:
+        reasons.append(f"{pages} x {page_kib} KiB hugepages from node {node_id}'s pool")
+    elif any(c.mode == "vhost" for c in choices):
+        reasons.append("memfd-backed shared memory, which vhost-user needs")
+    disks = tuple(_disk_plan(cfg, req, c, reactors.get(c.disk.target)) for c in choices)
+    viommu = any(d.mode == "passthrough" and d.guest == "spdk" for d in disks)
+    if viommu and "q35" not in req.machine:
+        raise BadInput(f"domain '{req.name}': guest='spdk' needs a vIOMMU, which needs the q35 "
+                       f"machine (this domain has '{req.machine or 'the default'}')",
+                       hint="set <os><type machine='q35'>hvm</type>")
+    return Plan(
+        domain=req.name, uuid=req.uuid, host=host.hostname, node=node_id, numa=vm.numa,
+        cpus=vm.cpus, vcpus=req.vcpus, memory_kib=req.memory_kib,
+        vcpu_pins=cpus.vcpu_pins, reserved=cpus.reserved, shared_cpus=cpus.shared,
+        emulator=cpus.emulator, hugepage_kib=page_kib, hugepages=pages,
+        viommu=viommu, migratable=vm.migratable, disks=disks, reasons=tuple(reasons))
+
+
+def _disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor) -> DiskPlan:
+    d = c.disk
+    reasons = list(c.reasons)
+    socket = spdk_ctrl = bdev = None
+    if c.mode == "vhost":
+        socket = socket_path(cfg, req.safe_name, d.target)
+    if c.backend == "spdk":
+        spdk_ctrl = spdk_controller_name(d.source)
+        bdev = f"{spdk_ctrl}n{d.source.namespace}"
+        reasons.append(reactor[1])
+    return DiskPlan(
+        target=d.target, mode=c.mode, backend=c.backend, source=d.source, socket=socket,
+        controller=c.controller, spdk_controller=spdk_ctrl, bdev=bdev,
+        reactor=reactor[0] if reactor else None,
+        queues=d.queues or min(req.vcpus, 4), readonly=d.readonly,
+        guest=d.guest, reasons=tuple(reasons))

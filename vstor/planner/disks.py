@@ -1,0 +1,316 @@
+"""Per-disk decisions: passthrough or vhost, and which vhost backend.
+
+Pure: a host model, the config, the ledger and the request in; a choice with
+its reasons (or the reasons it cannot be done) out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+from ..config import Config
+from ..errors import BadInput
+from ..intent import DiskIntent, VmIntent
+from ..ledger import Ledger
+from ..model import Host, NvmeController
+from ..vfio import check_passthrough
+
+# Drivers SPDK's PCIe transport runs on: the controller is already the
+# operator's to give SPDK (scripts/setup.sh did it).
+USERSPACE_DRIVERS = ("vfio-pci", "uio_pci_generic", "igb_uio")
+
+
+@dataclass(frozen=True)
+class DiskChoice:
+    disk: DiskIntent
+    mode: str                  # passthrough | vhost
+    backend: str               # vfio | spdk | qsd
+    controller: str | None     # local PCI address, when there is one
+    node: int | None           # NUMA node the data path lives on
+    node_from: str             # what gave the node ('NVMe 0000:5e:00.0')
+    reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NoFit:
+    reason: str
+
+
+class _Taken:
+    """What earlier disks of the same VM already claimed."""
+
+    def __init__(self):
+        self.passthrough: set[str] = set()
+        self.spdk: set[str] = set()
+        self.kernel: set[str] = set()
+
+    def add(self, choice: DiskChoice) -> None:
+        if choice.controller is None:
+            return
+        {"vfio": self.passthrough, "spdk": self.spdk,
+         "qsd": self.kernel}[choice.backend].add(choice.controller)
+
+
+def choose_all(host: Host, cfg: Config, vm: VmIntent, disks, ledger: Ledger):
+    """Decide every disk in order; the first NoFit stops."""
+    taken = _Taken()
+    out = []
+    for disk in disks:
+        choice = choose(host, cfg, vm, disk, ledger, taken)
+        if isinstance(choice, NoFit):
+            return choice
+        taken.add(choice)
+        out.append(choice)
+    return tuple(out)
+
+
+def choose(host: Host, cfg: Config, vm: VmIntent, disk: DiskIntent,
+           ledger: Ledger, taken: _Taken | None = None) -> DiskChoice | NoFit:
+    taken = taken or _Taken()
+    _check_combination(disk)
+    kind = disk.source.kind
+    if kind == "nvmf":
+        return _nvmf(host, disk)
+    if kind in ("file", "block"):
+        return _local_volume(host, disk, ledger)
+    return _nvme(host, cfg, vm, disk, ledger, taken)
+
+
+def _check_combination(disk: DiskIntent) -> None:
+    where = f"disk {disk.target}"
+    if disk.mode == "passthrough" and disk.backend != "auto":
+        raise BadInput(f"{where}: backend='{disk.backend}' applies to vhost disks, "
+                       "not to passthrough", hint="drop backend or use mode='vhost'")
+    if disk.mode == "vhost" and disk.guest == "spdk":
+        raise BadInput(f"{where}: guest='spdk' needs the controller passed through",
+                       hint="use mode='passthrough' (or 'auto') or drop guest")
+
+
+# -- NVMe-oF ------------------------------------------------------------------
+
+def _nvmf(host: Host, disk: DiskIntent) -> DiskChoice | NoFit:
+    src, t = disk.source, disk.target
+    if disk.mode == "passthrough":
+        return NoFit(f"{t}: an NVMe-oF namespace cannot be passed through (passthrough hands a "
+                     "local PCIe controller to the guest); use mode='vhost'")
+    if disk.backend == "qsd":
+        return NoFit(f"{t}: qemu-storage-daemon has no NVMe-oF initiator; use backend='spdk'")
+    reasons = [f"NVMe-oF over {src.transport.upper()}: vhost-user-blk from SPDK "
+               "(a remote namespace cannot be passed through)"]
+    if src.paths:
+        reasons.append(f"{1 + len(src.paths)} paths, attached as one multipath controller")
+    node, node_from, why = _nic_node(host, src)
+    if why:
+        reasons.append(why)
+    return DiskChoice(disk, "vhost", "spdk", None, node, node_from, tuple(reasons))
+
+
+def _nic_node(host: Host, src) -> tuple[int | None, str, str | None]:
+    if src.nic:
+        nic = host.rdma_nic(src.nic)
+        if nic is None:
+            known = ", ".join(n.name for n in host.rdma_nics) or "none"
+            raise BadInput(f"RDMA NIC '{src.nic}' is not on this host", hint=f"known: {known}")
+    elif src.transport == "rdma" and host.rdma_nics:
+        nic = sorted(host.rdma_nics, key=lambda n: n.name)[0]
+    else:
+        return None, "", ("no RDMA NIC named: the NUMA node follows the other disks or the "
+                          "freest node" if src.transport == "tcp" else
+                          "this host has no RDMA NIC: SPDK cannot reach an RDMA target from it")
+    if nic.numa_node < 0:
+        return None, f"RDMA NIC {nic.name}", f"firmware gives RDMA NIC {nic.name} no NUMA node"
+    return nic.numa_node, f"RDMA NIC {nic.name}", None
+
+
+# -- files and block devices (qemu-storage-daemon) ----------------------------
+
+def _local_volume(host: Host, disk: DiskIntent, ledger: Ledger) -> DiskChoice | NoFit:
+    src, t = disk.source, disk.target
+    if disk.mode == "passthrough":
+        return NoFit(f"{t}: a {src.kind} source cannot be passed through; passthrough needs "
+                     "<vstor:nvme controller=...>")
+    if disk.backend == "spdk":
+        return NoFit(f"{t}: vstor serves {src.kind} sources with qemu-storage-daemon; "
+                     "use backend='qsd' (or 'auto')")
+    other = ledger.volume_conflict(f"{src.kind}:{src.path}", disk.readonly)
+    if other:
+        return NoFit(f"{t}: {src.path} is already used by domain '{other}'; two writers "
+                     "would corrupt it (make both readonly='yes' or pick another)")
+    reasons = [f"{src.kind} source: vhost-user-blk from qemu-storage-daemon (the embedded backend)"]
+    node, node_from = None, ""
+    if src.kind == "block":
+        found = _block_use(host, src.path)
+        if isinstance(found, NoFit):
+            return NoFit(f"{t}: {found.reason}")
+        node, node_from, why = found
+        if why:
+            reasons.append(why)
+    return DiskChoice(disk, "vhost", "qsd", None, node, node_from, tuple(reasons))
+
+
+def _block_use(host: Host, path: str):
+    name = path[len("/dev/"):]
+    for ctrl in host.controllers:
+        for ns in ctrl.namespaces:
+            if ns.name == name:
+                if ns.in_use:
+                    return NoFit(f"{path} is in use by the host ({'; '.join(ns.in_use)})")
+                node = ctrl.numa_node if ctrl.numa_node >= 0 else None
+                return node, f"NVMe {ctrl.address}", None
+    dev = host.block_device(name)
+    if dev is None:
+        return None, "", (f"{path} is not a whole disk vstor can see; it cannot check "
+                          "whether the host uses it")
+    if dev.in_use:
+        return NoFit(f"{path} is in use by the host ({'; '.join(dev.in_use)})")
+    return None, "", None
+
+
+# -- local NVMe controllers ---------------------------------------------------
+
+def _nvme(host, cfg, vm, disk, ledger, taken) -> DiskChoice | NoFit:
+    src, t = disk.source, disk.target
+    ctrl = host.controller(src.controller)
+    if ctrl is None:
+        known = ", ".join(c.address for c in host.controllers) or "none"
+        raise BadInput(f"disk {t}: NVMe controller {src.controller} is not on this host",
+                       hint=f"NVMe controllers here: {known}")
+    if ctrl.driver == "nvme" and ctrl.namespace(src.namespace) is None:
+        have = ", ".join(str(ns.nsid) for ns in ctrl.namespaces) or "none"
+        raise BadInput(f"disk {t}: controller {ctrl.address} has no namespace {src.namespace}",
+                       hint=f"its namespaces: {have}")
+    node = ctrl.numa_node if ctrl.numa_node >= 0 else None
+    pt = _passthrough_problems(host, cfg, vm, ctrl, ledger, taken)
+    mode, why = _pick_mode(disk, vm, pt)
+    if mode is None:
+        return NoFit(f"{t}: controller {ctrl.address} cannot be passed through: " + "; ".join(pt))
+    reasons = [why]
+    if mode == "passthrough":
+        if disk.guest == "spdk":
+            reasons.append("the guest runs SPDK on it: a vIOMMU with caching mode lets it bind vfio-pci")
+        return DiskChoice(disk, mode, "vfio", ctrl.address, node, f"NVMe {ctrl.address}", tuple(reasons))
+    backend = _pick_backend(host, cfg, disk, ctrl, ledger, taken)
+    if isinstance(backend, NoFit):
+        return backend
+    name, why = backend
+    return DiskChoice(disk, "vhost", name, ctrl.address, node, f"NVMe {ctrl.address}",
+                      (*reasons, why))
+
+
+def _pick_mode(disk, vm, pt_problems) -> tuple[str | None, str]:
+    if disk.mode == "passthrough":
+        if pt_problems:
+            return None, ""
+        return "passthrough", "passthrough requested; the whole controller is free"
+    if disk.mode == "vhost":
+        return "vhost", "vhost requested"
+    if vm.migratable:
+        return "vhost", "migratable VM: passthrough would block live migration, so vhost"
+    if vm.latency == "critical" and not pt_problems:
+        return "passthrough", "latency-critical VM and the whole controller is free: passthrough"
+    if vm.latency == "critical":
+        return "vhost", "passthrough is not possible (" + "; ".join(pt_problems) + "), so vhost"
+    return "vhost", "vhost keeps the controller shareable (latency='critical' asks for passthrough)"
+
+
+def _passthrough_problems(host, cfg, vm, ctrl: NvmeController, ledger, taken) -> list[str]:
+    problems = list(check_passthrough(
+        ctrl, iommu_enabled=host.iommu_enabled, vfio_available=host.vfio_available,
+        pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
+        spdk_owned=bool(ledger.spdk_users.get(ctrl.address)) or ctrl.address in taken.spdk))
+    if vm.migratable:
+        problems.append("the VM is migratable and a passed-through device blocks live migration")
+    owner = ledger.passthrough.get(ctrl.address)
+    if owner:
+        problems.append(f"it is passed through to domain '{owner}'")
+    users = _kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
+    if users:
+        problems.append("its namespaces are served by qemu-storage-daemon to " + ", ".join(sorted(users)))
+    return problems
+
+
+def _kernel_users(ctrl: NvmeController, ledger: Ledger) -> set[str]:
+    prefix = f"nvme:{ctrl.address}/"
+    users = {d for key, lst in ledger.volumes.items() if key.startswith(prefix) for d, _ in lst}
+    return users - set(ledger.spdk_users.get(ctrl.address, ()))
+
+
+def _pick_backend(host, cfg, disk, ctrl, ledger, taken):
+    order = {"spdk": ("spdk",), "qsd": ("qsd",),
+             "auto": (cfg.default_backend, "qsd" if cfg.default_backend == "spdk" else "spdk")}
+    failures = []
+    for backend in order[disk.backend]:
+        check = _spdk_fit if backend == "spdk" else _qsd_fit
+        problem = check(host, cfg, disk, ctrl, ledger, taken)
+        if problem is None:
+            return backend, _BACKEND_WHY[backend]
+        failures.append(f"{backend}: {problem}")
+    return NoFit(f"{disk.target}: no vhost backend can serve controller {ctrl.address} ("
+                 + "; ".join(failures) + ")")
+
+
+_BACKEND_WHY = {
+    "spdk": "SPDK takes the whole controller (PCIe, polled) and serves the namespace",
+    "qsd": "qemu-storage-daemon serves the namespace through the kernel NVMe driver",
+}
+
+
+def _spdk_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
+    owner = ledger.passthrough.get(ctrl.address)
+    if owner or ctrl.address in taken.passthrough:
+        return f"the controller is passed through to {owner or 'this VM'}"
+    users = _kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
+    if users:
+        return "other namespaces are served through the kernel to " + ", ".join(sorted(users))
+    if ctrl.driver in USERSPACE_DRIVERS:
+        problems = check_passthrough(ctrl, iommu_enabled=True, vfio_available=True,
+                                     pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
+                                     spdk_owned=False)
+    else:
+        problems = check_passthrough(ctrl, iommu_enabled=host.iommu_enabled,
+                                     vfio_available=host.vfio_available,
+                                     pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
+                                     spdk_owned=False)
+    if problems:
+        return "SPDK's PCIe driver takes the whole controller from the kernel, but " + "; ".join(problems)
+    key = f"nvme:{ctrl.address}/{disk.source.namespace}"
+    other = ledger.volume_conflict(key, disk.readonly)
+    if other:
+        return f"namespace {disk.source.namespace} is already served to domain '{other}'"
+    return None
+
+
+def _qsd_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
+    if ctrl.driver != "nvme":
+        return (f"the controller is on {ctrl.driver or 'no driver'}, not the kernel NVMe "
+                "driver, so it has no block device")
+    if ctrl.address in taken.spdk:
+        return "SPDK serves another namespace of it to this VM"
+    ns = ctrl.namespace(disk.source.namespace)
+    if ns.in_use:
+        return f"{ns.dev_path} is in use by the host ({'; '.join(ns.in_use)})"
+    other = ledger.volume_conflict(f"nvme:{ctrl.address}/{ns.nsid}", disk.readonly)
+    if other:
+        return f"{ns.dev_path} is already served to domain '{other}'"
+    return None
+
+
+# -- names --------------------------------------------------------------------
+
+def spdk_controller_name(source) -> str:
+    """SPDK bdev_nvme controller name: one per local controller or remote subsystem,
+    shared by every vstor disk that uses it."""
+    if source.kind == "nvme":
+        return "vs_" + source.controller.replace(":", "_").replace(".", "_")
+    digest = hashlib.sha1(f"{source.transport}:{source.subnqn}".encode()).hexdigest()[:12]
+    return f"vs_nvmf_{digest}"
+
+
+def socket_path(cfg: Config, safe_name: str, target: str) -> str:
+    path = os.path.join(cfg.vhost_dir, f"{safe_name}-{target}")
+    if len(path.encode()) > 107:
+        raise BadInput(f"vhost socket path {path} is longer than a Unix socket allows (107 bytes)",
+                       hint="shorten the domain name or [paths] vhost_dir")
+    return path

@@ -1,0 +1,152 @@
+"""NUMA placement: which node, which cores, which hugepages, which reactor.
+
+Pure functions over the host model and the ledger.  Each returns its result or
+a NoFit that says what is short, never raises from deep inside.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ..config import Config
+from ..ledger import Ledger
+from ..model import Host, NumaNode, format_cpulist
+from .disks import NoFit
+
+
+@dataclass(frozen=True)
+class CpuPlacement:
+    vcpu_pins: tuple[int, ...]
+    reserved: tuple[int, ...]
+    shared: tuple[int, ...]
+    emulator: tuple[int, ...]
+    reasons: tuple[str, ...]
+
+
+def housekeeping(host: Host, cfg: Config, node: NumaNode) -> tuple[int, ...]:
+    """Cores for emulator threads and shared vCPUs on a node: the configured
+    ones, or else the node's first physical core with its SMT siblings."""
+    if cfg.housekeeping is not None:
+        return tuple(c for c in node.cpus if c in cfg.housekeeping)
+    if not node.cpus:
+        return ()
+    first = host.cpu(node.cpus[0])
+    return tuple(sorted(first.siblings)) if first else (node.cpus[0],)
+
+
+def all_housekeeping(host: Host, cfg: Config) -> frozenset[int]:
+    out: set[int] = set()
+    for node in host.nodes:
+        out.update(housekeeping(host, cfg, node))
+    return frozenset(out)
+
+
+def dedicated_pool(host: Host, cfg: Config, node: NumaNode, ledger: Ledger,
+                   not_ours: frozenset[int]) -> tuple[int, ...]:
+    """CPUs of the node a dedicated vCPU may take now."""
+    isolated = {c.id for c in host.cpus if c.isolated}
+    online = {c.id for c in host.cpus}
+    pool = []
+    for cpu in node.cpus:
+        if cpu not in online or cpu in not_ours or cpu in ledger.cpu_owner:
+            continue
+        if isolated and cpu not in isolated:
+            continue        # the host isolates CPUs: dedicated vCPUs come from those only
+        pool.append(cpu)
+    return tuple(pool)
+
+
+def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
+               ledger: Ledger) -> CpuPlacement | NoFit:
+    hk = tuple(c for c in housekeeping(host, cfg, node) if c not in cfg.reactors)
+    if policy == "shared":
+        if not hk:
+            return NoFit(f"node {node.id} has no housekeeping cores for shared vCPUs "
+                         "(set [cpu] housekeeping in vstor.conf)")
+        cpus = format_cpulist(hk)
+        return CpuPlacement((), (), hk, hk, (f"shared vCPUs float on node {node.id}'s "
+                                             f"housekeeping cores {cpus}, with the emulator",))
+    not_ours = all_housekeeping(host, cfg) | frozenset(cfg.reactors)
+    pool = dedicated_pool(host, cfg, node, ledger, not_ours)
+    picked = _whole_cores(host, pool, vcpus)
+    if isinstance(picked, NoFit):
+        return NoFit(f"node {node.id}: {picked.reason}")
+    pins, reserved = picked
+    reasons = [f"{vcpus} vCPUs pinned 1:1 to dedicated cores {format_cpulist(pins)} on node {node.id}"]
+    if reserved:
+        reasons.append(f"SMT siblings {format_cpulist(reserved)} kept idle so no other VM "
+                       "shares those physical cores")
+    if hk:
+        emulator = hk
+        reasons.append(f"emulator threads on housekeeping cores {format_cpulist(hk)}")
+    else:
+        emulator = tuple(sorted(pins))
+        reasons.append(f"node {node.id} has no housekeeping cores: emulator threads share "
+                       "the VM's own cores")
+    return CpuPlacement(pins, reserved, (), emulator, tuple(reasons))
+
+
+def _whole_cores(host: Host, pool: tuple[int, ...], vcpus: int):
+    """Take whole physical cores (every SMT sibling free) lowest first."""
+    free = set(pool)
+    cores: list[tuple[int, ...]] = []
+    seen: set[int] = set()
+    for cpu_id in pool:
+        if cpu_id in seen:
+            continue
+        cpu = host.cpu(cpu_id)
+        siblings = tuple(sorted(cpu.siblings)) if cpu and cpu.siblings else (cpu_id,)
+        seen.update(siblings)
+        if all(s in free for s in siblings):
+            cores.append(siblings)
+    threads = [t for core in cores for t in core]
+    if len(threads) < vcpus:
+        return NoFit(f"{len(cores)} whole free cores ({len(threads)} threads) for dedicated "
+                     f"vCPUs, the VM needs {vcpus} (free cores or use cpus='shared')")
+    pins: list[int] = []
+    reserved: list[int] = []
+    for core in cores:
+        if len(pins) >= vcpus:
+            break
+        for t in core:
+            (pins if len(pins) < vcpus else reserved).append(t)
+    return tuple(pins), tuple(reserved)
+
+
+def place_hugepages(node: NumaNode, size_kib: int, memory_kib: int,
+                    ledger: Ledger) -> int | NoFit:
+    """The number of pages to take from the node's pool, or what is short."""
+    count = memory_kib // size_kib
+    pool = node.pool(size_kib)
+    path = f"/sys/devices/system/node/node{node.id}/hugepages/hugepages-{size_kib}kB/nr_hugepages"
+    if pool is None:
+        return NoFit(f"node {node.id} has no {size_kib} KiB hugepage pool (is the page size "
+                     "supported and hugetlbfs set up?)")
+    promised = ledger.promised_hugepages(node.id, size_kib)
+    free = pool.free - promised
+    if free < count:
+        extra = f", {promised} of them promised to defined domains" if promised else ""
+        return NoFit(f"node {node.id} has {pool.free} free {size_kib} KiB hugepages{extra}; "
+                     f"the VM needs {count} (raise {path} to {pool.total + count - free})")
+    return count
+
+
+def place_reactor(cfg: Config, node: NumaNode | None, strict: bool,
+                  load: Counter[int]) -> tuple[int, str] | NoFit:
+    """The SPDK reactor core for one vhost controller: on the VM's node, the
+    least loaded one (ties: lowest id)."""
+    if not cfg.reactors:
+        return NoFit("no SPDK reactor cores configured: set [cpu] reactors in vstor.conf "
+                     "to the cores of SPDK's -m mask")
+    local = [c for c in cfg.reactors if node is None or c in node.cpus]
+    if not local:
+        if strict:
+            return NoFit(f"no SPDK reactor core on node {node.id}: add one of its cores to "
+                         "[cpu] reactors and to SPDK's -m mask")
+        local = list(cfg.reactors)
+        where = f"no reactor on node {node.id}; "
+    else:
+        where = ""
+    best = min(local, key=lambda c: (load[c], c))
+    return best, f"{where}SPDK reactor core {best} ({load[best]} other vhost controllers on it)"
