@@ -107,3 +107,20 @@ class Ledger:
             if not (ro and readonly):
                 return domain
         return None
+
+
+def holding_to_json(h: Holding) -> dict:
+    return {"domain": h.domain, "uuid": h.uuid, "node": h.node, "cpus": sorted(h.cpus),
+            "reactors": list(h.reactors), "hugepages": list(h.hugepages) if h.hugepages else None,
+            "passthrough": sorted(h.passthrough), "spdk_controllers": sorted(h.spdk_controllers),
+            "volumes": sorted([k, ro] for k, ro in h.volumes), "sockets": sorted(h.sockets)}
+
+
+def holding_from_json(d: dict, active: bool = True) -> Holding:
+    return Holding(domain=d["domain"], uuid=d.get("uuid"), active=active, node=d.get("node"),
+                   cpus=frozenset(d.get("cpus", ())), reactors=tuple(d.get("reactors", ())),
+                   hugepages=tuple(d["hugepages"]) if d.get("hugepages") else None,
+                   passthrough=frozenset(d.get("passthrough", ())),
+                   spdk_controllers=frozenset(d.get("spdk_controllers", ())),
+                   volumes=frozenset((k, ro) for k, ro in d.get("volumes", ())),
+                   sockets=frozenset(d.get("sockets", ())))

@@ -8,10 +8,10 @@ import sys
 
 from .. import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError
-from . import domains, hostcmds
+from . import domains, hostcmds, runtime
 from .context import Context
 
-COMMAND_MODULES = [hostcmds, domains]
+COMMAND_MODULES = [hostcmds, domains, runtime]
 
 
 class _Parser(argparse.ArgumentParser):

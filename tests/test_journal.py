@@ -1,0 +1,130 @@
+"""The journal: record before change, undo in reverse, finish an interrupted run."""
+
+import json
+import os
+import threading
+
+import pytest
+
+from vstor.errors import ActionFailed
+from vstor.journal import DONE, DOING, Journal, Step, register
+from vstor.state import PREPARED, Record, StateDir
+
+
+@register
+class TouchFile(Step):
+    """A test step that makes a real host change: a file; it can fail on do or undo."""
+    kind = "test-touch"
+
+    def describe(self):
+        return f"touch {os.path.basename(self.data['path'])}"
+
+    def do(self, rt):
+        with open(self.data["path"], "w") as f:
+            f.write("x")
+        if self.data.get("fail_do"):
+            raise OSError(5, "injected I/O error")
+
+    def undo(self, rt):
+        if self.data.get("fail_undo") and not os.path.exists(self.data["path"] + ".allow"):
+            raise OSError(16, "injected busy")
+        if os.path.exists(self.data["path"]):
+            os.unlink(self.data["path"])
+
+    def check(self, rt):
+        return None if os.path.exists(self.data["path"]) else "file is gone"
+
+
+def steps(tmp_path, n, flags=None):
+    flags = flags or {}
+    return [TouchFile({"path": str(tmp_path / f"f{i}"), **flags.get(i, {})}) for i in range(n)]
+
+
+def test_run_records_each_step_done_and_the_record_is_prepared(tmp_path):
+    state = StateDir(str(tmp_path / "state"))
+    rec = Record("vm1", "vm1", None)
+    Journal(state, rec, rt=None).run(steps(tmp_path, 3))
+    saved = state.load("vm1")
+    assert saved.status == PREPARED
+    assert [s["state"] for s in saved.steps] == [DONE] * 3
+    assert all((tmp_path / f"f{i}").exists() for i in range(3))
+
+
+def test_failure_undoes_everything_in_reverse_and_leaves_no_record(tmp_path):
+    state = StateDir(str(tmp_path / "state"))
+    order = []
+    progress = order.append
+    with pytest.raises(ActionFailed) as e:
+        Journal(state, Record("vm1", "vm1", None), None, progress).run(steps(tmp_path, 4, {2: {"fail_do": True}}))
+    assert "touch f2 failed: [Errno 5] injected I/O error" in str(e.value)
+    assert "everything done before it was undone" in str(e.value)
+    assert not any((tmp_path / f"f{i}").exists() for i in range(4))   # f2 was half-done: undone too
+    assert [m for m in order if m.startswith("undo")] == ["undo: touch f2", "undo: touch f1", "undo: touch f0"]
+    assert state.load("vm1") is None
+
+
+def test_an_undo_that_fails_stays_recorded_for_a_later_release(tmp_path):
+    state = StateDir(str(tmp_path / "state"))
+    rec = Record("vm1", "vm1", None)
+    with pytest.raises(ActionFailed) as e:
+        Journal(state, rec, None).run(steps(tmp_path, 3, {0: {"fail_undo": True}, 2: {"fail_do": True}}))
+    assert "undo also failed: touch f0: [Errno 16] injected busy" in str(e.value)
+    left = state.load("vm1")
+    assert [s["data"]["path"] for s in left.steps] == [str(tmp_path / "f0")]
+    (tmp_path / "f0.allow").write_text("")
+    assert Journal(state, left, None).rollback() == []
+    assert state.load("vm1") is None and not (tmp_path / "f0").exists()
+
+
+def test_a_crash_between_steps_leaves_a_record_the_next_run_can_undo(tmp_path):
+    """Simulate a process killed after step 1 was recorded 'doing': the record on
+    disk is all a new process has, and undoing from it removes every change."""
+    state = StateDir(str(tmp_path / "state"))
+    rec = Record("vm1", "vm1", None)
+    all_steps = steps(tmp_path, 3)
+    all_steps[0].do(None)
+    rec.steps = [all_steps[0].to_json(DONE), all_steps[1].to_json(DOING)]
+    all_steps[1].do(None)             # it got done, but the crash came before 'done' was written
+    state.save(rec)
+    reloaded = StateDir(str(tmp_path / "state")).load("vm1")
+    assert Journal(state, reloaded, None).rollback() == []
+    assert not (tmp_path / "f0").exists() and not (tmp_path / "f1").exists()
+    assert state.load("vm1") is None
+
+
+def test_records_are_written_atomically_and_are_json(tmp_path):
+    state = StateDir(str(tmp_path / "state"))
+    state.save(Record("vm1", "vm1", "u-1", holding={"cpus": [3]}))
+    path = tmp_path / "state" / "domains" / "vm1.json"
+    assert json.loads(path.read_text())["holding"] == {"cpus": [3]}
+    assert not list((tmp_path / "state" / "domains").glob("*.tmp"))
+
+
+def test_record_keys_cannot_escape_the_state_directory(tmp_path):
+    from vstor.errors import BadInput
+    state = StateDir(str(tmp_path / "state"))
+    with pytest.raises(BadInput):
+        state.save(Record("../evil", "x", None))
+
+
+def test_the_lock_serialises_two_processes(tmp_path):
+    """Two holders of the lock never overlap (threads stand in for processes:
+    flock locks are per open file description, so each acquisition is separate)."""
+    state = StateDir(str(tmp_path / "state"))
+    inside = []
+    overlaps = []
+
+    def worker(i):
+        for _ in range(20):
+            with state.lock():
+                inside.append(i)
+                if len(inside) > 1:
+                    overlaps.append(tuple(inside))
+                inside.remove(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == []

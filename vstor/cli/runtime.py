@@ -1,0 +1,238 @@
+"""status, prepare, release, gc, hooks: the host side of running domains."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+from ..errors import BadInput
+
+
+def register(sub) -> None:
+    p = sub.add_parser("status", help="what vstor holds on this host, per domain")
+    p.add_argument("domain", metavar="DOMAIN", nargs="?")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("prepare", help="create a domain's backends now (what the hook does "
+                                       "before QEMU starts), e.g. for Proxmox or Nova hosts")
+    p.add_argument("source", metavar="FILE|DOMAIN")
+    p.add_argument("--dry-run", action="store_true", help="print the changes and SPDK RPCs, make none")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("release", help="undo everything vstor holds for a domain that is not running")
+    p.add_argument("domain", metavar="DOMAIN")
+    p.add_argument("--dry-run", action="store_true", help="print what would be undone")
+    p.add_argument("--force", action="store_true", help="even if libvirt says it runs")
+    p.set_defaults(func=cmd_release)
+
+    p = sub.add_parser("gc", help="release what vstor holds for domains that no longer run")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed")
+    p.set_defaults(func=cmd_gc)
+
+    hooks = sub.add_parser("hooks", help="install or remove the libvirt hook")
+    hsub = hooks.add_subparsers(dest="hooks_command", metavar="SUBCOMMAND")
+    hsub.required = True
+    p = hsub.add_parser("install", help="install the hook into libvirt's qemu.d")
+    p.add_argument("--dir", default="/etc/libvirt/hooks/qemu.d", help="hook directory")
+    p.set_defaults(func=cmd_hooks_install)
+    p = hsub.add_parser("uninstall", help="remove the hook")
+    p.add_argument("--dir", default="/etc/libvirt/hooks/qemu.d", help="hook directory")
+    p.set_defaults(func=cmd_hooks_uninstall)
+
+
+def _state(ctx):
+    from ..state import StateDir
+    return StateDir(ctx.config.state_dir)
+
+
+def _runtime(ctx, dry_run=False):
+    from ..lifecycle import Runtime
+    from ..sysfs import SysFS
+    return Runtime(ctx.config, SysFS(ctx.host_root), dry_run=dry_run)
+
+
+def _say(message: str) -> None:
+    print(f"  {message}", flush=True)
+
+
+# -- status ---------------------------------------------------------------------------
+
+def cmd_status(ctx, args) -> int:
+    from ..lifecycle import health
+    records = _state(ctx).records()
+    if args.domain:
+        records = [r for r in records if r.domain == args.domain]
+        if not records:
+            raise BadInput(f"vstor holds nothing for domain '{args.domain}'",
+                           hint="see: vstor status")
+    rt = _runtime(ctx)
+    rows = [{"domain": r.domain, "status": r.status, "holding": r.holding,
+             "steps": [{"step": s, "state": st, "problem": p} for s, st, p in health(rt, r)]}
+            for r in records]
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        print()
+        return 0
+    if not rows:
+        print("vstor holds nothing on this host")
+    for row in rows:
+        h = row["holding"]
+        cpus = ",".join(map(str, h.get("cpus", []))) or "none dedicated"
+        print(f"{row['domain']}: {row['status']}; node {h.get('node')}; CPUs {cpus}; "
+              f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
+        for s in row["steps"]:
+            mark = "ok" if s["problem"] is None else f"PROBLEM: {s['problem']}"
+            print(f"  {s['step']}: {mark}")
+    return 0
+
+
+# -- prepare / release / gc -------------------------------------------------------------
+
+def cmd_prepare(ctx, args) -> int:
+    from ..lifecycle import prepare
+    from .domains import load_source
+    dom = load_source(ctx, args.source)
+    print(f"Preparing {dom.name}{' (dry run)' if args.dry_run else ''}:")
+    rec = prepare(_runtime(ctx, args.dry_run), _state(ctx), ctx.host, dom, progress=_say)
+    if not args.dry_run:
+        print(f"Domain '{dom.name}' prepared: {len(rec.steps)} host changes recorded")
+    return 0
+
+
+def _is_running(ctx, name: str) -> bool | None:
+    from .. import virt
+    from ..errors import Unavailable
+    try:
+        conn = ctx.conn
+    except Unavailable:
+        return None
+    try:
+        return bool(conn.lookupByName(name).isActive())
+    except Exception:
+        return False
+
+
+def cmd_release(ctx, args) -> int:
+    from ..lifecycle import release
+    if not args.force and _is_running(ctx, args.domain):
+        raise BadInput(f"domain '{args.domain}' is running; its backends are in use",
+                       hint="stop it first (the hook then releases), or --force")
+    key = _key_of(ctx, args.domain)
+    print(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
+    rec = release(_runtime(ctx, args.dry_run), _state(ctx), key, progress=_say)
+    if rec is None:
+        print(f"vstor holds nothing for domain '{args.domain}'")
+    elif not args.dry_run:
+        print(f"Domain '{args.domain}' released")
+    return 0
+
+
+def _key_of(ctx, name: str) -> str:
+    for rec in _state(ctx).records():
+        if rec.domain == name:
+            return rec.key
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", name):
+        raise BadInput(f"vstor holds nothing for domain '{name}'")
+    return name
+
+
+def cmd_gc(ctx, args) -> int:
+    from .. import virt
+    from ..lifecycle import release
+    conn = ctx.conn    # gc must know what runs: without libvirt it would remove live backends
+    running = {d.name() for d in virt.all_domains(conn) if d.isActive()}
+    rt, state = _runtime(ctx, args.dry_run), _state(ctx)
+    stale = [r for r in state.records() if r.domain not in running]
+    for rec in stale:
+        print(f"{'Would release' if args.dry_run else 'Releasing'} {rec.domain} (not running):")
+        release(rt, state, rec.key, progress=_say)
+    orphans = _orphan_files(ctx, state)
+    for path in orphans:
+        print(f"{'Would remove' if args.dry_run else 'Removing'} orphan {path}")
+        if not args.dry_run:
+            _remove_orphan(path)
+    if not stale and not orphans:
+        print("Nothing to collect")
+    return 0
+
+
+def _orphan_files(ctx, state) -> list[str]:
+    """Sockets and qsd files in vstor's own directories that no record owns."""
+    owned = set()
+    for rec in state.records():
+        owned.update(rec.holding.get("sockets", []))
+        for entry in rec.steps:
+            if entry["kind"] == "qsd-export":
+                name = entry["data"].get("name", "")
+                owned.update(os.path.join(ctx.config.qsd_dir, name + ext) for ext in (".pid", ".qmp"))
+    out = []
+    for directory in (ctx.config.vhost_dir, ctx.config.qsd_dir):
+        try:
+            names = sorted(os.listdir(directory))
+        except FileNotFoundError:
+            continue
+        out += [os.path.join(directory, n) for n in names
+                if os.path.join(directory, n) not in owned and not n.startswith(".")]
+    return out
+
+
+def _remove_orphan(path: str) -> None:
+    if path.endswith(".pid"):
+        from ..qsd import stop_pidfile
+        stop_pidfile(path)
+    if os.path.lexists(path):
+        os.unlink(path)
+
+
+# -- hooks ------------------------------------------------------------------------------
+
+def hook_source() -> str:
+    """hooks/vstor from a checkout, or the copy pip installs under share/."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for path in (os.path.join(here, "hooks", "vstor"),
+                 os.path.join(sys.prefix, "share", "vstor", "hooks", "vstor")):
+        if os.path.exists(path):
+            return path
+    raise BadInput("cannot find vstor's hook script (hooks/vstor)", hint="reinstall vstor")
+
+
+def render_hook(config_path: str | None) -> str:
+    with open(hook_source()) as f:
+        lines = f.read().splitlines(keepends=True)
+    # The interpreter that has vstor installed: libvirt runs the hook with a
+    # bare PATH, where `python3` may be another Python.
+    lines[0] = f"#!{sys.executable}\n"
+    text = "".join(lines)
+    if config_path:
+        text = text.replace("CONFIG = None", f"CONFIG = {os.path.abspath(config_path)!r}", 1)
+    return text
+
+
+def cmd_hooks_install(ctx, args) -> int:
+    target = os.path.join(args.dir, "vstor")
+    config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
+    try:
+        os.makedirs(args.dir, mode=0o755, exist_ok=True)
+        tmp = target + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(render_hook(config_path))
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise BadInput(f"cannot install the hook into {args.dir}: {e.strerror}",
+                       hint="run as root") from None
+    print(f"Installed {target}; restart libvirtd (or virtqemud) so it picks the hook up")
+    return 0
+
+
+def cmd_hooks_uninstall(ctx, args) -> int:
+    target = os.path.join(args.dir, "vstor")
+    if not os.path.exists(target):
+        print(f"No vstor hook at {target}")
+        return 0
+    os.unlink(target)
+    print(f"Removed {target}; restart libvirtd (or virtqemud) so it forgets the hook")
+    return 0

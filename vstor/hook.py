@@ -1,0 +1,64 @@
+"""The libvirt hook, past its fast path (hooks/vstor): a domain with vstor
+metadata.  Never calls back into libvirt (that deadlocks libvirtd); logs to
+syslog with the domain name; one line on stderr when it refuses, which
+libvirt shows as the reason `virsh start` failed."""
+
+from __future__ import annotations
+
+import os
+import sys
+import syslog
+
+from . import config as config_mod
+from .domain import Domain
+from .errors import EXIT_ERROR, VstorError
+
+
+def log(domain: str, message: str, priority=syslog.LOG_INFO) -> None:
+    syslog.openlog("vstor", syslog.LOG_PID, syslog.LOG_DAEMON)
+    syslog.syslog(priority, f"{domain}: {message}")
+
+
+def run(argv: list[str], xml: bytes) -> int:
+    if len(argv) < 2:
+        print("vstor hook: expected <domain> <operation> <sub-operation> <extra>", file=sys.stderr)
+        return EXIT_ERROR
+    name, op = argv[0], argv[1]
+    if op not in ("prepare", "release", "reconnect"):
+        # migrate/restore: print nothing, libvirt keeps the XML as it is.
+        return 0
+    try:
+        return _dispatch(name, op, xml)
+    except VstorError as e:
+        log(name, f"{op} failed: {e}", syslog.LOG_ERR)
+        print(f"vstor: {e}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:      # never a traceback into libvirt's error message
+        log(name, f"{op} failed: {type(e).__name__}: {e}", syslog.LOG_ERR)
+        print(f"vstor: internal error in {op}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _dispatch(name: str, op: str, xml: bytes) -> int:
+    from .lifecycle import Runtime, prepare, reconnect, release
+    from .state import StateDir
+    from .sysfs import SysFS
+    cfg = config_mod.load()
+    dom = Domain.parse(xml, f"domain '{name}'")
+    if not dom.has_vstor():
+        return 0        # the marker was only mentioned, e.g. in a description
+    root = os.environ.get("VSTOR_HOST_ROOT", "/")
+    rt = Runtime(cfg, SysFS(root))
+    state = StateDir(cfg.state_dir)
+    if op == "prepare":
+        from .host import read_host
+        host = read_host(SysFS(root))
+        rec = prepare(rt, state, host, dom, progress=lambda m: log(name, m))
+        log(name, f"prepared: {len(rec.steps)} host changes recorded")
+    elif op == "release":
+        rec = release(rt, state, dom.safe_name, progress=lambda m: log(name, m))
+        log(name, "released" if rec else "nothing to release")
+    else:
+        for finding in reconnect(rt, state, dom.safe_name):
+            log(name, f"reconnect: {finding}", syslog.LOG_WARNING)
+    return 0

@@ -1,0 +1,133 @@
+"""The state directory: one JSON record per domain of everything vstor did for
+it, written atomically before each change, and one lock that serialises
+every process that allocates or frees host resources.
+
+    <state_dir>/lock              flock(2) target
+    <state_dir>/domains/<key>.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from .errors import BadInput, Unavailable
+
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
+
+PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
+
+
+@dataclass
+class Record:
+    key: str                      # the domain's safe name: the file name
+    domain: str
+    uuid: str | None
+    status: str = PREPARING
+    holding: dict = field(default_factory=dict)
+    steps: list[dict] = field(default_factory=list)
+    updated: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "domain": self.domain, "uuid": self.uuid,
+                "status": self.status, "holding": self.holding, "steps": self.steps,
+                "updated": self.updated}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Record":
+        return cls(key=data["key"], domain=data["domain"], uuid=data.get("uuid"),
+                   status=data.get("status", PREPARING), holding=data.get("holding", {}),
+                   steps=list(data.get("steps", [])), updated=data.get("updated", 0.0))
+
+
+class StateDir:
+    def __init__(self, path: str):
+        self.path = path
+        self.domains = os.path.join(path, "domains")
+
+    def _ensure(self) -> None:
+        try:
+            os.makedirs(self.domains, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise Unavailable(f"cannot create state directory {self.path}: {e.strerror}",
+                              hint="run as root or set [paths] state_dir in vstor.conf") from None
+
+    @contextlib.contextmanager
+    def lock(self, timeout: float = 60.0):
+        """Exclusive host-wide lock: two vstor processes never allocate at once."""
+        self._ensure()
+        fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise Unavailable(f"another vstor process holds {self.path}/lock "
+                                          f"for more than {timeout:.0f}s") from None
+                    time.sleep(0.05)
+            yield self
+        finally:
+            os.close(fd)
+
+    def _file(self, key: str) -> str:
+        if not _KEY.match(key):
+            raise BadInput(f"'{key}' cannot name a state record")
+        return os.path.join(self.domains, key + ".json")
+
+    def load(self, key: str) -> Record | None:
+        try:
+            with open(self._file(key)) as f:
+                return Record.from_json(json.load(f))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError) as e:
+            raise Unavailable(f"state record {self._file(key)} is damaged ({e})",
+                              hint="inspect it, then remove it by hand") from None
+
+    def records(self) -> list[Record]:
+        try:
+            names = sorted(os.listdir(self.domains))
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            if name.endswith(".json"):
+                rec = self.load(name[:-5])
+                if rec is not None:
+                    out.append(rec)
+        return out
+
+    def save(self, rec: Record) -> None:
+        """Atomic: write a temporary file, fsync it, rename it over the record."""
+        self._ensure()
+        rec.updated = time.time()
+        path = self._file(rec.key)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec.to_json(), f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self.domains)
+
+    def remove(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._file(key))
+        _fsync_dir(self.domains)
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
