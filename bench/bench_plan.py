@@ -1,0 +1,111 @@
+"""Time `plan` on a small and a large host, and its growth with the ledger.
+
+    python3 bench/bench_plan.py [--repeat N]
+
+Large host: 8 NUMA nodes x 32 cores (SMT2, 512 CPUs), 64 NVMe controllers,
+4 RDMA NICs, and a ledger of up to 1000 existing vstor domains.  The figures
+go into README.md ("Performance").  Not a test: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from vstor.config import Config                                   # noqa: E402
+from vstor.domain import Domain                                   # noqa: E402
+from vstor.ledger import Holding, Ledger                          # noqa: E402
+from vstor.model import (Cpu, Host, HugepagePool, Namespace, NetDev,  # noqa: E402
+                         NumaNode, NvmeController, RdmaNic)
+from vstor.planner import Request, plan_domain                    # noqa: E402
+
+
+def make_host(nodes: int, cores: int, controllers: int) -> Host:
+    threads = nodes * cores
+    cpus, node_list = [], []
+    for n in range(nodes):
+        ids = []
+        for c in range(cores):
+            a = n * cores + c
+            b = a + threads
+            ids += [a, b]
+            cpus += [Cpu(a, n, n, c, (a, b)), Cpu(b, n, n, c, (a, b))]
+        node_list.append(NumaNode(n, tuple(sorted(ids)), 256 << 20,
+                                  (HugepagePool(2048, 65536, 65536), HugepagePool(1048576, 64, 64))))
+    ctrls = []
+    for i in range(controllers):
+        bus = 0x10 + i
+        ctrls.append(NvmeController(f"0000:{bus:02x}:00.0", numa_node=i % nodes, driver="nvme",
+                                    name=f"nvme{i}", iommu_group=100 + i,
+                                    namespaces=(Namespace(f"nvme{i}n1", 1, 4 * 10**12),)))
+    nics = tuple(RdmaNic(f"mlx5_{i}", f"0000:{0xa0 + i:02x}:00.0", i % nodes, (NetDev(f"ib{i}", 4096),))
+                 for i in range(min(4, nodes)))
+    return Host("bench", tuple(cpus), tuple(node_list), tuple(ctrls), nics,
+                iommu_enabled=True, vfio_available=True)
+
+
+def make_ledger(host: Host, count: int) -> Ledger:
+    """`count` existing domains: one in five with 2 dedicated vCPUs (a whole
+    core), every one with a qsd file disk and an SPDK namespace."""
+    holdings = []
+    free = {n.id: [c for c in n.cpus if c >= len(host.nodes) * 2] for n in host.nodes}
+    for i in range(count):
+        node = i % len(host.nodes)
+        cpus = frozenset()
+        if i % 5 == 0 and len(free[node]) >= 2:
+            first = free[node].pop(0)
+            sib = host.cpu(first).siblings
+            free[node] = [c for c in free[node] if c not in sib]
+            cpus = frozenset(sib)
+        ctrl = host.controllers[i % len(host.controllers)].address
+        holdings.append(Holding(
+            domain=f"vm{i}", uuid=None, active=i % 2 == 0, node=node, cpus=cpus,
+            reactors=(node * 32,), hugepages=(node, 2048, 64),
+            passthrough=frozenset(), spdk_controllers=frozenset({ctrl}),
+            volumes=frozenset({(f"file:/var/lib/vstor/vm{i}.raw", False),
+                               (f"nvme:{ctrl}/{i}", False)}),
+            sockets=frozenset({f"/run/vstor/vhost/vm{i}-vdb"})))
+    return Ledger(holdings)
+
+
+REQUEST = """<domain type='kvm'><name>newvm</name><memory unit='GiB'>8</memory><vcpu>4</vcpu>
+<metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'>
+<vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='{ctrl}'/></vstor:disk>
+<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/newvm.raw'/></vstor:disk>
+</vstor:vstor></metadata><devices/></domain>"""
+
+
+def time_plan(host: Host, cfg: Config, count: int, repeat: int) -> float:
+    """Median seconds for one plan, ledger construction included (as the CLI does)."""
+    holdings_source = make_ledger(host, count).holdings
+    req = Request.from_domain(Domain.parse(REQUEST.format(ctrl=host.controllers[-1].address)))
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        plan_domain(host, cfg, req, Ledger(holdings_source))
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=20)
+    args = ap.parse_args()
+    small = make_host(1, 4, 1)
+    large = make_host(8, 32, 64)
+    cfg_small = Config(reactors=(1,))
+    cfg_large = Config(reactors=tuple(n * 32 for n in range(8)))
+    print(f"small host (1 node x 4 cores, 1 NVMe), empty ledger: "
+          f"{time_plan(small, cfg_small, 0, args.repeat) * 1000:.2f} ms")
+    for count in (0, 125, 250, 500, 1000):
+        ms = time_plan(large, cfg_large, count, args.repeat) * 1000
+        print(f"large host (8 nodes x 32 cores, 64 NVMe), {count:4d} domains in the ledger: {ms:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
