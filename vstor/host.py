@@ -1,0 +1,336 @@
+"""Build the host model (`vstor.model.Host`) from sysfs and procfs.
+
+Everything is read through the `SysFS` it is given, so the same code reads the
+live host, a `vstor host capture` extracted elsewhere, or a synthetic tree
+from `vstor.testing.layout`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+
+from .model import (NVME_CLASS, BlockDevice, Cpu, HugepagePool, Host, Namespace, NetDev,
+                    NumaNode, NvmeController, PciDevice, RdmaNic, parse_cpulist)
+from .sysfs import SysFS
+
+PCI_DEVICES = "/sys/bus/pci/devices"
+CPU_DIR = "/sys/devices/system/cpu"
+NODE_DIR = "/sys/devices/system/node"
+IOMMU_GROUPS = "/sys/kernel/iommu_groups"
+INFINIBAND = "/sys/class/infiniband"
+
+# nvme0n1, or with native multipath the per-path device nvme0c1n1 (subsystem 0,
+# controller 1, namespace 1) whose block device is the subsystem's head nvme0n1.
+_NS_NAME = re.compile(r"nvme(\d+)(?:c\d+)?n(\d+)")
+_PATH_DEVICE = re.compile(r"nvme\d+c\d+n\d+")
+_NOT_DISKS = ("loop", "ram", "zram")
+
+
+def read_host(sysfs: SysFS) -> Host:
+    online = read_online_cpus(sysfs)
+    nodes = read_nodes(sysfs, online)
+    usage = BlockUsage(sysfs)
+    return Host(
+        hostname=sysfs.read("/proc/sys/kernel/hostname", ""),
+        cpus=read_cpus(sysfs, online, nodes),
+        nodes=nodes,
+        controllers=read_controllers(sysfs, usage),
+        rdma_nics=read_rdma_nics(sysfs),
+        block_devices=read_block_devices(sysfs, usage),
+        cmdline=sysfs.read("/proc/cmdline", ""),
+        iommu_enabled=bool(sysfs.listdir(IOMMU_GROUPS)),
+        vfio_available=(sysfs.exists("/sys/bus/pci/drivers/vfio-pci")
+                        or sysfs.exists("/sys/module/vfio_pci")),
+        thp=bracketed(sysfs.read("/sys/kernel/mm/transparent_hugepage/enabled", "")),
+        irqbalance_running=irqbalance_running(sysfs),
+    )
+
+
+def bracketed(text: str) -> str:
+    """The active choice of a sysfs selector: 'always [madvise] never' -> 'madvise'."""
+    match = re.search(r"\[([^\]]+)\]", text)
+    if match:
+        return match.group(1)
+    words = text.split()
+    return words[0] if len(words) == 1 else ""
+
+
+# --- CPUs and NUMA nodes ----------------------------------------------------
+
+def read_online_cpus(sysfs: SysFS) -> tuple[int, ...]:
+    online = sysfs.read(f"{CPU_DIR}/online")
+    if online is not None:
+        return parse_cpulist(online)
+    return tuple(sorted(int(d[3:]) for d in sysfs.listdir(CPU_DIR) if re.fullmatch(r"cpu\d+", d)))
+
+
+def read_nodes(sysfs: SysFS, online: tuple[int, ...]) -> tuple[NumaNode, ...]:
+    if not sysfs.is_dir(NODE_DIR):
+        # A kernel without NUMA support: one node holding everything.
+        return (NumaNode(0, online, meminfo_total(sysfs.read("/proc/meminfo", "")),
+                         read_hugepage_pools(sysfs, "/sys/kernel/mm/hugepages")),)
+    ids = parse_cpulist(sysfs.read(f"{NODE_DIR}/online", ""))
+    if not ids:
+        ids = tuple(sorted(int(d[4:]) for d in sysfs.listdir(NODE_DIR) if re.fullmatch(r"node\d+", d)))
+    nodes = []
+    for node_id in ids:
+        base = f"{NODE_DIR}/node{node_id}"
+        nodes.append(NumaNode(node_id, parse_cpulist(sysfs.read(f"{base}/cpulist", "")),
+                              meminfo_total(sysfs.read(f"{base}/meminfo", "")),
+                              read_hugepage_pools(sysfs, f"{base}/hugepages")))
+    return tuple(nodes)
+
+
+def meminfo_total(text: str) -> int:
+    """KiB of 'MemTotal:' in /proc/meminfo or a node's 'Node 0 MemTotal:' line."""
+    match = re.search(r"MemTotal:\s+(\d+)", text)
+    return int(match.group(1)) if match else 0
+
+
+def read_hugepage_pools(sysfs: SysFS, base: str) -> tuple[HugepagePool, ...]:
+    pools = []
+    for entry in sysfs.listdir(base):
+        match = re.fullmatch(r"hugepages-(\d+)kB", entry)
+        if match:
+            pools.append(HugepagePool(int(match.group(1)),
+                                      sysfs.read_int(f"{base}/{entry}/nr_hugepages", 0),
+                                      sysfs.read_int(f"{base}/{entry}/free_hugepages", 0)))
+    return tuple(sorted(pools, key=lambda p: p.size_kib))
+
+
+def read_cpus(sysfs: SysFS, online: tuple[int, ...], nodes: tuple[NumaNode, ...]) -> tuple[Cpu, ...]:
+    node_of = {cpu: node.id for node in nodes for cpu in node.cpus}
+    isolated = set(parse_cpulist(sysfs.read(f"{CPU_DIR}/isolated", "")))
+    cpus = []
+    for cpu in online:
+        topo = f"{CPU_DIR}/cpu{cpu}/topology"
+        cpus.append(Cpu(id=cpu, node=node_of.get(cpu, 0),
+                        package=sysfs.read_int(f"{topo}/physical_package_id", 0),
+                        core_id=sysfs.read_int(f"{topo}/core_id", cpu),
+                        siblings=parse_cpulist(sysfs.read(f"{topo}/thread_siblings_list", "")) or (cpu,),
+                        isolated=cpu in isolated))
+    return tuple(cpus)
+
+
+# --- PCI devices and NVMe controllers --------------------------------------
+
+def read_pci_device(sysfs: SysFS, address: str) -> PciDevice:
+    dev = f"{PCI_DEVICES}/{address}"
+    return PciDevice(address=address, vendor=sysfs.read(f"{dev}/vendor", ""),
+                     device=sysfs.read(f"{dev}/device", ""),
+                     pci_class=sysfs.read(f"{dev}/class", "").lower(),
+                     driver=sysfs.link_name(f"{dev}/driver"),
+                     numa_node=sysfs.read_int(f"{dev}/numa_node", -1))
+
+
+def read_controllers(sysfs: SysFS, usage: BlockUsage) -> tuple[NvmeController, ...]:
+    # By class, not by driver: a controller bound to vfio-pci or to nothing is still one.
+    return tuple(read_controller(sysfs, address, usage) for address in sysfs.listdir(PCI_DEVICES)
+                 if sysfs.read(f"{PCI_DEVICES}/{address}/class", "").lower() == NVME_CLASS)
+
+
+def read_controller(sysfs: SysFS, address: str, usage: BlockUsage) -> NvmeController:
+    dev = f"{PCI_DEVICES}/{address}"
+    pci = read_pci_device(sysfs, address)
+    name = nvme_name(sysfs, dev)
+    namespaces = read_namespaces(sysfs, name, usage) if name else ()
+    group = iommu_group(sysfs, dev)
+    ctrl = f"/sys/class/nvme/{name}"
+    return NvmeController(
+        address=address, numa_node=pci.numa_node, vendor=pci.vendor, device=pci.device,
+        driver=pci.driver, name=name,
+        model=sysfs.read(f"{ctrl}/model", "") if name else "",
+        serial=sysfs.read(f"{ctrl}/serial", "") if name else "",
+        iommu_group=group, group_peers=group_peers(sysfs, group, address),
+        namespaces=tuple(ns for ns, _ in namespaces),
+        local_cpus=parse_cpulist(sysfs.read(f"{dev}/local_cpulist", "")),
+        irqs=read_msi_irqs(sysfs, dev),
+        backs_root=any(backs_root for _, backs_root in namespaces),
+    )
+
+
+def nvme_name(sysfs: SysFS, dev: str) -> str | None:
+    """'nvme0' while the nvme driver owns the device (its class dir sits under it)."""
+    names = [n for n in sysfs.listdir(f"{dev}/nvme") if re.fullmatch(r"nvme\d+", n)]
+    return names[0] if names else None
+
+
+def iommu_group(sysfs: SysFS, dev: str) -> int | None:
+    group = sysfs.link_name(f"{dev}/iommu_group")
+    return int(group) if group and group.isdigit() else None
+
+
+def group_peers(sysfs: SysFS, group: int | None, address: str) -> tuple[PciDevice, ...]:
+    if group is None:
+        return ()
+    members = sysfs.listdir(f"{IOMMU_GROUPS}/{group}/devices")
+    return tuple(read_pci_device(sysfs, m) for m in members if m != address)
+
+
+def read_msi_irqs(sysfs: SysFS, dev: str) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    irqs = []
+    for irq in sysfs.listdir(f"{dev}/msi_irqs"):
+        # msi_irqs/N holds the vector's mode ('msix', 'msi'); no mode: freed since the listing.
+        if not irq.isdigit() or not sysfs.read(f"{dev}/msi_irqs/{irq}"):
+            continue
+        affinity = sysfs.read(f"/proc/irq/{irq}/smp_affinity_list", "")
+        irqs.append((int(irq), parse_cpulist(affinity)))
+    return tuple(sorted(irqs))
+
+
+def read_namespaces(sysfs: SysFS, name: str, usage: BlockUsage) -> list[tuple[Namespace, bool]]:
+    """(namespace, backs_root) for each namespace of controller NAME, by nsid."""
+    ctrl = f"/sys/class/nvme/{name}"
+    found: dict[str, tuple[Namespace, bool]] = {}
+    for entry in sysfs.listdir(ctrl):
+        match = _NS_NAME.fullmatch(entry)
+        if not match:
+            continue
+        block = f"nvme{match.group(1)}n{match.group(2)}"
+        nsid = (sysfs.read_int(f"/sys/block/{block}/nsid")
+                or sysfs.read_int(f"{ctrl}/{entry}/nsid") or int(match.group(2)))
+        found[block] = read_namespace(sysfs, block, nsid, usage)
+    return sorted(found.values(), key=lambda item: item[0].nsid)
+
+
+def read_namespace(sysfs: SysFS, block: str, nsid: int, usage: BlockUsage) -> tuple[Namespace, bool]:
+    base = f"/sys/block/{block}"
+    uses = usage.disk_uses(block)
+    namespace = Namespace(name=block, nsid=nsid, size_bytes=sysfs.read_int(f"{base}/size", 0) * 512,
+                          partitions=usage.partitions(block),
+                          in_use=tuple(why for why, _ in uses),
+                          scheduler=bracketed(sysfs.read(f"{base}/queue/scheduler", "")))
+    return namespace, any(root for _, root in uses)
+
+
+# --- block devices and what the host uses them for -------------------------
+
+class BlockUsage:
+    """Mounts, swaps and holders (dm, md), followed up the stack, so that a
+    partition under an LVM volume mounted at / reads as in use by the root."""
+
+    def __init__(self, sysfs: SysFS):
+        self.sysfs = sysfs
+        self._dm_devices: dict[str, str] | None = None
+        self.mounts = self._read_mounts()
+        self.swaps = self._read_swaps()
+
+    def _read_mounts(self) -> dict[str, list[str]]:
+        mounts: dict[str, list[str]] = {}
+        for line in self.sysfs.read("/proc/self/mountinfo", "").splitlines():
+            fields = line.split()
+            # Optional fields end at a lone '-' (after the 6 fixed ones); fstype and source follow.
+            if "-" not in fields[6:]:
+                continue
+            after = fields[fields.index("-", 6) + 1:]
+            source = after[1] if len(after) > 1 else ""
+            # MAJ:MIN names the device even when the source says '/dev/root'.
+            name = self._name_of_devnum(fields[2]) or self._name_of_path(unescape(source))
+            if name:
+                mounts.setdefault(name, [])
+                mountpoint = unescape(fields[4])
+                if mountpoint not in mounts[name]:
+                    mounts[name].append(mountpoint)
+        return mounts
+
+    def _read_swaps(self) -> set[str]:
+        swaps = set()
+        for line in self.sysfs.read("/proc/swaps", "").splitlines()[1:]:
+            fields = line.split()
+            name = self._name_of_path(unescape(fields[0])) if fields else None
+            if name:
+                swaps.add(name)
+        return swaps
+
+    def _name_of_devnum(self, devnum: str) -> str | None:
+        if not re.fullmatch(r"\d+:\d+", devnum) or devnum.startswith("0:"):
+            return None
+        real = self.sysfs.resolve(f"/sys/dev/block/{devnum}")
+        return posixpath.basename(real) if real else None
+
+    def _name_of_path(self, path: str) -> str | None:
+        """'/dev/nvme0n1p2' -> 'nvme0n1p2', '/dev/mapper/vg-root' -> 'dm-0'; files -> None."""
+        if path.startswith("/dev/mapper/"):
+            return self.dm_devices().get(path[len("/dev/mapper/"):])
+        if not path.startswith("/dev/"):
+            return None
+        name = posixpath.basename(path)
+        return name if self.sysfs.exists(f"/sys/class/block/{name}") else None
+
+    def dm_devices(self) -> dict[str, str]:
+        """dm name -> kernel name ('vg-root' -> 'dm-0')."""
+        if self._dm_devices is None:
+            self._dm_devices = {}
+            for disk in self.sysfs.listdir("/sys/block"):
+                if disk.startswith("dm-"):
+                    self._dm_devices[self.sysfs.read(f"/sys/block/{disk}/dm/name", disk)] = disk
+        return self._dm_devices
+
+    def partitions(self, disk: str) -> tuple[str, ...]:
+        base = f"/sys/block/{disk}"
+        return tuple(e for e in self.sysfs.listdir(base)
+                     if e.startswith(disk) and self.sysfs.exists(f"{base}/{e}/partition"))
+
+    def disk_uses(self, disk: str, depth: int = 0) -> list[tuple[str, bool]]:
+        """(reason, backs_root) for each way the host uses DISK or its partitions."""
+        base = f"/sys/block/{disk}"
+        uses = self._uses(disk, base, "", depth)
+        for part in self.partitions(disk):
+            uses += self._uses(part, f"{base}/{part}", f" ({part})", depth)
+        return uses
+
+    def _uses(self, name: str, path: str, label: str, depth: int) -> list[tuple[str, bool]]:
+        uses = []
+        if name in self.mounts:
+            points = self.mounts[name]
+            uses.append((f"mounted at {', '.join(points)}{label}", "/" in points))
+        if name in self.swaps:
+            uses.append((f"swap{label}", False))
+        for holder in self.sysfs.listdir(f"{path}/holders"):
+            held = f"held by {holder}{self._dm_label(holder)}"
+            # Holders cannot form a cycle in the kernel; the depth bound guards odd trees.
+            above = self.disk_uses(holder, depth + 1) if depth < 8 else []
+            uses += [(f"{held}, {why}{label}", root) for why, root in above] or [(f"{held}{label}", False)]
+        return uses
+
+    def _dm_label(self, holder: str) -> str:
+        if not holder.startswith("dm-"):
+            return ""
+        name = self.sysfs.read(f"/sys/block/{holder}/dm/name")
+        return f" ({name})" if name else ""
+
+
+def unescape(field: str) -> str:
+    """mountinfo and /proc/swaps write space, tab, newline and backslash as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def read_block_devices(sysfs: SysFS, usage: BlockUsage) -> tuple[BlockDevice, ...]:
+    devices = []
+    for disk in sysfs.listdir("/sys/block"):
+        # Hidden multipath path devices are not usable disks; their head is.
+        if disk.startswith(_NOT_DISKS) or _PATH_DEVICE.fullmatch(disk):
+            continue
+        devices.append(BlockDevice(disk, sysfs.read_int(f"/sys/block/{disk}/size", 0) * 512,
+                                   tuple(why for why, _ in usage.disk_uses(disk))))
+    return tuple(devices)
+
+
+# --- RDMA NICs and the rest ---------------------------------------------------
+
+def read_rdma_nics(sysfs: SysFS) -> tuple[RdmaNic, ...]:
+    nics = []
+    for name in sysfs.listdir(INFINIBAND):
+        dev = f"{INFINIBAND}/{name}/device"
+        pci = sysfs.resolve(dev)
+        netdevs = tuple(NetDev(n, sysfs.read_int(f"{dev}/net/{n}/mtu", 0))
+                        for n in sysfs.listdir(f"{dev}/net"))
+        nics.append(RdmaNic(name, posixpath.basename(pci) if pci else "",
+                            sysfs.read_int(f"{dev}/numa_node", -1), netdevs))
+    return tuple(nics)
+
+
+def irqbalance_running(sysfs: SysFS) -> bool:
+    return any(sysfs.read(f"/proc/{pid}/comm") == "irqbalance"
+               for pid in sysfs.listdir("/proc") if pid.isdigit())
