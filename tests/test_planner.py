@@ -1,0 +1,239 @@
+"""The planner's decisions and refusals on realistic host layouts."""
+
+import pytest
+
+from vstor.config import Config
+from vstor.domain import Domain
+from vstor.errors import BadInput, DoesNotFit
+from vstor.ledger import Holding, Ledger
+from vstor.planner import Request, plan_domain
+
+NS = "https://vstor.dev/xmlns/domain/1"
+
+
+def request(disks: str, vm: str = "", name="vm1", vcpus=4, memory_mib=8192, machine="q35") -> Request:
+    return Request.from_domain(Domain.parse(f"""
+      <domain type='kvm'><name>{name}</name><memory unit='MiB'>{memory_mib}</memory>
+      <vcpu>{vcpus}</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'>{vm}{disks}</vstor:vstor></metadata>
+      <os><type arch='x86_64' machine='{machine}'>hvm</type></os><devices/></domain>"""))
+
+
+def nvme(addr, target="vdb", **attrs):
+    a = " ".join(f"{k}='{v}'" for k, v in attrs.items())
+    return f"<vstor:disk target='{target}' {a}><vstor:nvme controller='{addr}'/></vstor:disk>"
+
+
+def nvmf(target="vdb", **attrs):
+    a = " ".join(f"{k}='{v}'" for k, v in attrs.items())
+    return (f"<vstor:disk target='{target}' {a}><vstor:nvmf transport='rdma' traddr='192.168.100.8' "
+            "subnqn='nqn.2016-06.io.spdk:cnode1'><vstor:path traddr='192.168.101.8'/></vstor:nvmf></vstor:disk>")
+
+
+def qsd_file(path="/var/lib/vstor/a.raw", target="vdb", **attrs):
+    a = " ".join(f"{k}='{v}'" for k, v in attrs.items())
+    return f"<vstor:disk target='{target}' {a}><vstor:file path='{path}'/></vstor:disk>"
+
+
+SPDK_CFG = Config(reactors=(2, 18))
+
+
+def refused(host, cfg, req, ledger=Ledger()) -> str:
+    with pytest.raises(DoesNotFit) as e:
+        plan_domain(host, cfg, req, ledger)
+    assert e.value.exit_code == 3 and "\n" not in str(e.value)
+    return str(e.value)
+
+
+# -- two-socket server: NVMe on node 1, RDMA NIC on node 0 ------------------------------
+
+def test_spdk_vhost_on_local_nvme_lives_on_the_controllers_node(host_model):
+    host = host_model("two-socket")
+    plan = plan_domain(host, SPDK_CFG, request(nvme("0000:5f:00.0", backend="spdk")), Ledger())
+    node1 = set(host.node(1).cpus)
+    disk = plan.disks[0]
+    assert (plan.node, disk.mode, disk.backend) == (1, "vhost", "spdk")
+    assert set(plan.vcpu_pins) <= node1
+    assert not set(plan.vcpu_pins) & {16, 48, 18, 50}   # housekeeping core 16 and the reactor's core
+    assert plan.emulator == (16, 48)
+    assert disk.reactor == 18 and disk.spdk_controller == "vs_0000_5f_00_0" and disk.bdev == "vs_0000_5f_00_0n1"
+    assert (plan.hugepage_kib, plan.hugepages) == (2048, 4096)
+    assert disk.socket == "/run/vstor/vhost/vm1-vdb"
+    # whole cores: each vCPU pair is one physical core
+    siblings = {frozenset(host.cpu(c).siblings) for c in plan.vcpu_pins}
+    assert len(siblings) == 2 and plan.reserved == ()
+
+
+def test_nvmf_goes_to_the_rdma_nics_node_and_stays_migratable(host_model):
+    host = host_model("two-socket")
+    plan = plan_domain(host, SPDK_CFG, request(nvmf(), vm="<vstor:vm migratable='yes'/>"), Ledger())
+    disk = plan.disks[0]
+    assert (plan.node, disk.mode, disk.backend, disk.reactor) == (0, "vhost", "spdk", 2)
+    assert any("RDMA NIC mlx5_0" in r for r in plan.reasons)
+    assert any("2 paths" in r for r in disk.reasons)
+    assert disk.spdk_controller.startswith("vs_nvmf_") and plan.migratable
+
+
+def test_nvmf_cannot_be_passed_through_or_served_by_qsd(host_model):
+    host = host_model("two-socket")
+    assert "cannot be passed through" in refused(host, SPDK_CFG, request(nvmf(mode="passthrough")))
+    assert "no NVMe-oF initiator" in refused(host, SPDK_CFG, request(nvmf(backend="qsd")))
+
+
+def test_latency_critical_auto_gets_passthrough_of_a_free_controller(host_model):
+    plan = plan_domain(host_model("two-socket"), SPDK_CFG,
+                       request(nvme("0000:5e:00.0"), vm="<vstor:vm latency='critical'/>"), Ledger())
+    assert (plan.disks[0].mode, plan.disks[0].backend, plan.node) == ("passthrough", "vfio", 1)
+    assert plan.hugepage_kib is None and not plan.viommu
+
+
+def test_migratable_auto_never_gets_passthrough(host_model):
+    plan = plan_domain(host_model("two-socket"), SPDK_CFG,
+                       request(nvme("0000:5e:00.0"), vm="<vstor:vm latency='critical' migratable='yes'/>"), Ledger())
+    assert plan.disks[0].mode == "vhost"
+    assert "migratable" in plan.disks[0].reasons[0]
+
+
+def test_two_domains_never_share_a_core_and_never_sit_on_a_reactor(host_model):
+    host = host_model("two-socket")
+    first = plan_domain(host, SPDK_CFG, request(nvme("0000:5e:00.0", backend="spdk"), name="a"), Ledger())
+    ledger = Ledger([Holding.from_plan(first)])
+    second = plan_domain(host, SPDK_CFG, request(nvme("0000:5f:00.0", backend="spdk"), name="b"), ledger)
+    assert not first.dedicated_cpus & second.dedicated_cpus
+    for plan in (first, second):
+        assert not plan.dedicated_cpus & {2, 34, 18, 50}
+    assert second.disks[0].reactor == 18    # the only reactor on node 1, shared by both
+
+
+def test_not_enough_cores_on_the_device_node_is_refused_naming_what_is_short(host_model):
+    message = refused(host_model("two-socket"), SPDK_CFG, request(nvme("0000:5e:00.0", backend="spdk"), vcpus=40))
+    assert "node 1" in message and "the VM needs 40" in message
+
+
+def test_preferred_numa_falls_back_to_another_node_and_says_so(host_model):
+    host = host_model("two-socket")
+    req = request(qsd_file(), vm="<vstor:vm numa='preferred'/>", vcpus=28)
+    plan = plan_domain(host, Config(), req, Ledger())
+    assert len(plan.vcpu_pins) == 28
+    ledger = Ledger([Holding.from_plan(plan)])
+    second = plan_domain(host, Config(), request(qsd_file("/b.raw"), vm="<vstor:vm numa='preferred'/>",
+                                                 vcpus=28, name="vm2"), ledger)
+    assert second.node != plan.node
+
+
+def test_short_hugepages_are_refused_with_the_sysfs_knob(host_model):
+    message = refused(host_model("two-socket"), SPDK_CFG,
+                      request(nvme("0000:5e:00.0", backend="spdk"), memory_mib=20480))
+    assert "8192 free 2048 KiB hugepages" in message and "needs 10240" in message
+    assert "/sys/devices/system/node/node1/hugepages/hugepages-2048kB/nr_hugepages" in message
+
+
+def test_hugepages_promised_to_stopped_domains_count_but_running_ones_do_not(host_model):
+    host = host_model("two-socket")
+    req = request(nvme("0000:5e:00.0", backend="spdk"), memory_mib=12288)   # 6144 pages
+    other = plan_domain(host, SPDK_CFG, request(nvme("0000:5f:00.0", backend="spdk"), name="o",
+                                                memory_mib=8192), Ledger())
+    assert "4096 of them promised" in refused(host, SPDK_CFG, req, Ledger([Holding.from_plan(other, active=False)]))
+    # a running domain's pages are already gone from the free pool read from sysfs
+    plan_domain(host, SPDK_CFG, req, Ledger([Holding.from_plan(other, active=True)]))
+
+
+def test_a_controller_passed_through_elsewhere_is_refused_with_its_owner(host_model):
+    host = host_model("two-socket")
+    owner = plan_domain(host, SPDK_CFG, request(nvme("0000:60:00.0", mode="passthrough"), name="db"), Ledger())
+    message = refused(host, SPDK_CFG, request(nvme("0000:60:00.0", mode="passthrough")),
+                      Ledger([Holding.from_plan(owner)]))
+    assert "passed through to domain 'db'" in message
+
+
+def test_a_file_written_by_another_domain_is_refused_unless_both_readonly(host_model):
+    host = host_model("two-socket")
+    a = plan_domain(host, Config(), request(qsd_file(readonly="yes"), name="a"), Ledger())
+    ledger = Ledger([Holding.from_plan(a)])
+    plan_domain(host, Config(), request(qsd_file(readonly="yes")), ledger)
+    assert "already used by domain 'a'" in refused(host, Config(), request(qsd_file()), ledger)
+
+
+def test_the_same_request_gives_the_same_plan(host_model):
+    host = host_model("two-socket")
+    req = request(nvme("0000:5f:00.0", backend="spdk") + qsd_file(target="vdc"))
+    assert plan_domain(host, SPDK_CFG, req, Ledger()) == plan_domain(host, SPDK_CFG, req, Ledger())
+
+
+def test_shared_vcpus_float_on_housekeeping_cores(host_model):
+    plan = plan_domain(host_model("two-socket"), Config(),
+                       request(nvme("0000:5e:00.0", backend="qsd"), vm="<vstor:vm cpus='shared'/>"), Ledger())
+    assert plan.vcpu_pins == () and plan.shared_cpus == (16, 48) and plan.dedicated_cpus == frozenset()
+
+
+def test_spdk_without_configured_reactors_is_refused(host_model):
+    assert "no SPDK reactor cores configured" in refused(
+        host_model("two-socket"), Config(), request(nvme("0000:5e:00.0", backend="spdk")))
+
+
+# -- hosts whose NVMe the host itself uses ------------------------------------------------
+
+def test_laptop_root_disk_is_never_passed_through_nor_given_to_spdk_or_qsd(host_model):
+    host = host_model("laptop")
+    msg = refused(host, SPDK_CFG, request(nvme("0000:02:00.0", mode="passthrough"), vcpus=2))
+    assert "0000:02:00.0" in msg and "/" in msg
+    msg = refused(host, Config(reactors=(1,)), request(nvme("0000:02:00.0", backend="spdk"), vcpus=2))
+    assert "SPDK's PCIe driver takes the whole controller" in msg
+    msg = refused(host, Config(), request(nvme("0000:02:00.0", backend="qsd"), vcpus=2))
+    assert "in use by the host" in msg and "swap" in msg
+
+
+def test_lvm_root_controller_is_refused_and_the_free_one_is_not(host_model):
+    host = host_model("nvme-root")
+    ctrl = host.controller("0000:01:00.0")
+    assert ctrl.backs_root
+    msg = refused(host, SPDK_CFG, request(nvme("0000:01:00.0", mode="passthrough"), vcpus=2))
+    assert "vg0-root" in msg or "root" in msg
+    plan = plan_domain(host, SPDK_CFG, request(nvme("0000:02:00.0", mode="passthrough"), vcpus=2), Ledger())
+    assert plan.disks[0].mode == "passthrough"
+
+
+def test_dirty_iommu_group_is_refused_naming_the_other_device(host_model):
+    host = host_model("dirty-group")
+    msg = refused(host, SPDK_CFG, request(nvme("0000:04:00.0", mode="passthrough"), vcpus=2))
+    assert "0000:04:00.1" in msg and "ixgbe" in msg
+    plan = plan_domain(host, SPDK_CFG, request(nvme("0000:04:00.0"), vm="<vstor:vm latency='critical'/>",
+                                               vcpus=2), Ledger())
+    assert plan.disks[0].mode == "vhost" and "passthrough is not possible" in plan.disks[0].reasons[0]
+    assert plan_domain(host, SPDK_CFG, request(nvme("0000:05:00.0", mode="passthrough"), vcpus=2),
+                       Ledger()).disks[0].mode == "passthrough"
+
+
+def test_without_iommu_auto_falls_back_to_the_kernel_path(host_model):
+    host = host_model("no-iommu")
+    msg = refused(host, SPDK_CFG, request(nvme("0000:03:00.0", mode="passthrough"), vcpus=2))
+    assert "intel_iommu=on" in msg
+    plan = plan_domain(host, Config(default_backend="spdk", reactors=(1,)),
+                       request(nvme("0000:03:00.0"), vcpus=2), Ledger())
+    assert plan.disks[0].backend == "qsd"
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+def test_unknown_controller_lists_the_known_ones(host_model):
+    with pytest.raises(BadInput) as e:
+        plan_domain(host_model("two-socket"), SPDK_CFG, request(nvme("0000:99:00.0")), Ledger())
+    assert "0000:99:00.0 is not on this host" in str(e.value) and "0000:5e:00.0" in str(e.value)
+
+
+@pytest.mark.parametrize("req, words", [
+    (lambda: request(nvme("0000:5e:00.0", backend="spdk"), vm="<vstor:vm hugepages='none'/>"), "hugepages='none'"),
+    (lambda: request(nvme("0000:5e:00.0", mode="passthrough", guest="spdk"), machine="pc"), "q35"),
+    (lambda: request(nvme("0000:5e:00.0", mode="passthrough", backend="qsd")), "applies to vhost disks"),
+    (lambda: request(nvme("0000:5e:00.0", mode="vhost", guest="spdk")), "needs the controller passed through"),
+    (lambda: request(nvme("0000:5e:00.0", backend="spdk"), memory_mib=1025), "not a whole number"),
+])
+def test_contradictory_requests_are_bad_input(host_model, req, words):
+    with pytest.raises(BadInput) as e:
+        plan_domain(host_model("two-socket"), SPDK_CFG, req(), Ledger())
+    assert words in str(e.value)
+
+
+def test_a_core_that_is_both_reactor_and_housekeeping_is_refused(host_model):
+    with pytest.raises(BadInput, match="both SPDK reactors and housekeeping"):
+        plan_domain(host_model("two-socket"), Config(reactors=(0,), housekeeping=(0, 32)),
+                    request(qsd_file()), Ledger())
