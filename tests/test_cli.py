@@ -1,0 +1,183 @@
+"""The vstor CLI as an operator uses it: exit codes, messages, and the domains
+libvirt ends up with (libvirt's own test:///default driver)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import libvirt
+import pytest
+
+from vstor.cli.main import main
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+TEMPLATES = os.path.join(ROOT, "xml-templates")
+URI = "test:///default"
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    path = tmp_path / "vstor.conf"
+    path.write_text(f"[cpu]\nreactors = 2,18\n[paths]\nstate_dir = {tmp_path}/state\n"
+                    f"vhost_dir = /run/vstor/vhost\n")
+    return str(path)
+
+
+def vstor(*args, check_code=None):
+    """Run the real command in a subprocess: what an operator sees."""
+    out = subprocess.run([sys.executable, "-m", "vstor.cli.main", *args], capture_output=True,
+                         text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    if check_code is not None:
+        assert out.returncode == check_code, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr
+    return out
+
+
+def test_plan_explains_the_decisions(host_layout, cfg):
+    out = vstor("--config", cfg, "--host-root", host_layout("two-socket"),
+                "plan", os.path.join(TEMPLATES, "vhost-local-nvme.xml"), check_code=0)
+    assert "Domain web1 on compute-7: NUMA node 1" in out.stdout
+    assert "vdb   vhost  spdk" in out.stdout and "/run/vstor/vhost/web1-vdb" in out.stdout
+    assert "SPDK reactor core 18" in out.stdout
+    assert "planning against a host capture" in out.stderr
+
+
+def test_plan_json_is_machine_readable(host_layout, cfg):
+    out = vstor("--config", cfg, "--host-root", host_layout("two-socket"), "plan", "--json",
+                os.path.join(TEMPLATES, "vhost-nvmf-rdma-multipath.xml"), check_code=0)
+    data = json.loads(out.stdout)
+    assert data["node"] == 0 and data["disks"][0]["source"]["kind"] == "nvmf"
+    assert data["disks"][0]["source"]["paths"] == [{"traddr": "192.168.101.8", "trsvcid": 4420}]
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["plan", "/nonexistent/vm.xml"], 2, "cannot read /nonexistent/vm.xml"),
+    (["frobnicate"], 2, "invalid choice"),
+    (["plan"], 2, "required"),
+])
+def test_bad_invocations_are_one_line_with_exit_2(host_layout, cfg, args, code, words):
+    out = vstor("--config", cfg, "--host-root", host_layout("two-socket"), *args, check_code=code)
+    assert words in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_malformed_xml_unknown_device_and_no_fit_have_distinct_codes(host_layout, cfg, tmp_path):
+    root = host_layout("two-socket")
+    bad = tmp_path / "bad.xml"
+    bad.write_text("<domain><name>x</name>")
+    out = vstor("--config", cfg, "--host-root", root, "plan", str(bad), check_code=2)
+    assert "malformed XML" in out.stderr
+    unknown = tmp_path / "unknown.xml"
+    unknown.write_text(open(os.path.join(TEMPLATES, "vhost-local-nvme.xml")).read()
+                       .replace("0000:5f:00.0", "0000:99:00.0"))
+    out = vstor("--config", cfg, "--host-root", root, "plan", str(unknown), check_code=2)
+    assert "0000:99:00.0 is not on this host" in out.stderr
+    big = tmp_path / "big.xml"
+    big.write_text(open(os.path.join(TEMPLATES, "vhost-local-nvme.xml")).read()
+                   .replace("<vcpu>4</vcpu>", "<vcpu>40</vcpu>"))
+    out = vstor("--config", cfg, "--host-root", root, "plan", str(big), check_code=3)
+    assert "does not fit" in out.stderr and len(out.stderr.strip().splitlines()) == 2  # warning + error
+
+
+def test_render_prints_valid_concrete_xml(host_layout, cfg, tmp_path):
+    out_file = tmp_path / "out.xml"
+    vstor("--config", cfg, "--host-root", host_layout("two-socket"), "render",
+          os.path.join(TEMPLATES, "qsd-file.xml"), "-o", str(out_file), check_code=0)
+    text = out_file.read_text()
+    assert "type=\"vhostuser\"" in text and "<vstor:plan" in text
+
+
+def test_unreachable_libvirt_is_exit_4(host_layout, cfg):
+    out = vstor("-c", "qemu+unix:///system?socket=/nonexistent/sock", "--config", cfg,
+                "--host-root", host_layout("two-socket"), "define",
+                os.path.join(TEMPLATES, "qsd-file.xml"), check_code=4)
+    assert "cannot connect to libvirt" in out.stderr
+
+
+# -- define / apply in libvirt's test driver (in-process: test:///default is per process) ----
+
+@pytest.fixture
+def testconn():
+    """The test driver's state lives as long as one connection to it is open."""
+    conn = libvirt.open(URI)
+    yield conn
+    conn.close()
+
+
+def _domain_xml(name):
+    conn = libvirt.open(URI)
+    return conn.lookupByName(name).XMLDesc(0)
+
+
+def test_define_renders_and_defines_and_the_ledger_keeps_cores_apart(host_layout, cfg, tmp_path, capsys, testconn):
+    root = host_layout("two-socket")
+    assert main(["-c", URI, "--config", cfg, "--host-root", root, "define",
+                 os.path.join(TEMPLATES, "vhost-local-nvme.xml")]) == 0
+    assert "Domain 'web1' defined: vdb vhost/spdk, node 1" in capsys.readouterr().out
+    xml = _domain_xml("web1")
+    assert "vhostuser" in xml and "vstor:plan" in xml
+    second = tmp_path / "web2.xml"
+    second.write_text(open(os.path.join(TEMPLATES, "vhost-local-nvme.xml")).read()
+                      .replace("<name>web1</name>", "<name>web2</name>").replace("0000:5f:00.0", "0000:60:00.0"))
+    assert main(["-c", URI, "--config", cfg, "--host-root", root, "define", str(second)]) == 0
+    from vstor.domain import Domain
+    from vstor.inventory import recorded_plan
+    p1 = recorded_plan(Domain.parse(_domain_xml("web1")))
+    p2 = recorded_plan(Domain.parse(_domain_xml("web2")))
+    assert p1.dedicated_cpus and p2.dedicated_cpus and not p1.dedicated_cpus & p2.dedicated_cpus
+    for name in ("web1", "web2"):
+        libvirt.open(URI).lookupByName(name).undefine()
+
+
+def test_apply_replans_a_domain_defined_with_virsh(host_layout, cfg, capsys, testconn):
+    conn = libvirt.open(URI)
+    annotated = open(os.path.join(TEMPLATES, "qsd-file.xml")).read()
+    conn.defineXML(annotated)           # what `virsh define annotated.xml` does
+    assert "vhostuser" not in _domain_xml("demo1")
+    assert main(["-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"), "apply", "demo1"]) == 0
+    xml = _domain_xml("demo1")
+    assert "vhostuser" in xml and "/run/vstor/vhost/demo1-vdb" in xml and "vstor:plan" in xml
+    # applying again keeps the same plan
+    assert main(["-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"), "apply", "demo1"]) == 0
+    assert _domain_xml("demo1") == xml
+    conn.lookupByName("demo1").undefine()
+
+
+def test_apply_of_an_unknown_domain_is_bad_input(host_layout, cfg, capsys):
+    assert main(["-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"), "apply", "nope"]) == 2
+    assert "domain 'nope' is not defined" in capsys.readouterr().err
+
+
+def test_define_dry_run_defines_nothing(host_layout, cfg, capsys, testconn):
+    assert main(["-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"), "define", "--dry-run",
+                 os.path.join(TEMPLATES, "qsd-file.xml")]) == 0
+    assert "vhostuser" in capsys.readouterr().out
+    with pytest.raises(libvirt.libvirtError):
+        libvirt.open(URI).lookupByName("demo1")
+
+
+# -- host commands -------------------------------------------------------------------------
+
+def test_doctor_reports_each_check_with_a_fix(host_layout, cfg):
+    out = vstor("-c", URI, "--config", cfg, "--host-root", host_layout("no-iommu"), "doctor")
+    assert out.returncode in (0, 1)
+    assert "WARN  iommu" in out.stdout and "intel_iommu=on iommu=pt" in out.stdout
+    assert "WARN  vfio-pci" in out.stdout and "modprobe vfio-pci" in out.stdout
+    data = json.loads(vstor("-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"),
+                            "doctor", "--json").stdout)
+    by_name = {c["name"]: c for c in data}
+    assert by_name["iommu"]["status"] == "ok" and by_name["rdma mlx5_0"]["status"] == "ok"
+    assert by_name["spdk"]["status"] == "warn" and "SPDK" in by_name["spdk"]["detail"]
+
+
+def test_host_show_and_capture_round_trip(host_layout, cfg, tmp_path):
+    root = host_layout("two-socket")
+    shown = vstor("--host-root", root, "host", "show", check_code=0).stdout
+    assert "Host compute-7: 64 CPUs, 2 NUMA nodes, IOMMU on" in shown and "nvme 0000:5e:00.0" in shown
+    tarball = tmp_path / "cap.tar.gz"
+    vstor("--host-root", root, "host", "capture", "-o", str(tarball), check_code=0)
+    extracted = tmp_path / "x"
+    extracted.mkdir()
+    subprocess.run(["tar", "-xzf", str(tarball), "-C", str(extracted)], check=True)
+    again = vstor("--host-root", str(extracted), "host", "show", check_code=0).stdout
+    assert again == shown
