@@ -2,6 +2,7 @@
 on the machine the tests run on."""
 
 import os
+import pathlib
 import socket
 
 import pytest
@@ -262,3 +263,15 @@ def test_every_named_layout_reads_consistently(host_model, name):
     for ctrl in host.controllers:
         assert ctrl.numa_node in {n.id for n in host.nodes}
         assert ctrl.namespaces and ctrl.name
+
+
+def test_btrfs_mount_with_an_anonymous_device_number_is_found_by_source(tmp_path):
+    root = build_tree({"nvme": [{"address": "0000:01:00.0", "namespace": [
+        {"partitions": [{"size": "100GiB", "mount": "/", "fs": "btrfs"}]}]}]}, tmp_path / "r")
+    mountinfo = pathlib.Path(os.path.realpath(f"{root}/proc/self/mountinfo"))
+    text = mountinfo.read_text()
+    assert " 259:1 / / " in text
+    # btrfs reports an anonymous device (0:N) in mountinfo, not the partition's.
+    mountinfo.write_text(text.replace(" 259:1 / / ", " 0:31 / / "))
+    ctrl = read_host(SysFS(root)).controllers[0]
+    assert ctrl.backs_root and ctrl.namespace(1).in_use == ("mounted at / (nvme0n1p1)",)

@@ -225,7 +225,8 @@ class BlockUsage:
                 continue
             after = fields[fields.index("-", 6) + 1:]
             source = after[1] if len(after) > 1 else ""
-            # MAJ:MIN names the device even when the source says '/dev/root'.
+            # MAJ:MIN names the device even when the source says '/dev/root'; btrfs
+            # shows an anonymous 0:N there, so the source is the fallback.
             name = self._name_of_devnum(fields[2]) or self._name_of_path(unescape(source))
             if name:
                 mounts.setdefault(name, [])

@@ -468,7 +468,8 @@ class _HostBuilder:
         path = f"{dev.path}/net/{name}"
         self.t.write(f"{path}/mtu", mtu)
         self.t.write(f"{path}/operstate", "up")
-        self.t.write(f"{path}/address", "0c:42:a1:%02x:%02x:%02x" % tuple(os.urandom(3)))
+        bus, slot, fn = int(dev.address[5:7], 16), int(dev.address[8:10], 16), int(dev.address[11])
+        self.t.write(f"{path}/address", f"0c:42:a1:{bus:02x}:{slot:02x}:{fn:02x}")
         self.t.link(f"{path}/device", dev.path)
         self.t.link(f"/sys/class/net/{name}", path)
 
