@@ -3,11 +3,16 @@
 import os
 import subprocess
 import sys
+import textwrap
+import tomllib
 
 import pytest
 
 from vstor.errors import BadInput
+from vstor.host import read_host
+from vstor.sysfs import SysFS
 from vstor.testing import build_tree, parse_size
+from vstor.testing import layout as layout_module
 from vstor.testing.layout import main
 
 
@@ -157,3 +162,17 @@ def test_runs_as_a_module(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert os.path.islink(tmp_path / "t/sys/bus/pci/devices/0000:02:00.0")
+
+
+def test_the_documented_example_builds(tmp_path):
+    doc = layout_module.__doc__
+    example = tomllib.loads(textwrap.dedent(doc[doc.index('    hostname = "lab1"'):]))
+    host = read_host(SysFS(build_tree(example, tmp_path / "r")))
+    assert host.hostname == "lab1" and len(host.cpus) == 32
+    ctrl = host.controller("0000:5e:00.0")
+    assert ctrl.backs_root and [p.address for p in ctrl.group_peers] == ["0000:5e:00.1"]
+    assert len(ctrl.irqs) == 9 and ctrl.namespace(1).size_bytes == 4 * 10**12
+    assert host.rdma_nic("mlx5_0").netdevs[0].mtu == 4096
+    assert host.block_device("sda").in_use == ("mounted at /srv",)
+    assert [c.id for c in host.cpus if c.isolated] == [2, 3]
+    assert host.node(0).pool(1048576).free == 6
