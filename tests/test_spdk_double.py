@@ -1,0 +1,365 @@
+"""The SPDK target double itself: that it speaks SPDK's framing, refuses what
+SPDK's schema refuses, and behaves as SPDK's handlers do where vstor relies
+on it. Driven with SPDK's own JSONRPCClient and with raw sockets."""
+
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from spdk.rpc.client import JSONRPCClient
+
+from tests.doubles.spdk_target import (FACTS, QSD_BINARY, SpdkTargetDouble, load_facts,
+                                       spdk_target_double)  # noqa: F401
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = Path("/work/shared/spdk/schema.yaml")
+SUBNQN = "nqn.2016-06.io.spdk:cnode1"
+
+
+@pytest.fixture
+def spdk(spdk_target_double):
+    spdk_target_double.add_pcie("0000:5e:00.0", namespaces=2)
+    spdk_target_double.add_pcie("0000:86:00.0", namespaces=1)
+    spdk_target_double.add_fabric("RDMA", "192.168.100.8", "4420", SUBNQN)
+    spdk_target_double.add_fabric("RDMA", "192.168.100.9", "4420", SUBNQN)
+    return spdk_target_double
+
+
+def raw_exchange(path: str, payload: bytes, replies: int, timeout: float = 3.0) -> list:
+    """Send bytes as they are; read back `replies` JSON values."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.sendall(payload)
+        s.settimeout(timeout)
+        buf, out, decoder = "", [], json.JSONDecoder()
+        while len(out) < replies:
+            buf += s.recv(65536).decode()
+            while buf.strip():
+                try:
+                    value, end = decoder.raw_decode(buf.lstrip())
+                except json.JSONDecodeError:
+                    break
+                out.append(value)
+                buf = buf.lstrip()[end:]
+        return out
+
+
+def rpc(spdk, method, params=None):
+    """One request through SPDK's client, answering (result, error)."""
+    client = JSONRPCClient(spdk.socket_path, timeout=5)
+    try:
+        client.send(method, params)
+        response = client.recv()
+    finally:
+        client.close()
+    return response.get("result"), response.get("error")
+
+
+def attach_pcie(spdk, name="nvme0", traddr="0000:5e:00.0"):
+    result, error = rpc(spdk, "bdev_nvme_attach_controller",
+                        {"name": name, "trtype": "PCIe", "traddr": traddr})
+    assert error is None
+    return result
+
+
+def attach_rdma(spdk, traddr, **extra):
+    return rpc(spdk, "bdev_nvme_attach_controller",
+               {"name": "fab0", "trtype": "RDMA", "adrfam": "IPv4", "traddr": traddr,
+                "trsvcid": "4420", "subnqn": SUBNQN, **extra})
+
+
+# -- the contract: the schema facts -------------------------------------------------------
+
+def test_every_method_the_double_answers_is_in_the_schema_facts(spdk):
+    facts = load_facts()
+    assert set(spdk.methods) <= set(facts)
+    assert set(facts) <= set(spdk.methods)
+
+
+@pytest.mark.skipif(not SCHEMA.exists(), reason="SPDK's schema.yaml is not on this machine")
+def test_the_committed_facts_match_the_schema():
+    pytest.importorskip("yaml")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen-spdk-facts.py"),
+                           "--schema", str(SCHEMA), "--out", str(FACTS), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("method, params, error", [
+    ("bdev_nvme_attach_controller", {"name": "n", "trtype": "PCIe", "traddr": "0000:5e:00.0", "bogus": 1},
+     (-32603, "spdk_json_decode_object failed")),
+    ("bdev_nvme_attach_controller", {"name": "n", "trtype": "PCIe"},
+     (-32603, "spdk_json_decode_object failed")),
+    ("bdev_nvme_attach_controller", {"name": "n", "trtype": "RDMA", "traddr": "192.168.100.8",
+                                     "trsvcid": 4420}, (-32603, "spdk_json_decode_object failed")),
+    ("bdev_nvme_attach_controller", {"name": "n", "trtype": "RDMA", "traddr": "192.168.100.8",
+                                     "multipath": "active_active"}, (-32603, "spdk_json_decode_object failed")),
+    ("bdev_nvme_attach_controller", {"name": "n", "trtype": "RDMA", "traddr": "192.168.100.8",
+                                     "reconnect_delay_sec": -1}, (-32603, "spdk_json_decode_object failed")),
+    ("bdev_get_bdevs", {"name": 7}, (-32603, "spdk_json_decode_object failed")),
+    ("vhost_create_blk_controller", {"ctrlr": "c"}, (-32602, "Invalid argument")),
+    ("vhost_create_blk_controller", {"ctrlr": "c", "dev_name": "nvme0n1", "readonly": "yes"},
+     (-32602, "Invalid argument")),
+    ("vhost_delete_controller", None, (-32602, "Invalid argument")),
+    ("vhost_get_controllers", {"ctrlr": "c"}, (-32603, "Invalid argument")),
+    ("nvmf_subsystem_add_ns", {"nqn": SUBNQN, "namespace": {"nsid": 1}}, (-32602, "Invalid parameters")),
+    ("nvmf_create_transport", {"trtype": "RDMA", "no_srq": 1}, (-32602, "Invalid parameters")),
+    ("spdk_get_version", {"verbose": True}, (-32602, "spdk_get_version method requires no parameters")),
+    ("framework_get_reactors", {"lcore": 0}, (-32602, "`framework_get_reactors` requires no arguments")),
+])
+def test_what_the_schema_refuses_is_refused_as_spdk_does(spdk, method, params, error):
+    result, got = rpc(spdk, method, params)
+    assert result is None
+    assert (got["code"], got["message"]) == error
+    assert spdk.why_rejected(method, params) is not None or method in (
+        "spdk_get_version", "framework_get_reactors")
+    assert spdk.nvme == {} and spdk.vhost == {}
+
+
+def test_unknown_method(spdk):
+    assert rpc(spdk, "construct_vhost_blk_controller", {"ctrlr": "c"}) == (
+        None, {"code": -32601, "message": "Method not found"})
+
+
+# -- framing ------------------------------------------------------------------------------
+
+def test_requests_back_to_back_and_split_across_writes(spdk):
+    one = json.dumps({"jsonrpc": "2.0", "method": "spdk_get_version", "id": 1}, indent=2)
+    two = json.dumps({"jsonrpc": "2.0", "method": "bdev_get_bdevs", "id": 2})
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(spdk.socket_path)
+        s.sendall((one + two[:10]).encode())
+        time.sleep(0.1)
+        s.sendall(two[10:].encode())
+        s.settimeout(3)
+        data = b""
+        while data.count(b"\n") < 2:
+            data += s.recv(65536)
+    replies = [json.loads(line) for line in data.decode().splitlines()]
+    assert [r["id"] for r in replies] == [1, 2]
+    assert replies[0]["result"]["fields"]["major"] == 26 and replies[1]["result"] == []
+
+
+def test_malformed_and_invalid_requests(spdk):
+    (parse,) = raw_exchange(spdk.socket_path, b'{"jsonrpc": "2.0", "method": ]', 1)
+    assert parse["error"]["code"] == -32700 and parse["id"] is None
+    (invalid,) = raw_exchange(spdk.socket_path, b'{"method": "spdk_get_version", "id": 4}', 1)
+    assert invalid == {"jsonrpc": "2.0", "id": 4, "error": {"code": -32600, "message": "Invalid request"}}
+
+
+def test_a_notification_is_done_and_not_answered(spdk):
+    note = {"jsonrpc": "2.0", "method": "bdev_nvme_attach_controller",
+            "params": {"name": "nvme0", "trtype": "PCIe", "traddr": "0000:5e:00.0"}}
+    ask = {"jsonrpc": "2.0", "method": "bdev_get_bdevs", "id": 9}
+    (reply,) = raw_exchange(spdk.socket_path, (json.dumps(note) + json.dumps(ask)).encode(), 1)
+    assert reply["id"] == 9 and [b["name"] for b in reply["result"]] == ["nvme0n1", "nvme0n2"]
+
+
+def test_every_request_is_recorded_as_sent(spdk):
+    rpc(spdk, "spdk_get_version")
+    rpc(spdk, "bdev_get_bdevs", {"name": "x", "timeout": 0})
+    rpc(spdk, "no_such_method", {"a": [1]})
+    assert spdk.requests == [
+        {"method": "spdk_get_version", "params": None},
+        {"method": "bdev_get_bdevs", "params": {"name": "x", "timeout": 0}},
+        {"method": "no_such_method", "params": {"a": [1]}},
+    ]
+
+
+# -- bdev_nvme ------------------------------------------------------------------------------
+
+def test_bdevs_are_named_after_controller_and_namespace(spdk):
+    assert attach_pcie(spdk) == ["nvme0n1", "nvme0n2"]
+    result, _ = rpc(spdk, "bdev_get_bdevs", {"name": "nvme0n2"})
+    assert result[0]["name"] == "nvme0n2"
+    assert result[0]["driver_specific"]["nvme"][0]["trid"]["traddr"] == "0000:5e:00.0"
+
+
+@pytest.mark.parametrize("params, error", [
+    ({"name": "nvme1", "trtype": "PCIe", "traddr": "0000:99:00.0"}, (-19, "No such device")),
+    ({"name": "nvme1", "trtype": "RDMA", "traddr": "192.168.100.77", "trsvcid": "4420",
+      "subnqn": SUBNQN}, (-5, "Input/output error")),
+    ({"name": "nvme1", "trtype": "PCIe", "traddr": "0000:5E:00.0"}, (-17, "File exists")),
+    ({"name": "nvme1", "trtype": "FC", "traddr": "x"}, (-22, "Failed to parse trtype: FC")),
+    ({"name": "nvme1", "trtype": "RDMA", "traddr": "192.168.100.8", "adrfam": "ipv5"},
+     (-22, "Failed to parse adrfam: ipv5")),
+    ({"name": "nvme1", "trtype": "RDMA", "traddr": "192.168.100.8", "trsvcid": "4420",
+      "subnqn": SUBNQN, "ctrlr_loss_timeout_sec": 10, "reconnect_delay_sec": 20},
+     (-22, "Invalid argument")),
+])
+def test_attach_failures(spdk, params, error):
+    attach_pcie(spdk)
+    _, got = rpc(spdk, "bdev_nvme_attach_controller", params)
+    assert (got["code"], got["message"]) == error
+    assert list(spdk.nvme) == ["nvme0"]
+
+
+def test_second_path_is_multipath_unless_told_otherwise(spdk):
+    assert attach_rdma(spdk, "192.168.100.8") == (["fab0n1"], None)
+    assert attach_rdma(spdk, "192.168.100.9") == (["fab0n1"], None)
+    (ctrl,), _ = rpc(spdk, "bdev_nvme_get_controllers", {"name": "fab0"})
+    assert len(ctrl["ctrlrs"]) == 2
+
+
+def test_failover_path_is_an_alternate_trid_and_reports_no_bdevs(spdk):
+    attach_rdma(spdk, "192.168.100.8")
+    assert attach_rdma(spdk, "192.168.100.9", multipath="failover") == ([], None)
+    (ctrl,), _ = rpc(spdk, "bdev_nvme_get_controllers", {"name": "fab0"})
+    assert [c["trid"]["traddr"] for c in ctrl["ctrlrs"]] == ["192.168.100.8"]
+    assert ctrl["ctrlrs"][0]["alternate_trids"][0]["traddr"] == "192.168.100.9"
+
+
+@pytest.mark.parametrize("second, error", [
+    ({"traddr": "192.168.100.9", "multipath": "disable"},
+     (-114, "A controller named fab0 already exists and multipath is disabled")),
+    ({"traddr": "192.168.100.8", "multipath": "multipath"},
+     (-114, "A controller named fab0 already exists with the specified network path")),
+    ({"traddr": "192.168.100.9", "hostnqn": "nqn.2014-08.org.nvmexpress:uuid:other"},
+     (-22, "A controller named fab0 already exists, but uses a different hostnqn "
+           "(nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-000000000000)")),
+])
+def test_adding_a_path_is_refused_like_spdk(spdk, second, error):
+    attach_rdma(spdk, "192.168.100.8")
+    traddr = second.pop("traddr")
+    _, got = attach_rdma(spdk, traddr, **second)
+    assert (got["code"], got["message"]) == error
+
+
+def test_detach_errors_and_unknown_controller_query(spdk):
+    attach_pcie(spdk)
+    _, got = rpc(spdk, "bdev_nvme_detach_controller", {"name": "nvme9"})
+    assert (got["code"], got["message"]) == (-19, "No such device")
+    _, got = rpc(spdk, "bdev_nvme_detach_controller", {"name": "nvme0", "traddr": "0000:86:00.0"})
+    assert (got["code"], got["message"]) == (-6, "No such device or address")
+    _, got = rpc(spdk, "bdev_nvme_get_controllers", {"name": "nvme9"})
+    assert (got["code"], got["message"]) == (22, "Controller nvme9 does not exist")   # sic: positive
+    _, got = rpc(spdk, "bdev_get_bdevs", {"name": "nvme9n1"})
+    assert (got["code"], got["message"]) == (-19, "No such device")
+
+
+def test_detaching_under_a_vhost_controller_hot_removes_its_bdev(spdk):
+    attach_pcie(spdk)
+    rpc(spdk, "vhost_create_blk_controller", {"ctrlr": "vm1-vdb", "dev_name": "nvme0n1"})
+    assert rpc(spdk, "bdev_nvme_detach_controller", {"name": "nvme0"}) == (True, None)
+    (vc,), _ = rpc(spdk, "vhost_get_controllers", {"name": "vm1-vdb"})
+    assert vc["backend_specific"]["block"]["bdev"] is None
+
+
+# -- vhost --------------------------------------------------------------------------------
+
+def test_vhost_socket_is_real_and_owned_like_spdks(spdk):
+    attach_pcie(spdk)
+    assert rpc(spdk, "vhost_create_blk_controller",
+               {"ctrlr": "vm1-vdb", "dev_name": "nvme0n1", "cpumask": "[1]"}) == (True, None)
+    st = os.stat(os.path.join(spdk.vhost_dir, "vm1-vdb"))
+    assert oct(st.st_mode) == "0o140755" and st.st_uid == os.getuid()
+    (vc,), _ = rpc(spdk, "vhost_get_controllers")
+    assert vc["cpumask"] == "0x2"
+
+
+@pytest.mark.parametrize("params, error", [
+    ({"ctrlr": "vm1-vdb", "dev_name": "nvme0n1"}, (-32602, "File exists")),
+    ({"ctrlr": "vm2-vdb", "dev_name": "nvme5n1"}, (-32602, "No such device")),
+    ({"ctrlr": "vm2-vdb", "dev_name": "nvme0n2", "cpumask": "0x4"}, (-32602, "Invalid argument")),
+    ({"ctrlr": "vm2-vdb", "dev_name": "nvme0n2", "transport": "vfio_user_virtio_blk"},
+     (-32602, "Invalid argument")),
+])
+def test_vhost_create_refusals(spdk, params, error):
+    attach_pcie(spdk)
+    rpc(spdk, "vhost_create_blk_controller", {"ctrlr": "vm1-vdb", "dev_name": "nvme0n1"})
+    _, got = rpc(spdk, "vhost_create_blk_controller", params)
+    assert (got["code"], got["message"]) == error
+    assert list(spdk.vhost) == ["vm1-vdb"]
+
+
+def test_vhost_errors_for_unknown_controllers(spdk):
+    _, got = rpc(spdk, "vhost_delete_controller", {"ctrlr": "vm9-vdb"})
+    assert (got["code"], got["message"]) == (-32602, "No such device")
+    _, got = rpc(spdk, "vhost_get_controllers", {"name": "vm9-vdb"})
+    assert (got["code"], got["message"]) == (-32603, "No such device")
+
+
+def test_delete_refused_while_a_real_initiator_is_connected(spdk):
+    attach_pcie(spdk)
+    rpc(spdk, "vhost_create_blk_controller", {"ctrlr": "vm1-vdb", "dev_name": "nvme0n1"})
+    path = os.path.join(spdk.vhost_dir, "vm1-vdb")
+    qemu = socket.socket(socket.AF_UNIX)
+    qemu.connect(path)
+    try:
+        _, got = rpc(spdk, "vhost_delete_controller", {"ctrlr": "vm1-vdb"})
+        assert (got["code"], got["message"]) == (-32602, "Device or resource busy")
+    finally:
+        qemu.close()
+    assert spdk.wait_disconnected("vm1-vdb")
+    assert rpc(spdk, "vhost_delete_controller", {"ctrlr": "vm1-vdb"}) == (True, None)
+    assert not os.path.exists(path)
+
+
+def test_stop_leaves_no_socket_behind(spdk):
+    attach_pcie(spdk)
+    rpc(spdk, "vhost_create_blk_controller", {"ctrlr": "vm1-vdb", "dev_name": "nvme0n1"})
+    spdk.stop()
+    assert not os.path.exists(spdk.socket_path)
+    assert os.listdir(spdk.vhost_dir) == []
+
+
+# -- NVMe-oF target -------------------------------------------------------------------------
+
+def test_nvmf_duplicates_and_unknown_subsystems(spdk):
+    assert rpc(spdk, "nvmf_create_transport", {"trtype": "RDMA"}) == (True, None)
+    _, got = rpc(spdk, "nvmf_create_transport", {"trtype": "rdma"})
+    assert (got["code"], got["message"]) == (-32603, "Transport type 'rdma' already exists")
+    nqn = "nqn.2024-01.dev.vstor:vm1"
+    rpc(spdk, "nvmf_create_subsystem", {"nqn": nqn})
+    _, got = rpc(spdk, "nvmf_create_subsystem", {"nqn": nqn})
+    assert (got["code"], got["message"]) == (-32603, f"Unable to create subsystem {nqn}")
+    _, got = rpc(spdk, "nvmf_delete_subsystem", {"nqn": "nqn.2024-01.dev.vstor:none"})
+    assert got["code"] == -32602
+
+
+# -- a real vhost-user-blk backend behind the socket ----------------------------------------
+
+VHOST_USER_GET_FEATURES = 1
+VIRTIO_F_VERSION_1 = 1 << 32
+
+
+@pytest.mark.skipif(not os.access(QSD_BINARY, os.X_OK), reason="qemu-storage-daemon is not installed")
+def test_qsd_backed_controller_speaks_vhost_user():
+    workdir = tempfile.mkdtemp(prefix="spdk-double-")
+    double = SpdkTargetDouble(os.path.join(workdir, "spdk.sock"), os.path.join(workdir, "vhost"),
+                              backing_dir=workdir)
+    double.add_pcie("0000:5e:00.0")
+    try:
+        double.start()
+        attach_pcie(double)
+        assert rpc(double, "vhost_create_blk_controller",
+                   {"ctrlr": "vm1-vdb", "dev_name": "nvme0n1"}) == (True, None)
+        pid = double.vhost["vm1-vdb"].qsd_pid
+        assert os.path.getsize(double.backing_file("nvme0n1")) == 1 << 30
+        with socket.socket(socket.AF_UNIX) as qemu:
+            qemu.connect(os.path.join(double.vhost_dir, "vm1-vdb"))
+            qemu.sendall(struct.pack("<III", VHOST_USER_GET_FEATURES, 0x1, 0))
+            qemu.settimeout(5)
+            reply = b""
+            while len(reply) < 20:
+                reply += qemu.recv(20 - len(reply))
+            request, flags, size, features = struct.unpack("<IIIQ", reply)
+            assert (request, size) == (VHOST_USER_GET_FEATURES, 8)
+            assert features & VIRTIO_F_VERSION_1
+            _, got = rpc(double, "vhost_delete_controller", {"ctrlr": "vm1-vdb"})
+            assert got["message"] == "Device or resource busy"
+        assert double.wait_disconnected("vm1-vdb")
+        assert rpc(double, "vhost_delete_controller", {"ctrlr": "vm1-vdb"}) == (True, None)
+        assert not os.path.exists(f"/proc/{pid}/cmdline") or b"qemu-storage" not in Path(
+            f"/proc/{pid}/cmdline").read_bytes()
+    finally:
+        double.stop()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,317 @@
+"""vstor's thin client for SPDK's JSON-RPC socket.
+
+SPDK's official Python client (``spdk.rpc.client.JSONRPCClient``) does the
+connecting and the framing; this module adds what vstor needs on top: one
+exception type carrying SPDK's error code, one-line "SPDK is not reachable"
+errors, typed helpers for the handful of methods vstor sends (parameters
+left out when None), "not found" answers turned into empty lists so steps can
+look before they create, and a dry-run mode that sends nothing.
+
+Every method name and parameter here is checked against SPDK's schema by the
+tests (vstor/data/spdk_methods.json, through the SPDK target double).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import sys
+from typing import Any, TextIO
+
+from .errors import ActionFailed, Unavailable
+
+try:
+    from spdk.rpc.client import JSONRPCClient, JSONRPCException
+    _TRANSPORT_ERRORS: tuple = (JSONRPCException, OSError)
+except ImportError:     # said when a connection is needed; dry runs work without it
+    JSONRPCClient = None
+    _TRANSPORT_ERRORS = (OSError,)
+
+DEFAULT_SOCKET = "/var/tmp/spdk.sock"
+DEFAULT_VHOST_DIR = "/run/vstor/vhost"
+CONFIG_FILE = "/etc/vstor/vstor.conf"
+
+# JSON-RPC error codes SPDK uses (include/spdk/jsonrpc.h).
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+
+
+class SpdkRpcError(ActionFailed):
+    """SPDK answered a request with a JSON-RPC error.
+
+    An ActionFailed: SPDK was reached and refused (or failed) what vstor
+    asked, so the host change did not happen; the journal rolls back what
+    came before it, and the exit code is the one for a failed host change.
+    A missing or dead SPDK is Unavailable instead."""
+
+    def __init__(self, method: str, code: int, message: str):
+        super().__init__(f"SPDK refused {method}: {message} (error {code})",
+                         hint=_hint(method, code, message))
+        self.method = method
+        self.code = code
+        self.rpc_message = message
+
+
+def _hint(method: str, code: int, message: str) -> str | None:
+    if code == METHOD_NOT_FOUND:
+        return f"this SPDK application has no {method}: start SPDK's vhost app, or a newer SPDK"
+    if method == "vhost_delete_controller" and message == os.strerror(errno.EBUSY):
+        return "QEMU is still connected to it: stop the domain first"
+    return None
+
+
+class SpdkClient:
+    """A connection to one SPDK application, opened on first use.
+
+    dry_run=True sends nothing: every request is recorded in ``requests`` and
+    printed to ``out`` as one JSON line, and "get" methods answer empty."""
+
+    def __init__(self, socket_path: str = DEFAULT_SOCKET, timeout: float = 30.0, *,
+                 dry_run: bool = False, out: TextIO | None = None,
+                 vhost_dir: str = DEFAULT_VHOST_DIR):
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self.dry_run = dry_run
+        self.out = out
+        self.vhost_dir = vhost_dir
+        self.requests: list[dict] = []      # dry run only: what would have been sent
+        self._rpc = None
+
+    def __enter__(self) -> SpdkClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        rpc, self._rpc = self._rpc, None
+        if rpc is not None and rpc.sock is not None:
+            try:
+                rpc.close()
+            except OSError:
+                pass    # SPDK already hung up: nothing to shut down
+
+    # -- the one way requests go out ----------------------------------------------------
+
+    def call(self, method: str, params: dict | None = None) -> Any:
+        params = _without_none(params or {})
+        if self.dry_run:
+            return self._record(method, params)
+        rpc = self._connection()
+        try:
+            # send()/recv() rather than JSONRPCClient.call(): call() folds the
+            # error object into a message string (losing the code) and writes
+            # "method"/"req_id" into the caller's params dict on error.
+            req_id = rpc.send(method, params)
+            response = rpc.recv()
+        except _TRANSPORT_ERRORS as e:
+            self._drop()
+            raise self._lost(method, e) from None
+        if response.get("id") != req_id:
+            # The client reads whatever comes next; a late answer to an
+            # earlier, timed-out request must not pass for this one.
+            self._drop()
+            raise Unavailable(f"SPDK at {self.socket_path} answered request {response.get('id')} "
+                              f"while vstor waited for {req_id} ({method})",
+                              hint="retry; if it persists, restart SPDK")
+        if "error" in response:
+            error = response["error"] or {}
+            raise SpdkRpcError(method, int(error.get("code", 0)), str(error.get("message", "")))
+        return response.get("result")
+
+    def _record(self, method: str, params: dict) -> Any:
+        request = {"method": method, "params": params} if params else {"method": method}
+        self.requests.append(request)
+        print(f"SPDK RPC (dry run): {json.dumps(request)}", file=self.out or sys.stdout)
+        return _DRY_RUN_RESULTS.get(method)
+
+    def _connection(self):
+        if self._rpc is None:
+            self._rpc = connect(self.socket_path, self.timeout, self.vhost_dir)
+        return self._rpc
+
+    def _drop(self) -> None:
+        rpc, self._rpc = self._rpc, None
+        if rpc is not None and rpc.sock is not None:
+            try:
+                rpc.sock.close()
+            except OSError:
+                pass
+
+    def _lost(self, method: str, e: Exception) -> Unavailable:
+        text = getattr(e, "message", None) or str(e) or type(e).__name__
+        if text.startswith("Timeout"):
+            why = f"no answer to {method} within {self.timeout:g} s"
+            hint = "SPDK is busy or hung; raise [spdk] timeout in /etc/vstor/vstor.conf if it is only slow"
+        else:
+            why = f"the connection broke during {method} ({text.splitlines()[0]})"
+            hint = "check that SPDK is still running"
+        return Unavailable(f"SPDK at {self.socket_path}: {why}", hint=hint)
+
+    # -- typed helpers ------------------------------------------------------------------
+
+    def get_version(self) -> str:
+        result = self.call("spdk_get_version") or {}
+        return result.get("version", "")
+
+    def get_bdevs(self, name: str | None = None) -> list[dict]:
+        # bdev_get_bdevs with an unknown name answers -ENODEV (lib/bdev/bdev_rpc.c).
+        return self._lookup("bdev_get_bdevs", {"name": name}, {(-errno.ENODEV, None)})
+
+    def attach_nvme_controller(self, name: str, trtype: str, traddr: str, adrfam: str | None = None,
+                               trsvcid: str | None = None, subnqn: str | None = None,
+                               hostnqn: str | None = None, multipath: str | None = None,
+                               ctrlr_loss_timeout_sec: int | None = None,
+                               reconnect_delay_sec: int | None = None,
+                               fast_io_fail_timeout_sec: int | None = None) -> list[str]:
+        """Attach a controller (or one more path to it); returns the bdev names
+        SPDK reports, ``<name>n<nsid>``. An added failover path reports none."""
+        return self.call("bdev_nvme_attach_controller", {
+            "name": name, "trtype": trtype, "traddr": traddr, "adrfam": adrfam,
+            "trsvcid": trsvcid, "subnqn": subnqn, "hostnqn": hostnqn, "multipath": multipath,
+            "ctrlr_loss_timeout_sec": ctrlr_loss_timeout_sec,
+            "reconnect_delay_sec": reconnect_delay_sec,
+            "fast_io_fail_timeout_sec": fast_io_fail_timeout_sec}) or []
+
+    def detach_nvme_controller(self, name: str, trtype: str | None = None, traddr: str | None = None,
+                               adrfam: str | None = None, trsvcid: str | None = None,
+                               subnqn: str | None = None) -> None:
+        """Detach a controller, or only the path the transport fields name."""
+        self.call("bdev_nvme_detach_controller", {
+            "name": name, "trtype": trtype, "traddr": traddr, "adrfam": adrfam,
+            "trsvcid": trsvcid, "subnqn": subnqn})
+
+    def get_nvme_controllers(self, name: str | None = None) -> list[dict]:
+        # Unknown name: current SPDK answers code +22 (EINVAL, positive)
+        # "Controller X does not exist"; older releases answered
+        # -32602 "Invalid parameters" (module/bdev/nvme/bdev_nvme_rpc.c).
+        return self._lookup("bdev_nvme_get_controllers", {"name": name},
+                            {(errno.EINVAL, None), (INVALID_PARAMS, "Invalid parameters")})
+
+    def vhost_create_blk_controller(self, ctrlr: str, dev_name: str, cpumask: str | None = None,
+                                    readonly: bool | None = None,
+                                    packed_ring: bool | None = None) -> None:
+        """SPDK creates the socket <vhost dir>/<ctrlr> (its -S option)."""
+        self.call("vhost_create_blk_controller", {
+            "ctrlr": ctrlr, "dev_name": dev_name, "cpumask": cpumask,
+            "readonly": readonly, "packed_ring": packed_ring})
+
+    def vhost_delete_controller(self, ctrlr: str) -> None:
+        """Refused (EBUSY) while an initiator is connected: delete after QEMU stops."""
+        self.call("vhost_delete_controller", {"ctrlr": ctrlr})
+
+    def vhost_get_controllers(self, name: str | None = None) -> list[dict]:
+        # Unknown name: -32603 with strerror(ENODEV), "No such device"
+        # (lib/vhost/vhost_rpc.c); the same code also means a decode failure.
+        return self._lookup("vhost_get_controllers", {"name": name},
+                            {(INTERNAL_ERROR, os.strerror(errno.ENODEV))})
+
+    def framework_get_reactors(self) -> dict:
+        return self.call("framework_get_reactors") or {}
+
+    def nvmf_create_transport(self, trtype: str, **options: Any) -> None:
+        """options: any nvmf_create_transport parameter (no_srq, max_srq_depth, num_cqe, ...)."""
+        self.call("nvmf_create_transport", {"trtype": trtype, **options})
+
+    def nvmf_create_subsystem(self, nqn: str, serial_number: str | None = None,
+                              model_number: str | None = None, allow_any_host: bool | None = None,
+                              max_namespaces: int | None = None) -> None:
+        self.call("nvmf_create_subsystem", {
+            "nqn": nqn, "serial_number": serial_number, "model_number": model_number,
+            "allow_any_host": allow_any_host, "max_namespaces": max_namespaces})
+
+    def nvmf_subsystem_add_ns(self, nqn: str, bdev_name: str, nsid: int | None = None) -> int:
+        """Returns the namespace id SPDK assigned."""
+        namespace = _without_none({"bdev_name": bdev_name, "nsid": nsid})
+        return self.call("nvmf_subsystem_add_ns", {"nqn": nqn, "namespace": namespace}) or 0
+
+    def nvmf_subsystem_add_listener(self, nqn: str, trtype: str, traddr: str, trsvcid: str,
+                                    adrfam: str | None = None) -> None:
+        address = _without_none({"trtype": trtype, "adrfam": adrfam, "traddr": traddr,
+                                 "trsvcid": trsvcid})
+        self.call("nvmf_subsystem_add_listener", {"nqn": nqn, "listen_address": address})
+
+    def nvmf_delete_subsystem(self, nqn: str) -> None:
+        self.call("nvmf_delete_subsystem", {"nqn": nqn})
+
+    def nvmf_get_subsystems(self, nqn: str | None = None) -> list[dict]:
+        # Filtered here rather than by SPDK: how an unknown nqn is answered
+        # differs between releases, and an empty list is what callers want.
+        subsystems = self.call("nvmf_get_subsystems") or []
+        return [s for s in subsystems if nqn is None or s.get("nqn") == nqn]
+
+    def _lookup(self, method: str, params: dict, not_found: set[tuple[int, str | None]]) -> list:
+        try:
+            return self.call(method, params) or []
+        except SpdkRpcError as e:
+            if params.get("name") is not None and _matches(e, not_found):
+                return []
+            raise
+
+
+def _matches(e: SpdkRpcError, answers: set[tuple[int, str | None]]) -> bool:
+    return any(e.code == code and (message is None or e.rpc_message == message)
+               for code, message in answers)
+
+
+def _without_none(params: dict) -> dict:
+    return {k: v for k, v in params.items() if v is not None}
+
+
+_DRY_RUN_RESULTS: dict[str, Any] = {
+    "spdk_get_version": {"version": "(dry run)", "fields": {}},
+    "bdev_get_bdevs": [],
+    "bdev_nvme_get_controllers": [],
+    "vhost_get_controllers": [],
+    "nvmf_get_subsystems": [],
+    "framework_get_reactors": {"reactors": []},
+    "bdev_nvme_attach_controller": [],
+}
+
+
+# -- reaching SPDK ------------------------------------------------------------------------
+
+def connect(socket_path: str, timeout: float, vhost_dir: str = DEFAULT_VHOST_DIR):
+    """SPDK's JSONRPCClient on socket_path, or Unavailable saying why not."""
+    def unreachable(why: str) -> Unavailable:
+        return Unavailable(f"SPDK is not reachable at {socket_path}: {why}",
+                           hint=f"start SPDK's vhost app with -r {socket_path} -S {vhost_dir}, "
+                                f"or set [spdk] rpc_socket in {CONFIG_FILE}")
+    if JSONRPCClient is None:
+        raise Unavailable("SPDK's Python client is not installed", hint="pip install spdk")
+    _check_socket(socket_path, unreachable)
+    try:
+        rpc = JSONRPCClient(socket_path, timeout=timeout)
+    except _TRANSPORT_ERRORS as e:
+        raise unreachable(_connect_failure(e.__cause__ or e)) from None
+    # Each JSONRPCClient adds one more log handler to the logger shared by
+    # every client of the same address; keep a single one.
+    del rpc.get_logger().handlers[:-1]
+    return rpc
+
+
+def _check_socket(path: str, unreachable) -> None:
+    # JSONRPCClient treats any address that is not an existing path as an IP
+    # address and fails with a three-line message: say it in one line first.
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise unreachable("no such socket") from None
+    except PermissionError:
+        raise unreachable("permission denied (run as root)") from None
+    if not stat.S_ISSOCK(mode):
+        raise unreachable("not a socket")
+
+
+def _connect_failure(cause: BaseException | None) -> str:
+    code = getattr(cause, "errno", None)
+    if code == errno.ECONNREFUSED:
+        return "connection refused (a stale socket: SPDK is not running)"
+    if code in (errno.EACCES, errno.EPERM):
+        return "permission denied (run as root)"
+    if code == errno.ENOENT or code is None:
+        return "no such socket"
+    return os.strerror(code).lower()
