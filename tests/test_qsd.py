@@ -1,0 +1,650 @@
+"""vstor.qsd and vstor.qmp against the real qemu-storage-daemon.
+
+The daemon tests need root (sockets are chowned to the QEMU group and
+connections are tried as libvirt-qemu and nobody): they skip without root,
+and fail instead when CI=true.  A minimal vhost-user-blk front end (below)
+does real I/O through the exported socket, without booting a guest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import grp
+import json
+import mmap
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+
+import pytest
+
+from vstor.errors import ActionFailed, BadInput, DoesNotFit, Unavailable
+from vstor.qmp import QmpClient, QmpConnectionError, QmpError
+from vstor.qsd import QsdExport
+
+QSD = "/usr/bin/qemu-storage-daemon"
+QEMU_USER, QEMU_GROUP = "libvirt-qemu", "kvm"
+CI = os.environ.get("CI") == "true"
+
+
+def _need(ok: bool, why: str):
+    if not ok:
+        if CI:
+            pytest.fail(f"CI=true and {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture
+def area():
+    """A scratch tree QEMU's user may traverse: base/run (the run dir),
+    base/vhost (sockets), base/disk.raw (8 MiB).  Stops every export made."""
+    _need(os.geteuid() == 0, "needs root")
+    _need(os.access(QSD, os.X_OK), f"{QSD} is not installed")
+    for name, get in ((QEMU_USER, pwd.getpwnam), (QEMU_GROUP, grp.getgrnam)):
+        try:
+            get(name)
+        except KeyError:
+            _need(False, f"no {name} on this host")
+    base = tempfile.mkdtemp(prefix="vq-", dir="/tmp")
+    os.chmod(base, 0o711)
+    made: list[QsdExport] = []
+    area = Area(base, made)
+    with open(area.disk, "wb") as f:
+        f.truncate(8 << 20)
+    yield area
+    for export in made:
+        with contextlib.suppress(Exception):
+            export.stop()
+    shutil.rmtree(base)
+
+
+class Area:
+    def __init__(self, base: str, made: list):
+        self.base, self.made = base, made
+        self.run_dir = os.path.join(base, "run")
+        self.vhost = os.path.join(base, "vhost")
+        self.disk = os.path.join(base, "disk.raw")
+
+    def export(self, name: str = "vm1-vdb", cls=QsdExport, **kw) -> QsdExport:
+        kw.setdefault("source", self.disk)
+        kw.setdefault("kind", "file")
+        e = cls(run_dir=self.run_dir, name=name, socket_path=os.path.join(self.vhost, name), **kw)
+        self.made.append(e)
+        return e
+
+    def leftovers(self) -> list[str]:
+        found = []
+        for d in (self.run_dir, self.vhost):
+            if os.path.isdir(d):
+                found += [os.path.join(d, n) for n in os.listdir(d)]
+        return found
+
+
+def connect_as(user: str, path: str) -> int:
+    """errno of connecting to `path` as `user` in a forked child (0 = connected).
+    Written independently of vstor.qsd.connect_as on purpose."""
+    pw = pwd.getpwnam(user)
+    child = os.fork()
+    if child == 0:
+        code = 0
+        try:
+            os.setgroups(os.getgrouplist(user, pw.pw_gid))
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(2)
+            s.connect(path)
+            s.close()
+        except OSError as e:
+            code = e.errno or 254
+        except BaseException:
+            code = 255
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def qmp(export: QsdExport, command: str, args: dict | None = None):
+    with QmpClient(export.qmp_path) as client:
+        return client.execute(command, args)
+
+
+def node(export: QsdExport, name: str) -> dict:
+    nodes = qmp(export, "query-named-block-nodes", {"flat": True})
+    return next(n for n in nodes if n["node-name"] == name)
+
+
+# -- a minimal vhost-user-blk front end (a test double of QEMU's side) ----------------------
+
+class VhostUserBlk:
+    """One split virtqueue of 8 entries in a shared memfd; synchronous requests.
+    Enough to prove that bytes written through the socket land in the source."""
+
+    GET_FEATURES, SET_FEATURES, SET_OWNER, SET_MEM_TABLE = 1, 2, 3, 5
+    SET_VRING_NUM, SET_VRING_ADDR, SET_VRING_BASE, SET_VRING_KICK, SET_VRING_CALL = 8, 9, 10, 12, 13
+    GET_PROTOCOL_FEATURES, SET_PROTOCOL_FEATURES, SET_VRING_ENABLE, GET_CONFIG = 15, 16, 18, 24
+    F_BLK_RO, F_PROTOCOL_FEATURES, F_VERSION_1, PF_CONFIG = 1 << 5, 1 << 30, 1 << 32, 1 << 9
+    QSIZE, MEM, UADDR = 8, 1 << 20, 0x7F0000000000
+    DESC, AVAIL, USED, BUF = 0x0, 0x1000, 0x2000, 0x10000
+    T_IN, T_OUT, T_FLUSH = 0, 1, 4
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(5)
+        self.sock.connect(path)
+        self.memfd = os.memfd_create("vu-test")
+        os.ftruncate(self.memfd, self.MEM)
+        self.mem = mmap.mmap(self.memfd, self.MEM)
+        self.kick, self.call = os.eventfd(0), os.eventfd(0)
+        self.avail_idx = 0
+        self.features = self._get_u64(self.GET_FEATURES)
+        proto = self._get_u64(self.GET_PROTOCOL_FEATURES) & self.PF_CONFIG
+        self._send(self.SET_PROTOCOL_FEATURES, struct.pack("<Q", proto))
+        self._send(self.SET_OWNER)
+        want = self.F_VERSION_1 | self.F_PROTOCOL_FEATURES
+        self._send(self.SET_FEATURES, struct.pack("<Q", self.features & want))
+        self._send(self.SET_MEM_TABLE, struct.pack("<II4Q", 1, 0, 0, self.MEM, self.UADDR, 0),
+                   fds=[self.memfd])
+        self._send(self.SET_VRING_NUM, struct.pack("<II", 0, self.QSIZE))
+        self._send(self.SET_VRING_BASE, struct.pack("<II", 0, 0))
+        u = self.UADDR
+        self._send(self.SET_VRING_ADDR, struct.pack("<IIQQQQ", 0, 0, u + self.DESC,
+                                                    u + self.USED, u + self.AVAIL, 0))
+        self._send(self.SET_VRING_KICK, struct.pack("<Q", 0), fds=[self.kick])
+        self._send(self.SET_VRING_CALL, struct.pack("<Q", 0), fds=[self.call])
+        self._send(self.SET_VRING_ENABLE, struct.pack("<II", 0, 1))
+
+    def close(self):
+        self.sock.close()
+        self.mem.close()
+        for fd in (self.memfd, self.kick, self.call):
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def capacity(self) -> int:
+        """512-byte sectors, from the virtio-blk config space."""
+        self._send(self.GET_CONFIG, struct.pack("<III", 0, 8, 0) + bytes(8))
+        return struct.unpack_from("<Q", self._reply(self.GET_CONFIG), 12)[0]
+
+    def read(self, sector: int, length: int) -> tuple[int, bytes]:
+        return self._request(self.T_IN, sector, bytes(length), device_writes=True)
+
+    def write(self, sector: int, data: bytes) -> int:
+        return self._request(self.T_OUT, sector, data, device_writes=False)[0]
+
+    def flush(self) -> int:
+        return self._request(self.T_FLUSH, 0, b"", device_writes=False)[0]
+
+    def _request(self, rtype, sector, data, device_writes):
+        hdr, buf = self.BUF, self.BUF + 0x100
+        status = buf + max(len(data), 1)
+        self.mem[hdr:hdr + 16] = struct.pack("<IIQ", rtype, 0, sector)
+        self.mem[buf:buf + len(data)] = data
+        self.mem[status] = 0xFF
+        descs = [(hdr, 16, 0)] + ([(buf, len(data), 2 if device_writes else 0)] if data else [])
+        descs.append((status, 1, 2))
+        for i, (addr, length, flags) in enumerate(descs):
+            last = i + 1 == len(descs)
+            struct.pack_into("<QIHH", self.mem, self.DESC + 16 * i, addr, length,
+                             flags | (0 if last else 1), 0 if last else i + 1)
+        struct.pack_into("<H", self.mem, self.AVAIL + 4 + 2 * (self.avail_idx % self.QSIZE), 0)
+        self.avail_idx = (self.avail_idx + 1) & 0xFFFF
+        struct.pack_into("<H", self.mem, self.AVAIL + 2, self.avail_idx)
+        os.eventfd_write(self.kick, 1)
+        deadline = time.monotonic() + 5
+        while struct.unpack_from("<H", self.mem, self.USED + 2)[0] != self.avail_idx:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the vhost-user-blk back end did not complete the request")
+            time.sleep(0.001)
+        return self.mem[status], bytes(self.mem[buf:buf + len(data)])
+
+    def _send(self, req, payload=b"", fds=()):
+        msg = struct.pack("<III", req, 0x1, len(payload)) + payload
+        if fds:
+            socket.send_fds(self.sock, [msg], list(fds))
+        else:
+            self.sock.sendall(msg)
+
+    def _reply(self, req) -> bytes:
+        got, flags, size = struct.unpack("<III", self._recv(12))
+        assert got == req and flags & 0x4, (got, flags)
+        return self._recv(size)
+
+    def _recv(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = self.sock.recv(n - len(out))
+            if not chunk:
+                raise ConnectionError("the vhost-user back end closed the connection")
+            out += chunk
+        return out
+
+    def _get_u64(self, req) -> int:
+        self._send(req)
+        return struct.unpack("<Q", self._reply(req))[0]
+
+
+def roundtrip(socket_path: str, sector: int = 8) -> bytes:
+    """Write a random 4 KiB pattern through the socket, flush, read it back."""
+    pattern = os.urandom(4096)
+    with VhostUserBlk(socket_path) as dev:
+        assert dev.write(sector, pattern) == 0
+        assert dev.flush() == 0
+        status, data = dev.read(sector, len(pattern))
+        assert status == 0 and data == pattern
+    return pattern
+
+
+def on_disk(path: str, sector: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(sector * 512)
+        return f.read(length)
+
+
+# -- pure: command line, names, record (no root) ----------------------------------------------
+
+def _pure(**kw) -> QsdExport:
+    base = dict(run_dir="/run/vstor/qsd", name="vm1-vdb", source="/var/lib/vstor/a,b.raw",
+                kind="file", socket_path="/run/vstor/vhost/vm1-vdb")
+    return QsdExport(**{**base, **kw})
+
+
+def test_argv_is_the_documented_command_line():
+    assert _pure(direct=True).argv() == [
+        QSD,
+        "--blockdev", "driver=file,node-name=file0,filename=/var/lib/vstor/a,,b.raw,"
+                      "cache.direct=on,aio=native,discard=unmap",
+        "--blockdev", "driver=raw,node-name=disk0,file=file0,discard=unmap",
+        "--export", "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,"
+                    "addr.path=/run/vstor/vhost/vm1-vdb,writable=on,num-queues=1",
+        "--chardev", "socket,id=qmp0,path=/run/vstor/qsd/vm1-vdb.qmp,server=on,wait=off",
+        "--monitor", "chardev=qmp0",
+        "--pidfile", "/run/vstor/qsd/vm1-vdb.pid",
+        "--daemonize"]
+
+
+def test_argv_readonly_block_and_unresolved_file():
+    ro = _pure(kind="block", source="/dev/vg0/data", readonly=True, queues=4).argv()
+    assert ro[2] == ("driver=host_device,node-name=file0,filename=/dev/vg0/data,"
+                     "cache.direct=on,aio=native,read-only=on")
+    assert ro[4] == "driver=raw,node-name=disk0,file=file0,read-only=on"
+    assert ro[6].endswith("writable=off,num-queues=4")
+    # A file whose filesystem was not probed gets the mode that works everywhere.
+    assert "cache.direct=off,aio=threads" in _pure().argv()[2]
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("name", "../etc", "not safe"),
+    ("name", "a/b", "not safe"),
+    ("name", ".hidden", "not safe"),
+    ("name", "", "non-empty"),
+    ("name", "x" * 97, "not safe"),
+    ("name", "a,b", "not safe"),
+    ("source", "relative.raw", "clean absolute path"),
+    ("source", "/var/lib/../x.raw", "clean absolute path"),
+    ("run_dir", "/run//vstor", "clean absolute path"),
+    ("socket_path", "/run/" + "s" * 110, "longer than a Unix socket allows"),
+    ("run_dir", "/" + "r" * 100, "longer than a Unix socket allows"),
+    ("kind", "nvme", "neither"),
+    ("queues", 0, "1 to 1024"),
+    ("queues", True, "1 to 1024"),
+    ("readonly", "yes", "true or false"),
+])
+def test_bad_input_is_refused_before_any_path_is_built(field, value, words):
+    with pytest.raises(BadInput) as err:
+        _pure(**{field: value})
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_names_vstor_makes_are_accepted():
+    assert _pure(name="db+1.prod-vdb").pidfile == "/run/vstor/qsd/db+1.prod-vdb.pid"
+
+
+def test_record_roundtrip_is_json():
+    e = _pure(readonly=True, queues=2)
+    rec = json.loads(json.dumps(e.to_record()))
+    assert rec["version"] == 1 and rec["socket_path"] == e.socket_path and rec["direct"] is None
+    assert QsdExport.from_record(rec) == e
+    with pytest.raises(BadInput, match="lacks socket_path"):
+        QsdExport.from_record({k: v for k, v in rec.items() if k != "socket_path"})
+    with pytest.raises(ActionFailed, match="version 9"):
+        QsdExport.from_record({**rec, "version": 9})
+
+
+def test_dry_run_lists_the_command_and_the_socket_change():
+    lines = _pure().dry_run()
+    assert lines[0] == "install -d -o root -g kvm -m 0750 /run/vstor/qsd"
+    assert lines[1].startswith(QSD + " --blockdev ") and "--daemonize" in lines[1]
+    assert lines[2:] == ["chown root:kvm /run/vstor/vhost/vm1-vdb",
+                         "chmod 0660 /run/vstor/vhost/vm1-vdb"]
+
+
+def test_missing_binary_is_unavailable(area):
+    with pytest.raises(Unavailable, match="apt install qemu-system-common"):
+        area.export(binary="/nonexistent/qemu-storage-daemon").start()
+    assert area.leftovers() == []
+
+
+# -- QMP client --------------------------------------------------------------------------------
+
+def test_qmp_error_carries_class_and_desc(area):
+    e = area.export()
+    e.start()
+    with QmpClient(e.qmp_path) as client:
+        assert client.greeting["QMP"]["version"]["qemu"]["major"] >= 7
+        with pytest.raises(QmpError) as err:
+            client.execute("no-such-command")
+        assert err.value.error_class == "CommandNotFound" and "no-such-command" in err.value.desc
+        assert client.execute("query-block-exports")[0]["id"] == "exp0"   # still usable
+
+
+def test_qmp_unreachable_and_silent_monitors(tmp_path):
+    with pytest.raises(QmpConnectionError, match="cannot connect"):
+        QmpClient(str(tmp_path / "none.qmp"), timeout=1).connect()
+    path = str(tmp_path / "silent.qmp")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(1)
+    start = time.monotonic()
+    with pytest.raises(QmpConnectionError, match="within 0.3s"):
+        QmpClient(path, timeout=0.3).connect()
+    assert time.monotonic() - start < 2
+    server.close()
+
+
+# -- the daemon --------------------------------------------------------------------------------
+
+def test_start_hands_the_socket_to_the_qemu_group_only(area):
+    e = area.export()
+    pid = e.start()
+    kvm = grp.getgrnam(QEMU_GROUP).gr_gid
+    st = os.lstat(e.socket_path)
+    assert stat.S_ISSOCK(st.st_mode) and (st.st_uid, st.st_gid) == (0, kvm)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+    rd = os.stat(area.run_dir)
+    assert (rd.st_uid, rd.st_gid, stat.S_IMODE(rd.st_mode)) == (0, kvm, 0o750)
+    assert stat.S_IMODE(os.stat(e.pidfile).st_mode) == 0o600
+    assert e.pid() == pid and e.alive()
+    assert connect_as(QEMU_USER, e.socket_path) == 0
+    assert connect_as("nobody", e.socket_path) == errno.EACCES
+    assert connect_as(QEMU_USER, e.qmp_path) == errno.EACCES      # the monitor is root's
+    roundtrip(e.socket_path)        # the probes above left the export usable
+
+
+def test_socket_mode_alone_keeps_others_out(area):
+    os.makedirs(area.vhost, mode=0o755)     # a directory anyone may traverse
+    os.chmod(area.vhost, 0o755)
+    e = area.export()
+    e.start()
+    assert connect_as("nobody", e.socket_path) == errno.EACCES
+    assert connect_as(QEMU_USER, e.socket_path) == 0
+
+
+def test_qmp_lists_the_export_and_the_cache_choice(area):
+    e = area.export(queues=2)
+    e.start()
+    exports = qmp(e, "query-block-exports")
+    assert [(x["id"], x["type"], x["node-name"]) for x in exports] == \
+        [("exp0", "vhost-user-blk", "disk0")]
+    assert node(e, "disk0")["ro"] is False
+    # /tmp is ext4 here: O_DIRECT works, so the file is opened cache.direct=on.
+    assert node(e, "file0")["cache"]["direct"] is True
+
+
+def test_data_written_by_the_qemu_user_lands_in_the_file(area):
+    e = area.export()
+    e.start()
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            pw = pwd.getpwnam(QEMU_USER)
+            os.setgroups(os.getgrouplist(QEMU_USER, pw.pw_gid))
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            with VhostUserBlk(e.socket_path) as dev:
+                os.write(w, struct.pack("<Q", dev.capacity()))
+            os.write(w, roundtrip(e.socket_path, sector=24))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+    with os.fdopen(r, "rb") as f:
+        capacity, pattern = struct.unpack("<Q", f.read(8))[0], f.read()
+    assert capacity == (8 << 20) // 512
+    assert on_disk(area.disk, 24, 4096) == pattern
+
+
+def test_stop_leaves_nothing_and_is_idempotent(area):
+    e = area.export()
+    pid = e.start()
+    e.stop()
+    assert gone(pid)
+    assert area.leftovers() == []
+    assert e.pid() is None and not e.alive()
+    e.stop()        # a gone daemon is fine
+    QsdExport.from_record(e.to_record()).stop()
+
+
+def test_stop_kills_a_daemon_that_cannot_quit(area):
+    e = area.export()
+    pid = e.start()
+    os.kill(pid, signal.SIGSTOP)        # frozen: QMP never answers, SIGTERM stays pending
+    began = time.monotonic()
+    e.stop(timeout=0.5)
+    took = time.monotonic() - began
+    assert gone(pid) and area.leftovers() == []
+    assert took < 4, f"QMP 0.5s + SIGTERM grace 2s + SIGKILL, took {took:.1f}s"
+
+
+def test_start_twice_reuses_the_running_daemon(area):
+    e = area.export()
+    pid = e.start()
+    assert e.start() == pid
+    assert QsdExport.from_record(e.to_record()).start() == pid
+    assert len([p for p in os.listdir("/proc") if p.isdigit()
+                and _argv(int(p))[:1] == [QSD] and e.pidfile in _argv(int(p))]) == 1
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode() for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def test_a_different_daemon_under_the_same_name_is_not_taken_over(area):
+    e = area.export()
+    pid = e.start()
+    other = os.path.join(area.base, "other.raw")
+    open(other, "wb").close()
+    with pytest.raises(ActionFailed, match=f"pid {pid}.* already runs with different options"):
+        area.export(source=other).start()
+    assert e.alive() and e.pid() == pid
+
+
+def test_killed_daemon_is_detected_and_restarted_on_the_same_socket(area):
+    e = area.export()
+    pid = e.start()
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone(pid)
+    assert not e.alive() and e.pid() is None
+    assert os.path.exists(e.pidfile)            # SIGKILL leaves its files behind
+    assert e.restart_if_dead() is True
+    new = e.pid()
+    assert new is not None and new != pid and e.alive()
+    st = os.lstat(e.socket_path)
+    assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == grp.getgrnam(QEMU_GROUP).gr_gid
+    pattern = roundtrip(e.socket_path)
+    assert on_disk(area.disk, 8, 4096) == pattern
+    assert e.restart_if_dead() is False and e.pid() == new
+
+
+def test_missing_source_is_one_line_and_leaves_nothing(area):
+    e = area.export(source=os.path.join(area.base, "nope.raw"))
+    with pytest.raises(BadInput) as err:
+        e.start()
+    msg = str(err.value)
+    assert "\n" not in msg and e.source in msg and "No such file" in msg
+    assert "qemu-img create" in msg
+    assert area.leftovers() == [] and e.pid() is None
+
+
+def test_wrong_kind_of_source_is_bad_input(area):
+    with pytest.raises(BadInput, match="is not a block device"):
+        area.export(kind="block").start()
+    assert area.leftovers() == []
+
+
+class BadOption(QsdExport):
+    """An export whose command line qsd itself refuses at startup."""
+
+    def argv(self):
+        argv = super().argv()
+        argv[argv.index("--export") + 1] += ",logical-block-size=3"
+        return argv
+
+
+def test_startup_failure_reports_qsds_message_and_leaves_nothing(area):
+    e = area.export(cls=BadOption)
+    with pytest.raises(ActionFailed) as err:
+        e.start()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("qemu-storage-daemon vm1-vdb failed to start: ")
+    assert "logical-block-size doesn't take value 3" in msg
+    assert area.leftovers() == [] and e.pid() is None
+
+
+def test_a_second_writer_of_one_source_is_refused(area):
+    # qsd's exports share every permission on their node, so QEMU's image
+    # locking would let both start: vstor checks the running daemons itself.
+    first = area.export("vm1-vdb")
+    pid = first.start()
+    link = os.path.join(area.base, "alias.raw")
+    os.symlink(area.disk, link)
+    for name, kw in (("vm2-vdb", {}), ("vm3-vdb", {"source": link}),
+                     ("vm4-vdb", {"readonly": True})):
+        with pytest.raises(DoesNotFit, match=f"already exported by qemu-storage-daemon pid {pid}"):
+            area.export(name, **kw).start()
+    assert sorted(area.leftovers()) == sorted([first.pidfile, first.qmp_path, first.socket_path])
+    assert first.pid() == pid and first.alive()
+
+
+def test_readonly_export_is_writable_off(area):
+    with open(area.disk, "r+b") as f:
+        f.write(b"\xab" * 4096)
+    e = area.export(readonly=True)
+    e.start()
+    assert node(e, "disk0")["ro"] is True and node(e, "file0")["ro"] is True
+    with VhostUserBlk(e.socket_path) as dev:
+        assert dev.features & VhostUserBlk.F_BLK_RO
+        assert dev.write(0, b"\x00" * 4096) != 0        # refused by the back end
+        assert dev.read(0, 4096) == (0, b"\xab" * 4096)
+    assert on_disk(area.disk, 0, 4096) == b"\xab" * 4096
+    # Readers share: a second readonly export of the same file starts.
+    area.export("vm2-vdb", readonly=True).start()
+
+
+def test_source_path_with_a_comma(area):
+    disk = os.path.join(area.base, "a,b.raw")
+    with open(disk, "wb") as f:
+        f.truncate(1 << 20)
+    e = area.export(source=disk)
+    e.start()
+    assert node(e, "file0")["file"] == disk
+
+
+def test_a_regular_file_at_the_socket_path_is_never_replaced(area):
+    os.makedirs(area.vhost)
+    path = os.path.join(area.vhost, "vm1-vdb")
+    with open(path, "w") as f:
+        f.write("precious")
+    with pytest.raises(ActionFailed, match="is not a socket"):
+        area.export().start()
+    assert open(path).read() == "precious"
+
+
+def test_filesystem_without_o_direct_gets_cache_direct_off(area):
+    mnt = os.path.join(area.base, "ramfs")
+    os.mkdir(mnt)
+    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", mnt], capture_output=True)
+    _need(mounted.returncode == 0, f"cannot mount ramfs: {mounted.stderr.decode().strip()}")
+    try:
+        disk = os.path.join(mnt, "r.raw")
+        with open(disk, "wb") as f:
+            f.truncate(1 << 20)
+        e = area.export(source=disk)
+        e.start()
+        assert node(e, "file0")["cache"]["direct"] is False
+        pattern = roundtrip(e.socket_path)
+        assert on_disk(disk, 8, 4096) == pattern
+        e.stop()
+    finally:
+        subprocess.run(["umount", mnt], check=True)
+
+
+def test_block_device_source(area):
+    loop = subprocess.run(["losetup", "--find", "--show", area.disk], capture_output=True, text=True)
+    _need(loop.returncode == 0, f"no loop device: {loop.stderr.strip()}")
+    dev = loop.stdout.strip()
+    try:
+        e = area.export(source=dev, kind="block")
+        e.start()
+        info = node(e, "file0")
+        assert info["drv"] == "host_device" and info["cache"]["direct"] is True
+        pattern = roundtrip(e.socket_path, sector=40)
+        e.stop()
+        assert on_disk(area.disk, 40, 4096) == pattern
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=True)
+
+
+def test_concurrent_starts_of_one_export_make_one_daemon(area):
+    exports = [area.export() for _ in range(4)]
+    pids, errors = [], []
+
+    def go(x):
+        try:
+            pids.append(x.start())
+        except Exception as err:       # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=go, args=(x,)) for x in exports]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(set(pids)) == 1 and exports[0].alive()
