@@ -163,6 +163,14 @@ def test_a_notification_is_done_and_not_answered(spdk):
     assert reply["id"] == 9 and [b["name"] for b in reply["result"]] == ["nvme0n1", "nvme0n2"]
 
 
+def test_a_batch_is_answered_as_a_list(spdk):
+    batch = [{"jsonrpc": "2.0", "method": "spdk_get_version", "id": 1},
+             {"jsonrpc": "2.0", "method": "bdev_get_bdevs", "params": {"name": "x"}, "id": 2}]
+    (replies,) = raw_exchange(spdk.socket_path, json.dumps(batch).encode(), 1)
+    assert [r["id"] for r in replies] == [1, 2]
+    assert replies[1]["error"] == {"code": -19, "message": "No such device"}
+
+
 def test_every_request_is_recorded_as_sent(spdk):
     rpc(spdk, "spdk_get_version")
     rpc(spdk, "bdev_get_bdevs", {"name": "x", "timeout": 0})

@@ -29,6 +29,7 @@ sent) for tests to assert exact parameters.
 
 from __future__ import annotations
 
+import codecs
 import copy
 import json
 import os
@@ -44,15 +45,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from errno import EALREADY, EBUSY, EEXIST, EINVAL, EIO, ENODEV, ENXIO
 from pathlib import Path
 
 import pytest
 
 FACTS = Path(__file__).resolve().parents[2] / "vstor" / "data" / "spdk_methods.json"
 QSD_BINARY = "/usr/bin/qemu-storage-daemon"
-
-# errno values SPDK puts in error codes (Linux).
-ENXIO, EIO, ENODEV, EEXIST, EINVAL, EBUSY, EALREADY = 6, 5, 19, 17, 22, 16, 114
 
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND = -32700, -32600, -32601
 INVALID_PARAMS, INTERNAL_ERROR = -32602, -32603
@@ -76,8 +75,8 @@ NVMF_DECODE = (INVALID_PARAMS, "Invalid parameters")
 
 TRTYPES = {"pcie": "PCIe", "rdma": "RDMA", "tcp": "TCP"}
 ADRFAMS = {"ipv4": "IPv4", "ipv6": "IPv6", "ib": "IB", "fc": "FC", "intra_host": "INTRA_HOST"}
-# spdk_nvme_ctrlr_get_default_ctrlr_opts gives every controller this host NQN
-# when the request names none; two paths compare equal on it.
+# When a request names no hostnqn, SPDK uses its default one (made from a UUID
+# at start; a fixed one here), so two paths attached without one compare equal.
 DEFAULT_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-000000000000"
 
 
@@ -374,6 +373,7 @@ class SpdkTargetDouble:
     def _converse(self, conn: socket.socket) -> None:
         conn.settimeout(0.5)
         buf = ""
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         with conn:
             while not self._stopping.is_set():
                 try:
@@ -388,7 +388,7 @@ class SpdkTargetDouble:
                     return
                 if not data:
                     return
-                buf += data.decode("utf-8", errors="replace")
+                buf += text.decode(data)
                 buf = self._answer_all(conn, buf)
 
     def _answer_all(self, conn: socket.socket, buf: str) -> str:
@@ -406,7 +406,8 @@ class SpdkTargetDouble:
         return buf
 
     def answer(self, request):
-        """The response to one decoded request (or batch); None for notifications."""
+        """The response to one decoded request, or to a JSON-RPC 2.0 batch (what
+        SPDK's client sends in batch mode); None for notifications."""
         if isinstance(request, list):
             replies = [r for r in (self._answer_one(item) for item in request) if r is not None]
             return replies or (None if request else _error(None, INVALID_REQUEST, "Invalid request"))
