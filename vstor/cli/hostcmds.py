@@ -71,7 +71,7 @@ def cmd_host_show(ctx, args) -> int:
         json.dump(data, sys.stdout, indent=2)
         print()
         return 0
-    print(f"Host {host.hostname}: {len(host.cpus)} CPUs, {len(host.nodes)} NUMA nodes, "
+    print(f"Host {host.hostname}: {len(host.cpus)} CPUs, {len(host.nodes)} NUMA node{'s' if len(host.nodes) != 1 else ''}, "
           f"IOMMU {'on' if host.iommu_enabled else 'off'}, "
           f"vfio-pci {'yes' if host.vfio_available else 'no'}")
     for node in host.nodes:

@@ -73,7 +73,7 @@ def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
     if isinstance(picked, NoFit):
         return NoFit(f"node {node.id}: {picked.reason}")
     pins, reserved = picked
-    reasons = [f"{vcpus} vCPUs pinned 1:1 to dedicated cores {format_cpulist(pins)} on node {node.id}"]
+    reasons = [f"{vcpus} vCPU{'s' if vcpus != 1 else ''} pinned 1:1 to dedicated cores {format_cpulist(pins)} on node {node.id}"]
     if reserved:
         reasons.append(f"SMT siblings {format_cpulist(reserved)} kept idle so no other VM "
                        "shares those physical cores")
