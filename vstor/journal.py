@@ -81,7 +81,10 @@ class Journal:
                 failure = _one_line(e)
                 errors = self.rollback()
                 more = f"; undo also failed: {'; '.join(errors)}" if errors else "; everything done before it was undone"
-                raise ActionFailed(f"{self.rec.domain}: {step.describe()} failed: {failure}{more}") from None
+                err = ActionFailed(f"{self.rec.domain}: {step.describe()} failed: {failure}{more}")
+                if isinstance(e, VstorError):
+                    err.exit_code = e.exit_code     # a missing SPDK stays "unavailable"
+                raise err from None
             self.rec.steps[-1] = step.to_json(DONE)
             self.state.save(self.rec)
         self.rec.status = PREPARED

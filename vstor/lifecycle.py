@@ -138,6 +138,8 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise DoesNotFit(f"domain '{dom.name}' cannot start: {problems[0]}{more}",
                              reasons=tuple(problems))
+        if any(d.backend == "spdk" for d in plan.disks) and not rt.dry_run:
+            rt.spdk().get_version()     # SPDK missing: say so before touching anything
         rt.others = [r for r in state.records() if r.key != key]
         rec = Record(key=key, domain=dom.name, uuid=dom.uuid,
                      holding=holding_to_json(Holding.from_plan(plan, active=True)))

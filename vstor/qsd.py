@@ -542,3 +542,29 @@ def _is_socket(path: str) -> bool:
 def _last_line(raw: bytes, code: int) -> str:
     lines = [ln.strip() for ln in raw.decode(errors="replace").splitlines() if ln.strip()]
     return lines[-1] if lines else f"exit status {code}, no message"
+
+
+def stop_orphan(pidfile: str, timeout: float = 5.0) -> bool:
+    """Stop a qemu-storage-daemon no vstor record owns (`vstor gc`), found by
+    its pidfile; only a process whose own --pidfile is that file is touched.
+    True when one was stopped."""
+    pid = _read_pid(pidfile)
+    argv = _cmdline(pid) if pid else []
+    if not argv or _after(argv, "--pidfile") != pidfile:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pidfile)      # stale: its daemon is long gone
+        return False
+    pidfd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, sig)
+            if poller.poll(timeout * 1000):
+                break
+    finally:
+        os.close(pidfd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(pidfile)
+    return True

@@ -91,9 +91,12 @@ class SpdkVhost(Step):
         existing = spdk.vhost_get_controllers(d["ctrlr"])
         if existing:
             bdev = (existing[0].get("backend_specific", {}).get("block", {}) or {}).get("bdev")
-            if bdev not in (None, d["bdev"]):
-                raise ActionFailed(f"SPDK vhost controller {d['ctrlr']} exists but serves {bdev}, "
-                                   f"not {d['bdev']}", hint="vstor gc, or delete it with SPDK's rpc.py")
+            if bdev != d["bdev"]:
+                # bdev None: SPDK hot-removed it (its NVMe controller was detached),
+                # and every I/O through this controller now fails.
+                raise ActionFailed(f"SPDK vhost controller {d['ctrlr']} exists but serves "
+                                   f"{bdev or 'a removed bdev'}, not {d['bdev']}",
+                                   hint=f"delete it: vstor release, or rpc.py vhost_delete_controller {d['ctrlr']}")
         else:
             spdk.vhost_create_blk_controller(ctrlr=d["ctrlr"], dev_name=d["bdev"],
                                              cpumask=d["cpumask"], readonly=d["readonly"] or None)

@@ -239,6 +239,7 @@ class SpdkTargetDouble:
         self.backing_dir = backing_dir
         self.qsd_binary = qsd_binary
         self.requests: list[dict] = []
+        self.faults: dict[str, list] = {}
         self.pcie: dict[str, tuple[int, ...]] = {}
         self.fabrics: dict[tuple, tuple[int, ...]] = {}
         self.nvme: dict[str, NvmeController] = {}
@@ -267,6 +268,12 @@ class SpdkTargetDouble:
             "nvmf_delete_subsystem": self._delete_subsystem,
             "nvmf_get_subsystems": self._get_subsystems,
         }
+
+    def fail(self, method: str, code: int = -5, message: str = "Input/output error",
+             times: int = 1) -> None:
+        """Fault injection: the next `times` calls of `method` answer this error
+        (after the schema check, as SPDK's handler would)."""
+        self.faults[method] = [code, message, times]
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -439,6 +446,10 @@ class SpdkTargetDouble:
             raise RpcError(*failure)        # these handlers refuse any params object
         if check_params(spec, params) is not None:
             raise RpcError(*failure)
+        fault = self.faults.get(method)
+        if fault and fault[2] > 0:
+            fault[2] -= 1
+            raise RpcError(fault[0], fault[1])
         return handler(params or {})
 
     def why_rejected(self, method: str, params) -> str | None:

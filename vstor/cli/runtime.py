@@ -181,8 +181,8 @@ def _orphan_files(ctx, state) -> list[str]:
 
 def _remove_orphan(path: str) -> None:
     if path.endswith(".pid"):
-        from ..qsd import stop_pidfile
-        stop_pidfile(path)
+        from ..qsd import stop_orphan
+        stop_orphan(path)
     if os.path.lexists(path):
         os.unlink(path)
 
