@@ -63,15 +63,17 @@ def test_failure_undoes_everything_in_reverse_and_leaves_no_record(tmp_path):
     assert state.load("vm1") is None
 
 
-def test_an_undo_that_fails_stays_recorded_for_a_later_release(tmp_path):
+def test_an_undo_that_fails_stops_the_rollback_and_stays_recorded(tmp_path):
+    """What lies under a step whose undo failed is kept: it may still be in use."""
     state = StateDir(str(tmp_path / "state"))
     rec = Record("vm1", "vm1", None)
     with pytest.raises(ActionFailed) as e:
-        Journal(state, rec, None).run(steps(tmp_path, 3, {0: {"fail_undo": True}, 2: {"fail_do": True}}))
-    assert "undo also failed: touch f0: [Errno 16] injected busy" in str(e.value)
+        Journal(state, rec, None).run(steps(tmp_path, 4, {1: {"fail_undo": True}, 3: {"fail_do": True}}))
+    assert "undo also failed: touch f1: [Errno 16] injected busy" in str(e.value)
     left = state.load("vm1")
-    assert [s["data"]["path"] for s in left.steps] == [str(tmp_path / "f0")]
-    (tmp_path / "f0.allow").write_text("")
+    assert [s["data"]["path"] for s in left.steps] == [str(tmp_path / "f0"), str(tmp_path / "f1")]
+    assert (tmp_path / "f0").exists() and not (tmp_path / "f2").exists()
+    (tmp_path / "f1.allow").write_text("")
     assert Journal(state, left, None).rollback() == []
     assert state.load("vm1") is None and not (tmp_path / "f0").exists()
 

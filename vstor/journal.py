@@ -92,7 +92,9 @@ class Journal:
 
     def rollback(self) -> list[str]:
         """Undo every recorded step, newest first; the record goes when empty.
-        A step whose undo fails stays recorded so a later release or gc retries."""
+        The first undo that fails stops the rollback: the steps before it are
+        what it stands on (an NVMe controller under a vhost controller QEMU
+        still uses), so they stay, recorded, for a later release or gc."""
         self.rec.status = RELEASING
         self.state.save(self.rec)
         errors: list[str] = []
@@ -106,7 +108,8 @@ class Journal:
                 step.undo(self.rt)
             except Exception as e:
                 errors.append(f"{step.describe()}: {_one_line(e)}")
-                kept.insert(0, entry)
+                kept = pending + [entry]
+                pending = []
             # Saved after every undo: a crash here leaves an exact record.
             self.rec.steps = pending + kept
             if self.rec.steps:

@@ -1,0 +1,260 @@
+"""prepare / release / reconnect with every host-changing part real or a named
+double: VFIO binding on the kernel sysfs double built from a named layout,
+SPDK through its official client against the SPDK target double, and real
+qemu-storage-daemons.  Faults at every step must leave nothing behind."""
+
+import os
+import shutil
+import stat
+import tempfile
+
+import pytest
+
+from tests.doubles.kernel_sysfs import KernelSysfsDouble
+from tests.doubles.spdk_target import SpdkTargetDouble
+from vstor.config import Config
+from vstor.domain import Domain
+from vstor.errors import ActionFailed, DoesNotFit, EXIT_UNAVAILABLE
+from vstor.host import read_host
+from vstor.ledger import Ledger
+from vstor.lifecycle import Runtime, health, prepare, reconnect, release
+from vstor.planner import Request, plan_domain
+from vstor.render import render
+from vstor.state import StateDir
+from vstor.sysfs import SysFS
+from vstor.testing import build_tree
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
+                                reason="sockets are handed to root:kvm (needs root)")
+
+HERE = os.path.dirname(__file__)
+NS = "https://vstor.dev/xmlns/domain/1"
+LOCAL = "0000:5f:00.0"
+
+
+@pytest.fixture
+def env():
+    """A two-socket host tree, the SPDK double, a state dir: one short-pathed workdir."""
+    work = tempfile.mkdtemp(prefix="vs-", dir="/tmp")
+    os.chmod(work, 0o755)
+    root = build_tree(os.path.join(HERE, "hosts", "two-socket.toml"), os.path.join(work, "host"))
+    spdk = SpdkTargetDouble(os.path.join(work, "spdk.sock"), os.path.join(work, "vhost"),
+                            cores=tuple(range(64)))
+    spdk.add_pcie(LOCAL, 1).add_pcie("0000:60:00.0", 1)
+    spdk.add_fabric("RDMA", "192.168.100.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
+    spdk.add_fabric("RDMA", "192.168.101.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
+    spdk.start()
+    cfg = Config(reactors=(2, 18), state_dir=f"{work}/state", vhost_dir=spdk.vhost_dir,
+                 qsd_dir=f"{work}/qsd", spdk_socket=spdk.socket_path, spdk_timeout=5.0)
+    e = type("Env", (), {})()
+    e.work, e.root, e.spdk, e.cfg = work, root, spdk, cfg
+    e.sysfs = KernelSysfsDouble(root)
+    e.state = StateDir(cfg.state_dir)
+    e.rt = lambda: Runtime(cfg, e.sysfs)
+    e.host = lambda: read_host(SysFS(root))
+    yield e
+    for rec in e.state.records():       # never leak a daemon into other tests
+        try:
+            release(e.rt(), e.state, rec.key)
+        except Exception:
+            pass
+    spdk.stop()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def domain(e, disks: str, name="vm1", vm="", vcpus=2, memory_mib=1024, ledger=None) -> Domain:
+    dom = Domain.parse(f"""<domain type='kvm'><name>{name}</name><memory unit='MiB'>{memory_mib}</memory>
+      <vcpu>{vcpus}</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'>{vm}{disks}</vstor:vstor></metadata>
+      <os><type arch='x86_64' machine='q35'>hvm</type></os><devices/></domain>""")
+    plan = plan_domain(e.host(), e.cfg, Request.from_domain(dom), ledger or Ledger())
+    return render(dom, plan)
+
+
+def local_spdk(addr=LOCAL, target="vdb"):
+    return f"<vstor:disk target='{target}' backend='spdk'><vstor:nvme controller='{addr}'/></vstor:disk>"
+
+
+def nvmf(nsid=1, target="vdb"):
+    return (f"<vstor:disk target='{target}' backend='spdk'><vstor:nvmf transport='rdma' traddr='192.168.100.8' "
+            f"subnqn='nqn.2016-06.io.spdk:cnode1' namespace='{nsid}' hostnqn='nqn.2014-08.org.nvmexpress:uuid:1'>"
+            "<vstor:path traddr='192.168.101.8'/><vstor:reconnect ctrlr_loss_timeout='90'/></vstor:nvmf></vstor:disk>")
+
+
+def nothing_left(e, addr=LOCAL):
+    assert e.sysfs.driver_of(addr) == "nvme"
+    assert e.spdk.vhost == {} and e.spdk.nvme == {}
+    assert [f for f in os.listdir(e.spdk.vhost_dir) if not f.startswith(".")] == []
+    assert e.state.records() == []
+
+
+# -- the SPDK path on a local controller ------------------------------------------------------
+
+def test_local_nvme_spdk_prepare_and_release(env):
+    dom = domain(env, local_spdk())
+    rec = prepare(env.rt(), env.state, env.host(), dom)
+    assert env.sysfs.driver_of(LOCAL) == "vfio-pci"
+    assert env.spdk.params_of("bdev_nvme_attach_controller") == [
+        {"name": "vs_0000_5f_00_0", "trtype": "PCIe", "traddr": LOCAL}]
+    assert env.spdk.params_of("vhost_create_blk_controller") == [
+        {"ctrlr": "vm1-vdb", "dev_name": "vs_0000_5f_00_0n1", "cpumask": hex(1 << 18)}]
+    sock = os.stat(os.path.join(env.spdk.vhost_dir, "vm1-vdb"))
+    assert stat.S_IMODE(sock.st_mode) == 0o660 and sock.st_uid == 0
+    assert sock.st_gid == __import__("grp").getgrnam("kvm").gr_gid
+    assert [s["kind"] for s in rec.steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
+    assert all(problem is None for _, _, problem in health(env.rt(), env.state.load("vm1")))
+    release(env.rt(), env.state, "vm1")
+    changes = [m for m in env.spdk.methods_called() if not m.endswith(("_get_controllers", "get_version"))]
+    assert changes == ["bdev_nvme_attach_controller", "vhost_create_blk_controller",
+                       "vhost_delete_controller", "bdev_nvme_detach_controller"]
+    nothing_left(env)
+
+
+def test_release_while_qemu_is_connected_is_refused_and_kept(env):
+    prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    env.spdk.mark_connected("vm1-vdb")
+    with pytest.raises(ActionFailed) as e:
+        release(env.rt(), env.state, "vm1")
+    assert "Device or resource busy" in str(e.value) and "vstor release vm1" in str(e.value)
+    kept = env.state.load("vm1")
+    assert [s["kind"] for s in kept.steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
+    # the controller under a live vhost controller was NOT detached (SPDK would allow it)
+    assert "vs_0000_5f_00_0" in env.spdk.nvme and env.sysfs.driver_of(LOCAL) == "vfio-pci"
+    env.spdk.mark_connected("vm1-vdb", False)
+    release(env.rt(), env.state, "vm1")
+    nothing_left(env)
+
+
+@pytest.mark.parametrize("fault", ["vfio-write", "bdev_nvme_attach_controller", "vhost_create_blk_controller"])
+def test_a_failure_at_each_step_leaves_nothing(env, fault):
+    dom = domain(env, local_spdk())
+    if fault == "vfio-write":
+        env.sysfs.fail_write(nth=2)
+    else:
+        env.spdk.fail(fault, -5, "Input/output error")
+    with pytest.raises(ActionFailed) as e:
+        prepare(env.rt(), env.state, env.host(), dom)
+    assert "everything done before it was undone" in str(e.value)
+    nothing_left(env)
+
+
+def test_missing_spdk_is_unavailable_before_anything_changes(env):
+    env.spdk.stop()
+    writes = len(env.sysfs.writes)
+    with pytest.raises(Exception) as e:
+        prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "SPDK is not reachable" in str(e.value)
+    assert len(env.sysfs.writes) == writes and env.state.records() == []
+
+
+def test_a_crash_between_steps_is_undone_by_the_next_run(env):
+    """A run killed after attaching (record says attach 'doing'): the next
+    prepare undoes the leftovers and starts clean; nothing is doubled."""
+    from vstor.journal import DOING, DONE
+    from vstor.lifecycle import build_steps
+    from vstor.state import Record
+    dom = domain(env, local_spdk())
+    from vstor.inventory import recorded_plan
+    rt = env.rt()
+    steps = build_steps(rt, env.host(), recorded_plan(dom))
+    rec = Record("vm1", "vm1", None)
+    steps[0].do(rt)
+    rec.steps.append(steps[0].to_json(DONE))
+    rec.steps.append(steps[1].to_json(DOING))
+    steps[1].do(rt)
+    env.state.save(rec)                                  # ... and the process dies here
+    prepare(env.rt(), env.state, env.host(), dom)        # the next start
+    assert len(env.spdk.params_of("bdev_nvme_attach_controller")) == 2   # undone, then redone once
+    assert list(env.spdk.nvme) == ["vs_0000_5f_00_0"] and list(env.spdk.vhost) == ["vm1-vdb"]
+    release(env.rt(), env.state, "vm1")
+    nothing_left(env)
+
+
+# -- NVMe-oF: one shared controller, multipath, counted users ----------------------------------
+
+def test_nvmf_paths_are_attached_as_multipath_and_shared_until_the_last_user(env):
+    a = domain(env, nvmf(1), name="a")
+    from vstor.inventory import recorded_plan
+    from vstor.ledger import Holding
+    b = domain(env, nvmf(2), name="b", ledger=Ledger([Holding.from_plan(recorded_plan(a))]))
+    prepare(env.rt(), env.state, env.host(), a)
+    prepare(env.rt(), env.state, env.host(), b)
+    calls = env.spdk.params_of("bdev_nvme_attach_controller")
+    assert [c["traddr"] for c in calls] == ["192.168.100.8", "192.168.101.8"]     # b reused it
+    for c in calls:
+        assert c["trtype"] == "RDMA" and c["multipath"] == "multipath" and c["trsvcid"] == "4420"
+        assert c["hostnqn"] == "nqn.2014-08.org.nvmexpress:uuid:1" and c["ctrlr_loss_timeout_sec"] == 90
+        assert (c["reconnect_delay_sec"], c["fast_io_fail_timeout_sec"]) == (5, 30)
+    name = calls[0]["name"]
+    assert {v.bdev for v in env.spdk.vhost.values()} == {f"{name}n1", f"{name}n2"}
+    release(env.rt(), env.state, "a")
+    assert name in env.spdk.nvme                      # b still uses it
+    release(env.rt(), env.state, "b")
+    assert env.spdk.nvme == {} and env.state.records() == []
+
+
+# -- passthrough and the checks at start ---------------------------------------------------------
+
+def test_passthrough_binds_and_gives_the_controller_back(env):
+    dom = domain(env, f"<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:61:00.0'/></vstor:disk>")
+    prepare(env.rt(), env.state, env.host(), dom)
+    assert env.sysfs.driver_of("0000:61:00.0") == "vfio-pci"
+    release(env.rt(), env.state, "vm1")
+    assert env.sysfs.driver_of("0000:61:00.0") == "nvme"
+
+
+def test_two_domains_planned_apart_but_given_the_same_cores_cannot_both_start(env):
+    pt = "<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='{}'/></vstor:disk>"
+    a = domain(env, pt.format("0000:61:00.0"), name="a")
+    b = domain(env, pt.format("0000:60:00.0"), name="b")     # planned without the ledger: same cores
+    prepare(env.rt(), env.state, env.host(), a)
+    with pytest.raises(DoesNotFit) as e:
+        prepare(env.rt(), env.state, env.host(), b)
+    assert "held by running domain 'a'" in str(e.value)
+    assert env.sysfs.driver_of("0000:60:00.0") == "nvme" and [r.domain for r in env.state.records()] == ["a"]
+    release(env.rt(), env.state, "a")
+
+
+def test_reconnect_repairs_a_vanished_vhost_controller(env):
+    prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    env.spdk.stop()
+    env.spdk.vhost.clear()           # SPDK restarted and lost its vhost controller...
+    env.spdk.nvme.clear()
+    env.spdk.start()
+    findings = reconnect(env.rt(), env.state, "vm1")
+    assert any("repaired" in f for f in findings), findings
+    assert "vm1-vdb" in env.spdk.vhost and "vs_0000_5f_00_0" in env.spdk.nvme
+    release(env.rt(), env.state, "vm1")
+    nothing_left(env)
+
+
+# -- qemu-storage-daemon: the embedded default ---------------------------------------------------
+
+def test_four_qsd_disks_prepare_and_release_with_real_daemons(env):
+    disks = ""
+    for i, t in enumerate("bcde"):
+        path = os.path.join(env.work, f"d{i}.raw")
+        with open(path, "wb") as f:
+            f.truncate(16 << 20)
+        disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
+    dom = domain(env, disks, vm="<vstor:vm cpus='shared'/>")
+    prepare(env.rt(), env.state, env.host(), dom)
+    socks = sorted(f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1-"))
+    assert socks == ["vm1-vdb", "vm1-vdc", "vm1-vdd", "vm1-vde"]
+    assert all(p is None for _, _, p in health(env.rt(), env.state.load("vm1")))
+    release(env.rt(), env.state, "vm1")
+    assert [f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1-")] == []
+    assert [f for f in os.listdir(env.cfg.qsd_dir) if not f.startswith(".")] == []
+    assert env.state.records() == []
+
+
+def test_a_missing_backing_file_undoes_the_daemons_already_started(env):
+    good = os.path.join(env.work, "good.raw")
+    with open(good, "wb") as f:
+        f.truncate(16 << 20)
+    disks = (f"<vstor:disk target='vdb'><vstor:file path='{good}'/></vstor:disk>"
+             f"<vstor:disk target='vdc'><vstor:file path='{env.work}/missing.raw'/></vstor:disk>")
+    with pytest.raises(ActionFailed) as e:
+        prepare(env.rt(), env.state, env.host(), domain(env, disks, vm="<vstor:vm cpus='shared'/>"))
+    assert "missing.raw" in str(e.value) and e.value.exit_code == 2
+    assert [f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1-")] == []
+    assert env.state.records() == []
