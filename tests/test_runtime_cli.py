@@ -1,0 +1,117 @@
+"""status / prepare / release / gc / hooks as an operator runs them, with real
+qemu-storage-daemons (the embedded default) on this machine."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+
+import libvirt
+import pytest
+
+from vstor.cli.main import main
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
+                                reason="starts qemu-storage-daemons handed to root:kvm (needs root)")
+
+NS = "https://vstor.dev/xmlns/domain/1"
+
+
+@pytest.fixture
+def work():
+    d = tempfile.mkdtemp(prefix="vs-cli-", dir="/tmp")
+    os.chmod(d, 0o755)
+    conf = os.path.join(d, "vstor.conf")
+    with open(conf, "w") as f:
+        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\n")
+    for i in (0, 1):
+        with open(os.path.join(d, f"d{i}.raw"), "wb") as f:
+            f.truncate(16 << 20)
+    xml = os.path.join(d, "vm.xml")
+    with open(xml, "w") as f:
+        f.write(f"""<domain type='kvm'><name>cli1</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
+          <vstor:disk target='vdb'><vstor:file path='{d}/d0.raw'/></vstor:disk>
+          <vstor:disk target='vdc' readonly='yes'><vstor:file path='{d}/d1.raw'/></vstor:disk>
+          </vstor:vstor></metadata><devices/></domain>""")
+    conn = libvirt.open("test:///default")     # keeps the test driver's state for the test
+    yield type("W", (), {"dir": d, "conf": conf, "xml": xml})
+    main(["-c", "test:///default", "--config", conf, "release", "--force", "cli1"])
+    conn.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def vstor(w, *args):
+    return main(["-c", "test:///default", "--config", w.conf, *args])
+
+
+def test_prepare_status_release(work, capsys):
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    assert vstor(work, "prepare", rendered) == 0
+    out = capsys.readouterr().out
+    assert "start qemu-storage-daemon" in out and "2 host changes recorded" in out
+    assert vstor(work, "status") == 0
+    out = capsys.readouterr().out
+    assert "cli1: prepared" in out and out.count(": ok") == 2
+    assert vstor(work, "status", "--json") == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["domain"] == "cli1" and all(s["problem"] is None for s in rows[0]["steps"])
+    assert sorted(rows[0]["holding"]["sockets"]) == [f"{work.dir}/vhost/cli1-vdb", f"{work.dir}/vhost/cli1-vdc"]
+
+    assert vstor(work, "release", "cli1", "--dry-run") == 0
+    assert "would undo: start qemu-storage-daemon" in capsys.readouterr().out
+    assert os.path.exists(f"{work.dir}/vhost/cli1-vdb")          # dry run changed nothing
+    assert vstor(work, "release", "cli1") == 0
+    assert "Domain 'cli1' released" in capsys.readouterr().out
+    assert not os.listdir(f"{work.dir}/vhost") and vstor(work, "status") == 0
+    assert "vstor holds nothing" in capsys.readouterr().out
+
+
+def test_status_shows_a_dead_daemon_and_names_unknown_domains(work, capsys):
+    rendered = os.path.join(work.dir, "r.xml")
+    vstor(work, "render", work.xml, "-o", rendered)
+    vstor(work, "prepare", rendered)
+    pid = int(open(f"{work.dir}/qsd/cli1-vdb.pid").read())
+    os.kill(pid, signal.SIGKILL)
+    capsys.readouterr()
+    assert vstor(work, "status", "cli1") == 0
+    assert "PROBLEM: qemu-storage-daemon is not running" in capsys.readouterr().out
+    assert vstor(work, "status", "nosuch") == 2
+    assert "vstor holds nothing for domain 'nosuch'" in capsys.readouterr().err
+
+
+def test_gc_releases_domains_that_do_not_run_and_orphans(work, capsys):
+    rendered = os.path.join(work.dir, "r.xml")
+    vstor(work, "render", work.xml, "-o", rendered)
+    vstor(work, "prepare", rendered)
+    stray = socket.socket(socket.AF_UNIX)
+    stray.bind(f"{work.dir}/vhost/ghost-vdb")      # a socket no record owns
+    stray.close()
+    capsys.readouterr()
+    assert vstor(work, "gc", "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert "Would release cli1 (not running)" in out and "Would remove orphan" in out
+    assert os.path.exists(f"{work.dir}/vhost/ghost-vdb")
+    assert vstor(work, "gc") == 0
+    assert not os.listdir(f"{work.dir}/vhost") and not os.listdir(f"{work.dir}/state/domains")
+    assert [f for f in os.listdir(f"{work.dir}/qsd") if not f.startswith(".")] == []
+
+
+def test_prepare_of_an_unplanned_domain_says_how_to_plan_it(work, capsys):
+    assert vstor(work, "prepare", work.xml) == 2
+    assert "has vstor metadata but no plan" in capsys.readouterr().err
+
+
+def test_hooks_install_writes_this_interpreter_and_the_config(work, capsys):
+    hookdir = os.path.join(work.dir, "qemu.d")
+    assert vstor(work, "hooks", "install", "--dir", hookdir) == 0
+    assert "restart libvirtd" in capsys.readouterr().out
+    text = open(os.path.join(hookdir, "vstor")).read()
+    import sys
+    assert text.startswith(f"#!{sys.executable}\n") and f"CONFIG = {work.conf!r}" in text
+    assert os.stat(os.path.join(hookdir, "vstor")).st_mode & 0o111
+    assert vstor(work, "hooks", "uninstall", "--dir", hookdir) == 0
+    assert not os.path.exists(os.path.join(hookdir, "vstor"))
