@@ -80,6 +80,13 @@ REQUEST = """<domain type='kvm'><name>newvm</name><memory unit='GiB'>8</memory><
 </vstor:vstor></metadata><devices/></domain>"""
 
 
+LEDGER_DOMAIN = """<domain type='kvm'><name>vm{i}</name><memory unit='GiB'>1</memory><vcpu>1</vcpu>
+<metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'><vstor:vm cpus='shared'/>
+<vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='{ctrl}'/></vstor:disk>
+<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/vm{i}.raw'/></vstor:disk>
+</vstor:vstor></metadata><os><type arch='x86_64'>hvm</type></os><devices/></domain>"""
+
+
 def time_plan(host: Host, cfg: Config, count: int, repeat: int) -> float:
     """Median seconds for one plan, ledger construction included (as the CLI does)."""
     holdings_source = make_ledger(host, count).holdings
@@ -90,6 +97,30 @@ def time_plan(host: Host, cfg: Config, count: int, repeat: int) -> float:
         plan_domain(host, cfg, req, Ledger(holdings_source))
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def time_libvirt_ledger(count: int) -> tuple[float, float]:
+    """Define `count` rendered vstor domains in libvirt's test driver, then time
+    what `vstor plan DOMAIN` adds: loading the ledger from libvirt."""
+    import libvirt
+    from vstor.inventory import load_ledger
+    from vstor.render import render
+    host = make_host(8, 32, 64)
+    cfg = Config(reactors=tuple(n * 32 for n in range(8)))
+    conn = libvirt.open("test:///default")
+    ledger = Ledger()
+    t0 = time.perf_counter()
+    for i in range(count):
+        dom = Domain.parse(LEDGER_DOMAIN.format(i=i, ctrl=host.controllers[i % 64].address))
+        plan = plan_domain(host, cfg, Request.from_domain(dom), ledger)
+        conn.defineXML(render(dom, plan).to_string())
+    define_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    loaded = load_ledger(conn)
+    load_s = time.perf_counter() - t0
+    assert len(loaded.holdings) == count
+    conn.close()
+    return define_s, load_s
 
 
 def main() -> None:
@@ -105,6 +136,8 @@ def main() -> None:
     for count in (0, 125, 250, 500, 1000):
         ms = time_plan(large, cfg_large, count, args.repeat) * 1000
         print(f"large host (8 nodes x 32 cores, 64 NVMe), {count:4d} domains in the ledger: {ms:.2f} ms")
+    _, load_s = time_libvirt_ledger(500)
+    print(f"loading the ledger from libvirt (test driver), 500 defined vstor domains: {load_s * 1000:.0f} ms")
 
 
 if __name__ == "__main__":
