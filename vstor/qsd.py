@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import grp
 import os
 import pwd
@@ -27,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from .locking import flocked
 from .errors import ActionFailed, BadInput, DoesNotFit, Unavailable
 from .qmp import QmpClient, QmpConnectionError, QmpError
 
@@ -298,25 +298,10 @@ class QsdExport:
     def _prepare_run_dir(self) -> None:
         _ensure_dir(self.run_dir, self._gid(), enforce=True)
 
-    @contextlib.contextmanager
     def _lock(self, timeout: float = 30.0):
         """One vstor at a time starts or stops daemons in a run dir: a second
         qsd started on a live one's files would steal its monitor socket."""
-        fd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise Unavailable(f"{self.run_dir} stayed locked by another vstor "
-                                          f"for {timeout:g}s") from None
-                    time.sleep(0.05)
-            yield
-        finally:
-            os.close(fd)
+        return flocked(self.run_dir, self.run_dir, timeout)
 
     def _gid(self) -> int:
         try:

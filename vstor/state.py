@@ -9,7 +9,6 @@ every process that allocates or frees host resources.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -17,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from .errors import BadInput, Unavailable
+from .locking import flocked
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 
@@ -61,21 +61,8 @@ class StateDir:
     def lock(self, timeout: float = 60.0):
         """Exclusive host-wide lock: two vstor processes never allocate at once."""
         self._ensure()
-        fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise Unavailable(f"another vstor process holds {self.path}/lock "
-                                          f"for more than {timeout:.0f}s") from None
-                    time.sleep(0.05)
+        with flocked(os.path.join(self.path, "lock"), f"{self.path}/lock", timeout, create=True):
             yield self
-        finally:
-            os.close(fd)
 
     def _file(self, key: str) -> str:
         if not _KEY.match(key):

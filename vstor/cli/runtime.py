@@ -103,7 +103,6 @@ def cmd_prepare(ctx, args) -> int:
 
 
 def _is_running(ctx, name: str) -> bool | None:
-    from .. import virt
     from ..errors import Unavailable
     try:
         conn = ctx.conn
