@@ -7,7 +7,7 @@ import pytest
 
 from vstor.domain import Domain
 from vstor.errors import BadInput
-from vstor.intent import FileSource, NvmeSource, NvmfSource, schema
+from vstor.intent import NvmeSource, NvmfSource, schema
 
 TEMPLATES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "xml-templates", "*.xml")))
 

@@ -195,7 +195,7 @@ def test_nvmf_paths_are_attached_as_multipath_and_shared_until_the_last_user(env
 # -- passthrough and the checks at start ---------------------------------------------------------
 
 def test_passthrough_binds_and_gives_the_controller_back(env):
-    dom = domain(env, f"<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:61:00.0'/></vstor:disk>")
+    dom = domain(env, "<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:61:00.0'/></vstor:disk>")
     prepare(env.rt(), env.state, env.host(), dom)
     assert env.sysfs.driver_of("0000:61:00.0") == "vfio-pci"
     release(env.rt(), env.state, "vm1")

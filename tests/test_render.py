@@ -10,7 +10,6 @@ import shutil
 import subprocess
 
 import pytest
-from lxml import etree
 
 from vstor.config import Config
 from vstor.domain import Domain
@@ -47,7 +46,7 @@ def test_template_renders_to_its_golden_file_and_libvirt_schema_accepts_it(host_
         with open(golden, "w") as f:
             f.write(text)
     with open(golden) as f:
-        assert text == f.read(), f"rendering changed; regenerate with VSTOR_REGENERATE_GOLDEN=1 if intended"
+        assert text == f.read(), "rendering changed; regenerate with VSTOR_REGENERATE_GOLDEN=1 if intended"
     out = tmp_path / "out.xml"
     out.write_text(text)
     validate_with_libvirt(str(out))
