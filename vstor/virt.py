@@ -52,7 +52,9 @@ def define(conn, xml: str):
     try:
         return conn.defineXML(xml)
     except libvirt.libvirtError as e:
-        raise BadInput(f"libvirt refused the rendered domain: {_msg(e)}") from None
+        hint = ("to re-plan a defined domain use: vstor apply NAME"
+                if "already exists" in _msg(e) else None)
+        raise BadInput(f"libvirt refused the rendered domain: {_msg(e)}", hint=hint) from None
 
 
 def all_domains(conn) -> list:
