@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import libvirt
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -38,6 +40,15 @@ def vstor(*args: str) -> None:
                    check=True, cwd=ROOT)
 
 
+def wait_for(console: Path, ready, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    parsed = parse_console(read_console(console))
+    while not ready(parsed) and not parsed["fail"] and time.monotonic() < deadline:
+        time.sleep(0.3)
+        parsed = parse_console(read_console(console))
+    return parsed
+
+
 def main() -> int:
     if os.geteuid() != 0:
         print("demo: run as root (it starts libvirtd and installs a hook)", file=sys.stderr)
@@ -51,6 +62,7 @@ def main() -> int:
     guest = build_guest()
     say("starting virtlogd/libvirtd if needed, with vstor's hook")
     from vstor.cli.runtime import render_hook
+    libvirt.registerErrorHandler(lambda *_: None, None)   # errors are handled here
     daemons = Daemons().start()
     conn = None
     try:
@@ -70,26 +82,28 @@ def main() -> int:
         dom = conn.lookupByName(NAME)
         dom.create()
         console = WORK / f"{NAME}.console"
-        deadline = time.monotonic() + 180
-        parsed = parse_console(read_console(console))
-        while not parsed["done"] and not parsed["fail"] and time.monotonic() < deadline:
-            time.sleep(0.5)
-            parsed = parse_console(read_console(console))
+        wait_for(console, lambda p: any(m.startswith("HOLD") for m in p["markers"]))
+        say("vstor status while the domain runs (the guest sees its disk and waits)")
+        vstor("status")
+        parsed = wait_for(console, lambda p: p["done"])
         say("the guest's console")
         for marker in parsed["markers"]:
             print(f"  guest: {marker}")
         if not parsed["done"] or parsed["wrote"] != parsed["read"]:
             print("demo: the guest did not write and read back its disk", file=sys.stderr)
             return 1
-        say("vstor status while the domain runs")
-        vstor("status")
         with open(disk, "rb") as f:
             ok = f.read(SIZE) == expected_pattern(SEED, SIZE)
         say(f"host check: the backing file holds the guest's pattern: {'yes' if ok else 'NO'}")
-        say("destroying it (the hook stops the daemon and removes the socket)")
+        say("stopping it (the hook stops the daemon and removes the socket)")
         if dom.isActive():
-            dom.destroy()
-        time.sleep(1)
+            try:
+                dom.destroy()
+            except libvirt.libvirtError:
+                pass        # it powered off by itself in the meantime
+        deadline = time.monotonic() + 15
+        while (WORK / "state" / "domains" / f"{NAME}.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
         vstor("status")
         return 0 if ok else 1
     finally:
