@@ -1,0 +1,43 @@
+"""hooks/vstor as libvirt calls it: arguments, XML on stdin, exit code, stderr."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+HOOK = os.path.join(ROOT, "hooks", "vstor")
+NS = "https://vstor.dev/xmlns/domain/1"
+VSTOR_XML = (f"<domain><name>h1</name><memory>1024</memory><metadata><vstor:vstor xmlns:vstor='{NS}'>"
+             "<vstor:disk target='vdb'><vstor:file path='/a.raw'/></vstor:disk></vstor:vstor></metadata></domain>")
+
+
+def hook(*args, xml: str, env=None):
+    return subprocess.run([sys.executable, HOOK, *args], input=xml.encode(), capture_output=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+
+
+def test_a_domain_without_vstor_metadata_passes_untouched():
+    for op in (("prepare", "begin", "-"), ("migrate", "begin", "-"), ("release", "end", "-")):
+        out = hook("plain", *op, xml="<domain><name>plain</name></domain>")
+        assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
+
+
+def test_migrate_and_restore_keep_the_xml_as_it_is():
+    for op in ("migrate", "restore"):
+        out = hook("h1", op, "begin", "-", xml=VSTOR_XML)
+        assert (out.returncode, out.stdout) == (0, b"")     # empty stdout: unchanged
+
+
+def test_a_refused_prepare_is_one_line_with_vstors_exit_code(tmp_path):
+    conf = tmp_path / "c.conf"
+    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n")
+    out = hook("h1", "prepare", "begin", "-", xml=VSTOR_XML, env={"VSTOR_CONFIG": str(conf)})
+    assert out.returncode == 2
+    lines = out.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vstor: ") and "no plan" in lines[0]
+    assert not (tmp_path / "state" / "domains").exists() or not os.listdir(tmp_path / "state" / "domains")
+
+
+def test_malformed_xml_that_names_vstor_is_refused_cleanly():
+    out = hook("h1", "prepare", "begin", "-", xml=f"<domain xmlns:v='{NS}'><name>h1")
+    assert out.returncode == 2 and b"malformed XML" in out.stderr and b"Traceback" not in out.stderr
