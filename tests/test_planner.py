@@ -237,3 +237,16 @@ def test_a_core_that_is_both_reactor_and_housekeeping_is_refused(host_model):
     with pytest.raises(BadInput, match="both SPDK reactors and housekeeping"):
         plan_domain(host_model("two-socket"), Config(reactors=(0,), housekeeping=(0, 32)),
                     request(qsd_file()), Ledger())
+
+
+def test_start_refuses_a_block_source_whose_nvme_namespace_got_mounted(host_model):
+    from dataclasses import replace
+    from vstor.planner.validate import validate
+    host = host_model("two-socket")
+    plan = plan_domain(host, Config(), request("<vstor:disk target='vdb'><vstor:block path='/dev/nvme1n1'/></vstor:disk>"),
+                       Ledger())
+    assert validate(host, Config(), plan, Ledger()) == []
+    ctrl = host.controller("0000:5e:00.0")
+    mounted = replace(ctrl, namespaces=(replace(ctrl.namespaces[0], in_use=("mounted at /srv",)),))
+    busy = replace(host, controllers=tuple(mounted if c is ctrl else c for c in host.controllers))
+    assert validate(busy, Config(), plan, Ledger()) == ["vdb: /dev/nvme1n1 is in use by the host (mounted at /srv)"]

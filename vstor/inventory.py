@@ -37,10 +37,5 @@ def holdings_from_libvirt(conn) -> list[Holding]:
     return out
 
 
-def load_ledger(conn=None, extra: list[Holding] | None = None) -> Ledger:
-    holdings = holdings_from_libvirt(conn) if conn is not None else []
-    seen = {(h.domain, h.uuid) for h in holdings}
-    for h in extra or ():
-        if (h.domain, h.uuid) not in seen:
-            holdings.append(h)
-    return Ledger(holdings)
+def load_ledger(conn=None) -> Ledger:
+    return Ledger(holdings_from_libvirt(conn) if conn is not None else [])

@@ -46,6 +46,10 @@ class Runtime:
     def other_records(self) -> list[Record]:
         return self.others
 
+    def load_others(self, state: StateDir, key: str) -> None:
+        """What every other domain holds, for steps that share a resource."""
+        self.others = [r for r in state.records() if r.key != key]
+
 
 # -- from a plan to steps ---------------------------------------------------------------
 
@@ -140,7 +144,7 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
                              reasons=tuple(problems))
         if any(d.backend == "spdk" for d in plan.disks) and not rt.dry_run:
             rt.spdk().get_version()     # SPDK missing: say so before touching anything
-        rt.others = [r for r in state.records() if r.key != key]
+        rt.load_others(state, key)
         rec = Record(key=key, domain=dom.name, uuid=dom.uuid,
                      holding=holding_to_json(Holding.from_plan(plan, active=True)))
         if rt.dry_run:
@@ -169,7 +173,7 @@ def release(rt: Runtime, state: StateDir, key: str,
 
 
 def _rollback(rt: Runtime, state: StateDir, rec: Record, progress) -> None:
-    rt.others = [r for r in state.records() if r.key != rec.key]
+    rt.load_others(state, rec.key)
     errors = Journal(state, rec, rt, progress).rollback()
     if errors:
         raise ActionFailed(f"domain '{rec.domain}': could not undo everything: {'; '.join(errors)}",
@@ -184,7 +188,7 @@ def reconnect(rt: Runtime, state: StateDir, key: str) -> list[str]:
         rec = state.load(key)
         if rec is None:
             return ["vstor holds nothing for it"]
-        rt.others = [r for r in state.records() if r.key != key]
+        rt.load_others(state, key)
         for entry in rec.steps:
             step = step_from_json(entry)
             problem = step.check(rt) if entry["state"] == DONE else "interrupted before it finished"

@@ -264,15 +264,13 @@ def _spdk_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
     users = _kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
     if users:
         return "other namespaces are served through the kernel to " + ", ".join(sorted(users))
-    if ctrl.driver in USERSPACE_DRIVERS:
-        problems = check_passthrough(ctrl, iommu_enabled=True, vfio_available=True,
-                                     pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
-                                     spdk_owned=False)
-    else:
-        problems = check_passthrough(ctrl, iommu_enabled=host.iommu_enabled,
-                                     vfio_available=host.vfio_available,
-                                     pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
-                                     spdk_owned=False)
+    # Already on a userspace driver (SPDK's setup.sh did it): vstor binds nothing,
+    # so the IOMMU and vfio-pci facts do not matter for it.
+    bound = ctrl.driver in USERSPACE_DRIVERS
+    problems = check_passthrough(ctrl, iommu_enabled=bound or host.iommu_enabled,
+                                 vfio_available=bound or host.vfio_available,
+                                 pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
+                                 spdk_owned=False)
     if problems:
         return "SPDK's PCIe driver takes the whole controller from the kernel, but " + "; ".join(problems)
     key = f"nvme:{ctrl.address}/{disk.source.namespace}"

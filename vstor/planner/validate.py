@@ -9,7 +9,7 @@ from ..ledger import Ledger, volume_key
 from ..model import Host, format_cpulist
 from ..plan import Plan
 from ..vfio import check_passthrough
-from .disks import USERSPACE_DRIVERS
+from .disks import USERSPACE_DRIVERS, NoFit, _block_use
 
 
 def validate(host: Host, cfg: Config, plan: Plan, running: Ledger) -> list[str]:
@@ -87,8 +87,5 @@ def _disk(host: Host, cfg: Config, disk, running: Ledger) -> list[str]:
 def _block(host: Host, disk) -> list[str]:
     if disk.source.kind != "block":
         return []
-    name = disk.source.path[len("/dev/"):]
-    dev = host.block_device(name)
-    if dev is not None and dev.in_use:
-        return [f"{disk.target}: {disk.source.path} is in use by the host ({'; '.join(dev.in_use)})"]
-    return []
+    found = _block_use(host, disk.source.path)
+    return [f"{disk.target}: {found.reason}"] if isinstance(found, NoFit) else []
