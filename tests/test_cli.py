@@ -55,6 +55,7 @@ def test_plan_json_is_machine_readable(host_layout, cfg):
     (["plan", "/nonexistent/vm.xml"], 2, "cannot read /nonexistent/vm.xml"),
     (["frobnicate"], 2, "invalid choice"),
     (["plan"], 2, "required"),
+    (["--host-root", "/nonexistent", "host", "show"], 2, "/nonexistent holds no sysfs tree"),
 ])
 def test_bad_invocations_are_one_line_with_exit_2(host_layout, cfg, args, code, words):
     out = vstor("--config", cfg, "--host-root", host_layout("two-socket"), *args, check_code=code)

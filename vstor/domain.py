@@ -40,7 +40,8 @@ class Domain:
         try:
             root = etree.fromstring(text, _parser())
         except etree.XMLSyntaxError as e:
-            raise BadInput(f"{origin}: malformed XML: {e.msg} (line {e.lineno})") from None
+            where = "" if "line" in e.msg else f" (line {e.lineno})"
+            raise BadInput(f"{origin}: malformed XML: {e.msg}{where}") from None
         return cls(root, origin)
 
     @classmethod

@@ -24,9 +24,15 @@ class Context:
 
     @cached_property
     def host(self):
+        from ..errors import BadInput
         from ..host import read_host
         from ..sysfs import SysFS
-        return read_host(SysFS(self.host_root))
+        root = self.host_root
+        if not os.path.isdir(os.path.join(root, "sys/devices/system/cpu")):
+            raise BadInput(f"{root} holds no sysfs tree (no sys/devices/system/cpu)",
+                           hint="extract a `vstor host capture` there, or build a layout "
+                                "with python -m vstor.testing.layout")
+        return read_host(SysFS(root))
 
     @cached_property
     def conn(self):
