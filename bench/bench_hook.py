@@ -56,14 +56,14 @@ def prepare_release(runs: int) -> None:
         print("prepare+release: skipped (needs root)")
         return
     from vstor.config import Config
-    from vstor.domain import Domain
-    from vstor.host import read_host
-    from vstor.ledger import Ledger
-    from vstor.lifecycle import Runtime, prepare, release
+    from vstor.meta.document import Domain
+    from vstor.host.read import read_host
+    from vstor.planner.ledger import Ledger
+    from vstor.runtime.lifecycle import Runtime, prepare, release
     from vstor.planner import Request, plan_domain
-    from vstor.render import render
-    from vstor.state import StateDir
-    from vstor.sysfs import SysFS
+    from vstor.render.libvirt import render
+    from vstor.runtime.state import StateDir
+    from vstor.host.sysfs import SysFS
     work = tempfile.mkdtemp(prefix="vstor-bench-", dir="/var/tmp")
     os.chmod(work, 0o755)
     disks = ""

@@ -18,9 +18,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from vstor.config import Config                                   # noqa: E402
-from vstor.domain import Domain                                   # noqa: E402
-from vstor.ledger import Holding, Ledger                          # noqa: E402
-from vstor.model import (Cpu, Host, HugepagePool, Namespace, NetDev,  # noqa: E402
+from vstor.meta.document import Domain                                   # noqa: E402
+from vstor.planner.ledger import Holding, Ledger                          # noqa: E402
+from vstor.host.model import (Cpu, Host, HugepagePool, Namespace, NetDev,  # noqa: E402
                          NumaNode, NvmeController, RdmaNic)
 from vstor.planner import Request, plan_domain                    # noqa: E402
 
@@ -103,8 +103,8 @@ def time_libvirt_ledger(count: int) -> tuple[float, float]:
     """Define `count` rendered vstor domains in libvirt's test driver, then time
     what `vstor plan DOMAIN` adds: loading the ledger from libvirt."""
     import libvirt
-    from vstor.inventory import load_ledger
-    from vstor.render import render
+    from vstor.runtime.inventory import load_ledger
+    from vstor.render.libvirt import render
     host = make_host(8, 32, 64)
     cfg = Config(reactors=tuple(n * 32 for n in range(8)))
     conn = libvirt.open("test:///default")

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from vstor.host import read_host
-from vstor.sysfs import SysFS
+from vstor.host.read import read_host
+from vstor.host.sysfs import SysFS
 from vstor.testing import build_tree
 
 HOSTS_DIR = os.path.join(os.path.dirname(__file__), "hosts")

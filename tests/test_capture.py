@@ -6,10 +6,10 @@ import tarfile
 
 import pytest
 
-from vstor.capture import capture
+from vstor.host.capture import capture
 from vstor.errors import BadInput
-from vstor.host import read_host
-from vstor.sysfs import SysFS
+from vstor.host.read import read_host
+from vstor.host.sysfs import SysFS
 from vstor.testing import build_tree
 
 

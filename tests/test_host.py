@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from vstor.host import read_host
-from vstor.model import NVME_CLASS
-from vstor.sysfs import SysFS
+from vstor.host.read import read_host
+from vstor.host.model import NVME_CLASS
+from vstor.host.sysfs import SysFS
 from vstor.testing import build_tree
 
 

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from vstor.domain import Domain
+from vstor.meta.document import Domain
 from vstor.errors import BadInput
-from vstor.intent import NvmeSource, NvmfSource, schema
+from vstor.meta.intent import NvmeSource, NvmfSource, schema
 
 TEMPLATES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "xml-templates", "*.xml")))
 

@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from vstor.errors import ActionFailed
-from vstor.journal import DONE, DOING, Journal, Step, register
-from vstor.state import PREPARED, Record, StateDir
+from vstor.runtime.journal import DONE, DOING, Journal, Step, register
+from vstor.runtime.state import PREPARED, Record, StateDir
 
 
 @register

@@ -9,8 +9,8 @@ import tomllib
 import pytest
 
 from vstor.errors import BadInput
-from vstor.host import read_host
-from vstor.sysfs import SysFS
+from vstor.host.read import read_host
+from vstor.host.sysfs import SysFS
 from vstor.testing import build_tree, parse_size
 from vstor.testing import layout as layout_module
 from vstor.testing.layout import main

@@ -13,15 +13,15 @@ import pytest
 from tests.doubles.kernel_sysfs import KernelSysfsDouble
 from tests.doubles.spdk_target import SpdkTargetDouble
 from vstor.config import Config
-from vstor.domain import Domain
+from vstor.meta.document import Domain
 from vstor.errors import ActionFailed, DoesNotFit, EXIT_UNAVAILABLE
-from vstor.host import read_host
-from vstor.ledger import Ledger
-from vstor.lifecycle import Runtime, health, prepare, reconnect, release
+from vstor.host.read import read_host
+from vstor.planner.ledger import Ledger
+from vstor.runtime.lifecycle import Runtime, health, prepare, reconnect, release
 from vstor.planner import Request, plan_domain
-from vstor.render import render
-from vstor.state import StateDir
-from vstor.sysfs import SysFS
+from vstor.render.libvirt import render
+from vstor.runtime.state import StateDir
+from vstor.host.sysfs import SysFS
 from vstor.testing import build_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
@@ -149,11 +149,11 @@ def test_missing_spdk_is_unavailable_before_anything_changes(env):
 def test_a_crash_between_steps_is_undone_by_the_next_run(env):
     """A run killed after attaching (record says attach 'doing'): the next
     prepare undoes the leftovers and starts clean; nothing is doubled."""
-    from vstor.journal import DOING, DONE
-    from vstor.lifecycle import build_steps
-    from vstor.state import Record
+    from vstor.runtime.journal import DOING, DONE
+    from vstor.runtime.lifecycle import build_steps
+    from vstor.runtime.state import Record
     dom = domain(env, local_spdk())
-    from vstor.inventory import recorded_plan
+    from vstor.runtime.inventory import recorded_plan
     rt = env.rt()
     steps = build_steps(rt, env.host(), recorded_plan(dom))
     rec = Record("vm1", "vm1", None)
@@ -173,8 +173,8 @@ def test_a_crash_between_steps_is_undone_by_the_next_run(env):
 
 def test_nvmf_paths_are_attached_as_multipath_and_shared_until_the_last_user(env):
     a = domain(env, nvmf(1), name="a")
-    from vstor.inventory import recorded_plan
-    from vstor.ledger import Holding
+    from vstor.runtime.inventory import recorded_plan
+    from vstor.planner.ledger import Holding
     b = domain(env, nvmf(2), name="b", ledger=Ledger([Holding.from_plan(recorded_plan(a))]))
     prepare(env.rt(), env.state, env.host(), a)
     prepare(env.rt(), env.state, env.host(), b)

@@ -3,9 +3,9 @@
 import pytest
 
 from vstor.config import Config
-from vstor.domain import Domain
+from vstor.meta.document import Domain
 from vstor.errors import BadInput, DoesNotFit
-from vstor.ledger import Holding, Ledger
+from vstor.planner.ledger import Holding, Ledger
 from vstor.planner import Request, plan_domain
 
 NS = "https://vstor.dev/xmlns/domain/1"

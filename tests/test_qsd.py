@@ -28,8 +28,8 @@ import time
 import pytest
 
 from vstor.errors import ActionFailed, BadInput, DoesNotFit, Unavailable
-from vstor.qmp import QmpClient, QmpConnectionError, QmpError
-from vstor.qsd import QsdExport
+from vstor.backends.qmp import QmpClient, QmpConnectionError, QmpError
+from vstor.backends.qsd import QsdExport
 
 QSD = "/usr/bin/qemu-storage-daemon"
 QEMU_USER, QEMU_GROUP = "libvirt-qemu", "kvm"

@@ -12,11 +12,11 @@ import subprocess
 import pytest
 
 from vstor.config import Config
-from vstor.domain import Domain
-from vstor.inventory import recorded_plan
-from vstor.ledger import Ledger
+from vstor.meta.document import Domain
+from vstor.runtime.inventory import recorded_plan
+from vstor.planner.ledger import Ledger
 from vstor.planner import Request, plan_domain
-from vstor.render import render
+from vstor.render.libvirt import render
 
 HERE = os.path.dirname(__file__)
 TEMPLATES = sorted(glob.glob(os.path.join(HERE, "..", "xml-templates", "*.xml")))

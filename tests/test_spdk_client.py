@@ -11,7 +11,7 @@ import pytest
 
 from tests.doubles.spdk_target import check_params, load_facts, spdk_target_double  # noqa: F401
 from vstor.errors import EXIT_ACTION_FAILED, EXIT_UNAVAILABLE, ActionFailed, Unavailable
-from vstor.spdk import SpdkClient, SpdkRpcError
+from vstor.backends.spdk import SpdkClient, SpdkRpcError
 
 SUBNQN = "nqn.2016-06.io.spdk:cnode1"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:4c4c4544-0031-3510-8052-b4c04f4d4e31"

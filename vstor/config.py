@@ -11,8 +11,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .errors import BadInput
-from .model import parse_cpulist
+from vstor.errors import BadInput
+from vstor.host.model import parse_cpulist
 
 DEFAULT_PATH = "/etc/vstor/vstor.conf"
 

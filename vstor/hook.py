@@ -9,9 +9,9 @@ import os
 import sys
 import syslog
 
-from . import config as config_mod
-from .domain import Domain
-from .errors import EXIT_ERROR, VstorError
+from vstor import config as config_mod
+from vstor.meta.document import Domain
+from vstor.errors import EXIT_ERROR, VstorError
 
 
 def log(domain: str, message: str, priority=syslog.LOG_INFO) -> None:
@@ -40,9 +40,9 @@ def run(argv: list[str], xml: bytes) -> int:
 
 
 def _dispatch(name: str, op: str, xml: bytes) -> int:
-    from .lifecycle import Runtime, prepare, reconnect, release
-    from .state import StateDir
-    from .sysfs import SysFS
+    from vstor.runtime.lifecycle import Runtime, prepare, reconnect, release
+    from vstor.runtime.state import StateDir
+    from vstor.host.sysfs import SysFS
     cfg = config_mod.load()
     dom = Domain.parse(xml, f"domain '{name}'")
     if not dom.has_vstor():
@@ -51,7 +51,7 @@ def _dispatch(name: str, op: str, xml: bytes) -> int:
     rt = Runtime(cfg, SysFS(root))
     state = StateDir(cfg.state_dir)
     if op == "prepare":
-        from .host import read_host
+        from vstor.host.read import read_host
         host = read_host(SysFS(root))
         rec = prepare(rt, state, host, dom, progress=lambda m: log(name, m))
         log(name, f"prepared: {len(rec.steps)} host changes recorded")

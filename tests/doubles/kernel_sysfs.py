@@ -39,7 +39,7 @@ import errno
 import os
 from dataclasses import dataclass
 
-from vstor.sysfs import SysFS
+from vstor.host.sysfs import SysFS
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_DRIVERS = "/sys/bus/pci/drivers"

@@ -6,8 +6,8 @@ import os
 import sys
 from functools import cached_property
 
-from .. import config as config_mod
-from ..errors import Unavailable
+from vstor import config as config_mod
+from vstor.errors import Unavailable
 
 
 class Context:
@@ -24,9 +24,9 @@ class Context:
 
     @cached_property
     def host(self):
-        from ..errors import BadInput
-        from ..host import read_host
-        from ..sysfs import SysFS
+        from vstor.errors import BadInput
+        from vstor.host.read import read_host
+        from vstor.host.sysfs import SysFS
         root = self.host_root
         if not os.path.isdir(os.path.join(root, "sys/devices/system/cpu")):
             raise BadInput(f"{root} holds no sysfs tree (no sys/devices/system/cpu)",
@@ -36,13 +36,13 @@ class Context:
 
     @cached_property
     def conn(self):
-        from .. import virt
+        from vstor.runtime import virt
         return virt.connect(self.args.connect)
 
     def ledger(self):
         """The ledger from libvirt; planning offline (another host's capture,
         or no libvirt here) goes on without it, and says so."""
-        from ..inventory import load_ledger
+        from vstor.runtime.inventory import load_ledger
         if self.host_root != "/" and not self.args.connect:
             warn("planning against a host capture: other domains' holdings are not known")
             return load_ledger(None)

@@ -7,10 +7,10 @@ import json
 import os
 import sys
 
-from ..domain import Domain
-from ..errors import BadInput
-from ..model import format_cpulist
-from ..plan import Plan
+from vstor.meta.document import Domain
+from vstor.errors import BadInput
+from vstor.host.model import format_cpulist
+from vstor.meta.plan import Plan
 
 
 def register(sub) -> None:
@@ -42,19 +42,19 @@ def load_source(ctx, source: str) -> Domain:
     """A file path, or else the name of a defined domain."""
     if os.path.sep in source or os.path.exists(source):
         return Domain.load(source)
-    from .. import virt
+    from vstor.runtime import virt
     return Domain.parse(virt.inactive_xml(virt.lookup(ctx.conn, source)), f"domain '{source}'")
 
 
 def make_plan(ctx, dom: Domain, ledger=None) -> Plan:
-    from ..planner import Request, plan_domain
+    from vstor.planner import Request, plan_domain
     request = Request.from_domain(dom)
     return plan_domain(ctx.host, ctx.config, request, ledger if ledger is not None else ctx.ledger())
 
 
 def rendered(ctx, dom: Domain, ledger=None) -> tuple[Plan, Domain]:
-    from ..inventory import recorded_plan
-    from ..render import render
+    from vstor.runtime.inventory import recorded_plan
+    from vstor.render.libvirt import render
     previous = recorded_plan(dom)
     plan = make_plan(ctx, dom, ledger)
     return plan, render(dom, plan, previous)
@@ -86,7 +86,7 @@ def cmd_define(ctx, args) -> int:
 
 
 def cmd_apply(ctx, args) -> int:
-    from .. import virt
+    from vstor.runtime import virt
     vdom = virt.lookup(ctx.conn, args.domain)
     dom = Domain.parse(virt.inactive_xml(vdom), f"domain '{args.domain}'")
     code = _define(ctx, dom, args.dry_run)
@@ -96,8 +96,8 @@ def cmd_apply(ctx, args) -> int:
 
 
 def _define(ctx, dom: Domain, dry_run: bool) -> int:
-    from .. import virt
-    from ..inventory import load_ledger
+    from vstor.runtime import virt
+    from vstor.runtime.inventory import load_ledger
     conn = ctx.conn
     plan, out = rendered(ctx, dom, load_ledger(conn))
     if dry_run:

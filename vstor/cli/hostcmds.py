@@ -7,9 +7,9 @@ import json
 import socket
 import sys
 
-from .. import doctor
-from ..errors import EXIT_ERROR
-from ..model import format_cpulist
+from vstor.host import doctor
+from vstor.errors import EXIT_ERROR
+from vstor.host.model import format_cpulist
 
 
 def register(sub) -> None:
@@ -44,14 +44,14 @@ def cmd_doctor(ctx, args) -> int:
 
 def _spdk_check(cfg):
     def probe() -> str:
-        from ..spdk import SpdkClient
+        from vstor.backends.spdk import SpdkClient
         with SpdkClient(cfg.spdk_socket, timeout=min(cfg.spdk_timeout, 5.0)) as client:
             return client.get_version()
     return doctor.check_spdk(cfg, probe)
 
 
 def _libvirt_check(ctx):
-    from ..errors import VstorError
+    from vstor.errors import VstorError
     try:
         major, rest = divmod(ctx.conn.getLibVersion(), 1000000)
         minor = rest // 1000
@@ -93,7 +93,7 @@ def cmd_host_show(ctx, args) -> int:
 
 
 def cmd_host_capture(ctx, args) -> int:
-    from ..capture import capture
+    from vstor.host.capture import capture
     out = args.output or f"vstor-host-{socket.gethostname()}.tar.gz"
     paths = capture(ctx.host_root, out)
     print(f"Captured {len(paths)} paths to {out}; plan against it with: "

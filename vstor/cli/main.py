@@ -6,10 +6,10 @@ import argparse
 import os
 import sys
 
-from .. import __version__
-from ..errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError
-from . import domains, hostcmds, runtime
-from .context import Context
+from vstor import __version__
+from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError
+from vstor.cli import domains, hostcmds, runtime
+from vstor.cli.context import Context
 
 COMMAND_MODULES = [hostcmds, domains, runtime]
 

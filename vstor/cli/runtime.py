@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-from ..errors import BadInput
+from vstor.errors import BadInput
 
 
 def register(sub) -> None:
@@ -44,13 +44,13 @@ def register(sub) -> None:
 
 
 def _state(ctx):
-    from ..state import StateDir
+    from vstor.runtime.state import StateDir
     return StateDir(ctx.config.state_dir)
 
 
 def _runtime(ctx, dry_run=False):
-    from ..lifecycle import Runtime
-    from ..sysfs import SysFS
+    from vstor.runtime.lifecycle import Runtime
+    from vstor.host.sysfs import SysFS
     return Runtime(ctx.config, SysFS(ctx.host_root), dry_run=dry_run)
 
 
@@ -61,7 +61,7 @@ def _say(message: str) -> None:
 # -- status ---------------------------------------------------------------------------
 
 def cmd_status(ctx, args) -> int:
-    from ..lifecycle import health
+    from vstor.runtime.lifecycle import health
     records = _state(ctx).records()
     if args.domain:
         records = [r for r in records if r.domain == args.domain]
@@ -92,8 +92,8 @@ def cmd_status(ctx, args) -> int:
 # -- prepare / release / gc -------------------------------------------------------------
 
 def cmd_prepare(ctx, args) -> int:
-    from ..lifecycle import prepare
-    from .domains import load_source
+    from vstor.runtime.lifecycle import prepare
+    from vstor.cli.domains import load_source
     dom = load_source(ctx, args.source)
     print(f"Preparing {dom.name}{' (dry run)' if args.dry_run else ''}:")
     rec = prepare(_runtime(ctx, args.dry_run), _state(ctx), ctx.host, dom, progress=_say)
@@ -103,7 +103,7 @@ def cmd_prepare(ctx, args) -> int:
 
 
 def _is_running(ctx, name: str) -> bool | None:
-    from ..errors import Unavailable
+    from vstor.errors import Unavailable
     try:
         conn = ctx.conn
     except Unavailable:
@@ -115,7 +115,7 @@ def _is_running(ctx, name: str) -> bool | None:
 
 
 def cmd_release(ctx, args) -> int:
-    from ..lifecycle import release
+    from vstor.runtime.lifecycle import release
     if not args.force and _is_running(ctx, args.domain):
         raise BadInput(f"domain '{args.domain}' is running; its backends are in use",
                        hint="stop it first (the hook then releases), or --force")
@@ -139,8 +139,8 @@ def _key_of(ctx, name: str) -> str:
 
 
 def cmd_gc(ctx, args) -> int:
-    from .. import virt
-    from ..lifecycle import release
+    from vstor.runtime import virt
+    from vstor.runtime.lifecycle import release
     conn = ctx.conn    # gc must know what runs: without libvirt it would remove live backends
     running = {d.name() for d in virt.all_domains(conn) if d.isActive()}
     rt, state = _runtime(ctx, args.dry_run), _state(ctx)
@@ -180,7 +180,7 @@ def _orphan_files(ctx, state) -> list[str]:
 
 def _remove_orphan(path: str) -> None:
     if path.endswith(".pid"):
-        from ..qsd import stop_orphan
+        from vstor.backends.qsd import stop_orphan
         stop_orphan(path)
     if os.path.lexists(path):
         os.unlink(path)

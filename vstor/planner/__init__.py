@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..config import Config
-from ..domain import Domain
-from ..errors import BadInput, DoesNotFit
-from ..intent import Intent
-from ..ledger import Ledger
-from ..model import Host, format_cpulist
-from ..plan import DiskPlan, Plan
-from .disks import DiskChoice, NoFit, choose_all, socket_path, spdk_controller_name
-from .placement import CpuPlacement, dedicated_pool, place_cpus, place_hugepages, place_reactor
+from vstor.config import Config
+from vstor.meta.document import Domain
+from vstor.errors import BadInput, DoesNotFit
+from vstor.meta.intent import Intent
+from vstor.planner.ledger import Ledger
+from vstor.host.model import Host, format_cpulist
+from vstor.meta.plan import DiskPlan, Plan
+from vstor.planner.disks import DiskChoice, NoFit, choose_all, socket_path, spdk_controller_name
+from vstor.planner.placement import CpuPlacement, dedicated_pool, place_cpus, place_hugepages, place_reactor
 
 _PAGE_KIB = {"2M": 2048, "1G": 1048576}
 

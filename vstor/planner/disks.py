@@ -10,12 +10,12 @@ import hashlib
 import os
 from dataclasses import dataclass
 
-from ..config import Config
-from ..errors import BadInput
-from ..intent import DiskIntent, VmIntent
-from ..ledger import Ledger
-from ..model import Host, NvmeController
-from ..vfio import check_passthrough
+from vstor.config import Config
+from vstor.errors import BadInput
+from vstor.meta.intent import DiskIntent, VmIntent
+from vstor.planner.ledger import Ledger
+from vstor.host.model import Host, NvmeController
+from vstor.backends.vfio import check_passthrough
 
 # Drivers SPDK's PCIe transport runs on: the controller is already the
 # operator's to give SPDK (scripts/setup.sh did it).

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ..config import Config
-from ..ledger import Ledger
-from ..model import Host, NumaNode, format_cpulist
-from .disks import NoFit
+from vstor.config import Config
+from vstor.planner.ledger import Ledger
+from vstor.host.model import Host, NumaNode, format_cpulist
+from vstor.planner.disks import NoFit
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,12 @@ was defined (a disk mounted, hugepages taken, cores handed to another VM)."""
 
 from __future__ import annotations
 
-from ..config import Config
-from ..ledger import Ledger, volume_key
-from ..model import Host, format_cpulist
-from ..plan import Plan
-from ..vfio import check_passthrough
-from .disks import USERSPACE_DRIVERS, NoFit, _block_use
+from vstor.config import Config
+from vstor.planner.ledger import Ledger, volume_key
+from vstor.host.model import Host, format_cpulist
+from vstor.meta.plan import Plan
+from vstor.backends.vfio import check_passthrough
+from vstor.planner.disks import USERSPACE_DRIVERS, NoFit, _block_use
 
 
 def validate(host: Host, cfg: Config, plan: Plan, running: Ledger) -> list[str]:

@@ -14,6 +14,6 @@ def __getattr__(name):
     # Imported on first use so that `python -m vstor.testing.layout` does not
     # find its own module already imported (runpy warns about that).
     if name in __all__:
-        from . import layout
+        from vstor.testing import layout
         return getattr(layout, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

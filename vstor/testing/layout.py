@@ -75,8 +75,8 @@ import sys
 import tomllib
 from dataclasses import dataclass, field
 
-from ..errors import BadInput, VstorError
-from ..model import NVME_CLASS, format_cpulist, parse_cpulist
+from vstor.errors import BadInput, VstorError
+from vstor.host.model import NVME_CLASS, format_cpulist, parse_cpulist
 
 _TOP_KEYS = {"hostname", "cmdline", "smt", "numa", "iommu", "vfio", "thp", "irqbalance",
              "isolated", "node", "nvme", "pci", "rdma", "disk", "volume"}

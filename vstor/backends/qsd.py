@@ -26,9 +26,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from .locking import flocked
-from .errors import ActionFailed, BadInput, DoesNotFit, Unavailable
-from .qmp import QmpClient, QmpConnectionError, QmpError
+from vstor.runtime.locking import flocked
+from vstor.errors import ActionFailed, BadInput, DoesNotFit, Unavailable
+from vstor.backends.qmp import QmpClient, QmpConnectionError, QmpError
 
 RECORD_VERSION = 1
 EXPORT_ID = "exp0"

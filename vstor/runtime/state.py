@@ -15,8 +15,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from .errors import BadInput, Unavailable
-from .locking import flocked
+from vstor.errors import BadInput, Unavailable
+from vstor.runtime.locking import flocked
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from lxml import etree
 
-from . import NS
-from .errors import BadInput
-from .intent import DiskIntent, Intent, Source
-from .model import format_cpulist, parse_cpulist
+from vstor import NS
+from vstor.errors import BadInput
+from vstor.meta.intent import DiskIntent, Intent, Source
+from vstor.host.model import format_cpulist, parse_cpulist
 
 Q = "{%s}" % NS
 PLAN_VERSION = "1"

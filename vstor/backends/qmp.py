@@ -12,7 +12,7 @@ import json
 import socket
 import time
 
-from .errors import ActionFailed, Unavailable
+from vstor.errors import ActionFailed, Unavailable
 
 
 class QmpError(ActionFailed):

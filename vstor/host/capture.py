@@ -18,9 +18,9 @@ import stat
 import tarfile
 import time
 
-from .errors import BadInput
-from .host import read_host
-from .sysfs import SysFS
+from vstor.errors import BadInput
+from vstor.host.read import read_host
+from vstor.host.sysfs import SysFS
 
 # /proc/self is a link to the reading process's pid: stored as a plain
 # directory so that an extracted capture reads the same from any process.

@@ -10,8 +10,8 @@ import contextlib
 import grp
 import os
 
-from .errors import ActionFailed
-from .journal import Step, register
+from vstor.errors import ActionFailed
+from vstor.runtime.journal import Step, register
 
 
 @register
@@ -23,18 +23,18 @@ class VfioBind(Step):
 
     @classmethod
     def planned(cls, rt, address: str) -> "VfioBind":
-        from . import vfio
+        from vstor.backends import vfio
         return cls(vfio.record_to_json(vfio.plan_bind(rt.sysfs, address)))
 
     def describe(self) -> str:
         return f"bind {self.data['address']} to vfio-pci"
 
     def do(self, rt) -> None:
-        from . import vfio
+        from vstor.backends import vfio
         vfio.bind_to_vfio(rt.sysfs, vfio.record_from_json(self.data))
 
     def undo(self, rt) -> None:
-        from . import vfio
+        from vstor.backends import vfio
         if any(_shares(r, self) for r in rt.other_records()):
             return      # another running domain's SPDK still needs it on vfio-pci
         vfio.restore_driver(rt.sysfs, vfio.record_from_json(self.data))
@@ -123,7 +123,7 @@ class QsdExport(Step):
     kind = "qsd-export"
 
     def _export(self, rt):
-        from .qsd import QsdExport as Export
+        from vstor.backends.qsd import QsdExport as Export
         return Export.from_record(self.data)
 
     def describe(self) -> str:

@@ -7,9 +7,9 @@ import re
 
 from lxml import etree
 
-from . import NS, PREFIX
-from .errors import BadInput
-from .intent import Intent, parse_intent
+from vstor import NS, PREFIX
+from vstor.errors import BadInput
+from vstor.meta.intent import Intent, parse_intent
 
 _UNITS = {  # libvirt's memory units, to KiB
     "b": 1 / 1024, "bytes": 1 / 1024, "KB": 1000 / 1024, "k": 1, "KiB": 1,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .plan import DiskPlan, Plan
+from vstor.meta.plan import DiskPlan, Plan
 
 
 def volume_key(disk: DiskPlan) -> str | None:

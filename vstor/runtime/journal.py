@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .errors import ActionFailed, VstorError
-from .state import PREPARED, RELEASING, Record, StateDir
+from vstor.errors import ActionFailed, VstorError
+from vstor.runtime.state import PREPARED, RELEASING, Record, StateDir
 
 DOING, DONE = "doing", "done"
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import sys
 
-from .domain import Domain
-from .errors import VstorError
-from .ledger import Holding, Ledger
-from .plan import Plan, from_element
-from . import virt
+from vstor.meta.document import Domain
+from vstor.errors import VstorError
+from vstor.planner.ledger import Holding, Ledger
+from vstor.meta.plan import Plan, from_element
+from vstor.runtime import virt
 
 
 def recorded_plan(dom: Domain) -> Plan | None:

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .config import Config
-from .domain import Domain
-from .errors import ActionFailed, BadInput, DoesNotFit
-from .inventory import recorded_plan
-from .journal import DONE, Journal, Step, step_from_json
-from .ledger import Holding, Ledger, holding_from_json, holding_to_json
-from .model import Host
-from .plan import Plan
-from .state import PREPARED, Record, StateDir
-from .steps import QsdExport, SpdkAttach, SpdkVhost, VfioBind, ensure_socket_dir
-from .planner.disks import USERSPACE_DRIVERS
+from vstor.config import Config
+from vstor.meta.document import Domain
+from vstor.errors import ActionFailed, BadInput, DoesNotFit
+from vstor.runtime.inventory import recorded_plan
+from vstor.runtime.journal import DONE, Journal, Step, step_from_json
+from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
+from vstor.host.model import Host
+from vstor.meta.plan import Plan
+from vstor.runtime.state import PREPARED, Record, StateDir
+from vstor.runtime.steps import QsdExport, SpdkAttach, SpdkVhost, VfioBind, ensure_socket_dir
+from vstor.planner.disks import USERSPACE_DRIVERS
 
 
 class Runtime:
@@ -38,7 +38,7 @@ class Runtime:
             if self._spdk_factory:
                 self._spdk = self._spdk_factory()
             else:
-                from .spdk import SpdkClient
+                from vstor.backends.spdk import SpdkClient
                 self._spdk = SpdkClient(self.cfg.spdk_socket, timeout=self.cfg.spdk_timeout,
                                         dry_run=self.dry_run)
         return self._spdk
@@ -102,7 +102,7 @@ def _pick(value, default):
 
 
 def _qsd_record(cfg: Config, disk) -> dict:
-    from .qsd import QsdExport as Export
+    from vstor.backends.qsd import QsdExport as Export
     src = disk.source
     if src.kind == "nvme":
         raise BadInput(f"{disk.target}: qsd on an NVMe namespace needs its block device; "
@@ -128,7 +128,7 @@ def running_ledger(state: StateDir) -> Ledger:
 
 def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             progress: Callable[[str], None] | None = None) -> Record:
-    from .planner.validate import validate
+    from vstor.planner.validate import validate
     plan = plan_of(dom)
     key = dom.safe_name
     with state.lock():

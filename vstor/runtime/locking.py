@@ -7,7 +7,7 @@ import fcntl
 import os
 import time
 
-from .errors import Unavailable
+from vstor.errors import Unavailable
 
 
 @contextlib.contextmanager

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from lxml import etree
 
-from . import NS
-from .errors import BadInput
+from vstor import NS
+from vstor.errors import BadInput
 
 Q = "{%s}" % NS
 
@@ -278,7 +278,7 @@ def _known_children(e, allowed: tuple[str, ...], tag: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def schema() -> etree.RelaxNG:
-    here = os.path.join(os.path.dirname(__file__), "schema", "vstor.rng")
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "schema", "vstor.rng")
     return etree.RelaxNG(etree.parse(here))
 
 

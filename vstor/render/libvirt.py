@@ -12,10 +12,10 @@ import copy
 
 from lxml import etree
 
-from . import NS, PREFIX
-from .domain import Domain
-from .model import format_cpulist
-from .plan import Plan, to_element
+from vstor import NS, PREFIX
+from vstor.meta.document import Domain
+from vstor.host.model import format_cpulist
+from vstor.meta.plan import Plan, to_element
 
 # libvirt's own order of <domain> children; new elements go where libvirt
 # would put them, so the output is stable and reads like `virsh dumpxml`.

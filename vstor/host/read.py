@@ -10,9 +10,9 @@ from __future__ import annotations
 import posixpath
 import re
 
-from .model import (NVME_CLASS, BlockDevice, Cpu, HugepagePool, Host, Namespace, NetDev,
+from vstor.host.model import (NVME_CLASS, BlockDevice, Cpu, HugepagePool, Host, Namespace, NetDev,
                     NumaNode, NvmeController, PciDevice, RdmaNic, parse_cpulist)
-from .sysfs import SysFS
+from vstor.host.sysfs import SysFS
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 CPU_DIR = "/sys/devices/system/cpu"

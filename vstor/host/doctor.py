@@ -11,8 +11,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import Config
-from .model import Host, format_cpulist
+from vstor.config import Config
+from vstor.host.model import Host, format_cpulist
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -136,7 +136,7 @@ def check_qsd(binary: str | None = None) -> Check:
 
 def check_spdk(cfg: Config, probe: Callable[[], str]) -> Check:
     """probe() returns SPDK's version or raises a VstorError saying why not."""
-    from .errors import VstorError
+    from vstor.errors import VstorError
     try:
         return Check("spdk", OK, f"SPDK {probe()} at {cfg.spdk_socket}")
     except VstorError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import BadInput, Unavailable
+from vstor.errors import BadInput, Unavailable
 
 DEFAULT_URI = "qemu:///system"
 

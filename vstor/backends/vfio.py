@@ -29,9 +29,9 @@ from __future__ import annotations
 import errno
 from dataclasses import dataclass, replace
 
-from .errors import ActionFailed
-from .model import NvmeController, PciDevice
-from .sysfs import SysFS
+from vstor.errors import ActionFailed
+from vstor.host.model import NvmeController, PciDevice
+from vstor.host.sysfs import SysFS
 
 VFIO = "vfio-pci"
 PCI_DEVICES = "/sys/bus/pci/devices"

@@ -20,7 +20,7 @@ import stat
 import sys
 from typing import Any, TextIO
 
-from .errors import ActionFailed, Unavailable
+from vstor.errors import ActionFailed, Unavailable
 
 try:
     from spdk.rpc.client import JSONRPCClient, JSONRPCException
