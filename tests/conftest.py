@@ -7,7 +7,7 @@ import pytest
 
 from vstor.host.read import read_host
 from vstor.host.sysfs import SysFS
-from vstor.testing import build_tree
+from tests.hostlayout import build_tree
 
 HOSTS_DIR = os.path.join(os.path.dirname(__file__), "hosts")
 

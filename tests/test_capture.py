@@ -10,7 +10,7 @@ from vstor.host.capture import capture
 from vstor.errors import BadInput
 from vstor.host.read import read_host
 from vstor.host.sysfs import SysFS
-from vstor.testing import build_tree
+from tests.hostlayout import build_tree
 
 
 def extract(archive, into) -> str:

@@ -122,9 +122,8 @@ def test_define_renders_and_defines_and_the_ledger_keeps_cores_apart(host_layout
                       .replace("<name>web1</name>", "<name>web2</name>").replace("0000:5f:00.0", "0000:60:00.0"))
     assert main(["-c", URI, "--config", cfg, "--host-root", root, "define", str(second)]) == 0
     from vstor.meta.document import Domain
-    from vstor.runtime.inventory import recorded_plan
-    p1 = recorded_plan(Domain.parse(_domain_xml("web1")))
-    p2 = recorded_plan(Domain.parse(_domain_xml("web2")))
+    p1 = Domain.parse(_domain_xml("web1")).recorded_plan()
+    p2 = Domain.parse(_domain_xml("web2")).recorded_plan()
     assert p1.dedicated_cpus and p2.dedicated_cpus and not p1.dedicated_cpus & p2.dedicated_cpus
     for name in ("web1", "web2"):
         libvirt.open(URI).lookupByName(name).undefine()

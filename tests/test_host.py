@@ -10,7 +10,7 @@ import pytest
 from vstor.host.read import read_host
 from vstor.host.model import NVME_CLASS
 from vstor.host.sysfs import SysFS
-from vstor.testing import build_tree
+from tests.hostlayout import build_tree
 
 
 def tree_host(tmp_path, layout: dict):

@@ -7,7 +7,8 @@ import pytest
 
 from vstor.meta.document import Domain
 from vstor.errors import BadInput
-from vstor.meta.intent import NvmeSource, NvmfSource, schema
+from vstor.meta.intent import NvmeSource, NvmfSource
+from vstor.meta.metadata import find, schema
 
 TEMPLATES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "xml-templates", "*.xml")))
 
@@ -32,7 +33,7 @@ def test_templates_parse_and_validate_against_the_shipped_schema():
         dom = Domain.load(path)
         intent = dom.intent()
         assert intent.disks, path
-        assert schema().validate(etree.ElementTree(etree.fromstring(etree.tostring(dom.vstor_element())))), path
+        assert schema().validate(etree.ElementTree(etree.fromstring(etree.tostring(find(dom.root))))), path
 
 
 def test_full_nvmf_source_is_read_with_paths_and_timeouts():
@@ -50,7 +51,7 @@ def test_full_nvmf_source_is_read_with_paths_and_timeouts():
     assert isinstance(src, NvmfSource)
     assert (src.transport, src.trsvcid, src.namespace, src.nic) == ("tcp", 4421, 3, "mlx5_1")
     assert src.paths[0].traddr == "10.1.2.1" and src.paths[0].trsvcid == 4420
-    assert src.ctrlr_loss_timeout == 120 and src.reconnect_delay is None
+    assert src.reconnect.ctrlr_loss_timeout == 120 and src.reconnect.reconnect_delay is None
 
 
 def test_short_pci_address_is_normalised():

@@ -7,14 +7,16 @@ import threading
 import pytest
 
 from vstor.errors import ActionFailed
-from vstor.runtime.journal import DONE, DOING, Journal, Step, register
+from vstor.runtime.journal import DONE, DOING, Journal
 from vstor.runtime.state import PREPARED, Record, StateDir
 
 
-@register
-class TouchFile(Step):
+class TouchFile:
     """A test step that makes a real host change: a file; it can fail on do or undo."""
     kind = "test-touch"
+
+    def __init__(self, data):
+        self.data = data
 
     def describe(self):
         return f"touch {os.path.basename(self.data['path'])}"
@@ -31,8 +33,20 @@ class TouchFile(Step):
         if os.path.exists(self.data["path"]):
             os.unlink(self.data["path"])
 
-    def check(self, rt):
-        return None if os.path.exists(self.data["path"]) else "file is gone"
+    def to_json(self, state):
+        return {"kind": self.kind, "state": state, "data": self.data}
+
+
+class Executor:
+    """The journal's executor interface, for TouchFile steps."""
+    encode = staticmethod(lambda step, state: step.to_json(state))
+    decode = staticmethod(lambda entry: TouchFile(entry["data"]))
+    do = staticmethod(lambda step, rt: step.do(rt))
+    undo = staticmethod(lambda step, rt, others: step.undo(rt))
+
+
+def J(state, rec, rt, progress=None):
+    return Journal(state, rec, rt, progress, executor=Executor)
 
 
 def steps(tmp_path, n, flags=None):
@@ -43,7 +57,7 @@ def steps(tmp_path, n, flags=None):
 def test_run_records_each_step_done_and_the_record_is_prepared(tmp_path):
     state = StateDir(str(tmp_path / "state"))
     rec = Record("vm1", "vm1", None)
-    Journal(state, rec, rt=None).run(steps(tmp_path, 3))
+    J(state, rec, rt=None).run(steps(tmp_path, 3))
     saved = state.load("vm1")
     assert saved.status == PREPARED
     assert [s["state"] for s in saved.steps] == [DONE] * 3
@@ -55,7 +69,7 @@ def test_failure_undoes_everything_in_reverse_and_leaves_no_record(tmp_path):
     order = []
     progress = order.append
     with pytest.raises(ActionFailed) as e:
-        Journal(state, Record("vm1", "vm1", None), None, progress).run(steps(tmp_path, 4, {2: {"fail_do": True}}))
+        J(state, Record("vm1", "vm1", None), None, progress).run(steps(tmp_path, 4, {2: {"fail_do": True}}))
     assert "touch f2 failed: [Errno 5] injected I/O error" in str(e.value)
     assert "everything done before it was undone" in str(e.value)
     assert not any((tmp_path / f"f{i}").exists() for i in range(4))   # f2 was half-done: undone too
@@ -68,13 +82,13 @@ def test_an_undo_that_fails_stops_the_rollback_and_stays_recorded(tmp_path):
     state = StateDir(str(tmp_path / "state"))
     rec = Record("vm1", "vm1", None)
     with pytest.raises(ActionFailed) as e:
-        Journal(state, rec, None).run(steps(tmp_path, 4, {1: {"fail_undo": True}, 3: {"fail_do": True}}))
+        J(state, rec, None).run(steps(tmp_path, 4, {1: {"fail_undo": True}, 3: {"fail_do": True}}))
     assert "undo also failed: touch f1: [Errno 16] injected busy" in str(e.value)
     left = state.load("vm1")
     assert [s["data"]["path"] for s in left.steps] == [str(tmp_path / "f0"), str(tmp_path / "f1")]
     assert (tmp_path / "f0").exists() and not (tmp_path / "f2").exists()
     (tmp_path / "f1.allow").write_text("")
-    assert Journal(state, left, None).rollback() == []
+    assert J(state, left, None).rollback() == []
     assert state.load("vm1") is None and not (tmp_path / "f0").exists()
 
 
@@ -89,7 +103,7 @@ def test_a_crash_between_steps_leaves_a_record_the_next_run_can_undo(tmp_path):
     all_steps[1].do(None)             # it got done, but the crash came before 'done' was written
     state.save(rec)
     reloaded = StateDir(str(tmp_path / "state")).load("vm1")
-    assert Journal(state, reloaded, None).rollback() == []
+    assert J(state, reloaded, None).rollback() == []
     assert not (tmp_path / "f0").exists() and not (tmp_path / "f1").exists()
     assert state.load("vm1") is None
 

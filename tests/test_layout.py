@@ -11,9 +11,9 @@ import pytest
 from vstor.errors import BadInput
 from vstor.host.read import read_host
 from vstor.host.sysfs import SysFS
-from vstor.testing import build_tree, parse_size
-from vstor.testing import layout as layout_module
-from vstor.testing.layout import main
+import tests.hostlayout as hostlayout
+from tests.hostlayout import build_tree, parse_size
+from tests.hostlayout.__main__ import USAGE, main
 
 
 def link(root, host_path) -> str:
@@ -152,11 +152,13 @@ def test_command_line(tmp_path, capsys):
     assert main([str(toml), str(tmp_path / "tree2")]) == 2
     assert "unknown key(s) bogus" in capsys.readouterr().err
     assert main([]) == 2
+    assert capsys.readouterr().err == USAGE + "\n"
+    assert main(["-x", "y"]) == 2
 
 
 def test_runs_as_a_module(tmp_path):
     hosts = os.path.join(os.path.dirname(__file__), "hosts")
-    done = subprocess.run([sys.executable, "-m", "vstor.testing.layout", f"{hosts}/laptop.toml",
+    done = subprocess.run([sys.executable, "-m", "tests.hostlayout", f"{hosts}/laptop.toml",
                            str(tmp_path / "t")], capture_output=True, text=True,
                           cwd=os.path.dirname(hosts) + "/..")
     assert done.returncode == 0, done.stderr
@@ -164,8 +166,29 @@ def test_runs_as_a_module(tmp_path):
     assert os.path.islink(tmp_path / "t/sys/bus/pci/devices/0000:02:00.0")
 
 
+def test_help_prints_usage_and_exits_0():
+    repo = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run([sys.executable, "-m", "tests.hostlayout", "--help"],
+                          capture_output=True, text=True, cwd=repo)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.startswith("usage: python3 -m tests.hostlayout LAYOUT.toml DIR\n")
+    assert 'hostname = "lab1"' in done.stdout
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[[nvme]]\nbogus = 1\n")
+    repo = os.path.join(os.path.dirname(__file__), "..")
+    done = subprocess.run([sys.executable, "-m", "tests.hostlayout", str(toml), str(tmp_path / "t")],
+                          capture_output=True, text=True, cwd=repo)
+    assert done.returncode == 2
+    assert done.stderr.startswith("tests.hostlayout: error: unknown key(s) bogus")
+    assert done.stderr.count("\n") == 1 and done.stdout == ""
+
+
 def test_the_documented_example_builds(tmp_path):
-    doc = layout_module.__doc__
+    doc = hostlayout.__doc__
     example = tomllib.loads(textwrap.dedent(doc[doc.index('    hostname = "lab1"'):]))
     host = read_host(SysFS(build_tree(example, tmp_path / "r")))
     assert host.hostname == "lab1" and len(host.cpus) == 32

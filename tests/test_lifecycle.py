@@ -22,7 +22,7 @@ from vstor.planner import Request, plan_domain
 from vstor.render.libvirt import render
 from vstor.runtime.state import StateDir
 from vstor.host.sysfs import SysFS
-from vstor.testing import build_tree
+from tests.hostlayout import build_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
                                 reason="sockets are handed to root:kvm (needs root)")
@@ -149,18 +149,18 @@ def test_missing_spdk_is_unavailable_before_anything_changes(env):
 def test_a_crash_between_steps_is_undone_by_the_next_run(env):
     """A run killed after attaching (record says attach 'doing'): the next
     prepare undoes the leftovers and starts clean; nothing is doubled."""
+    from vstor.runtime import actions, steps as executor
     from vstor.runtime.journal import DOING, DONE
-    from vstor.runtime.lifecycle import build_steps
     from vstor.runtime.state import Record
     dom = domain(env, local_spdk())
-    from vstor.runtime.inventory import recorded_plan
     rt = env.rt()
-    steps = build_steps(rt, env.host(), recorded_plan(dom))
+    steps = [executor.observe(a, rt) for a in actions.build(dom.recorded_plan(), env.cfg)]
+    assert [a.kind for a in steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
     rec = Record("vm1", "vm1", None)
-    steps[0].do(rt)
-    rec.steps.append(steps[0].to_json(DONE))
-    rec.steps.append(steps[1].to_json(DOING))
-    steps[1].do(rt)
+    executor.do(steps[0], rt)
+    rec.steps.append(actions.to_json(steps[0], DONE))
+    rec.steps.append(actions.to_json(steps[1], DOING))
+    executor.do(steps[1], rt)
     env.state.save(rec)                                  # ... and the process dies here
     prepare(env.rt(), env.state, env.host(), dom)        # the next start
     assert len(env.spdk.params_of("bdev_nvme_attach_controller")) == 2   # undone, then redone once
@@ -173,9 +173,8 @@ def test_a_crash_between_steps_is_undone_by_the_next_run(env):
 
 def test_nvmf_paths_are_attached_as_multipath_and_shared_until_the_last_user(env):
     a = domain(env, nvmf(1), name="a")
-    from vstor.runtime.inventory import recorded_plan
     from vstor.planner.ledger import Holding
-    b = domain(env, nvmf(2), name="b", ledger=Ledger([Holding.from_plan(recorded_plan(a))]))
+    b = domain(env, nvmf(2), name="b", ledger=Ledger([Holding.from_plan(a.recorded_plan())]))
     prepare(env.rt(), env.state, env.host(), a)
     prepare(env.rt(), env.state, env.host(), b)
     calls = env.spdk.params_of("bdev_nvme_attach_controller")

@@ -241,10 +241,11 @@ def test_a_core_that_is_both_reactor_and_housekeeping_is_refused(host_model):
 
 def test_start_refuses_a_block_source_whose_nvme_namespace_got_mounted(host_model):
     from dataclasses import replace
-    from vstor.planner.validate import validate
+    from vstor.planner import fit
     host = host_model("two-socket")
-    plan = plan_domain(host, Config(), request("<vstor:disk target='vdb'><vstor:block path='/dev/nvme1n1'/></vstor:disk>"),
-                       Ledger())
+    req = request("<vstor:disk target='vdb'><vstor:block path='/dev/nvme1n1'/></vstor:disk>")
+    plan = plan_domain(host, Config(), req, Ledger())
+    validate = lambda h, cfg, p, ledger: fit.problems(h, cfg, req, p, ledger)  # noqa: E731
     assert validate(host, Config(), plan, Ledger()) == []
     ctrl = host.controller("0000:5e:00.0")
     mounted = replace(ctrl, namespaces=(replace(ctrl.namespaces[0], in_use=("mounted at /srv",)),))

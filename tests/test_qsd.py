@@ -1,4 +1,4 @@
-"""vstor.qsd and vstor.qmp against the real qemu-storage-daemon.
+"""vstor.backends.qsd (export, daemon, monitor) against the real qemu-storage-daemon.
 
 The daemon tests need root (sockets are chowned to the QEMU group and
 connections are tried as libvirt-qemu and nobody): they skip without root,
@@ -28,8 +28,9 @@ import time
 import pytest
 
 from vstor.errors import ActionFailed, BadInput, DoesNotFit, Unavailable
-from vstor.backends.qmp import QmpClient, QmpConnectionError, QmpError
-from vstor.backends.qsd import QsdExport
+from vstor.backends.qsd import daemon
+from vstor.backends.qsd.export import QsdExport
+from vstor.backends.qsd.monitor import Monitor, QmpConnectionError, QmpError
 
 QSD = "/usr/bin/qemu-storage-daemon"
 QEMU_USER, QEMU_GROUP = "libvirt-qemu", "kvm"
@@ -63,7 +64,7 @@ def area():
     yield area
     for export in made:
         with contextlib.suppress(Exception):
-            export.stop()
+            daemon.stop(export)
     shutil.rmtree(base)
 
 
@@ -91,7 +92,7 @@ class Area:
 
 def connect_as(user: str, path: str) -> int:
     """errno of connecting to `path` as `user` in a forked child (0 = connected).
-    Written independently of vstor.qsd.connect_as on purpose."""
+    Written independently of daemon.connect_as on purpose."""
     pw = pwd.getpwnam(user)
     child = os.fork()
     if child == 0:
@@ -130,7 +131,7 @@ def wait_gone(pid: int, timeout: float = 5.0) -> bool:
 
 
 def qmp(export: QsdExport, command: str, args: dict | None = None):
-    with QmpClient(export.qmp_path) as client:
+    with Monitor(export.qmp_path) as client:
         return client.execute(command, args)
 
 
@@ -342,51 +343,159 @@ def test_record_roundtrip_is_json():
 
 
 def test_dry_run_lists_the_command_and_the_socket_change():
-    lines = _pure().dry_run()
+    lines = _pure().dry_run_lines()
     assert lines[0] == "install -d -o root -g kvm -m 0750 /run/vstor/qsd"
     assert lines[1].startswith(QSD + " --blockdev ") and "--daemonize" in lines[1]
+    assert "filename=/var/lib/vstor/a,,b.raw,cache.direct=off,aio=threads," in lines[1]
     assert lines[2:] == ["chown root:kvm /run/vstor/vhost/vm1-vdb",
                          "chmod 0660 /run/vstor/vhost/vm1-vdb"]
+    # Nothing to probe: the daemon's dry run shows the same.
+    assert daemon.dry_run(_pure()) == lines
+
+
+def test_daemon_dry_run_probes_o_direct_and_changes_nothing(tmp_path):
+    disk = tmp_path / "disk.raw"
+    disk.write_bytes(bytes(4096))
+    e = _pure(run_dir=str(tmp_path / "run"), source=str(disk))
+    lines = daemon.dry_run(e)
+    # tmp_path is on ext4 here, which takes O_DIRECT; the pure lines cannot know.
+    assert "cache.direct=on,aio=native" in lines[1]
+    assert "cache.direct=off,aio=threads" in e.dry_run_lines()[1]
+    assert os.listdir(tmp_path) == ["disk.raw"]
+
+
+def test_the_pure_modules_pull_in_no_process_control():
+    forbidden = {"subprocess", "socket", "signal", "select", "pwd", "grp", "fcntl", "asyncio",
+                 "qemu", "vstor.runtime", "vstor.backends.qsd.daemon"}
+    probe = ("import sys; before = set(sys.modules); "
+             "import vstor.backends.qsd, vstor.backends.qsd.export; "
+             "print(' '.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run(["python3", "-c", probe], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    loaded = set(out.stdout.split())
+    assert "vstor.backends.qsd.export" in loaded
+    assert {m for m in loaded if m.split(".")[0] in forbidden or m in forbidden
+            or m.startswith("vstor.runtime")} == set()
 
 
 def test_missing_binary_is_unavailable(area):
     with pytest.raises(Unavailable, match="apt install qemu-system-common"):
-        area.export(binary="/nonexistent/qemu-storage-daemon").start()
+        daemon.start(area.export(binary="/nonexistent/qemu-storage-daemon"))
     assert area.leftovers() == []
 
 
-# -- QMP client --------------------------------------------------------------------------------
+# -- the QMP monitor (qemu.qmp behind vstor's errors) ----------------------------------------
 
 def test_qmp_error_carries_class_and_desc(area):
     e = area.export()
-    e.start()
-    with QmpClient(e.qmp_path) as client:
-        assert client.greeting["QMP"]["version"]["qemu"]["major"] >= 7
+    daemon.start(e)
+    with Monitor(e.qmp_path) as client:
+        assert client.version["qemu"]["major"] >= 7
         with pytest.raises(QmpError) as err:
             client.execute("no-such-command")
         assert err.value.error_class == "CommandNotFound" and "no-such-command" in err.value.desc
+        assert isinstance(err.value, ActionFailed) and err.value.exit_code == 5
+        assert str(err.value).startswith("QMP no-such-command failed: CommandNotFound: ")
         assert client.execute("query-block-exports")[0]["id"] == "exp0"   # still usable
+        with pytest.raises(QmpError, match="GenericError"):
+            client.execute("query-named-block-nodes", {"flat": "yes"})
 
 
 def test_qmp_unreachable_and_silent_monitors(tmp_path):
-    with pytest.raises(QmpConnectionError, match="cannot connect"):
-        QmpClient(str(tmp_path / "none.qmp"), timeout=1).connect()
+    with pytest.raises(QmpConnectionError, match="cannot connect.*No such file") as err:
+        Monitor(str(tmp_path / "none.qmp"), timeout=1).connect()
+    assert isinstance(err.value, Unavailable) and err.value.exit_code == 4
     path = str(tmp_path / "silent.qmp")
     server = socket.socket(socket.AF_UNIX)
     server.bind(path)
     server.listen(1)
     start = time.monotonic()
     with pytest.raises(QmpConnectionError, match="within 0.3s"):
-        QmpClient(path, timeout=0.3).connect()
+        Monitor(path, timeout=0.3).connect()
     assert time.monotonic() - start < 2
     server.close()
+
+
+class FakeMonitor:
+    """A local QMP server that greets, negotiates, then plays `after` with the
+    first command: "hangup" closes, "silent" never answers."""
+
+    GREETING = {"QMP": {"version": {"qemu": {"major": 9, "minor": 0, "micro": 0},
+                                    "package": ""}, "capabilities": []}}
+
+    def __init__(self, path: str, after: str, greeting=None):
+        self.after, self.greeting = after, greeting or self.GREETING
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(path)
+        self.server.listen(1)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        conn, _ = self.server.accept()
+        with conn:
+            conn.sendall(json.dumps(self.greeting).encode() + b"\n")
+            for msg in self._requests(conn):
+                if msg["execute"] != "qmp_capabilities":
+                    if self.after == "silent":
+                        time.sleep(1)
+                    return
+                conn.sendall(json.dumps({"return": {}, "id": msg.get("id")}).encode() + b"\n")
+
+    @staticmethod
+    def _requests(conn):
+        """QMP requests are a JSON stream, not necessarily one per line."""
+        buf, decoder = "", json.JSONDecoder()
+        while chunk := conn.recv(4096):
+            buf += chunk.decode()
+            while buf.strip():
+                try:
+                    msg, end = decoder.raw_decode(buf.lstrip())
+                except ValueError:
+                    break
+                buf = buf.lstrip()[end:]
+                yield msg
+
+    def close(self):
+        self.server.close()
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("after,words", [
+    ("hangup", "QMP query-block-exports: .* closed the connection"),
+    ("silent", "QMP query-block-exports: no answer from .* within 0.3s"),
+])
+def test_qmp_monitor_that_goes_away_is_unavailable(tmp_path, after, words):
+    path = str(tmp_path / "fake.qmp")
+    fake = FakeMonitor(path, after)
+    try:
+        with Monitor(path, timeout=0.3) as client:
+            assert client.version["qemu"]["major"] == 9
+            with pytest.raises(QmpConnectionError, match=words) as err:
+                client.execute("query-block-exports")
+            assert "\n" not in str(err.value)
+            with pytest.raises(QmpConnectionError, match="not connected"):
+                client.execute("query-block-exports")
+    finally:
+        fake.close()
+
+
+def test_qmp_something_that_is_not_a_monitor(tmp_path):
+    path = str(tmp_path / "other.qmp")
+    fake = FakeMonitor(path, "hangup", greeting={"hello": "world"})
+    try:
+        with pytest.raises(QmpConnectionError, match="is not a usable QMP monitor") as err:
+            Monitor(path, timeout=1).connect()
+        assert "\n" not in str(err.value)
+    finally:
+        fake.close()
 
 
 # -- the daemon --------------------------------------------------------------------------------
 
 def test_start_hands_the_socket_to_the_qemu_group_only(area):
     e = area.export()
-    pid = e.start()
+    pid = daemon.start(e)
     kvm = grp.getgrnam(QEMU_GROUP).gr_gid
     st = os.lstat(e.socket_path)
     assert stat.S_ISSOCK(st.st_mode) and (st.st_uid, st.st_gid) == (0, kvm)
@@ -394,7 +503,7 @@ def test_start_hands_the_socket_to_the_qemu_group_only(area):
     rd = os.stat(area.run_dir)
     assert (rd.st_uid, rd.st_gid, stat.S_IMODE(rd.st_mode)) == (0, kvm, 0o750)
     assert stat.S_IMODE(os.stat(e.pidfile).st_mode) == 0o600
-    assert e.pid() == pid and e.alive()
+    assert daemon.pid(e) == pid and daemon.alive(e)
     assert connect_as(QEMU_USER, e.socket_path) == 0
     assert connect_as("nobody", e.socket_path) == errno.EACCES
     assert connect_as(QEMU_USER, e.qmp_path) == errno.EACCES      # the monitor is root's
@@ -405,14 +514,14 @@ def test_socket_mode_alone_keeps_others_out(area):
     os.makedirs(area.vhost, mode=0o755)     # a directory anyone may traverse
     os.chmod(area.vhost, 0o755)
     e = area.export()
-    e.start()
+    daemon.start(e)
     assert connect_as("nobody", e.socket_path) == errno.EACCES
     assert connect_as(QEMU_USER, e.socket_path) == 0
 
 
 def test_qmp_lists_the_export_and_the_cache_choice(area):
     e = area.export(queues=2)
-    e.start()
+    daemon.start(e)
     exports = qmp(e, "query-block-exports")
     assert [(x["id"], x["type"], x["node-name"]) for x in exports] == \
         [("exp0", "vhost-user-blk", "disk0")]
@@ -423,7 +532,7 @@ def test_qmp_lists_the_export_and_the_cache_choice(area):
 
 def test_data_written_by_the_qemu_user_lands_in_the_file(area):
     e = area.export()
-    e.start()
+    daemon.start(e)
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -449,21 +558,46 @@ def test_data_written_by_the_qemu_user_lands_in_the_file(area):
 
 def test_stop_leaves_nothing_and_is_idempotent(area):
     e = area.export()
-    pid = e.start()
-    e.stop()
+    pid = daemon.start(e)
+    daemon.stop(e)
     assert gone(pid)
     assert area.leftovers() == []
-    assert e.pid() is None and not e.alive()
-    e.stop()        # a gone daemon is fine
-    QsdExport.from_record(e.to_record()).stop()
+    assert daemon.pid(e) is None and not daemon.alive(e)
+    daemon.stop(e)        # a gone daemon is fine
+    daemon.stop(QsdExport.from_record(e.to_record()))
+
+
+def test_stop_orphan_touches_only_the_daemon_of_that_pidfile(area):
+    e = area.export()
+    pid = daemon.start(e)
+    assert daemon.stop_orphan(e.pidfile) is True
+    assert wait_gone(pid) and not os.path.exists(e.pidfile)
+    # A stale pidfile naming a process that is no qsd of that file (this very
+    # test) is removed, and that process is left alone.
+    with open(e.pidfile, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    assert daemon.stop_orphan(e.pidfile) is False
+    assert not os.path.exists(e.pidfile)
+    assert daemon.stop_orphan(e.pidfile) is False       # no pidfile at all
+
+
+def test_connect_as_reports_why(area):
+    e = area.export()
+    daemon.start(e)
+    assert daemon.connect_as(QEMU_USER, e.socket_path) is None
+    assert daemon.connect_as("nobody", e.socket_path) == os.strerror(errno.EACCES)
+    assert daemon.connect_as(QEMU_USER, os.path.join(area.base, "none")) == \
+        os.strerror(errno.ENOENT)
+    with pytest.raises(ActionFailed, match="user 'no-such-user' does not exist"):
+        daemon.connect_as("no-such-user", e.socket_path)
 
 
 def test_stop_kills_a_daemon_that_cannot_quit(area):
     e = area.export()
-    pid = e.start()
+    pid = daemon.start(e)
     os.kill(pid, signal.SIGSTOP)        # frozen: QMP never answers, SIGTERM stays pending
     began = time.monotonic()
-    e.stop(timeout=0.5)
+    daemon.stop(e, timeout=0.5)
     took = time.monotonic() - began
     assert gone(pid) and area.leftovers() == []
     assert took < 4, f"QMP 0.5s + SIGTERM grace 2s + SIGKILL, took {took:.1f}s"
@@ -471,9 +605,9 @@ def test_stop_kills_a_daemon_that_cannot_quit(area):
 
 def test_start_twice_reuses_the_running_daemon(area):
     e = area.export()
-    pid = e.start()
-    assert e.start() == pid
-    assert QsdExport.from_record(e.to_record()).start() == pid
+    pid = daemon.start(e)
+    assert daemon.start(e) == pid
+    assert daemon.start(QsdExport.from_record(e.to_record())) == pid
     assert len([p for p in os.listdir("/proc") if p.isdigit()
                 and _argv(int(p))[:1] == [QSD] and e.pidfile in _argv(int(p))]) == 1
 
@@ -488,44 +622,44 @@ def _argv(pid: int) -> list[str]:
 
 def test_a_different_daemon_under_the_same_name_is_not_taken_over(area):
     e = area.export()
-    pid = e.start()
+    pid = daemon.start(e)
     other = os.path.join(area.base, "other.raw")
     open(other, "wb").close()
     with pytest.raises(ActionFailed, match=f"pid {pid}.* already runs with different options"):
-        area.export(source=other).start()
-    assert e.alive() and e.pid() == pid
+        daemon.start(area.export(source=other))
+    assert daemon.alive(e) and daemon.pid(e) == pid
 
 
 def test_killed_daemon_is_detected_and_restarted_on_the_same_socket(area):
     e = area.export()
-    pid = e.start()
+    pid = daemon.start(e)
     os.kill(pid, signal.SIGKILL)
     assert wait_gone(pid)
-    assert not e.alive() and e.pid() is None
+    assert not daemon.alive(e) and daemon.pid(e) is None
     assert os.path.exists(e.pidfile)            # SIGKILL leaves its files behind
-    assert e.restart_if_dead() is True
-    new = e.pid()
-    assert new is not None and new != pid and e.alive()
+    assert daemon.restart_if_dead(e) is True
+    new = daemon.pid(e)
+    assert new is not None and new != pid and daemon.alive(e)
     st = os.lstat(e.socket_path)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == grp.getgrnam(QEMU_GROUP).gr_gid
     pattern = roundtrip(e.socket_path)
     assert on_disk(area.disk, 8, 4096) == pattern
-    assert e.restart_if_dead() is False and e.pid() == new
+    assert daemon.restart_if_dead(e) is False and daemon.pid(e) == new
 
 
 def test_missing_source_is_one_line_and_leaves_nothing(area):
     e = area.export(source=os.path.join(area.base, "nope.raw"))
     with pytest.raises(BadInput) as err:
-        e.start()
+        daemon.start(e)
     msg = str(err.value)
     assert "\n" not in msg and e.source in msg and "No such file" in msg
     assert "qemu-img create" in msg
-    assert area.leftovers() == [] and e.pid() is None
+    assert area.leftovers() == [] and daemon.pid(e) is None
 
 
 def test_wrong_kind_of_source_is_bad_input(area):
     with pytest.raises(BadInput, match="is not a block device"):
-        area.export(kind="block").start()
+        daemon.start(area.export(kind="block"))
     assert area.leftovers() == []
 
 
@@ -541,33 +675,33 @@ class BadOption(QsdExport):
 def test_startup_failure_reports_qsds_message_and_leaves_nothing(area):
     e = area.export(cls=BadOption)
     with pytest.raises(ActionFailed) as err:
-        e.start()
+        daemon.start(e)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("qemu-storage-daemon vm1-vdb failed to start: ")
     assert "logical-block-size doesn't take value 3" in msg
-    assert area.leftovers() == [] and e.pid() is None
+    assert area.leftovers() == [] and daemon.pid(e) is None
 
 
 def test_a_second_writer_of_one_source_is_refused(area):
     # qsd's exports share every permission on their node, so QEMU's image
     # locking would let both start: vstor checks the running daemons itself.
     first = area.export("vm1-vdb")
-    pid = first.start()
+    pid = daemon.start(first)
     link = os.path.join(area.base, "alias.raw")
     os.symlink(area.disk, link)
     for name, kw in (("vm2-vdb", {}), ("vm3-vdb", {"source": link}),
                      ("vm4-vdb", {"readonly": True})):
         with pytest.raises(DoesNotFit, match=f"already exported by qemu-storage-daemon pid {pid}"):
-            area.export(name, **kw).start()
+            daemon.start(area.export(name, **kw))
     assert sorted(area.leftovers()) == sorted([first.pidfile, first.qmp_path, first.socket_path])
-    assert first.pid() == pid and first.alive()
+    assert daemon.pid(first) == pid and daemon.alive(first)
 
 
 def test_readonly_export_is_writable_off(area):
     with open(area.disk, "r+b") as f:
         f.write(b"\xab" * 4096)
     e = area.export(readonly=True)
-    e.start()
+    daemon.start(e)
     assert node(e, "disk0")["ro"] is True and node(e, "file0")["ro"] is True
     with VhostUserBlk(e.socket_path) as dev:
         assert dev.features & VhostUserBlk.F_BLK_RO
@@ -575,7 +709,7 @@ def test_readonly_export_is_writable_off(area):
         assert dev.read(0, 4096) == (0, b"\xab" * 4096)
     assert on_disk(area.disk, 0, 4096) == b"\xab" * 4096
     # Readers share: a second readonly export of the same file starts.
-    area.export("vm2-vdb", readonly=True).start()
+    daemon.start(area.export("vm2-vdb", readonly=True))
 
 
 def test_source_path_with_a_comma(area):
@@ -583,7 +717,7 @@ def test_source_path_with_a_comma(area):
     with open(disk, "wb") as f:
         f.truncate(1 << 20)
     e = area.export(source=disk)
-    e.start()
+    daemon.start(e)
     assert node(e, "file0")["file"] == disk
 
 
@@ -593,8 +727,9 @@ def test_a_regular_file_at_the_socket_path_is_never_replaced(area):
     with open(path, "w") as f:
         f.write("precious")
     with pytest.raises(ActionFailed, match="is not a socket"):
-        area.export().start()
-    assert open(path).read() == "precious"
+        daemon.start(area.export())
+    with open(path) as f:
+        assert f.read() == "precious"
 
 
 def test_filesystem_without_o_direct_gets_cache_direct_off(area):
@@ -607,11 +742,11 @@ def test_filesystem_without_o_direct_gets_cache_direct_off(area):
         with open(disk, "wb") as f:
             f.truncate(1 << 20)
         e = area.export(source=disk)
-        e.start()
+        daemon.start(e)
         assert node(e, "file0")["cache"]["direct"] is False
         pattern = roundtrip(e.socket_path)
         assert on_disk(disk, 8, 4096) == pattern
-        e.stop()
+        daemon.stop(e)
     finally:
         subprocess.run(["umount", mnt], check=True)
 
@@ -622,11 +757,11 @@ def test_block_device_source(area):
     dev = loop.stdout.strip()
     try:
         e = area.export(source=dev, kind="block")
-        e.start()
+        daemon.start(e)
         info = node(e, "file0")
         assert info["drv"] == "host_device" and info["cache"]["direct"] is True
         pattern = roundtrip(e.socket_path, sector=40)
-        e.stop()
+        daemon.stop(e)
         assert on_disk(area.disk, 40, 4096) == pattern
     finally:
         subprocess.run(["losetup", "-d", dev], check=True)
@@ -638,7 +773,7 @@ def test_concurrent_starts_of_one_export_make_one_daemon(area):
 
     def go(x):
         try:
-            pids.append(x.start())
+            pids.append(daemon.start(x))
         except Exception as err:       # noqa: BLE001 (reported below)
             errors.append(err)
 
@@ -647,4 +782,4 @@ def test_concurrent_starts_of_one_export_make_one_daemon(area):
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and len(set(pids)) == 1 and exports[0].alive()
+    assert errors == [] and len(set(pids)) == 1 and daemon.alive(exports[0])

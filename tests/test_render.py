@@ -13,7 +13,6 @@ import pytest
 
 from vstor.config import Config
 from vstor.meta.document import Domain
-from vstor.runtime.inventory import recorded_plan
 from vstor.planner.ledger import Ledger
 from vstor.planner import Request, plan_domain
 from vstor.render.libvirt import render
@@ -57,7 +56,7 @@ def test_rendering_a_rendered_domain_changes_nothing(host_model, template):
     host = host_model("two-socket")
     once = rendered(host, template)
     plan = plan_domain(host, CFG, Request.from_domain(once), Ledger())
-    twice = render(once, plan, recorded_plan(once))
+    twice = render(once, plan, once.recorded_plan())
     assert twice.to_string() == once.to_string()
 
 
@@ -65,7 +64,7 @@ def test_the_plan_record_reads_back_as_the_same_plan(host_model):
     host = host_model("two-socket")
     dom = Domain.load(os.path.join(HERE, "..", "xml-templates", "vhost-nvmf-rdma-multipath.xml"))
     plan = plan_domain(host, CFG, Request.from_domain(dom), Ledger())
-    assert recorded_plan(render(dom, plan)) == plan
+    assert render(dom, plan).recorded_plan() == plan
 
 
 def test_passthrough_renders_an_unmanaged_hostdev_and_a_caching_mode_viommu(host_model):

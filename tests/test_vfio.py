@@ -10,7 +10,8 @@ import pytest
 from tests.doubles.kernel_sysfs import KernelSysfsDouble, PciSpec
 from vstor.errors import ActionFailed
 from vstor.host.model import Namespace, NvmeController, PciDevice
-from vstor.backends.vfio import (BindRecord, bind_to_vfio, check_passthrough, plan_bind,
+from vstor.planner.passthrough import check_passthrough
+from vstor.backends.vfio import (BindRecord, bind_to_vfio, plan_bind,
                         record_from_json, record_to_json, restore_driver)
 
 NVME = "0000:5e:00.0"

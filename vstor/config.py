@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import configparser
 import os
-import re
 from dataclasses import dataclass, field
 
 from vstor.errors import BadInput
 from vstor.host.model import parse_cpulist
+from vstor.meta.names import normalise_bdf
 
 DEFAULT_PATH = "/etc/vstor/vstor.conf"
 
@@ -26,9 +26,6 @@ _KEYS = {
     "nvmf": {"hostnqn", "ctrlr_loss_timeout_sec", "reconnect_delay_sec",
              "fast_io_fail_timeout_sec"},
 }
-
-_BDF = re.compile(r"^(?:[0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-
 
 @dataclass(frozen=True)
 class Config:
@@ -144,9 +141,9 @@ def _int(value: str, what: str, path: str) -> int:
 def _pci_list(value: str, what: str, path: str) -> tuple[str, ...]:
     out = []
     for item in value.replace(",", " ").split():
-        item = item.lower()
-        if not _BDF.match(item):
-            raise BadInput(f"{path}: [pci] {what}: '{item}' is not a PCI address",
-                           hint="write it like 0000:5e:00.0")
-        out.append(item if item.count(":") == 2 else "0000:" + item)
+        try:
+            out.append(normalise_bdf(item))
+        except BadInput:
+            raise BadInput(f"{path}: [pci] {what}: '{item.lower()}' is not a PCI address",
+                           hint="write it like 0000:5e:00.0") from None
     return tuple(out)

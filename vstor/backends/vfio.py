@@ -1,7 +1,7 @@
 """Passing an NVMe controller to vfio-pci and giving it back, through sysfs.
 
-`check_passthrough` decides (pure, on the host model) whether a controller may
-leave the host; `plan_bind` records where a controller (and the IOMMU group
+Whether a controller may leave the host is the planner's question
+(vstor.planner.passthrough, pure); `plan_bind` records where a controller (and the IOMMU group
 peers that would have to move with it) are now, before anything changes;
 `bind_to_vfio` and `restore_driver` make the change and its undo, each
 verifying the kernel really did it.
@@ -21,116 +21,27 @@ Kernel quirks handled here:
   no write(2) call at all, so the kernel would never see it.  Cleared, it reads
   '(null)'.
 - Unbinding the nvme driver yanks every namespace from the host, mounted or
-  not: whether that is safe is `check_passthrough`'s question, asked first.
+  not: whether that is safe is the planner's question, asked first.
 """
 
 from __future__ import annotations
 
 import errno
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from vstor.errors import ActionFailed
-from vstor.host.model import NvmeController, PciDevice
+from vstor.backends.vfio_record import BindRecord, record_from_json, record_to_json  # noqa: F401
+from vstor.host.model import PciDevice
+from vstor.meta.names import normalise_bdf as normalize_address
+from vstor.planner.passthrough import VFIO, viable as _viable
 from vstor.host.sysfs import SysFS
 
-VFIO = "vfio-pci"
 PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_DRIVERS = "/sys/bus/pci/drivers"
 DRIVERS_PROBE = "/sys/bus/pci/drivers_probe"
-# vfio accepts a group only when every member is on a vfio driver, on no
-# driver, on pci-stub, or is a bridge (drivers/vfio: vfio_dev_driver_allowed).
-VIABLE_PEER_DRIVERS = (None, VFIO, "pci-stub")
-
-
-def normalize_address(address: str) -> str:
-    """'5E:00.0' -> '0000:5e:00.0' (SPDK's lists accept both forms)."""
-    address = address.strip().lower()
-    return address if address.count(":") == 2 else "0000:" + address
-
-
-# -- deciding ---------------------------------------------------------------
-
-def check_passthrough(ctrl: NvmeController, *, iommu_enabled: bool, vfio_available: bool,
-                      pci_allowed: tuple[str, ...], pci_blocked: tuple[str, ...],
-                      spdk_owned: bool) -> tuple[str, ...]:
-    """Why `ctrl` cannot go to vfio-pci now, one reason with its fix each;
-    () when it can."""
-    reasons = [_usage_reason(ns.name, why) for ns in ctrl.namespaces for why in ns.in_use]
-    if ctrl.backs_root:
-        reasons.append(f"{ctrl.address} holds the host's root filesystem: the host would "
-                       "lose its root disk; choose another controller")
-    reasons += _pci_list_reasons(ctrl.address, pci_allowed, pci_blocked)
-    if not iommu_enabled:
-        reasons.append("the IOMMU is off: add intel_iommu=on iommu=pt (or amd_iommu=on) "
-                       "to the kernel command line and reboot")
-    elif ctrl.iommu_group is None:
-        reasons.append(f"{ctrl.address} is in no IOMMU group: the IOMMU does not cover it "
-                       "(check the firmware's VT-d/AMD-Vi setting)")
-    if not vfio_available:
-        reasons.append("vfio-pci is not available: modprobe vfio-pci")
-    reasons += [_peer_reason(ctrl, peer) for peer in ctrl.group_peers if not _viable(peer)]
-    if spdk_owned:
-        reasons.append(f"SPDK is using {ctrl.address} (on {ctrl.driver or 'no driver'}): "
-                       "detach it from SPDK (stop the domains it serves) first, or give "
-                       "this disk the spdk backend too")
-    return tuple(reasons)
-
-
-_USAGE_FIXES = (("mounted", "unmount it"), ("swap", "swapoff it"),
-                ("held by", "remove what holds it (LVM, dm, md)"))
-
-
-def _usage_reason(ns_name: str, why: str) -> str:
-    fix = next((f for prefix, f in _USAGE_FIXES if why.startswith(prefix)), "stop using it")
-    return (f"namespace {ns_name} is in use by the host ({why}): passthrough takes the whole "
-            f"controller away, so {fix} first")
-
-
-def _pci_list_reasons(address: str, allowed, blocked) -> list[str]:
-    # setup.sh semantics: PCI_BLOCKED wins; an empty PCI_ALLOWED allows all.
-    address = normalize_address(address)
-    if address in {normalize_address(a) for a in blocked}:
-        return [f"{address} is in PCI_BLOCKED ([pci] blocked): remove it from there to allow it"]
-    if allowed and address not in {normalize_address(a) for a in allowed}:
-        return [f"{address} is not in PCI_ALLOWED ([pci] allowed): add it there to allow it"]
-    return []
-
-
-def _viable(peer: PciDevice) -> bool:
-    return peer.is_bridge or peer.driver in VIABLE_PEER_DRIVERS
-
-
-def _peer_reason(ctrl: NvmeController, peer: PciDevice) -> str:
-    return (f"IOMMU group {ctrl.iommu_group} of {ctrl.address} also holds {peer.address} "
-            f"(on {peer.driver}), which would have to leave the host too: unbind it from "
-            f"{peer.driver} or move the controller to a slot with its own IOMMU group")
 
 
 # -- the record --------------------------------------------------------------
-
-@dataclass(frozen=True)
-class BindRecord:
-    """Where a device was before vstor moved it: enough to put it back.
-    `peers` are the group members that move with it (same fields, no peers)."""
-    address: str
-    driver: str | None              # None: it was bound to nothing
-    driver_override: str | None     # None: '(null)', not set
-    peers: tuple["BindRecord", ...] = ()
-
-    def devices(self) -> tuple["BindRecord", ...]:
-        return (self,) + self.peers
-
-
-def record_to_json(record: BindRecord) -> dict:
-    return {"address": record.address, "driver": record.driver,
-            "driver_override": record.driver_override,
-            "peers": [record_to_json(p) for p in record.peers]}
-
-
-def record_from_json(data: dict) -> BindRecord:
-    return BindRecord(data["address"], data.get("driver"), data.get("driver_override"),
-                      tuple(record_from_json(p) for p in data.get("peers", ())))
-
 
 def plan_bind(sysfs: SysFS, address: str) -> BindRecord:
     """Read (write nothing) where `address` and its group peers are now."""

@@ -31,7 +31,7 @@ class Context:
         if not os.path.isdir(os.path.join(root, "sys/devices/system/cpu")):
             raise BadInput(f"{root} holds no sysfs tree (no sys/devices/system/cpu)",
                            hint="extract a `vstor host capture` there, or build a layout "
-                                "with python -m vstor.testing.layout")
+                                "with python3 -m tests.hostlayout from a vstor checkout")
         return read_host(SysFS(root))
 
     @cached_property

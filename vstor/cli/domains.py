@@ -53,11 +53,20 @@ def make_plan(ctx, dom: Domain, ledger=None) -> Plan:
 
 
 def rendered(ctx, dom: Domain, ledger=None) -> tuple[Plan, Domain]:
-    from vstor.runtime.inventory import recorded_plan
     from vstor.render.libvirt import render
-    previous = recorded_plan(dom)
+    previous = _previous_plan(dom)
     plan = make_plan(ctx, dom, ledger)
     return plan, render(dom, plan, previous)
+
+
+def _previous_plan(dom: Domain) -> Plan | None:
+    """What vstor rendered last time (its devices are replaced); a record this
+    vstor cannot read is re-planned from scratch."""
+    from vstor.errors import BadInput
+    try:
+        return dom.recorded_plan()
+    except BadInput:
+        return None
 
 
 def cmd_plan(ctx, args) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 from vstor.errors import BadInput
@@ -133,57 +132,19 @@ def _key_of(ctx, name: str) -> str:
     for rec in _state(ctx).records():
         if rec.domain == name:
             return rec.key
-    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$", name):
+    from vstor.meta.names import is_safe_name
+    if not is_safe_name(name):
         raise BadInput(f"vstor holds nothing for domain '{name}'")
     return name
 
 
 def cmd_gc(ctx, args) -> int:
-    from vstor.runtime import virt
-    from vstor.runtime.lifecycle import release
+    from vstor.runtime import gc, virt
     conn = ctx.conn    # gc must know what runs: without libvirt it would remove live backends
     running = {d.name() for d in virt.all_domains(conn) if d.isActive()}
-    rt, state = _runtime(ctx, args.dry_run), _state(ctx)
-    stale = [r for r in state.records() if r.domain not in running]
-    for rec in stale:
-        print(f"{'Would release' if args.dry_run else 'Releasing'} {rec.domain} (not running):")
-        release(rt, state, rec.key, progress=_say)
-    orphans = _orphan_files(ctx, state)
-    for path in orphans:
-        print(f"{'Would remove' if args.dry_run else 'Removing'} orphan {path}")
-        if not args.dry_run:
-            _remove_orphan(path)
-    if not stale and not orphans:
+    if not gc.collect(_runtime(ctx, args.dry_run), _state(ctx), running, say=print, step=_say):
         print("Nothing to collect")
     return 0
-
-
-def _orphan_files(ctx, state) -> list[str]:
-    """Sockets and qsd files in vstor's own directories that no record owns."""
-    owned = set()
-    for rec in state.records():
-        owned.update(rec.holding.get("sockets", []))
-        for entry in rec.steps:
-            if entry["kind"] == "qsd-export":
-                name = entry["data"].get("name", "")
-                owned.update(os.path.join(ctx.config.qsd_dir, name + ext) for ext in (".pid", ".qmp"))
-    out = []
-    for directory in (ctx.config.vhost_dir, ctx.config.qsd_dir):
-        try:
-            names = sorted(os.listdir(directory))
-        except FileNotFoundError:
-            continue
-        out += [os.path.join(directory, n) for n in names
-                if os.path.join(directory, n) not in owned and not n.startswith(".")]
-    return out
-
-
-def _remove_orphan(path: str) -> None:
-    if path.endswith(".pid"):
-        from vstor.backends.qsd import stop_orphan
-        stop_orphan(path)
-    if os.path.lexists(path):
-        os.unlink(path)
 
 
 # -- hooks ------------------------------------------------------------------------------

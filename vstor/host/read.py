@@ -2,7 +2,7 @@
 
 Everything is read through the `SysFS` it is given, so the same code reads the
 live host, a `vstor host capture` extracted elsewhere, or a synthetic tree
-from `vstor.testing.layout`.
+from `tests/hostlayout` (a test tool).
 """
 
 from __future__ import annotations

@@ -9,14 +9,16 @@ from lxml import etree
 
 from vstor import NS, PREFIX
 from vstor.errors import BadInput
-from vstor.meta.intent import Intent, parse_intent
+from vstor.meta import metadata
+from vstor.meta.intent import Intent
+from vstor.meta.names import is_safe_name
+from vstor.meta.plan import Plan
 
 _UNITS = {  # libvirt's memory units, to KiB
     "b": 1 / 1024, "bytes": 1 / 1024, "KB": 1000 / 1024, "k": 1, "KiB": 1,
     "MB": 1000**2 / 1024, "M": 1024, "MiB": 1024, "GB": 1000**3 / 1024,
     "G": 1024**2, "GiB": 1024**2, "TB": 1000**4 / 1024, "T": 1024**3, "TiB": 1024**3,
 }
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 
 
 def _parser() -> etree.XMLParser:
@@ -72,7 +74,7 @@ class Domain:
     def safe_name(self) -> str:
         """The name as it may appear in a file name; the UUID when the name
         holds anything but letters, digits and _.+- (never trusted into a path)."""
-        if _SAFE_NAME.match(self.name):
+        if is_safe_name(self.name):
             return self.name
         if self.uuid and re.match(r"^[0-9a-f-]{36}$", self.uuid):
             return self.uuid
@@ -108,20 +110,18 @@ class Domain:
         e = self.root.find("os/type")
         return e.get("machine", "") if e is not None else ""
 
-    # -- vstor metadata ----------------------------------------------------
-    def vstor_element(self) -> etree._Element | None:
-        return self.root.find(f"metadata/{{{NS}}}vstor")
-
+    # -- vstor metadata (read through vstor.meta.metadata only) --------------
     def has_vstor(self) -> bool:
-        return self.vstor_element() is not None
+        return metadata.find(self.root) is not None
 
     def intent(self) -> Intent:
-        elem = self.vstor_element()
+        elem = metadata.find(self.root)
         if elem is None:
             raise BadInput(f"{self.origin}: domain '{self.name}' has no vstor metadata",
                            hint=f"add <metadata><{PREFIX}:vstor xmlns:{PREFIX}='{NS}'>...")
-        return parse_intent(elem)
+        return metadata.load_intent(elem)
 
-    def plan_element(self) -> etree._Element | None:
-        elem = self.vstor_element()
-        return None if elem is None else elem.find(f"{{{NS}}}plan")
+    def recorded_plan(self) -> Plan | None:
+        """The plan a rendered domain carries, or None if it was never planned."""
+        elem = metadata.find(self.root)
+        return None if elem is None else metadata.load_plan(elem, self.name, self.uuid)

@@ -1,67 +1,135 @@
-"""A plan: what vstor decided for one domain on one host, with the reasons.
+"""A plan: what vstor decided for one domain on one host, with the reasons,
+declared once as the <vstor:plan> record (vstor.meta.xmlmodel).
 
-The planner returns one; the renderer turns it into libvirt XML and records
-it in the domain's metadata (<vstor:plan>), from where the hook, the ledger
-and `vstor status` read it back.
+It is executable: it holds everything the host side needs (the source as
+planned, the block device a qsd namespace is served from, whether the
+controller must go to vfio-pci, the exact SPDK attach parameters, sockets,
+reactors), so turning it into host changes decides nothing and reads nothing
+(vstor.runtime.actions).  It knows nothing of libvirt: the libvirt renderer is
+one of its outputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from lxml import etree
-
-from vstor import NS
-from vstor.errors import BadInput
-from vstor.meta.intent import DiskIntent, Intent, Source
+from vstor.meta.intent import ABSPATH, ADDR, BDF, DEVPATH, NQN, PORT, SECONDS, SOURCES, TARGET, Source
 from vstor.host.model import format_cpulist, parse_cpulist
+from vstor.meta.types import Enum, Int, Text, YesNo
+from vstor.meta.xmlmodel import attr, children, choice, element, texts
 
-Q = "{%s}" % NS
-PLAN_VERSION = "1"
+PLAN_VERSION = "2"
+CPU = Int(0, 65535)
 
 
 @dataclass(frozen=True)
+class CpuList(Text):
+    """The kernel's and libvirt's notation, '0-3,8' <-> (0, 1, 2, 3, 8)."""
+
+    def parse(self, text, name):
+        super().parse(text, name)
+        return parse_cpulist(text)
+
+    def format(self, value):
+        return format_cpulist(value)
+
+
+@dataclass(frozen=True)
+class CpuSequence(Text):
+    """An ordered list, '4,5,6' <-> (4, 5, 6): vCPU i runs on the i-th."""
+
+    def parse(self, text, name):
+        super().parse(text, name)
+        return tuple(int(p) for p in text.split(",")) if text else ()
+
+    def format(self, value):
+        return ",".join(map(str, value))
+
+
+CPULIST = CpuList(r"([0-9]{1,5}(-[0-9]{1,5})?(,[0-9]{1,5}(-[0-9]{1,5})?)*)?", "is not a CPU list",
+                  "like 0-3,8")
+PINS = CpuSequence(r"([0-9]{1,5}(,[0-9]{1,5})*)?", "is not a list of CPUs", "like 4,5,6")
+NAME = Text(r"[A-Za-z0-9_.+\-]{1,128}", "is not a name", "letters, digits and _.+-")
+DIGEST = Text(r"sha256:[0-9a-f]{64}", "is not a digest", "sha256:<64 hex digits>")
+HOSTNAME = Text(r"[A-Za-z0-9_.\-]{0,255}", "is not a host name", "letters, digits and _.-")
+
+
+@element("attach")
+@dataclass(frozen=True)
+class AttachPath:
+    """One bdev_nvme_attach_controller call (one path of a controller)."""
+    trtype: str = attr(Enum(("PCIe", "RDMA", "TCP")), required=True)
+    traddr: str = attr(ADDR, required=True)
+    adrfam: str | None = attr(Enum(("IPv4", "IPv6")))
+    trsvcid: int | None = attr(PORT)
+    subnqn: str | None = attr(NQN)
+    hostnqn: str | None = attr(NQN)
+    multipath: str | None = attr(Enum(("multipath",)))
+    ctrlr_loss_timeout_sec: int | None = attr(SECONDS)
+    reconnect_delay_sec: int | None = attr(SECONDS)
+    fast_io_fail_timeout_sec: int | None = attr(SECONDS)
+
+    def params(self, name: str) -> dict:
+        """The RPC's parameters (SPDK takes trsvcid as a string)."""
+        out = {"name": name, "trtype": self.trtype, "traddr": self.traddr, "adrfam": self.adrfam,
+               "trsvcid": None if self.trsvcid is None else str(self.trsvcid),
+               "subnqn": self.subnqn, "hostnqn": self.hostnqn, "multipath": self.multipath,
+               "ctrlr_loss_timeout_sec": self.ctrlr_loss_timeout_sec,
+               "reconnect_delay_sec": self.reconnect_delay_sec,
+               "fast_io_fail_timeout_sec": self.fast_io_fail_timeout_sec}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+@element("disk", where="target", ordered=True)
+@dataclass(frozen=True)
 class DiskPlan:
-    target: str
-    mode: str                        # passthrough | vhost
-    backend: str                     # vfio | spdk | qsd
-    source: Source
-    socket: str | None = None        # vhost-user socket QEMU connects to
-    controller: str | None = None    # local NVMe PCI address
-    spdk_controller: str | None = None  # SPDK bdev_nvme controller name
-    bdev: str | None = None          # SPDK bdev served (<ctrlr>n<nsid>)
-    reactor: int | None = None       # SPDK reactor core for the vhost controller
-    queues: int = 1
-    readonly: bool = False
-    guest: str = "kernel"            # passthrough: kernel NVMe driver or SPDK in the guest
-    reasons: tuple[str, ...] = ()
+    target: str = attr(TARGET, required=True)
+    mode: str = attr(Enum(("passthrough", "vhost")), required=True)
+    backend: str = attr(Enum(("vfio", "spdk", "qsd")), required=True)
+    socket: str | None = attr(ABSPATH)                 # vhost-user socket QEMU connects to
+    controller: str | None = attr(BDF)                 # local NVMe PCI address
+    bind: bool = attr(YesNo(), default=False)          # vstor moves `controller` to vfio-pci
+    device: str | None = attr(DEVPATH)                 # qsd: the namespace's block device
+    spdk_controller: str | None = attr(NAME)           # SPDK bdev_nvme controller name
+    bdev: str | None = attr(NAME)                      # SPDK bdev served (<ctrlr>n<nsid>)
+    reactor: int | None = attr(CPU)                    # SPDK reactor core of the vhost controller
+    queues: int = attr(Int(1, 64), default=1)
+    readonly: bool = attr(YesNo(), default=False)
+    guest: str = attr(Enum(("kernel", "spdk")), default="kernel")
+    source: Source = choice(*SOURCES, label="source")  # the source as planned
+    attach: tuple[AttachPath, ...] = children(AttachPath)
+    reasons: tuple[str, ...] = texts("reason")
 
     @property
     def vhost_name(self) -> str | None:
-        """SPDK vhost controller name: the socket's file name in SPDK's -S dir."""
+        """SPDK vhost controller / qsd daemon name: the socket's file name."""
         return self.socket.rsplit("/", 1)[1] if self.socket else None
 
 
+@element("plan", ordered=True)
 @dataclass(frozen=True)
 class Plan:
-    domain: str
-    uuid: str | None
-    host: str
-    node: int | None                 # NUMA node the VM lives on
-    numa: str                        # strict | preferred | none
-    cpus: str                        # dedicated | shared
-    vcpus: int
-    memory_kib: int
-    vcpu_pins: tuple[int, ...] = ()  # dedicated: host CPU of vCPU i
-    reserved: tuple[int, ...] = ()   # idle SMT siblings kept off other VMs
-    shared_cpus: tuple[int, ...] = ()  # shared: where vCPUs float
-    emulator: tuple[int, ...] = ()
-    hugepage_kib: int | None = None
-    hugepages: int = 0               # pages of hugepage_kib on `node`
-    viommu: bool = False
-    migratable: bool = False
-    disks: tuple[DiskPlan, ...] = ()
-    reasons: tuple[str, ...] = field(default=())
+    version: str = attr(Enum((PLAN_VERSION,)), required=True, default=PLAN_VERSION)
+    digest: str = attr(DIGEST, required=True, default="sha256:" + "0" * 64)  # of what was planned
+    host: str = attr(HOSTNAME, default="")
+    node: int | None = attr(Int(0, 1023))              # NUMA node the VM lives on
+    numa: str = attr(Enum(("strict", "preferred", "none")), default="strict")
+    cpus: str = attr(Enum(("dedicated", "shared")), default="dedicated")
+    vcpus: int = attr(Int(1, 4096), required=True, default=1)
+    memory_kib: int = attr(Int(1, 2**50), required=True, default=1)
+    vcpu_pins: tuple[int, ...] = attr(PINS, default=(), name="pins")
+    reserved: tuple[int, ...] = attr(CPULIST, default=())   # idle SMT siblings kept off other VMs
+    shared_cpus: tuple[int, ...] = attr(CPULIST, default=(), name="shared")
+    emulator: tuple[int, ...] = attr(CPULIST, default=())
+    hugepage_kib: int | None = attr(Int(4, 16777216))
+    hugepages: int = attr(Int(0, 2**40), default=0)    # pages of hugepage_kib on `node`
+    viommu: bool = attr(YesNo(), default=False)
+    migratable: bool = attr(YesNo(), default=False)
+    disks: tuple[DiskPlan, ...] = children(DiskPlan, unique="target")
+    reasons: tuple[str, ...] = texts("reason")
+    # Not recorded: the document the plan sits in says them.
+    domain: str = ""
+    uuid: str | None = None
 
     @property
     def dedicated_cpus(self) -> frozenset[int]:
@@ -72,92 +140,3 @@ class Plan:
             if d.target == target:
                 return d
         return None
-
-
-# -- the record in <metadata> ----------------------------------------------
-
-def _opt(value) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return str(value)
-
-
-def _set(e: etree._Element, **attrs) -> etree._Element:
-    for name, value in attrs.items():
-        text = _opt(value)
-        if text is not None and text != "":
-            e.set(name, text)
-    return e
-
-
-def to_element(plan: Plan) -> etree._Element:
-    e = _set(etree.Element(Q + "plan"), version=PLAN_VERSION, host=plan.host,
-             node=plan.node, numa=plan.numa, cpus=plan.cpus)
-    _set(etree.SubElement(e, Q + "vcpus"), count=plan.vcpus,
-         pins=",".join(map(str, plan.vcpu_pins)) or None,
-         reserved=format_cpulist(plan.reserved), shared=format_cpulist(plan.shared_cpus),
-         emulator=format_cpulist(plan.emulator))
-    _set(etree.SubElement(e, Q + "memory"), kib=plan.memory_kib,
-         hugepage_kib=plan.hugepage_kib, pages=plan.hugepages or None,
-         viommu=plan.viommu or None, migratable=plan.migratable or None)
-    for d in plan.disks:
-        de = _set(etree.SubElement(e, Q + "disk"), target=d.target, mode=d.mode,
-                  backend=d.backend, socket=d.socket, controller=d.controller,
-                  spdk_controller=d.spdk_controller, bdev=d.bdev, reactor=d.reactor,
-                  queues=d.queues, readonly=d.readonly,
-                  guest=d.guest if d.mode == "passthrough" else None)
-        for r in d.reasons:
-            etree.SubElement(de, Q + "reason").text = r
-    for r in plan.reasons:
-        etree.SubElement(e, Q + "reason").text = r
-    return e
-
-
-def from_element(e: etree._Element, intent: Intent, domain: str,
-                 uuid: str | None) -> Plan:
-    """Read a <vstor:plan> back; `intent` supplies each disk's source."""
-    if e.get("version") != PLAN_VERSION:
-        raise BadInput(f"domain '{domain}': vstor plan record version {e.get('version')!r} "
-                       f"is not {PLAN_VERSION}", hint=f"re-plan it with: vstor apply {domain}")
-    try:
-        return _from_element(e, intent, domain, uuid)
-    except (ValueError, TypeError, AttributeError) as err:
-        raise BadInput(f"domain '{domain}': vstor plan record is damaged ({err})",
-                       hint=f"re-plan it with: vstor apply {domain}") from None
-
-
-def _from_element(e, intent: Intent, domain: str, uuid: str | None) -> Plan:
-    v = e.find(Q + "vcpus")
-    m = e.find(Q + "memory")
-    sources = {d.target: d for d in intent.disks}
-    disks = []
-    for de in e.findall(Q + "disk"):
-        di: DiskIntent | None = sources.get(de.get("target"))
-        if di is None:
-            raise ValueError(f"plan names disk {de.get('target')} that the intent lacks")
-        disks.append(DiskPlan(
-            target=de.get("target"), mode=de.get("mode"), backend=de.get("backend"),
-            source=di.source, socket=de.get("socket"), controller=de.get("controller"),
-            spdk_controller=de.get("spdk_controller"), bdev=de.get("bdev"),
-            reactor=_int(de.get("reactor")), queues=int(de.get("queues", "1")),
-            readonly=de.get("readonly") == "yes", guest=de.get("guest", "kernel"),
-            reasons=tuple(r.text or "" for r in de.findall(Q + "reason"))))
-    pins = v.get("pins")
-    return Plan(
-        domain=domain, uuid=uuid, host=e.get("host", ""), node=_int(e.get("node")),
-        numa=e.get("numa", "strict"), cpus=e.get("cpus", "dedicated"),
-        vcpus=int(v.get("count")), memory_kib=int(m.get("kib")),
-        vcpu_pins=tuple(int(p) for p in pins.split(",")) if pins else (),
-        reserved=parse_cpulist(v.get("reserved", "")),
-        shared_cpus=parse_cpulist(v.get("shared", "")),
-        emulator=parse_cpulist(v.get("emulator", "")),
-        hugepage_kib=_int(m.get("hugepage_kib")), hugepages=int(m.get("pages", "0")),
-        viommu=m.get("viommu") == "yes", migratable=m.get("migratable") == "yes",
-        disks=tuple(disks),
-        reasons=tuple(r.text or "" for r in e.findall(Q + "reason")))
-
-
-def _int(text: str | None) -> int | None:
-    return None if text is None else int(text)

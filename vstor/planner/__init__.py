@@ -15,8 +15,10 @@ from vstor.errors import BadInput, DoesNotFit
 from vstor.meta.intent import Intent
 from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, format_cpulist
+from vstor.meta.metadata import digest
+from vstor.meta.names import bdev_name, socket_path, spdk_controller_name
 from vstor.meta.plan import DiskPlan, Plan
-from vstor.planner.disks import DiskChoice, NoFit, choose_all, socket_path, spdk_controller_name
+from vstor.planner.disks import DiskChoice, NoFit, attach_paths, choose_all
 from vstor.planner.placement import CpuPlacement, dedicated_pool, place_cpus, place_hugepages, place_reactor
 
 _PAGE_KIB = {"2M": 2048, "1G": 1048576}
@@ -136,13 +138,14 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
         reasons.append(f"{pages} x {page_kib} KiB hugepages from node {node_id}'s pool")
     elif any(c.mode == "vhost" for c in choices):
         reasons.append("memfd-backed shared memory, which vhost-user needs")
-    disks = tuple(_disk_plan(cfg, req, c, reactors.get(c.disk.target)) for c in choices)
+    disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target)) for c in choices)
     viommu = any(d.mode == "passthrough" and d.guest == "spdk" for d in disks)
     if viommu and "q35" not in req.machine:
         raise BadInput(f"domain '{req.name}': guest='spdk' needs a vIOMMU, which needs the q35 "
                        f"machine (this domain has '{req.machine or 'the default'}')",
                        hint="set <os><type machine='q35'>hvm</type>")
     return Plan(
+        digest=digest(req.intent),
         domain=req.name, uuid=req.uuid, host=host.hostname, node=node_id, numa=vm.numa,
         cpus=vm.cpus, vcpus=req.vcpus, memory_kib=req.memory_kib,
         vcpu_pins=cpus.vcpu_pins, reserved=cpus.reserved, shared_cpus=cpus.shared,
@@ -150,19 +153,23 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
         viommu=viommu, migratable=vm.migratable, disks=disks, reasons=tuple(reasons))
 
 
-def _disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor) -> DiskPlan:
+def disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor: tuple[int, str] | None) -> DiskPlan:
+    """A choice made concrete: every name, path and parameter the host side needs."""
     d = c.disk
     reasons = list(c.reasons)
     socket = spdk_ctrl = bdev = None
+    attach = ()
     if c.mode == "vhost":
-        socket = socket_path(cfg, req.safe_name, d.target)
+        socket = socket_path(cfg.vhost_dir, req.safe_name, d.target)
     if c.backend == "spdk":
         spdk_ctrl = spdk_controller_name(d.source)
-        bdev = f"{spdk_ctrl}n{d.source.namespace}"
-        reasons.append(reactor[1])
+        bdev = bdev_name(spdk_ctrl, d.source.namespace)
+        attach = attach_paths(cfg, d.source)
+        if reactor:
+            reasons.append(reactor[1])
     return DiskPlan(
         target=d.target, mode=c.mode, backend=c.backend, source=d.source, socket=socket,
-        controller=c.controller, spdk_controller=spdk_ctrl, bdev=bdev,
-        reactor=reactor[0] if reactor else None,
+        controller=c.controller, bind=c.bind, device=c.device, spdk_controller=spdk_ctrl,
+        bdev=bdev, reactor=reactor[0] if reactor else None,
         queues=d.queues or min(req.vcpus, 4), readonly=d.readonly,
-        guest=d.guest, reasons=tuple(reasons))
+        guest=d.guest, attach=attach, reasons=tuple(reasons))

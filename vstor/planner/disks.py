@@ -6,8 +6,6 @@ its reasons (or the reasons it cannot be done) out.
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass
 
 from vstor.config import Config
@@ -15,11 +13,10 @@ from vstor.errors import BadInput
 from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, NvmeController
-from vstor.backends.vfio import check_passthrough
-
-# Drivers SPDK's PCIe transport runs on: the controller is already the
-# operator's to give SPDK (scripts/setup.sh did it).
-USERSPACE_DRIVERS = ("vfio-pci", "uio_pci_generic", "igb_uio")
+from vstor.meta.intent import Reconnect
+from vstor.meta.names import volume_key
+from vstor.meta.plan import AttachPath
+from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 
 
 @dataclass(frozen=True)
@@ -31,6 +28,8 @@ class DiskChoice:
     node: int | None           # NUMA node the data path lives on
     node_from: str             # what gave the node ('NVMe 0000:5e:00.0')
     reasons: tuple[str, ...]
+    bind: bool = False         # vstor moves the controller to vfio-pci
+    device: str | None = None  # qsd on a namespace: its block device
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,7 @@ def _local_volume(host: Host, disk: DiskIntent, ledger: Ledger) -> DiskChoice | 
     if disk.backend == "spdk":
         return NoFit(f"{t}: vstor serves {src.kind} sources with qemu-storage-daemon; "
                      "use backend='qsd' (or 'auto')")
-    other = ledger.volume_conflict(f"{src.kind}:{src.path}", disk.readonly)
+    other = ledger.volume_conflict(volume_key(src), disk.readonly)
     if other:
         return NoFit(f"{t}: {src.path} is already used by domain '{other}'; two writers "
                      "would corrupt it (make both readonly='yes' or pick another)")
@@ -190,13 +189,21 @@ def _nvme(host, cfg, vm, disk, ledger, taken) -> DiskChoice | NoFit:
     if mode == "passthrough":
         if disk.guest == "spdk":
             reasons.append("the guest runs SPDK on it: a vIOMMU with caching mode lets it bind vfio-pci")
-        return DiskChoice(disk, mode, "vfio", ctrl.address, node, f"NVMe {ctrl.address}", tuple(reasons))
+        return DiskChoice(disk, mode, "vfio", ctrl.address, node, f"NVMe {ctrl.address}",
+                          tuple(reasons), bind=True)
     backend = _pick_backend(host, cfg, disk, ctrl, ledger, taken)
     if isinstance(backend, NoFit):
         return backend
     name, why = backend
-    return DiskChoice(disk, "vhost", name, ctrl.address, node, f"NVMe {ctrl.address}",
-                      (*reasons, why))
+    if name == "spdk":
+        # SPDK's PCIe driver needs the controller on vfio-pci.  vstor binds it
+        # unless the operator (SPDK's setup.sh) put it on a userspace driver;
+        # when vstor domains share it, vstor's binding is what holds it there.
+        bind = ctrl.driver not in USERSPACE_DRIVERS or bool(ledger.spdk_users.get(ctrl.address))
+        return DiskChoice(disk, "vhost", "spdk", ctrl.address, node, f"NVMe {ctrl.address}",
+                          (*reasons, why), bind=bind)
+    return DiskChoice(disk, "vhost", "qsd", ctrl.address, node, f"NVMe {ctrl.address}",
+                      (*reasons, why), device=ctrl.namespace(src.namespace).dev_path)
 
 
 def _pick_mode(disk, vm, pt_problems) -> tuple[str | None, str]:
@@ -273,8 +280,7 @@ def _spdk_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
                                  spdk_owned=False)
     if problems:
         return "SPDK's PCIe driver takes the whole controller from the kernel, but " + "; ".join(problems)
-    key = f"nvme:{ctrl.address}/{disk.source.namespace}"
-    other = ledger.volume_conflict(key, disk.readonly)
+    other = ledger.volume_conflict(volume_key(disk.source), disk.readonly)
     if other:
         return f"namespace {disk.source.namespace} is already served to domain '{other}'"
     return None
@@ -287,28 +293,32 @@ def _qsd_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
     if ctrl.address in taken.spdk:
         return "SPDK serves another namespace of it to this VM"
     ns = ctrl.namespace(disk.source.namespace)
+    if ns is None:
+        return f"it has no namespace {disk.source.namespace}"
     if ns.in_use:
         return f"{ns.dev_path} is in use by the host ({'; '.join(ns.in_use)})"
-    other = ledger.volume_conflict(f"nvme:{ctrl.address}/{ns.nsid}", disk.readonly)
+    other = ledger.volume_conflict(volume_key(disk.source), disk.readonly)
     if other:
         return f"{ns.dev_path} is already served to domain '{other}'"
     return None
 
 
-# -- names --------------------------------------------------------------------
+# -- what SPDK is told --------------------------------------------------------
 
-def spdk_controller_name(source) -> str:
-    """SPDK bdev_nvme controller name: one per local controller or remote subsystem,
-    shared by every vstor disk that uses it."""
-    if source.kind == "nvme":
-        return "vs_" + source.controller.replace(":", "_").replace(".", "_")
-    digest = hashlib.sha1(f"{source.transport}:{source.subnqn}".encode()).hexdigest()[:12]
-    return f"vs_nvmf_{digest}"
+def attach_paths(cfg: Config, src) -> tuple[AttachPath, ...]:
+    """bdev_nvme_attach_controller parameters, one call per path."""
+    if src.kind == "nvme":
+        return (AttachPath(trtype="PCIe", traddr=src.controller),)
+    r = src.reconnect or Reconnect()
+    common = dict(trtype=src.transport.upper(), adrfam={"ipv4": "IPv4", "ipv6": "IPv6"}[src.adrfam],
+                  subnqn=src.subnqn, hostnqn=src.hostnqn or cfg.hostnqn,
+                  multipath="multipath" if src.paths else None,
+                  ctrlr_loss_timeout_sec=_pick(r.ctrlr_loss_timeout, cfg.ctrlr_loss_timeout_sec),
+                  reconnect_delay_sec=_pick(r.reconnect_delay, cfg.reconnect_delay_sec),
+                  fast_io_fail_timeout_sec=_pick(r.fast_io_fail_timeout, cfg.fast_io_fail_timeout_sec))
+    paths = [(src.traddr, src.trsvcid), *((p.traddr, p.trsvcid) for p in src.paths)]
+    return tuple(AttachPath(traddr=addr, trsvcid=port, **common) for addr, port in paths)
 
 
-def socket_path(cfg: Config, safe_name: str, target: str) -> str:
-    path = os.path.join(cfg.vhost_dir, f"{safe_name}-{target}")
-    if len(path.encode()) > 107:
-        raise BadInput(f"vhost socket path {path} is longer than a Unix socket allows (107 bytes)",
-                       hint="shorten the domain name or [paths] vhost_dir")
-    return path
+def _pick(value, default):
+    return default if value is None else value

@@ -3,7 +3,7 @@
 Built from the plans recorded in defined domains and the state directory's
 records of running ones; the planner consults it so that no core is
 dedicated twice, no vCPU lands on a reactor, and no controller, volume or
-socket is handed out twice.  Pure data: loading lives in `vstor.inventory`.
+socket is handed out twice.  Pure data: loading lives in `vstor.runtime.inventory`.
 """
 
 from __future__ import annotations
@@ -11,17 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from vstor.meta.plan import DiskPlan, Plan
-
-
-def volume_key(disk: DiskPlan) -> str | None:
-    """What two writers must never share, as one string."""
-    src = disk.source
-    if src.kind == "nvme":
-        return f"nvme:{src.controller}/{src.namespace}"
-    if src.kind == "nvmf":
-        return f"nvmf:{src.subnqn}/{src.namespace}"
-    return f"{src.kind}:{src.path}"
+from vstor.meta.names import volume_key
+from vstor.meta.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -52,7 +43,7 @@ class Holding:
                                   if d.mode == "passthrough" and d.controller),
             spdk_controllers=frozenset(d.controller for d in plan.disks
                                        if d.backend == "spdk" and d.controller),
-            volumes=frozenset((volume_key(d), d.readonly) for d in plan.disks),
+            volumes=frozenset((volume_key(d.source), d.readonly) for d in plan.disks),
             sockets=frozenset(d.socket for d in plan.disks if d.socket),
         )
 

@@ -132,21 +132,55 @@ def place_hugepages(node: NumaNode, size_kib: int, memory_kib: int,
     return count
 
 
-def place_reactor(cfg: Config, node: NumaNode | None, strict: bool,
-                  load: Counter[int]) -> tuple[int, str] | NoFit:
-    """The SPDK reactor core for one vhost controller: on the VM's node, the
-    least loaded one (ties: lowest id)."""
+def reactor_candidates(cfg: Config, node: NumaNode | None, strict: bool):
+    """The reactor cores a vhost controller of a VM on `node` may use, with a
+    note when they are off the node; or NoFit."""
     if not cfg.reactors:
         return NoFit("no SPDK reactor cores configured: set [cpu] reactors in vstor.conf "
                      "to the cores of SPDK's -m mask")
     local = [c for c in cfg.reactors if node is None or c in node.cpus]
-    if not local:
-        if strict:
-            return NoFit(f"no SPDK reactor core on node {node.id}: add one of its cores to "
-                         "[cpu] reactors and to SPDK's -m mask")
-        local = list(cfg.reactors)
-        where = f"no reactor on node {node.id}; "
-    else:
-        where = ""
+    if local:
+        return local, ""
+    if strict:
+        return NoFit(f"no SPDK reactor core on node {node.id}: add one of its cores to "
+                     "[cpu] reactors and to SPDK's -m mask")
+    return list(cfg.reactors), f"no reactor on node {node.id}; "
+
+
+def place_reactor(cfg: Config, node: NumaNode | None, strict: bool,
+                  load: Counter[int]) -> tuple[int, str] | NoFit:
+    """The SPDK reactor core for one vhost controller: on the VM's node, the
+    least loaded one (ties: lowest id)."""
+    found = reactor_candidates(cfg, node, strict)
+    if isinstance(found, NoFit):
+        return found
+    local, where = found
     best = min(local, key=lambda c: (load[c], c))
     return best, f"{where}SPDK reactor core {best} ({load[best]} other vhost controllers on it)"
+
+
+def cpu_problems(host: Host, cfg: Config, node: NumaNode, cpus, ledger: Ledger) -> list[str]:
+    """Why CPUs placed earlier are not free for dedicated vCPUs now: the
+    same pool `place_cpus` takes from, with the reason for each CPU outside it."""
+    not_ours = all_housekeeping(host, cfg) | frozenset(cfg.reactors)
+    pool = set(dedicated_pool(host, cfg, node, ledger, not_ours))
+    online = {c.id for c in host.cpus}
+    isolated = {c.id for c in host.cpus if c.isolated}
+    why: dict[str, list[int]] = {}
+    for cpu in sorted(set(cpus) - pool):
+        if cpu not in online:
+            reason = "are not online on this host"
+        elif cpu not in node.cpus:
+            reason = f"are not on node {node.id}"
+        elif cpu in cfg.reactors:
+            reason = "are SPDK reactor cores now"
+        elif cpu in not_ours:
+            reason = "are housekeeping cores now"
+        elif cpu in ledger.cpu_owner:
+            reason = f"are held by running domain '{ledger.cpu_owner[cpu]}'"
+        elif isolated and cpu not in isolated:
+            reason = "are not among the host's isolated CPUs"
+        else:
+            reason = "are not free"
+        why.setdefault(reason, []).append(cpu)
+    return [f"CPUs {format_cpulist(c)} {reason}" for reason, c in why.items()]

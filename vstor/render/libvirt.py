@@ -12,10 +12,10 @@ import copy
 
 from lxml import etree
 
-from vstor import NS, PREFIX
 from vstor.meta.document import Domain
 from vstor.host.model import format_cpulist
-from vstor.meta.plan import Plan, to_element
+from vstor.meta import metadata
+from vstor.meta.plan import Plan
 
 # libvirt's own order of <domain> children; new elements go where libvirt
 # would put them, so the output is stable and reads like `virsh dumpxml`.
@@ -198,17 +198,7 @@ def _sort_devices(devices) -> None:
 # -- the plan record ----------------------------------------------------------------
 
 def _record(root, plan: Plan) -> None:
-    meta = root.find("metadata")
-    old_vs = meta.find(f"{{{NS}}}vstor")
-    # Rebuild the element with the fixed prefix, whatever the operator used.
-    vs = etree.Element(f"{{{NS}}}vstor", nsmap={PREFIX: NS})
-    vs.text = None
-    for child in old_vs:
-        if child.tag != f"{{{NS}}}plan":
-            vs.append(copy.deepcopy(child))
-    vs.append(to_element(plan))
-    meta.replace(old_vs, vs)
-    etree.cleanup_namespaces(vs)
+    metadata.store(root, plan)
 
 
 def _child(parent, tag: str):

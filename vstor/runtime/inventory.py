@@ -8,16 +8,7 @@ import sys
 from vstor.meta.document import Domain
 from vstor.errors import VstorError
 from vstor.planner.ledger import Holding, Ledger
-from vstor.meta.plan import Plan, from_element
 from vstor.runtime import virt
-
-
-def recorded_plan(dom: Domain) -> Plan | None:
-    """The plan a rendered domain carries, or None if it was never planned."""
-    elem = dom.plan_element()
-    if elem is None:
-        return None
-    return from_element(elem, dom.intent(), dom.name, dom.uuid)
 
 
 def holdings_from_libvirt(conn) -> list[Holding]:
@@ -27,7 +18,7 @@ def holdings_from_libvirt(conn) -> list[Holding]:
             dom = Domain.parse(virt.inactive_xml(vdom), f"domain '{vdom.name()}'")
             if not dom.has_vstor():
                 continue
-            plan = recorded_plan(dom)
+            plan = dom.recorded_plan()
         except VstorError as e:
             # One damaged neighbour must not block planning for everybody.
             print(f"vstor: warning: ledger skips {e}", file=sys.stderr)

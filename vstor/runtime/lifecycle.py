@@ -10,16 +10,16 @@ from __future__ import annotations
 from typing import Callable
 
 from vstor.config import Config
-from vstor.meta.document import Domain
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
-from vstor.runtime.inventory import recorded_plan
-from vstor.runtime.journal import DONE, Journal, Step, step_from_json
-from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.host.model import Host
+from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
+from vstor.planner import Request, fit
+from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
+from vstor.runtime import actions
+from vstor.runtime import steps as executor
+from vstor.runtime.journal import DONE, Journal
 from vstor.runtime.state import PREPARED, Record, StateDir
-from vstor.runtime.steps import QsdExport, SpdkAttach, SpdkVhost, VfioBind, ensure_socket_dir
-from vstor.planner.disks import USERSPACE_DRIVERS
 
 
 class Runtime:
@@ -31,7 +31,6 @@ class Runtime:
         self.dry_run = dry_run
         self._spdk_factory = spdk_factory
         self._spdk = None
-        self.others: list[Record] = []
 
     def spdk(self):
         if self._spdk is None:
@@ -43,83 +42,16 @@ class Runtime:
                                         dry_run=self.dry_run)
         return self._spdk
 
-    def other_records(self) -> list[Record]:
-        return self.others
 
-    def load_others(self, state: StateDir, key: str) -> None:
-        """What every other domain holds, for steps that share a resource."""
-        self.others = [r for r in state.records() if r.key != key]
-
-
-# -- from a plan to steps ---------------------------------------------------------------
-
-def build_steps(rt: Runtime, host: Host, plan: Plan) -> list[Step]:
-    steps: list[Step] = []
-    bound: set[str] = set()
-    attached: set[str] = set()
-    for disk in plan.disks:
-        if disk.mode == "passthrough" or (disk.backend == "spdk" and disk.controller):
-            ctrl = host.controller(disk.controller)
-            if disk.controller not in bound and (ctrl is None or ctrl.driver not in USERSPACE_DRIVERS
-                                                  or disk.mode == "passthrough"):
-                steps.append(VfioBind.planned(rt, disk.controller))
-            bound.add(disk.controller)
-        if disk.backend == "spdk":
-            if disk.spdk_controller not in attached:
-                steps.append(SpdkAttach({"name": disk.spdk_controller,
-                                         "paths": attach_params(rt.cfg, disk)}))
-                attached.add(disk.spdk_controller)
-            steps.append(SpdkVhost({"ctrlr": disk.vhost_name, "bdev": disk.bdev,
-                                    "cpumask": hex(1 << disk.reactor), "readonly": disk.readonly,
-                                    "socket": disk.socket, "group": rt.cfg.qemu_group}))
-        elif disk.backend == "qsd":
-            steps.append(QsdExport(_qsd_record(rt.cfg, disk)))
-    return steps
-
-
-def attach_params(cfg: Config, disk) -> list[dict]:
-    """bdev_nvme_attach_controller parameters, one call per path."""
-    src = disk.source
-    name = disk.spdk_controller
-    if src.kind == "nvme":
-        return [{"name": name, "trtype": "PCIe", "traddr": src.controller}]
-    common = {"name": name, "trtype": src.transport.upper(), "adrfam": src.adrfam.upper().replace("IPV", "IPv"),
-              "subnqn": src.subnqn,
-              "ctrlr_loss_timeout_sec": _pick(src.ctrlr_loss_timeout, cfg.ctrlr_loss_timeout_sec),
-              "reconnect_delay_sec": _pick(src.reconnect_delay, cfg.reconnect_delay_sec),
-              "fast_io_fail_timeout_sec": _pick(src.fast_io_fail_timeout, cfg.fast_io_fail_timeout_sec)}
-    hostnqn = src.hostnqn or cfg.hostnqn
-    if hostnqn:
-        common["hostnqn"] = hostnqn
-    if src.paths:
-        common["multipath"] = "multipath"
-    paths = [(src.traddr, src.trsvcid), *((p.traddr, p.trsvcid) for p in src.paths)]
-    return [{**common, "traddr": addr, "trsvcid": str(port)} for addr, port in paths]
-
-
-def _pick(value, default):
-    return default if value is None else value
-
-
-def _qsd_record(cfg: Config, disk) -> dict:
-    from vstor.backends.qsd import QsdExport as Export
-    src = disk.source
-    if src.kind == "nvme":
-        raise BadInput(f"{disk.target}: qsd on an NVMe namespace needs its block device; "
-                       "re-plan with vstor apply")
-    return Export(run_dir=cfg.qsd_dir, name=disk.vhost_name, source=src.path, kind=src.kind,
-                  socket_path=disk.socket, readonly=disk.readonly, queues=disk.queues,
-                  qemu_user=cfg.qemu_user, qemu_group=cfg.qemu_group).to_record()
-
-
-# -- the operations ----------------------------------------------------------------------
-
-def plan_of(dom: Domain) -> Plan:
-    plan = recorded_plan(dom)
+def plan_of(dom: Domain) -> tuple[Request, Plan]:
+    """The recorded plan, and the request it must have been made for."""
+    req = Request.from_domain(dom)
+    plan = dom.recorded_plan()
     if plan is None:
         raise BadInput(f"domain '{dom.name}' has vstor metadata but no plan",
                        hint=f"run: vstor apply {dom.name}")
-    return plan
+    fit.check_made_for(plan, req)
+    return req, plan
 
 
 def running_ledger(state: StateDir) -> Ledger:
@@ -128,33 +60,40 @@ def running_ledger(state: StateDir) -> Ledger:
 
 def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             progress: Callable[[str], None] | None = None) -> Record:
-    from vstor.planner.validate import validate
-    plan = plan_of(dom)
+    """Carry out the domain's recorded plan.  Everything that can fail before
+    the first host change (reading the plan, building the steps, checking the
+    host, reaching SPDK, reading what undo will need) happens before the state
+    record is written; a failure after it leaves no record holding anything."""
+    say = progress or print
+    req, plan = plan_of(dom)
+    steps = actions.build(plan, rt.cfg)
     key = dom.safe_name
+    rec = Record(key=key, domain=dom.name, uuid=dom.uuid,
+                 holding=holding_to_json(Holding.from_plan(plan, active=True)))
     with state.lock():
         leftover = state.load(key)
-        if leftover is not None:
+        if leftover is not None and not rt.dry_run:
             # A run that never released (crash, or an interrupted prepare):
             # undo what it left, then start clean.
             _rollback(rt, state, leftover, progress)
-        problems = validate(host, rt.cfg, plan, running_ledger(state))
+        problems = fit.problems(host, rt.cfg, req, plan, running_ledger(state))
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise DoesNotFit(f"domain '{dom.name}' cannot start: {problems[0]}{more}",
                              reasons=tuple(problems))
-        if any(d.backend == "spdk" for d in plan.disks) and not rt.dry_run:
-            rt.spdk().get_version()     # SPDK missing: say so before touching anything
-        rt.load_others(state, key)
-        rec = Record(key=key, domain=dom.name, uuid=dom.uuid,
-                     holding=holding_to_json(Holding.from_plan(plan, active=True)))
         if rt.dry_run:
-            for step in build_steps(rt, host, plan):
-                (progress or print)(f"would {step.describe()}")
-                step.do(rt)
+            if leftover is not None:
+                say(f"would first undo the {len(leftover.steps)} steps an earlier run left")
+            for step in steps:
+                say(f"would {step.describe()}")
+                for line in step.dry_run():
+                    say(f"    {line}")
             return rec
-        ensure_socket_dir(rt.cfg.vhost_dir, rt.cfg.qemu_group)
+        if any(d.backend == "spdk" for d in plan.disks):
+            rt.spdk().get_version()     # SPDK missing: say so before touching anything
+        steps = [executor.observe(step, rt) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
-        Journal(state, rec, rt, progress).run(build_steps(rt, host, plan))
+        Journal(state, rec, rt, progress).run(steps)
         return rec
 
 
@@ -166,14 +105,20 @@ def release(rt: Runtime, state: StateDir, key: str,
             return None
         if rt.dry_run:
             for entry in reversed(rec.steps):
-                (progress or print)(f"would undo: {step_from_json(entry).describe()}")
+                (progress or print)(f"would undo: {_describe(entry)}")
             return rec
         _rollback(rt, state, rec, progress)
         return rec
 
 
+def _describe(entry: dict) -> str:
+    try:
+        return actions.from_json(entry).describe()
+    except ActionFailed as e:
+        return e.message
+
+
 def _rollback(rt: Runtime, state: StateDir, rec: Record, progress) -> None:
-    rt.load_others(state, rec.key)
     errors = Journal(state, rec, rt, progress).rollback()
     if errors:
         raise ActionFailed(f"domain '{rec.domain}': could not undo everything: {'; '.join(errors)}",
@@ -188,14 +133,13 @@ def reconnect(rt: Runtime, state: StateDir, key: str) -> list[str]:
         rec = state.load(key)
         if rec is None:
             return ["vstor holds nothing for it"]
-        rt.load_others(state, key)
         for entry in rec.steps:
-            step = step_from_json(entry)
-            problem = step.check(rt) if entry["state"] == DONE else "interrupted before it finished"
+            step = actions.from_json(entry)
+            problem = executor.check(step, rt) if entry["state"] == DONE else "interrupted before it finished"
             if problem is None:
                 continue
             try:
-                step.repair(rt)
+                executor.repair(step, rt)
                 findings.append(f"{step.describe()}: {problem}; repaired")
             except Exception as e:
                 findings.append(f"{step.describe()}: {problem}; repair failed: {e}")
@@ -207,13 +151,17 @@ def reconnect(rt: Runtime, state: StateDir, key: str) -> list[str]:
 
 def health(rt: Runtime, rec: Record) -> list[tuple[str, str, str | None]]:
     """(step, state, problem) for each step of a record."""
-    rt.others = []
     out = []
     for entry in rec.steps:
-        step = step_from_json(entry)
         try:
-            problem = step.check(rt) if entry["state"] == DONE else "interrupted"
+            step = actions.from_json(entry)
+            what = step.describe()
+        except ActionFailed as e:
+            out.append((entry.get("kind", "step"), entry.get("state", ""), e.message))
+            continue
+        try:
+            problem = executor.check(step, rt) if entry["state"] == DONE else "interrupted"
         except Exception as e:
             problem = f"cannot check: {str(e).splitlines()[0]}"
-        out.append((step.describe(), entry["state"], problem))
+        out.append((what, entry["state"], problem))
     return out

@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
 from vstor.errors import BadInput, Unavailable
+from vstor.meta.names import is_safe_name
 from vstor.runtime.locking import flocked
 
-_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
 
@@ -65,7 +64,7 @@ class StateDir:
             yield self
 
     def _file(self, key: str) -> str:
-        if not _KEY.match(key):
+        if not is_safe_name(key):
             raise BadInput(f"'{key}' cannot name a state record")
         return os.path.join(self.domains, key + ".json")
 

@@ -1,168 +1,147 @@
-"""The host changes vstor makes, one Step each (see vstor.journal).
+"""Doing, undoing and checking each kind of host change (vstor.runtime.actions).
 
 Every `do` looks before it creates (a re-run after a crash finds its own work
-and takes it over); every `undo` copes with a half-done `do`.
+and takes it over); every `undo` copes with a half-done `do`.  `observe`
+reads what an undo will need (where a controller was bound) before the
+journal records the step: nothing here decides anything.
 """
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import os
+import stat
 
 from vstor.errors import ActionFailed
-from vstor.runtime.journal import Step, register
+from vstor.runtime import actions
+from vstor.runtime.actions import QsdExport, SpdkAttach, SpdkVhost, VfioBind
+
+encode = actions.to_json
+decode = actions.from_json
 
 
-@register
-class VfioBind(Step):
-    """A controller on vfio-pci: for passthrough, or for SPDK's PCIe driver.
-    data: the vfio BindRecord (address, original driver and driver_override),
-    taken before the first write so undo knows where to return it."""
-    kind = "vfio-bind"
-
-    @classmethod
-    def planned(cls, rt, address: str) -> "VfioBind":
+def observe(a, rt):
+    """The action with the host facts its undo needs, read now (no writes)."""
+    if isinstance(a, VfioBind) and a.original is None:
         from vstor.backends import vfio
-        return cls(vfio.record_to_json(vfio.plan_bind(rt.sysfs, address)))
+        return actions.with_original(a, vfio.plan_bind(rt.sysfs, a.address))
+    return a
 
-    def describe(self) -> str:
-        return f"bind {self.data['address']} to vfio-pci"
 
-    def do(self, rt) -> None:
+def do(a, rt) -> None:
+    if isinstance(a, VfioBind):
         from vstor.backends import vfio
-        vfio.bind_to_vfio(rt.sysfs, vfio.record_from_json(self.data))
-
-    def undo(self, rt) -> None:
-        from vstor.backends import vfio
-        if any(_shares(r, self) for r in rt.other_records()):
-            return      # another running domain's SPDK still needs it on vfio-pci
-        vfio.restore_driver(rt.sysfs, vfio.record_from_json(self.data))
-
-    def check(self, rt) -> str | None:
-        driver = rt.sysfs.link_name(f"/sys/bus/pci/devices/{self.data['address']}/driver")
-        return None if driver == "vfio-pci" else f"{self.data['address']} is on {driver or 'no driver'}"
-
-
-@register
-class SpdkAttach(Step):
-    """An SPDK bdev_nvme controller (local PCIe, or NVMe-oF with every path).
-    Shared: the last vstor domain using it detaches it.
-    data: name, paths (list of attach params), owned (whether vstor attached it)."""
-    kind = "spdk-attach"
-
-    def describe(self) -> str:
-        return f"attach SPDK NVMe controller {self.data['name']}"
-
-    def do(self, rt) -> None:
+        vfio.bind_to_vfio(rt.sysfs, a.original or a.address)
+    elif isinstance(a, SpdkAttach):
         spdk = rt.spdk()
-        name = self.data["name"]
-        if spdk.get_nvme_controllers(name):
+        if spdk.get_nvme_controllers(a.name):
             return      # attached already (another domain, or an interrupted run)
-        for params in self.data["paths"]:
-            spdk.attach_nvme_controller(**params)
+        for path in a.paths:
+            spdk.attach_nvme_controller(**path.params(a.name))
+    elif isinstance(a, SpdkVhost):
+        _spdk_vhost(a, rt)
+    elif isinstance(a, QsdExport):
+        from vstor.backends.qsd import daemon
+        daemon.start(a.export)
+    else:
+        raise ActionFailed(f"vstor cannot do a {a.kind} step")
 
-    def undo(self, rt) -> None:
-        if any(_shares(r, self) for r in rt.other_records()):
+
+def undo(a, rt, others) -> None:
+    """`others`: the other domains' records (a shared thing stays while one uses it)."""
+    if isinstance(a, VfioBind):
+        if _shared(others, a):
+            return      # another domain's SPDK still needs it on vfio-pci
+        from vstor.backends import vfio
+        if a.original is not None:
+            vfio.restore_driver(rt.sysfs, a.original)
+    elif isinstance(a, SpdkAttach):
+        if _shared(others, a):
             return
         spdk = rt.spdk()
-        if spdk.get_nvme_controllers(self.data["name"]):
-            spdk.detach_nvme_controller(self.data["name"])
-
-    def check(self, rt) -> str | None:
-        if rt.spdk().get_nvme_controllers(self.data["name"]):
-            return None
-        return f"SPDK has no NVMe controller {self.data['name']}"
-
-
-@register
-class SpdkVhost(Step):
-    """An SPDK vhost-blk controller serving one bdev on the planned reactor,
-    its socket handed to the QEMU group only.
-    data: ctrlr, bdev, cpumask, readonly, socket, group."""
-    kind = "spdk-vhost"
-
-    def describe(self) -> str:
-        return f"create SPDK vhost controller {self.data['ctrlr']} for bdev {self.data['bdev']}"
-
-    def do(self, rt) -> None:
+        if spdk.get_nvme_controllers(a.name):
+            spdk.detach_nvme_controller(a.name)
+    elif isinstance(a, SpdkVhost):
         spdk = rt.spdk()
-        d = self.data
-        existing = spdk.vhost_get_controllers(d["ctrlr"])
-        if existing:
-            bdev = (existing[0].get("backend_specific", {}).get("block", {}) or {}).get("bdev")
-            if bdev != d["bdev"]:
-                # bdev None: SPDK hot-removed it (its NVMe controller was detached),
-                # and every I/O through this controller now fails.
-                raise ActionFailed(f"SPDK vhost controller {d['ctrlr']} exists but serves "
-                                   f"{bdev or 'a removed bdev'}, not {d['bdev']}",
-                                   hint=f"delete it: vstor release, or rpc.py vhost_delete_controller {d['ctrlr']}")
-        else:
-            spdk.vhost_create_blk_controller(ctrlr=d["ctrlr"], dev_name=d["bdev"],
-                                             cpumask=d["cpumask"], readonly=d["readonly"] or None)
-        if not rt.dry_run:
-            restrict_socket(d["socket"], d["group"])
-
-    def undo(self, rt) -> None:
-        spdk = rt.spdk()
-        if spdk.vhost_get_controllers(self.data["ctrlr"]):
-            spdk.vhost_delete_controller(self.data["ctrlr"])
-
-    def check(self, rt) -> str | None:
-        if not rt.spdk().vhost_get_controllers(self.data["ctrlr"]):
-            return f"SPDK has no vhost controller {self.data['ctrlr']}"
-        if not os.path.exists(self.data["socket"]):
-            return f"socket {self.data['socket']} is missing"
-        return None
+        if spdk.vhost_get_controllers(a.ctrlr):
+            spdk.vhost_delete_controller(a.ctrlr)
+    elif isinstance(a, QsdExport):
+        from vstor.backends.qsd import daemon
+        daemon.stop(a.export)
 
 
-@register
-class QsdExport(Step):
-    """A qemu-storage-daemon exporting one file or block device as
-    vhost-user-blk.  data: the daemon's own record (vstor.qsd)."""
-    kind = "qsd-export"
-
-    def _export(self, rt):
-        from vstor.backends.qsd import QsdExport as Export
-        return Export.from_record(self.data)
-
-    def describe(self) -> str:
-        return f"start qemu-storage-daemon for {self.data.get('source')} on {self.data.get('socket_path')}"
-
-    def do(self, rt) -> None:
-        if rt.dry_run:
-            return
-        self._export(rt).start()
-
-    def undo(self, rt) -> None:
-        if rt.dry_run:
-            return
-        self._export(rt).stop()
-
-    def check(self, rt) -> str | None:
-        return None if self._export(rt).alive() else "qemu-storage-daemon is not running"
-
-    def repair(self, rt) -> None:
-        self._export(rt).restart_if_dead()
+def check(a, rt) -> str | None:
+    """None when what the step made still exists and works, else why not."""
+    if isinstance(a, VfioBind):
+        driver = rt.sysfs.link_name(f"/sys/bus/pci/devices/{a.address}/driver")
+        return None if driver == "vfio-pci" else f"{a.address} is on {driver or 'no driver'}"
+    if isinstance(a, SpdkAttach):
+        return None if rt.spdk().get_nvme_controllers(a.name) else \
+            f"SPDK has no NVMe controller {a.name}"
+    if isinstance(a, SpdkVhost):
+        if not rt.spdk().vhost_get_controllers(a.ctrlr):
+            return f"SPDK has no vhost controller {a.ctrlr}"
+        return None if os.path.exists(a.socket) else f"socket {a.socket} is missing"
+    if isinstance(a, QsdExport):
+        from vstor.backends.qsd import daemon
+        return None if daemon.alive(a.export) else "qemu-storage-daemon is not running"
+    return None
 
 
-def _shares(rec, step: Step) -> bool:
+def repair(a, rt) -> None:
+    """Bring back what check() found missing."""
+    if isinstance(a, QsdExport):
+        from vstor.backends.qsd import daemon
+        daemon.restart_if_dead(a.export)
+    else:
+        do(a, rt)
+
+
+def _spdk_vhost(a: SpdkVhost, rt) -> None:
+    spdk = rt.spdk()
+    existing = spdk.vhost_get_controllers(a.ctrlr)
+    if existing:
+        bdev = (existing[0].get("backend_specific", {}).get("block", {}) or {}).get("bdev")
+        if bdev != a.bdev:
+            # bdev None: SPDK hot-removed it (its NVMe controller was detached),
+            # and every I/O through this controller now fails.
+            raise ActionFailed(f"SPDK vhost controller {a.ctrlr} exists but serves "
+                               f"{bdev or 'a removed bdev'}, not {a.bdev}",
+                               hint=f"delete it: vstor release, or rpc.py vhost_delete_controller {a.ctrlr}")
+    else:
+        # SPDK makes the socket in its -S directory; QEMU must be able to reach
+        # into it (the directory is shared by every domain and kept).
+        ensure_socket_dir(os.path.dirname(a.socket), a.group)
+        spdk.vhost_create_blk_controller(ctrlr=a.ctrlr, dev_name=a.bdev, cpumask=a.cpumask,
+                                         readonly=a.readonly or None)
+    restrict_socket(a.socket, a.group)
+
+
+def _shared(others, a) -> bool:
     """Does another domain's record hold a finished step on the same thing?"""
-    key = "name" if step.kind == "spdk-attach" else "address"
-    return any(e["kind"] == step.kind and e["state"] == "done"
-               and e["data"].get(key) == step.data.get(key) for e in rec.steps)
+    key = "name" if a.kind == "spdk-attach" else "address"
+    mine = a.to_data().get(key)
+    return any(e["kind"] == a.kind and e["state"] == "done" and e["data"].get(key) == mine
+               for rec in others for e in rec.steps)
+
+
+def _gid(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ActionFailed(f"group '{group}' does not exist",
+                           hint="set [qemu] group in vstor.conf to the group QEMU runs as") from None
 
 
 def restrict_socket(path: str, group: str) -> None:
     """The QEMU user's group may connect, nobody else: root:<group> 0660.
-    SPDK creates its sockets root-owned 0755, which QEMU (libvirt-qemu) cannot use."""
+    SPDK creates its sockets root-owned 0755, which QEMU (libvirt-qemu) cannot
+    use.  Only a socket is changed, never what a symlink points at."""
+    gid = _gid(group)
     try:
-        gid = grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise ActionFailed(f"group '{group}' does not exist",
-                           hint="set [qemu] group in vstor.conf to the group QEMU runs as") from None
-    try:
-        os.chown(path, 0, gid)
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ActionFailed(f"{path} is not a socket", hint="move it away; vstor only hands out sockets")
+        os.chown(path, 0, gid, follow_symlinks=False)
         os.chmod(path, 0o660)
     except OSError as e:
         raise ActionFailed(f"cannot restrict socket {path}: {e.strerror}") from None
@@ -170,7 +149,12 @@ def restrict_socket(path: str, group: str) -> None:
 
 def ensure_socket_dir(path: str, group: str) -> None:
     """root:<group> 0750: QEMU can reach sockets inside, other users cannot."""
-    os.makedirs(path, mode=0o750, exist_ok=True)
-    with contextlib.suppress(KeyError):
-        os.chown(path, 0, grp.getgrnam(group).gr_gid)
-    os.chmod(path, 0o750)
+    gid = _gid(group)
+    try:
+        os.makedirs(path, mode=0o750, exist_ok=True)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise ActionFailed(f"{path} is not a directory", hint="move it away")
+        os.chown(path, 0, gid, follow_symlinks=False)
+        os.chmod(path, 0o750)
+    except OSError as e:
+        raise ActionFailed(f"cannot make socket directory {path}: {e.strerror}") from None

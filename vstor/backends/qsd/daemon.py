@@ -1,0 +1,266 @@
+"""Starting, finding, checking and stopping the qemu-storage-daemon of one
+QsdExport.
+
+`start` looks before it creates and leaves nothing behind when it fails;
+`stop` is idempotent.  The daemon is found again by its pidfile, or (pidfile
+lost) by its own `--pidfile` argument in /proc, so nothing but the export's
+record needs to outlive vstor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+from vstor.backends.qsd import files, proc
+from vstor.backends.qsd.export import EXPORT_ID, QsdExport, _after, _export_opts
+from vstor.backends.qsd.monitor import Monitor, QmpConnectionError, QmpError
+from vstor.backends.qsd.proc import connect_as
+from vstor.errors import ActionFailed, DoesNotFit, Unavailable
+from vstor.runtime.locking import flocked
+
+__all__ = ["alive", "connect_as", "dry_run", "pid", "restart_if_dead", "start", "stop",
+           "stop_orphan"]
+
+
+# -- looking ---------------------------------------------------------------------------------
+
+def pid(export: QsdExport) -> int | None:
+    """The live daemon's pid: the pidfile's, or (pidfile lost) found in /proc."""
+    found = proc.read_pid(export.pidfile)
+    if found is not None and _is_ours(export, found):
+        return found
+    return next((p for p in proc.pids() if _is_ours(export, p)), None)
+
+
+def alive(export: QsdExport) -> bool:
+    return pid(export) is not None and _answers(export)
+
+
+def dry_run(export: QsdExport) -> list[str]:
+    """What start() would run and change, as shell lines, with `direct`
+    decided as start() would decide it (when the source exists)."""
+    return (_resolved(export) if os.path.exists(export.source) else export).dry_run_lines()
+
+
+def _is_ours(export: QsdExport, p: int) -> bool:
+    argv = proc.cmdline(p)
+    return (bool(argv) and os.path.basename(argv[0]) == os.path.basename(export.binary)
+            and _after(argv, "--pidfile") == export.pidfile)
+
+
+def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
+    try:
+        with Monitor(export.qmp_path, timeout) as qmp:
+            return any(e.get("id") == EXPORT_ID for e in qmp.execute("query-block-exports"))
+    except (QmpConnectionError, QmpError):
+        return False
+
+
+# -- starting --------------------------------------------------------------------------------
+
+def start(export: QsdExport, timeout: float = 10.0) -> int:
+    """Start the daemon (or take over the one already serving); its pid."""
+    files.ensure_dir(export.run_dir, files.gid(export), enforce=True)
+    with _lock(export):
+        running = _reuse(export)
+        if running is not None:
+            return running
+        _remove_files(export)
+        if os.path.lexists(export.socket_path):
+            # qsd would unlink whatever is there before binding its socket.
+            raise ActionFailed(f"{export.socket_path} exists and is not a socket",
+                               hint="move it away; vstor only replaces sockets")
+        _check_binary(export)
+        files.check_source(export)
+        _check_no_other_writer(export)
+        files.ensure_dir(os.path.dirname(export.socket_path), files.gid(export))
+        resolved = _resolved(export)
+        try:
+            _spawn(resolved, timeout)
+            return _settle(resolved, timeout)
+        except BaseException:
+            _kill_and_clean(export)
+            raise
+
+
+def restart_if_dead(export: QsdExport, timeout: float = 10.0) -> bool:
+    """Bring back a daemon that died (QEMU reconnects with <reconnect>).
+    True when it had to be started again."""
+    if alive(export):
+        return False
+    start(export, timeout)
+    return True
+
+
+def _reuse(export: QsdExport) -> int | None:
+    found = pid(export)
+    if found is None:
+        return None
+    running = proc.cmdline(found)
+    if _export_opts(running) != _export_opts(export.argv()):
+        raise ActionFailed(f"qemu-storage-daemon {export.name} (pid {found}) already runs with "
+                           f"different options: {_after(running, '--export')}",
+                           hint=f"stop it first (vstor gc, or kill {found})")
+    if not _answers(export):
+        raise ActionFailed(f"qemu-storage-daemon {export.name} (pid {found}) runs but does not "
+                           f"answer on {export.qmp_path}", hint=f"kill {found}, then retry")
+    if not files.is_socket(export.socket_path):
+        # Someone removed its socket: no client can reach this daemon again.
+        _terminate(export, found, 5.0)
+        return None
+    files.restrict_socket(export)
+    return found
+
+
+def _spawn(export: QsdExport, timeout: float) -> None:
+    # qsd reports startup errors on stderr before its parent exits; a file,
+    # not a pipe, so a daemon that kept stderr open could never hang us.
+    with tempfile.TemporaryFile() as err:
+        try:
+            done = subprocess.run(export.argv(), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=err, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ActionFailed(f"qemu-storage-daemon {export.name} did not finish starting "
+                               f"within {timeout:g}s") from None
+        except OSError as e:
+            raise Unavailable(f"cannot run {export.binary}: {e.strerror}") from None
+        if done.returncode != 0:
+            err.seek(0)
+            raise ActionFailed(f"qemu-storage-daemon {export.name} failed to start: "
+                               f"{_last_line(err.read(), done.returncode)}")
+
+
+def _settle(export: QsdExport, timeout: float) -> int:
+    """After the daemon forked: its pid, with the socket handed to QEMU."""
+    found = pid(export)
+    if found is None:
+        raise ActionFailed(f"qemu-storage-daemon {export.name} exited right after starting")
+    deadline = time.monotonic() + timeout
+    while not files.is_socket(export.socket_path):
+        if time.monotonic() > deadline:
+            raise ActionFailed(f"qemu-storage-daemon {export.name} created no socket "
+                               f"{export.socket_path} within {timeout:g}s")
+        time.sleep(0.01)
+    # qsd sets umask 027 when it daemonizes: the socket is born root:root
+    # 0750, which only root can connect to, until it is handed to QEMU here.
+    files.restrict_socket(export)
+    why = connect_as(export.qemu_user, export.socket_path)
+    if why:
+        raise ActionFailed(f"{export.qemu_user} cannot connect to {export.socket_path}: {why}",
+                           hint=f"every directory above it must be searchable by group "
+                                f"{export.qemu_group}")
+    if not _answers(export, timeout):
+        raise ActionFailed(f"qemu-storage-daemon {export.name} does not list its export "
+                           f"on {export.qmp_path}")
+    return found
+
+
+def _resolved(export: QsdExport) -> QsdExport:
+    if export.direct is not None:
+        return export
+    return dataclasses.replace(export, direct=export.kind == "block"
+                               or files.direct_works(export.source))
+
+
+# -- stopping --------------------------------------------------------------------------------
+
+def stop(export: QsdExport, timeout: float = 5.0) -> None:
+    """Quit the daemon (QMP quit, then SIGTERM, then SIGKILL) and remove
+    its socket, monitor and pidfile.  A daemon already gone is fine."""
+    if not os.path.isdir(export.run_dir):
+        _remove_files(export)
+        return
+    with _lock(export):
+        _kill_and_clean(export, timeout)
+
+
+def stop_orphan(pidfile: str, timeout: float = 5.0) -> bool:
+    """Stop a qemu-storage-daemon no vstor record owns (`vstor gc`), found by
+    its pidfile; only a process whose own --pidfile is that file is touched.
+    True when one was stopped."""
+    found = proc.read_pid(pidfile)
+    argv = proc.cmdline(found) if found else []
+    if not argv or _after(argv, "--pidfile") != pidfile:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pidfile)      # stale: its daemon is long gone
+        return False
+    with proc.pidfd(found) as fd:
+        if fd is not None:
+            proc.signal_until_gone(fd, [(signal.SIGTERM, timeout), (signal.SIGKILL, timeout)])
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(pidfile)
+    return True
+
+
+def _kill_and_clean(export: QsdExport, timeout: float = 5.0) -> None:
+    found = pid(export)
+    if found is not None:
+        _terminate(export, found, timeout)
+    _remove_files(export)
+
+
+def _terminate(export: QsdExport, p: int, timeout: float) -> None:
+    with proc.pidfd(p) as fd:
+        if fd is None or not _is_ours(export, p):
+            return      # it exited (and the pid may be reused) after we looked
+        steps = [(signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)]
+        try:
+            with Monitor(export.qmp_path, min(timeout, 2.0)) as qmp:
+                qmp.execute("quit")
+            steps.insert(0, (None, timeout))
+        except (QmpConnectionError, QmpError):
+            steps.insert(0, (None, 0))    # it may have quit before answering
+        if not proc.signal_until_gone(fd, steps):
+            raise ActionFailed(f"qemu-storage-daemon {export.name} (pid {p}) did not exit "
+                               "even after SIGKILL", hint="it is stuck in the kernel; see dmesg")
+
+
+def _remove_files(export: QsdExport) -> None:
+    for path in (export.pidfile, export.qmp_path, export.socket_path):
+        if path == export.pidfile or files.is_socket(path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+# -- the host around it ----------------------------------------------------------------------
+
+def _lock(export: QsdExport, timeout: float = 30.0):
+    """One vstor at a time starts or stops daemons in a run dir: a second
+    qsd started on a live one's files would steal its monitor socket."""
+    return flocked(export.run_dir, export.run_dir, timeout)
+
+
+def _check_binary(export: QsdExport) -> None:
+    if not os.access(export.binary, os.X_OK):
+        raise Unavailable(f"{export.binary} is not installed (the embedded vhost backend)",
+                          hint="apt install qemu-system-common, or use backend='spdk'")
+
+
+def _check_no_other_writer(export: QsdExport) -> None:
+    """qsd's exports share every permission on their node, so QEMU's image
+    locking lets two daemons write one source: refuse it here."""
+    mine = os.stat(export.source)
+    for p in proc.pids():
+        argv = proc.cmdline(p)
+        if not argv or os.path.basename(argv[0]) != "qemu-storage-daemon":
+            continue
+        opts = dict(o.split("=", 1) for o in _export_opts(argv) if "=" in o)
+        if "filename" not in opts or not files.same_file(mine, opts["filename"]):
+            continue
+        if export.readonly and opts.get("writable") == "off":
+            continue        # readers share
+        raise DoesNotFit(f"disk source {export.source} is already exported by "
+                         f"qemu-storage-daemon pid {p} ({opts.get('addr.path')})",
+                         hint="two writers would corrupt it; make both readonly "
+                              "or stop the other")
+
+
+def _last_line(raw: bytes, code: int) -> str:
+    lines = [ln.strip() for ln in raw.decode(errors="replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit status {code}, no message"

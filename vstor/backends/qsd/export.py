@@ -1,0 +1,173 @@
+"""What one qemu-storage-daemon is: its source, sockets, files and command line.
+
+A QsdExport names everything about one daemon: the file or block device it
+serves, the vhost-user socket QEMU connects to, and its files in the run
+directory (`<name>.pid`, `<name>.qmp`).  The record (`to_record`/`from_record`)
+is all vstor's state directory needs to find the daemon again after vstor
+itself has exited.
+
+Pure: nothing here reads or changes the host; `vstor.backends.qsd.daemon`
+does that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os.path
+import shlex
+from dataclasses import dataclass
+
+from vstor.errors import ActionFailed, BadInput
+
+RECORD_VERSION = 1
+EXPORT_ID = "exp0"
+SOCKET_MAX = 107            # sizeof(sun_path) - 1
+NAME_MAX = 96
+# '+' is allowed because vstor's disk names are "<domain safe name>-<target>"
+# and domain safe names may hold it (vstor.domain); none of these characters
+# is special in a path or in a QEMU option string.
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.+-")
+
+
+@dataclass(frozen=True)
+class QsdExport:
+    run_dir: str
+    name: str
+    source: str
+    kind: str                       # file | block
+    socket_path: str
+    readonly: bool = False
+    queues: int = 1
+    qemu_user: str = "libvirt-qemu"
+    qemu_group: str = "kvm"
+    binary: str = "/usr/bin/qemu-storage-daemon"
+    # O_DIRECT for the source; None = decide at start (block devices: yes;
+    # files: only where the filesystem accepts O_DIRECT, see files.direct_works).
+    direct: bool | None = None
+
+    def __post_init__(self):
+        _validate(self)
+
+    @property
+    def pidfile(self) -> str:
+        return os.path.join(self.run_dir, self.name + ".pid")
+
+    @property
+    def qmp_path(self) -> str:
+        return os.path.join(self.run_dir, self.name + ".qmp")
+
+    # -- the command line ----------------------------------------------------------------
+
+    def argv(self) -> list[str]:
+        direct = self.kind == "block" or bool(self.direct)
+        # aio=native needs O_DIRECT (QEMU refuses it otherwise); without it the
+        # thread pool is the only mode that works on every kernel and filesystem.
+        node = [f"driver={'host_device' if self.kind == 'block' else 'file'}", "node-name=file0",
+                f"filename={_q(self.source)}", f"cache.direct={_on(direct)}",
+                f"aio={'native' if direct else 'threads'}"]
+        fmt = ["driver=raw", "node-name=disk0", "file=file0"]
+        # read-only nodes open the source O_RDONLY and take only a shared lock,
+        # so two readonly disks may share one source; writers pass guest TRIM on.
+        extra = ["read-only=on"] if self.readonly else ["discard=unmap"]
+        export = [f"type=vhost-user-blk,id={EXPORT_ID},node-name=disk0", "addr.type=unix",
+                  f"addr.path={_q(self.socket_path)}", f"writable={_on(not self.readonly)}",
+                  f"num-queues={self.queues}"]
+        return [self.binary,
+                "--blockdev", ",".join(node + extra),
+                "--blockdev", ",".join(fmt + extra),
+                "--export", ",".join(export),
+                "--chardev", f"socket,id=qmp0,path={_q(self.qmp_path)},server=on,wait=off",
+                "--monitor", "chardev=qmp0",
+                "--pidfile", self.pidfile,
+                "--daemonize"]
+
+    def dry_run_lines(self) -> list[str]:
+        """What starting this export runs and changes, as shell lines.  An
+        unresolved `direct` shows as argv() renders it (off for files);
+        daemon.dry_run probes the filesystem first."""
+        g = self.qemu_group
+        return [f"install -d -o root -g {g} -m 0750 {shlex.quote(self.run_dir)}",
+                shlex.join(self.argv()),
+                f"chown root:{g} {shlex.quote(self.socket_path)}",
+                f"chmod 0660 {shlex.quote(self.socket_path)}"]
+
+    # -- the record ----------------------------------------------------------------------
+
+    def to_record(self) -> dict:
+        return {"version": RECORD_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> "QsdExport":
+        if not isinstance(rec, dict):
+            raise BadInput("qemu-storage-daemon record is not a JSON object")
+        if rec.get("version", RECORD_VERSION) != RECORD_VERSION:
+            raise ActionFailed(f"qemu-storage-daemon record version {rec.get('version')!r} "
+                               "is not one this vstor reads", hint="use the vstor that wrote it")
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING}
+        missing = sorted(required - rec.keys())
+        if missing:
+            raise BadInput(f"qemu-storage-daemon record lacks {', '.join(missing)}")
+        return cls(**{k: v for k, v in rec.items() if k in names})
+
+
+def _validate(e: QsdExport) -> None:
+    def bad(what: str, hint: str | None = None):
+        raise BadInput(f"qemu-storage-daemon export: {what}", hint=hint)
+
+    for field in ("run_dir", "name", "source", "kind", "socket_path", "qemu_user",
+                  "qemu_group", "binary"):
+        value = getattr(e, field)
+        if not isinstance(value, str) or not value or "\0" in value:
+            bad(f"{field} must be a non-empty string")
+    if not (set(e.name) <= _NAME_CHARS) or ".." in e.name or e.name.startswith(".") \
+            or len(e.name) > NAME_MAX:
+        bad(f"name {e.name!r} is not safe in a file name",
+            hint=f"use up to {NAME_MAX} of A-Z a-z 0-9 _ . + - (no leading '.', no '..')")
+    for field in ("run_dir", "source", "socket_path", "binary"):
+        path = getattr(e, field)
+        if not os.path.isabs(path) or os.path.normpath(path) != path:
+            bad(f"{field} {path!r} is not a clean absolute path")
+    for path in (e.socket_path, e.qmp_path):
+        if len(path.encode()) > SOCKET_MAX:
+            bad(f"socket path {path} is longer than a Unix socket allows ({SOCKET_MAX} bytes)",
+                hint="shorten the name or the directory")
+    if e.kind not in ("file", "block"):
+        bad(f"kind {e.kind!r} is neither 'file' nor 'block'")
+    if not isinstance(e.queues, int) or isinstance(e.queues, bool) or not 1 <= e.queues <= 1024:
+        bad(f"queues {e.queues!r} must be an integer from 1 to 1024")
+    if not isinstance(e.readonly, bool) or e.direct not in (None, True, False):
+        bad("readonly and direct must be true or false")
+    if e.socket_path in (e.pidfile, e.qmp_path):
+        bad(f"socket path {e.socket_path} collides with the daemon's own files")
+
+
+# -- QEMU option strings ---------------------------------------------------------------------
+
+def _q(value: str) -> str:
+    """A value inside a QEMU option string: commas are doubled."""
+    return value.replace(",", ",,")
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _after(argv: list[str], option: str) -> str | None:
+    for i, arg in enumerate(argv[:-1]):
+        if arg == option:
+            return argv[i + 1]
+    return None
+
+
+def _export_opts(argv: list[str]) -> tuple:
+    """What makes two daemons interchangeable for QEMU: the source, the socket,
+    and whether the export is writable."""
+    blockdev, export = _after(argv, "--blockdev") or "", _after(argv, "--export") or ""
+    keep = ("filename=", "addr.path=", "writable=")
+    return tuple(sorted(o for o in _split(blockdev) + _split(export) if o.startswith(keep)))
+
+
+def _split(opts: str) -> list[str]:
+    return [part.replace("\0", ",") for part in opts.replace(",,", "\0").split(",")]

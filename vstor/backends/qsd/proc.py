@@ -1,0 +1,105 @@
+"""Processes as qemu-storage-daemon's control sees them: /proc, pidfiles,
+pidfds and signals, and a connection tried as another user."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import select
+import signal
+import socket
+import time
+from collections.abc import Iterator
+
+from vstor.errors import ActionFailed
+
+
+def pids() -> Iterator[int]:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            yield int(entry)
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []       # gone (a zombie reads as empty too)
+    return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
+
+
+def read_pid(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+@contextlib.contextmanager
+def pidfd(pid: int) -> Iterator[int | None]:
+    """A pidfd for `pid` (None when it is gone): signals sent through it can
+    never reach a process that reused the pid after we looked."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        yield None
+        return
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def signal_until_gone(fd: int, steps: list[tuple[signal.Signals | None, float]]) -> bool:
+    """For each (signal or None, seconds): send it, then wait that long for
+    the process to exit.  True as soon as it has."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    for sig, wait in steps:
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, sig)
+        if poller.poll(wait * 1000):
+            return True     # a pidfd turns readable when its process exits
+    return False
+
+
+def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
+    """Connect to a Unix socket with `user`'s uid and groups (in a forked
+    child); None when it worked, else the reason (strerror)."""
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        raise ActionFailed(f"user '{user}' does not exist",
+                           hint="set [qemu] user in vstor.conf to the user QEMU runs as") from None
+    groups = os.getgrouplist(user, pw.pw_gid)
+    child = os.fork()
+    if child == 0:      # pragma: no cover (runs in the child)
+        code = 0
+        try:
+            os.setgroups(groups)
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect(path)
+        except OSError as e:
+            code = e.errno if e.errno and e.errno < 255 else 255
+        except BaseException:
+            code = 255
+        os._exit(code)
+    deadline = time.monotonic() + timeout + 1
+    while True:
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            return None if code == 0 else (os.strerror(code) if code < 255 else "unknown error")
+        if time.monotonic() > deadline:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            return f"connect did not finish within {timeout:g}s"
+        time.sleep(0.005)

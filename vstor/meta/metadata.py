@@ -1,0 +1,92 @@
+"""vstor's element in a domain's <metadata>: the root declaration, and the
+only code that finds, reads or replaces it in a domain document."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import os
+from dataclasses import dataclass, replace
+
+from lxml import etree
+
+from vstor import NS, PREFIX
+from vstor.errors import BadInput
+from vstor.meta.intent import DiskIntent, Intent, VmIntent
+from vstor.meta.plan import PLAN_VERSION, Plan
+from vstor.meta.xmlmodel import Q, build, canonical, child, children, element, parse
+
+SCHEMA_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "schema", "vstor.rng")
+
+
+@element("vstor")
+@dataclass(frozen=True)
+class Metadata:
+    vm: VmIntent | None = child(VmIntent)
+    disks: tuple[DiskIntent, ...] = children(
+        DiskIntent, min=1, unique="target",
+        missing=("vstor metadata has no <vstor:disk>",
+                 "add <vstor:disk target='vdb'> with an nvme, nvmf, file or block source"))
+    plan: Plan | None = child(Plan)
+
+    @property
+    def intent(self) -> Intent:
+        return Intent(self.vm or VmIntent(), self.disks)
+
+
+def find(root: etree._Element) -> etree._Element | None:
+    return root.find(f"metadata/{Q}vstor")
+
+
+def load_intent(elem: etree._Element) -> Intent:
+    """<vstor:vstor> -> the intent (the plan record, if any, is not read)."""
+    bare = copy.copy(elem)
+    for old in bare.findall(Q + "plan"):
+        bare.remove(old)
+    return parse(Metadata, bare).intent
+
+
+def load_plan(elem: etree._Element, domain: str, uuid: str | None) -> Plan | None:
+    """The <vstor:plan> record, or None if the domain was never planned."""
+    found = elem.findall(Q + "plan")
+    if not found:
+        return None
+    if len(found) > 1:
+        raise BadInput(f"domain '{domain}' has more than one vstor plan record",
+                       hint=f"re-plan it with: vstor apply {domain}")
+    version = found[0].get("version")
+    if version != PLAN_VERSION:
+        raise BadInput(f"domain '{domain}': vstor plan record version {version!r} "
+                       f"is not {PLAN_VERSION}", hint=f"re-plan it with: vstor apply {domain}")
+    try:
+        plan = parse(Plan, found[0])
+    except BadInput as e:
+        raise BadInput(f"domain '{domain}': vstor plan record is damaged ({e.message})",
+                       hint=f"re-plan it with: vstor apply {domain}") from None
+    return replace(plan, domain=domain, uuid=uuid)
+
+
+def store(root: etree._Element, plan: Plan) -> None:
+    """Replace the plan record; the operator's own elements (and comments)
+    stay as they were, under the fixed prefix."""
+    meta = root.find("metadata")
+    old = meta.find(Q + "vstor")
+    vs = etree.Element(Q + "vstor", nsmap={PREFIX: NS})
+    for kid in old:
+        if kid.tag != Q + "plan":
+            vs.append(copy.deepcopy(kid))
+    vs.append(build(plan))
+    meta.replace(old, vs)
+    etree.cleanup_namespaces(vs)
+
+
+def digest(intent: Intent) -> str:
+    """Of the intent in canonical form (defaults spelled out, normalised
+    values): what a plan was made for."""
+    return "sha256:" + hashlib.sha256(canonical(Metadata(intent.vm, intent.disks))).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def schema() -> etree.RelaxNG:
+    return etree.RelaxNG(etree.parse(SCHEMA_FILE))

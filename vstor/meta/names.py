@@ -1,0 +1,62 @@
+"""Every name vstor derives, in one place: safe names, PCI addresses, volume
+keys, socket paths, SPDK controller names.  Pure."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+from vstor.errors import BadInput
+
+#: A name that may appear in a file name (domain safe names, state records).
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
+_BDF = re.compile(r"^(?:([0-9a-f]{4}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
+SOCKET_MAX = 107            # sizeof(sun_path) - 1
+
+
+def is_safe_name(name: str) -> bool:
+    return bool(SAFE_NAME.match(name))
+
+
+def normalise_bdf(text: str) -> str:
+    """'5E:00.0' -> '0000:5e:00.0' (SPDK's lists and the kernel accept both)."""
+    m = _BDF.match(text.strip().lower())
+    if not m:
+        raise BadInput(f"'{text}' is not a PCI address", hint="write it like 0000:5e:00.0")
+    domain, bus, slot, fn = m.groups()
+    return f"{domain or '0000'}:{bus}:{slot}.{fn}"
+
+
+def volume_key(source) -> str:
+    """What two writers must never share, as one string."""
+    if source.kind == "nvme":
+        return f"nvme:{source.controller}/{source.namespace}"
+    if source.kind == "nvmf":
+        return f"nvmf:{source.subnqn}/{source.namespace}"
+    return f"{source.kind}:{source.path}"
+
+
+def socket_path(vhost_dir: str, safe_name: str, target: str) -> str:
+    """The vhost-user socket of one disk: <vhost_dir>/<safe name>-<target>."""
+    if not is_safe_name(safe_name):
+        raise BadInput(f"'{safe_name}' cannot name a socket")
+    path = os.path.join(vhost_dir, f"{safe_name}-{target}")
+    if len(path.encode()) > SOCKET_MAX:
+        raise BadInput(f"vhost socket path {path} is longer than a Unix socket allows "
+                       f"({SOCKET_MAX} bytes)", hint="shorten the domain name or [paths] vhost_dir")
+    return path
+
+
+def spdk_controller_name(source) -> str:
+    """SPDK bdev_nvme controller name: one per local controller or remote
+    subsystem, shared by every vstor disk that uses it."""
+    if source.kind == "nvme":
+        return "vs_" + source.controller.replace(":", "_").replace(".", "_")
+    digest = hashlib.sha1(f"{source.transport}:{source.subnqn}".encode()).hexdigest()[:12]
+    return f"vs_nvmf_{digest}"
+
+
+def bdev_name(controller: str, namespace: int) -> str:
+    """SPDK names a controller's namespaces <controller>n<nsid>."""
+    return f"{controller}n{namespace}"

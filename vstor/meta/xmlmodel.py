@@ -1,0 +1,258 @@
+"""Declaring an element of the vstor namespace once, and deriving the rest.
+
+An element is a frozen dataclass marked with @element("tag"); each of its
+fields says how it appears in XML: `attr(...)` (an attribute with a value
+type), `child(...)` (an optional single element), `children(...)` (a list of
+elements), `choice(...)` (exactly one of several elements), `texts(...)` (a
+list of text elements).  From that one declaration come:
+
+- parsing (`parse`), with messages that name the element, the attribute and
+  what is allowed;
+- serialising (`build`), in declaration order;
+- the RelaxNG schema (vstor.meta.schema), shipped as vstor/schema/vstor.rng.
+
+This is the only module that reads or writes elements of the vstor
+namespace (in the spirit of virtinst's XMLBuilder/XMLProperty).  The
+schema and the parser are checked against each other by the tests; the one
+rule the schema cannot say (`unique=`) is the parser's alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lxml import etree
+
+from vstor import NS, PREFIX
+from vstor.errors import BadInput
+from vstor.meta.types import RNG, FreeText, Invalid, rng  # noqa: F401 (re-exported for the schema)
+
+Q = "{%s}" % NS
+XSD = "http://www.w3.org/2001/XMLSchema-datatypes"
+_WS = " \t\r\n"
+
+
+# -- field declarations ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Attr:
+    type: object
+    required: bool
+    name: str | None
+
+
+@dataclass(frozen=True)
+class _Child:
+    cls: type
+    many: bool                       # children(): a tuple
+    min: int = 0
+    missing: tuple[str, str] | None = None    # (message, hint) when under min
+    unique: str | None = None        # field that must differ between the children
+
+
+@dataclass(frozen=True)
+class _Choice:
+    classes: tuple[type, ...]
+    label: str
+
+
+@dataclass(frozen=True)
+class _Texts:
+    tag: str
+
+
+def attr(type, *, required=False, default=None, name=None):
+    return dataclasses.field(default=default, metadata={"xml": _Attr(type, required, name)})
+
+
+def child(cls, *, default=None):
+    return dataclasses.field(default=default, metadata={"xml": _Child(cls, many=False)})
+
+
+def children(cls, *, min=0, missing=None, unique=None):
+    return dataclasses.field(default=(), metadata={
+        "xml": _Child(cls, many=True, min=min, missing=missing, unique=unique)})
+
+
+def choice(*classes, label: str):
+    return dataclasses.field(default=None, metadata={"xml": _Choice(classes, label)})
+
+
+def texts(tag: str):
+    return dataclasses.field(default=(), metadata={"xml": _Texts(tag)})
+
+
+def element(tag: str, *, where: str | None = None, ordered: bool = False):
+    """Class decorator: the element's tag, the attribute (if any) that names
+    an instance in messages about its content ('disk target=vdb'), and whether
+    its children come in declaration order (records vstor writes) or in any
+    order (what operators write)."""
+    def mark(cls):
+        cls.xml_tag, cls.xml_where, cls.xml_ordered = tag, where, ordered
+        return cls
+    return mark
+
+
+def _fields(cls):
+    return [(f, f.metadata["xml"]) for f in dataclasses.fields(cls) if "xml" in f.metadata]
+
+
+def _attr_name(f, spec) -> str:
+    return spec.name or f.name
+
+
+def _child_tags(cls) -> list[str]:
+    tags = []
+    for _f, spec in _fields(cls):
+        if isinstance(spec, _Child):
+            tags.append(spec.cls.xml_tag)
+        elif isinstance(spec, _Choice):
+            tags += [c.xml_tag for c in spec.classes]
+        elif isinstance(spec, _Texts):
+            tags.append(spec.tag)
+    return tags
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+def parse(cls, e: etree._Element, where: str = ""):
+    """An element -> an instance of its declared class, or BadInput."""
+    tag = cls.xml_tag
+    pre = f"{where}: " if where else ""
+    specs = _fields(cls)
+    names = {_attr_name(f, s): (f, s) for f, s in specs if isinstance(s, _Attr)}
+    for name in e.attrib:
+        if name not in names:
+            raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_local(name)}'",
+                           hint="allowed: " + ", ".join(sorted(names)) if names else "none")
+    allowed = _child_tags(cls)
+    kids = _element_children(e, tag, allowed, pre)
+    if cls.xml_ordered:
+        _in_order(cls, kids, pre)
+    values = {}
+    for name, (f, spec) in names.items():
+        text = e.get(name)
+        if text is None:
+            if spec.required:
+                raise BadInput(f"{pre}<vstor:{tag}> has no {name} attribute", hint=f"add {name}='...'")
+            continue
+        try:
+            values[f.name] = spec.type.parse(text, name)
+        except Invalid as bad:
+            raise BadInput(f"{pre}<vstor:{tag} {name}='{text}'> {bad.problem}", hint=bad.hint) from None
+    if cls.xml_where and e.get(cls.xml_where) is not None:
+        where = f"<vstor:{tag} {cls.xml_where}='{e.get(cls.xml_where)}'>"
+    for f, spec in specs:
+        if isinstance(spec, _Child):
+            values[f.name] = _parse_children(cls, spec, kids, where)
+        elif isinstance(spec, _Choice):
+            found = [k for k in kids if _local(k.tag) in {c.xml_tag for c in spec.classes}]
+            if len(found) != 1:
+                raise BadInput(f"{where or tag} needs exactly one {spec.label} element",
+                               hint="one of " + ", ".join(f"<vstor:{c.xml_tag}>" for c in spec.classes))
+            sub = next(c for c in spec.classes if c.xml_tag == _local(found[0].tag))
+            values[f.name] = parse(sub, found[0], where)
+        elif isinstance(spec, _Texts):
+            values[f.name] = tuple(_text_of(k, spec.tag, pre) for k in kids if _local(k.tag) == spec.tag)
+    return cls(**values)
+
+
+def _parse_children(cls, spec: _Child, kids, where):
+    tag = spec.cls.xml_tag
+    found = [k for k in kids if _local(k.tag) == tag]
+    if not spec.many:
+        if len(found) > 1:
+            raise BadInput(f"vstor metadata has more than one <vstor:{tag}> element in "
+                           f"<vstor:{cls.xml_tag}>", hint="keep one")
+        return parse(spec.cls, found[0], where) if found else None
+    if len(found) < spec.min:
+        message, hint = spec.missing or (f"<vstor:{cls.xml_tag}> needs a <vstor:{tag}>", "add one")
+        raise BadInput(message, hint=hint)
+    items = tuple(parse(spec.cls, k, where) for k in found)
+    if spec.unique:
+        seen = set()
+        for item in items:
+            key = getattr(item, spec.unique)
+            if key in seen:
+                raise BadInput(f"two <vstor:{tag}> elements use {spec.unique} '{key}'",
+                               hint=f"give each {tag} its own {spec.unique}")
+            seen.add(key)
+    return items
+
+
+def _element_children(e, tag, allowed, pre) -> list:
+    _no_text(e.text, tag, pre)
+    kids = []
+    for k in e:
+        _no_text(k.tail, tag, pre)
+        if not isinstance(k.tag, str):
+            continue            # comments, processing instructions
+        qn = etree.QName(k)
+        if qn.namespace != NS or qn.localname not in allowed:
+            raise BadInput(f"{pre}<vstor:{tag}> has unexpected element <{qn.localname}>",
+                           hint="allowed: " + (", ".join(f"<vstor:{a}>" for a in allowed) or "none"))
+        kids.append(k)
+    return kids
+
+
+def _in_order(cls, kids, pre) -> None:
+    rank = {}
+    for i, (_f, spec) in enumerate(_fields(cls)):
+        if isinstance(spec, _Child):
+            rank[spec.cls.xml_tag] = i
+        elif isinstance(spec, _Choice):
+            rank.update({c.xml_tag: i for c in spec.classes})
+        elif isinstance(spec, _Texts):
+            rank[spec.tag] = i
+    ranks = [rank[_local(k.tag)] for k in kids]
+    for a, b, ka, kb in zip(ranks, ranks[1:], kids, kids[1:]):
+        if b < a:
+            raise BadInput(f"{pre}<vstor:{cls.xml_tag}> has <vstor:{_local(kb.tag)}> after "
+                           f"<vstor:{_local(ka.tag)}>", hint="vstor writes this record in a fixed order: "
+                           "re-plan instead of editing it")
+
+
+def _no_text(text, tag, pre) -> None:
+    if text and text.strip(_WS):
+        raise BadInput(f"{pre}<vstor:{tag}> holds text '{text.strip()[:40]}'", hint="remove it")
+
+
+def _text_of(k, tag, pre) -> str:
+    if k.attrib:
+        raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_local(next(iter(k.attrib)))}'",
+                       hint="allowed: none")
+    if any(isinstance(c.tag, str) for c in k):
+        raise BadInput(f"{pre}<vstor:{tag}> holds an element", hint="text only")
+    return "".join(k.itertext())
+
+
+def _local(name: str) -> str:
+    return etree.QName(name).localname
+
+
+# -- serialising ----------------------------------------------------------------------------
+
+def build(value, *, defaults: bool = False) -> etree._Element:
+    """An instance -> its element.  Attributes equal to the field's default are
+    left out unless `defaults` (the canonical form digests are taken of)."""
+    cls = type(value)
+    e = etree.Element(Q + cls.xml_tag, nsmap={PREFIX: NS})
+    for f, spec in _fields(cls):
+        v = getattr(value, f.name)
+        if isinstance(spec, _Attr):
+            if v is None or (v == f.default and not defaults and not spec.required):
+                continue
+            e.set(_attr_name(f, spec), spec.type.format(v))
+        elif isinstance(spec, _Texts):
+            for text in v:
+                etree.SubElement(e, Q + spec.tag).text = text
+        elif v is not None:
+            for item in (v if isinstance(spec, _Child) and spec.many else (v,)):
+                e.append(build(item, defaults=defaults))
+    return e
+
+
+def canonical(value) -> bytes:
+    """Exclusive C14N of the element with every attribute spelled out."""
+    return etree.tostring(build(value, defaults=True), method="c14n", exclusive=True)
