@@ -1,0 +1,186 @@
+"""The plan is the contract the start path stands on (issue #7), tried as an
+operator would: through the `vstor` CLI and through the libvirt hook script.
+
+1. A local NVMe namespace served by qemu-storage-daemon plans, renders and
+   now also starts: the plan carries the namespace's block device, and a real
+   qemu-storage-daemon exports it (the block device is a real loop device,
+   given the namespace's name on this machine for the test).
+2. The intent edited after the plan was made (another controller; a file
+   source turned into an NVMe-oF one) is refused with exit 2 and one line,
+   before anything on the host is touched.
+"""
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from tests.hostlayout import build_tree
+from vstor.cli.main import main
+from vstor.host.read import read_host
+from vstor.host.sysfs import SysFS
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
+                                reason="starts qemu-storage-daemons handed to root:kvm (needs root)")
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+HOOK = os.path.join(ROOT, "hooks", "vstor")
+NS = "https://vstor.dev/xmlns/domain/1"
+CTRL = "0000:61:00.0"
+
+
+@pytest.fixture
+def work():
+    d = tempfile.mkdtemp(prefix="vs-ct-", dir="/tmp")
+    os.chmod(d, 0o755)
+    host = build_tree(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"), os.path.join(d, "host"))
+    conf = os.path.join(d, "vstor.conf")
+    with open(conf, "w") as f:
+        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\n"
+                "[cpu]\nreactors = 2,18\n")
+    w = type("W", (), {"dir": d, "host": host, "conf": conf})
+    yield w
+    main(["--config", conf, "--host-root", host, "release", "--force", "ct1"])
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def vstor(w, *args) -> int:
+    return main(["--config", w.conf, "--host-root", w.host, *args])
+
+
+def domain_xml(w, disk: str, name="ct1") -> str:
+    path = os.path.join(w.dir, f"{name}.xml")
+    with open(path, "w") as f:
+        f.write(f"""<domain type='kvm'><name>{name}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>{disk}</vstor:vstor>
+          </metadata><os><type arch='x86_64' machine='q35'>hvm</type></os><devices/></domain>""")
+    return path
+
+
+def rendered(w, disk: str, name="ct1") -> str:
+    out = os.path.join(w.dir, f"{name}-rendered.xml")
+    assert vstor(w, "render", domain_xml(w, disk, name), "-o", out) == 0
+    return out
+
+
+def hook(w, op: str, xml_path: str, name="ct1"):
+    with open(xml_path, "rb") as f:
+        xml = f.read()
+    env = {**os.environ, "PYTHONPATH": ROOT, "VSTOR_CONFIG": w.conf, "VSTOR_HOST_ROOT": w.host}
+    sub = "begin" if op == "prepare" else "end"
+    return subprocess.run([sys.executable, HOOK, name, op, sub, "-"], input=xml,
+                          capture_output=True, env=env)
+
+
+@pytest.fixture
+def namespace_device(work):
+    """The namespace of CTRL as a real block device: a loop device over a
+    16 MiB file, with a device node at the path the host model names."""
+    ns = read_host(SysFS(work.host)).controller(CTRL).namespaces[0]
+    if os.path.exists(ns.dev_path):
+        pytest.skip(f"{ns.dev_path} exists on this machine")
+    backing = os.path.join(work.dir, "ns.raw")
+    with open(backing, "wb") as f:
+        f.truncate(16 << 20)
+    loop = subprocess.run(["losetup", "-f", "--show", backing], capture_output=True, text=True)
+    if loop.returncode != 0:
+        pytest.fail(f"losetup cannot attach a loop device here: {loop.stderr.strip()}")
+    dev = loop.stdout.strip()
+    st = os.stat(dev)
+    os.mknod(ns.dev_path, 0o600 | stat.S_IFBLK, st.st_rdev)
+    try:
+        yield ns.dev_path, backing
+    finally:
+        os.unlink(ns.dev_path)
+        subprocess.run(["losetup", "-d", dev], check=False)
+
+
+def qsd_serving(dev_path: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-a", "qemu-storage-d"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if f"filename={dev_path}," in line]
+
+
+def test_a_kernel_nvme_namespace_served_by_qsd_starts_through_the_cli(work, namespace_device, capsys):
+    dev_path, _ = namespace_device
+    disk = f"<vstor:disk target='vdb' backend='qsd'><vstor:nvme controller='{CTRL}'/></vstor:disk>"
+    xml = rendered(work, disk)
+    assert f'device="{dev_path}"' in open(xml).read()           # the plan carries it
+    assert vstor(work, "prepare", xml) == 0
+    assert f"start qemu-storage-daemon for {dev_path}" in capsys.readouterr().out
+    assert len(qsd_serving(dev_path)) == 1
+    assert stat.S_ISSOCK(os.stat(f"{work.dir}/vhost/ct1-vdb").st_mode)
+    assert vstor(work, "release", "ct1") == 0
+    assert qsd_serving(dev_path) == [] and not os.path.exists(f"{work.dir}/vhost/ct1-vdb")
+
+
+def test_a_kernel_nvme_namespace_served_by_qsd_starts_through_the_hook(work, namespace_device):
+    dev_path, _ = namespace_device
+    xml = rendered(work, f"<vstor:disk target='vdb'><vstor:nvme controller='{CTRL}'/></vstor:disk>")
+    out = hook(work, "prepare", xml)
+    assert out.returncode == 0, out.stderr.decode()
+    assert len(qsd_serving(dev_path)) == 1
+    out = hook(work, "release", xml)
+    assert out.returncode == 0, out.stderr.decode()
+    assert qsd_serving(dev_path) == [] and os.listdir(f"{work.dir}/state/domains") == []
+
+
+def _edit(xml_path: str, old: str, new: str) -> str:
+    """What an operator's `virsh edit` of the intent does: the plan stays."""
+    text = open(xml_path).read()
+    old, new = old.replace("'", '"'), new.replace("'", '"')     # as lxml writes them
+    head, sep, plan = text.partition("<vstor:plan")
+    assert old in head
+    edited = xml_path.replace(".xml", "-edited.xml")
+    with open(edited, "w") as f:
+        f.write(head.replace(old, new, 1) + sep + plan)
+    return edited
+
+
+def _sysfs_files(root: str) -> dict:
+    out = {}
+    for dirpath, _dirs, files in os.walk(os.path.join(root, "sys", "bus", "pci")):
+        for name in files:
+            if name == "driver_override":
+                out[os.path.join(dirpath, name)] = open(os.path.join(dirpath, name)).read()
+    return out
+
+
+EDITS = [
+    pytest.param("<vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='0000:5f:00.0'/></vstor:disk>",
+                 "controller='0000:5f:00.0'", "controller='0000:60:00.0'", id="controller-changed"),
+    pytest.param("<vstor:disk target='vdb'><vstor:file path='/var/lib/vstor/images/a.raw'/></vstor:disk>",
+                 "<vstor:file path='/var/lib/vstor/images/a.raw'/>",
+                 "<vstor:nvmf transport='tcp' traddr='127.0.0.1' subnqn='nqn.2016-06.io.spdk:cnode1'/>",
+                 id="file-became-nvmf"),
+]
+
+
+@pytest.mark.parametrize("disk, old, new", EDITS)
+def test_an_intent_edited_after_planning_is_refused_by_the_cli(work, capsys, disk, old, new):
+    xml = _edit(rendered(work, disk), old, new)
+    before = _sysfs_files(work.host)
+    capsys.readouterr()
+    assert vstor(work, "prepare", xml) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the vstor metadata changed since the plan was made" in err[0]
+    assert "run vstor apply ct1" in err[0]
+    assert _sysfs_files(work.host) == before
+    assert not os.path.isdir(f"{work.dir}/state/domains") or os.listdir(f"{work.dir}/state/domains") == []
+
+
+@pytest.mark.parametrize("disk, old, new", EDITS)
+def test_an_intent_edited_after_planning_is_refused_by_the_hook(work, disk, old, new):
+    xml = _edit(rendered(work, disk), old, new)
+    before = _sysfs_files(work.host)
+    out = hook(work, "prepare", xml)
+    err = out.stderr.decode().strip().splitlines()
+    assert out.returncode == 2 and len(err) == 1, out.stderr.decode()
+    assert re.match(r"vstor: domain 'ct1': the vstor metadata changed since the plan was made "
+                    r"\(run vstor apply ct1\)$", err[0])
+    assert _sysfs_files(work.host) == before
+    assert not os.path.isdir(f"{work.dir}/state/domains") or os.listdir(f"{work.dir}/state/domains") == []
