@@ -4,4 +4,4 @@
 set -eu
 cd "$(dirname "$0")/.."
 sh scripts/install-deps.sh
-exec python3 scripts/demo.py "$@"
+exec "$(sh scripts/python.sh)" scripts/demo.py "$@"

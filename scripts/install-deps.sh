@@ -5,7 +5,7 @@
 set -eu
 cd "$(dirname "$0")/.."
 
-PKGS="libvirt-daemon-system libvirt-clients libvirt-dev pkg-config gcc python3-dev
+PKGS="libvirt-daemon-system libvirt-clients libvirt-dev pkg-config gcc python3-dev python3-venv
       qemu-system-x86 qemu-system-common qemu-utils libxml2-utils
       busybox-static cpio kmod xz-utils tcpdump arping"
 
@@ -19,6 +19,12 @@ if [ -n "$missing" ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 fi
 
-PY=${PYTHON:-python3}
+PY=$(sh scripts/python.sh)
+if [ "$PY" = ".venv/bin/python3" ] && [ ! -x .venv/bin/python3 ]; then
+    # Debian's own python3 refuses system-wide pip installs (PEP 668):
+    # vstor and its test dependencies go into a virtual environment here.
+    echo "vstor: creating .venv (${PYTHON:-python3} is externally managed)"
+    ${PYTHON:-python3} -m venv .venv
+fi
 echo "vstor: installing the vstor package ($PY)"
 $PY -m pip install -q --disable-pip-version-check -e ".[test]"

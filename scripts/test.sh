@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sh scripts/install-deps.sh
-exec python3 -m pytest -q -ra "$@"
+exec "$(sh scripts/python.sh)" -m pytest -q -ra "$@"
