@@ -21,7 +21,7 @@ FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", 
              "vstor.host.sysfs", "vstor.host.read", "vstor.host.capture", "vstor.host.doctor",
              "vstor.backends.spdk", "vstor.backends.vfio", "vstor.backends.qsd.daemon",
              "vstor.runtime.state", "vstor.runtime.journal", "vstor.runtime.steps",
-             "vstor.runtime.lifecycle", "vstor.runtime.locking", "vstor.runtime.inventory",
+             "vstor.runtime.lifecycle", "vstor.locking", "vstor.runtime.inventory",
              "vstor.runtime.virt", "vstor.runtime.gc", "vstor.cli", "vstor.hook")
 MAX_LINES = 350
 

@@ -12,7 +12,8 @@ from vstor.errors import ActionFailed
 from vstor.host.model import Namespace, NvmeController, PciDevice
 from vstor.planner.passthrough import check_passthrough
 from vstor.backends.vfio import (BindRecord, bind_to_vfio, plan_bind,
-                        record_from_json, record_to_json, restore_driver)
+                        restore_driver)
+from vstor.backends.vfio_record import record_from_json, record_to_json
 
 NVME = "0000:5e:00.0"
 PORT = "0000:5d:00.0"

@@ -30,7 +30,7 @@ import errno
 from dataclasses import replace
 
 from vstor.errors import ActionFailed
-from vstor.backends.vfio_record import BindRecord, record_from_json, record_to_json  # noqa: F401
+from vstor.backends.vfio_record import BindRecord
 from vstor.host.model import PciDevice
 from vstor.meta.names import normalise_bdf as normalize_address
 from vstor.planner.passthrough import VFIO, viable as _viable

@@ -10,7 +10,8 @@ from lxml import etree
 
 from vstor import NS, PREFIX
 from vstor.meta.metadata import SCHEMA_FILE, Metadata
-from vstor.meta.xmlmodel import RNG, XSD, FreeText, _Attr, _Choice, _Texts, _attr_name, _fields, rng
+from vstor.meta.types import RNG, XSD, FreeText, rng
+from vstor.meta.xmlmodel import _Attr, _Choice, _Texts, _attr_name, _fields
 
 
 def schema_text() -> str:

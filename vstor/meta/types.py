@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from lxml import etree
 
 RNG = "http://relaxng.org/ns/structure/1.0"
+XSD = "http://www.w3.org/2001/XMLSchema-datatypes"
 
 
 def rng(parent, tag, **attrs):

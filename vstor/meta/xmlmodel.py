@@ -26,10 +26,9 @@ from lxml import etree
 
 from vstor import NS, PREFIX
 from vstor.errors import BadInput
-from vstor.meta.types import RNG, FreeText, Invalid, rng  # noqa: F401 (re-exported for the schema)
+from vstor.meta.types import Invalid
 
 Q = "{%s}" % NS
-XSD = "http://www.w3.org/2001/XMLSchema-datatypes"
 _WS = " \t\r\n"
 
 

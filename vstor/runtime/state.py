@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from vstor.errors import BadInput, Unavailable
 from vstor.meta.names import is_safe_name
-from vstor.runtime.locking import flocked
+from vstor.locking import flocked
 
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"

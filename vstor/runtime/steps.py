@@ -8,10 +8,9 @@ journal records the step: nothing here decides anything.
 
 from __future__ import annotations
 
-import grp
 import os
-import stat
 
+from vstor.backends import ownership
 from vstor.errors import ActionFailed
 from vstor.runtime import actions
 from vstor.runtime.actions import QsdExport, SpdkAttach, SpdkVhost, VfioBind
@@ -111,10 +110,10 @@ def _spdk_vhost(a: SpdkVhost, rt) -> None:
     else:
         # SPDK makes the socket in its -S directory; QEMU must be able to reach
         # into it (the directory is shared by every domain and kept).
-        ensure_socket_dir(os.path.dirname(a.socket), a.group)
+        ownership.ensure_dir(os.path.dirname(a.socket), a.group)
         spdk.vhost_create_blk_controller(ctrlr=a.ctrlr, dev_name=a.bdev, cpumask=a.cpumask,
                                          readonly=a.readonly or None)
-    restrict_socket(a.socket, a.group)
+    ownership.restrict_socket(a.socket, a.group)
 
 
 def _shared(others, a) -> bool:
@@ -123,38 +122,3 @@ def _shared(others, a) -> bool:
     mine = a.to_data().get(key)
     return any(e["kind"] == a.kind and e["state"] == "done" and e["data"].get(key) == mine
                for rec in others for e in rec.steps)
-
-
-def _gid(group: str) -> int:
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise ActionFailed(f"group '{group}' does not exist",
-                           hint="set [qemu] group in vstor.conf to the group QEMU runs as") from None
-
-
-def restrict_socket(path: str, group: str) -> None:
-    """The QEMU user's group may connect, nobody else: root:<group> 0660.
-    SPDK creates its sockets root-owned 0755, which QEMU (libvirt-qemu) cannot
-    use.  Only a socket is changed, never what a symlink points at."""
-    gid = _gid(group)
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise ActionFailed(f"{path} is not a socket", hint="move it away; vstor only hands out sockets")
-        os.chown(path, 0, gid, follow_symlinks=False)
-        os.chmod(path, 0o660)
-    except OSError as e:
-        raise ActionFailed(f"cannot restrict socket {path}: {e.strerror}") from None
-
-
-def ensure_socket_dir(path: str, group: str) -> None:
-    """root:<group> 0750: QEMU can reach sockets inside, other users cannot."""
-    gid = _gid(group)
-    try:
-        os.makedirs(path, mode=0o750, exist_ok=True)
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            raise ActionFailed(f"{path} is not a directory", hint="move it away")
-        os.chown(path, 0, gid, follow_symlinks=False)
-        os.chmod(path, 0o750)
-    except OSError as e:
-        raise ActionFailed(f"cannot make socket directory {path}: {e.strerror}") from None

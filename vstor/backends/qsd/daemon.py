@@ -17,12 +17,13 @@ import subprocess
 import tempfile
 import time
 
+from vstor.backends import ownership
 from vstor.backends.qsd import files, proc
 from vstor.backends.qsd.export import EXPORT_ID, QsdExport, _after, _export_opts
 from vstor.backends.qsd.monitor import Monitor, QmpConnectionError, QmpError
 from vstor.backends.qsd.proc import connect_as
 from vstor.errors import ActionFailed, DoesNotFit, Unavailable
-from vstor.runtime.locking import flocked
+from vstor.locking import flocked
 
 __all__ = ["alive", "connect_as", "dry_run", "pid", "restart_if_dead", "start", "stop",
            "stop_orphan"]
@@ -66,7 +67,7 @@ def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
 
 def start(export: QsdExport, timeout: float = 10.0) -> int:
     """Start the daemon (or take over the one already serving); its pid."""
-    files.ensure_dir(export.run_dir, files.gid(export), enforce=True)
+    ownership.ensure_dir(export.run_dir, export.qemu_group, enforce=True)
     with _lock(export):
         running = _reuse(export)
         if running is not None:
@@ -79,7 +80,7 @@ def start(export: QsdExport, timeout: float = 10.0) -> int:
         _check_binary(export)
         files.check_source(export)
         _check_no_other_writer(export)
-        files.ensure_dir(os.path.dirname(export.socket_path), files.gid(export))
+        ownership.ensure_dir(os.path.dirname(export.socket_path), export.qemu_group, enforce=False)
         resolved = _resolved(export)
         try:
             _spawn(resolved, timeout)
@@ -114,7 +115,7 @@ def _reuse(export: QsdExport) -> int | None:
         # Someone removed its socket: no client can reach this daemon again.
         _terminate(export, found, 5.0)
         return None
-    files.restrict_socket(export)
+    ownership.restrict_socket(export.socket_path, export.qemu_group)
     return found
 
 
@@ -149,7 +150,7 @@ def _settle(export: QsdExport, timeout: float) -> int:
         time.sleep(0.01)
     # qsd sets umask 027 when it daemonizes: the socket is born root:root
     # 0750, which only root can connect to, until it is handed to QEMU here.
-    files.restrict_socket(export)
+    ownership.restrict_socket(export.socket_path, export.qemu_group)
     why = connect_as(export.qemu_user, export.socket_path)
     if why:
         raise ActionFailed(f"{export.qemu_user} cannot connect to {export.socket_path}: {why}",

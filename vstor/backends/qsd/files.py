@@ -1,31 +1,14 @@
-"""The files around one qemu-storage-daemon: its source, its directories and
-the vhost-user socket handed to QEMU's group."""
+"""The files around one qemu-storage-daemon: its source and how it is read.
+Socket and directory ownership is vstor.backends.ownership's."""
 
 from __future__ import annotations
 
 import errno
-import grp
 import os
 import stat
 
 from vstor.backends.qsd.export import QsdExport
-from vstor.errors import ActionFailed, BadInput
-
-
-def gid(export: QsdExport) -> int:
-    try:
-        return grp.getgrnam(export.qemu_group).gr_gid
-    except KeyError:
-        hint = "set [qemu] group in vstor.conf to the group QEMU runs as"
-        raise ActionFailed(f"group '{export.qemu_group}' does not exist", hint=hint) from None
-
-
-def restrict_socket(export: QsdExport) -> None:
-    try:
-        os.chown(export.socket_path, 0, gid(export), follow_symlinks=False)
-        os.chmod(export.socket_path, 0o660)
-    except OSError as e:
-        raise ActionFailed(f"cannot restrict socket {export.socket_path}: {e.strerror}") from None
+from vstor.errors import BadInput
 
 
 def check_source(export: QsdExport) -> None:
@@ -56,22 +39,6 @@ def direct_works(path: str) -> bool:
         return False
     os.close(fd)
     return True
-
-
-def ensure_dir(path: str, gid: int, enforce: bool = False) -> None:
-    """root:<gid> 0750.  An existing directory is only changed when `enforce`:
-    the socket's directory may be one the operator chose and shares."""
-    if os.path.isdir(path) and not enforce:
-        return
-    os.makedirs(path, mode=0o750, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ActionFailed(f"{path} is not a directory", hint="move it away")
-    try:
-        os.chown(path, 0, gid)
-        os.chmod(path, 0o750)
-    except OSError as e:
-        raise ActionFailed(f"cannot restrict directory {path}: {e.strerror}") from None
 
 
 def same_file(st: os.stat_result, path: str) -> bool:

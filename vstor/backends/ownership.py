@@ -1,0 +1,49 @@
+"""Who may reach what vstor hands to QEMU: vhost-user sockets root:<qemu
+group> 0660 and their directories root:<qemu group> 0750.  The one place
+ownership is set: never through a symlink, never on anything but a socket or
+a directory, and a missing group is an error, not a silent skip."""
+
+from __future__ import annotations
+
+import grp
+import os
+import stat
+
+from vstor.errors import ActionFailed
+
+
+def qemu_gid(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ActionFailed(f"group '{group}' does not exist",
+                           hint="set [qemu] group in vstor.conf to the group QEMU runs as") from None
+
+
+def restrict_socket(path: str, group: str) -> None:
+    """The QEMU user's group may connect, nobody else: root:<group> 0660."""
+    gid = qemu_gid(group)
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ActionFailed(f"{path} is not a socket", hint="move it away; vstor only hands out sockets")
+        os.chown(path, 0, gid, follow_symlinks=False)
+        os.chmod(path, 0o660)
+    except OSError as e:
+        raise ActionFailed(f"cannot restrict socket {path}: {e.strerror}") from None
+
+
+def ensure_dir(path: str, group: str, enforce: bool = True) -> None:
+    """root:<group> 0750: QEMU can reach sockets inside, other users cannot.
+    An existing directory is only changed when `enforce` (a socket directory
+    may be one the operator chose and shares)."""
+    gid = qemu_gid(group)
+    if os.path.isdir(path) and not os.path.islink(path) and not enforce:
+        return
+    try:
+        os.makedirs(path, mode=0o750, exist_ok=True)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise ActionFailed(f"{path} is not a directory", hint="move it away")
+        os.chown(path, 0, gid, follow_symlinks=False)
+        os.chmod(path, 0o750)
+    except OSError as e:
+        raise ActionFailed(f"cannot restrict directory {path}: {e.strerror}") from None
