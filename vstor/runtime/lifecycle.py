@@ -70,7 +70,7 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
     key = dom.safe_name
     rec = Record(key=key, domain=dom.name, uuid=dom.uuid,
                  holding=holding_to_json(Holding.from_plan(plan, active=True)))
-    with state.lock():
+    with state.lock(dry_run=rt.dry_run):
         leftover = state.load(key)
         if leftover is not None and not rt.dry_run:
             # A run that never released (crash, or an interrupted prepare):
@@ -99,7 +99,7 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
 
 def release(rt: Runtime, state: StateDir, key: str,
             progress: Callable[[str], None] | None = None) -> Record | None:
-    with state.lock():
+    with state.lock(dry_run=rt.dry_run):
         rec = state.load(key)
         if rec is None:
             return None

@@ -57,8 +57,13 @@ class StateDir:
                               hint="run as root or set [paths] state_dir in vstor.conf") from None
 
     @contextlib.contextmanager
-    def lock(self, timeout: float = 60.0):
-        """Exclusive host-wide lock: two vstor processes never allocate at once."""
+    def lock(self, timeout: float = 60.0, dry_run: bool = False):
+        """Exclusive host-wide lock: two vstor processes never allocate at once.
+        A dry run creates nothing: without a state directory there is nothing
+        to lock against."""
+        if dry_run and not os.path.isdir(self.path):
+            yield self
+            return
         self._ensure()
         with flocked(os.path.join(self.path, "lock"), f"{self.path}/lock", timeout, create=True):
             yield self
