@@ -20,13 +20,12 @@ from vstor.errors import BadInput
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
 from vstor.meta.plan import Plan
-from vstor.planner import Request, disk_plan
+from vstor.planner import Request, _candidate_nodes, _page_size, disk_plan
 from vstor.planner.disks import NoFit, choose_all
 from vstor.planner.ledger import Ledger
-from vstor.planner.placement import cpu_problems, housekeeping, place_hugepages, reactor_candidates
+from vstor.planner.placement import cpu_problems, place_cpus, place_hugepages, reactor_candidates
 
-# What the plan derived from a choice, compared field by field.
-_DERIVED = ("controller", "device", "socket", "spdk_controller", "bdev", "attach", "source")
+_MODES = {("passthrough", "vfio"), ("vhost", "spdk"), ("vhost", "qsd")}
 
 
 def check_made_for(plan: Plan, req: Request) -> None:
@@ -38,47 +37,61 @@ def check_made_for(plan: Plan, req: Request) -> None:
     if (plan.vcpus, plan.memory_kib) != (req.vcpus, req.memory_kib):
         raise BadInput(f"domain '{req.name}' has {req.vcpus} vCPUs and {req.memory_kib} KiB now; "
                        f"the plan was made for {plan.vcpus} and {plan.memory_kib} KiB", hint=fix)
+    vm = req.intent.vm
+    if (plan.numa, plan.cpus, plan.migratable) != (vm.numa, vm.cpus, vm.migratable):
+        raise BadInput(f"domain '{req.name}': the plan's numa/cpus/migratable "
+                       f"({plan.numa}/{plan.cpus}/{plan.migratable}) are not the metadata's", hint=fix)
 
 
 def problems(host: Host, cfg: Config, req: Request, plan: Plan, running: Ledger) -> list[str]:
     """One line per reason the plan cannot be carried out now; [] when it can.
     `running` holds what the other running vstor domains have."""
     running = running.without(plan.domain, plan.uuid)
-    out = _disks(host, cfg, req, plan, running)
-    node = host.node(plan.node) if plan.node is not None else None
-    if plan.node is not None and node is None:
-        return out + [f"NUMA node {plan.node} is not online on this host"]
-    out += _cpus(host, cfg, plan, node, running)
-    out += _memory(plan, node, running)
+    choices = _choices(host, cfg, req, plan, running)
+    if isinstance(choices, str):
+        return [choices]
+    out = _disks(cfg, req, plan, choices, running)
+    out += _node(host, cfg, req, plan, choices, running)
+    if out:
+        return out
+    node = host.node(plan.node)
+    out += _cpus(host, cfg, req, plan, node, running)
+    out += _memory(req, plan, node, choices, running)
     out += _reactors(cfg, plan, node)
     return out
 
 
-def _disks(host, cfg, req: Request, plan: Plan, running: Ledger) -> list[str]:
+def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
+    """The planner's disk choices again, with what the plan chose pinned
+    where the intent left the choice to vstor; or why not."""
     planned = {d.target: d for d in plan.disks}
     if set(planned) != {d.target for d in req.intent.disks}:
-        return ["the plan's disks are not the metadata's disks"]
-    pinned = tuple(dataclasses.replace(
-        d, mode=planned[d.target].mode,
-        backend=planned[d.target].backend if planned[d.target].mode == "vhost" else "auto")
-        for d in req.intent.disks)
+        return "the plan's disks are not the metadata's disks"
+    pinned = []
+    for d in req.intent.disks:
+        was = planned[d.target]
+        if (was.mode, was.backend) not in _MODES:
+            return f"{d.target}: the plan has mode {was.mode} with backend {was.backend}"
+        pinned.append(dataclasses.replace(
+            d, mode=was.mode if d.mode == "auto" else d.mode,
+            backend=(was.backend if d.backend == "auto" else d.backend) if was.mode == "vhost" else d.backend))
     try:
-        choices = choose_all(host, cfg, req.intent.vm, pinned, running)
+        choices = choose_all(host, cfg, req.intent.vm, tuple(pinned), running)
     except BadInput as e:
-        return [e.message]
-    if isinstance(choices, NoFit):
-        return [choices.reason]
+        return e.message
+    return choices.reason if isinstance(choices, NoFit) else choices
+
+
+def _disks(cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]:
+    planned = {d.target: d for d in plan.disks}
     out = []
     for c in choices:
         was = planned[c.disk.target]
         now = disk_plan(cfg, req, c, None)
-        for name in _DERIVED:
-            if getattr(now, name) != getattr(was, name):
-                out.append(f"{was.target}: the plan has {name} {_show(getattr(was, name))}, "
-                           f"the host and config now give {_show(getattr(now, name))}")
-        if now.bind and not was.bind:
-            out.append(f"{was.target}: controller {was.controller} is on the kernel's driver now; "
-                       "the plan expected it on a userspace driver (SPDK's setup.sh)")
+        for f in dataclasses.fields(now):
+            if f.name not in ("reactor", "reasons") and getattr(now, f.name) != getattr(was, f.name):
+                out.append(f"{was.target}: the plan has {f.name} {_show(getattr(was, f.name))}, "
+                           f"the metadata, host and config now give {_show(getattr(now, f.name))}")
         if was.socket and was.socket in running.sockets:
             out.append(f"{was.target}: socket {was.socket} belongs to running domain "
                        f"'{running.sockets[was.socket]}'")
@@ -87,43 +100,65 @@ def _disks(host, cfg, req: Request, plan: Plan, running: Ledger) -> list[str]:
 
 def _show(value) -> str:
     if isinstance(value, tuple):
-        return "; ".join(str(v.params("")) if hasattr(v, "params") else str(v) for v in value) or "none"
+        return "; ".join(_show(v) for v in value) or "none"
+    if hasattr(value, "params"):
+        return " ".join(f"{k}={v}" for k, v in value.params("").items() if k != "name")
+    if hasattr(value, "kind"):
+        return f"{value.kind} " + " ".join(f"{k}={v}" for k, v in vars(value).items()
+                                          if v not in (None, ()) and not isinstance(v, tuple))
     return "none" if value is None else str(value)
 
 
-def _cpus(host: Host, cfg: Config, plan: Plan, node, running: Ledger) -> list[str]:
-    online = {c.id for c in host.cpus}
-    if node is not None and plan.dedicated_cpus:
-        out = cpu_problems(host, cfg, node, plan.dedicated_cpus, running)
-    else:
-        gone = sorted(plan.dedicated_cpus - online)
-        out = [f"CPUs {format_cpulist(gone)} are not online on this host"] if gone else []
-    if plan.shared_cpus and node is not None:
-        hk = set(housekeeping(host, cfg, node)) - set(cfg.reactors)
-        off = sorted(set(plan.shared_cpus) - hk)
-        if off:
-            out.append(f"CPUs {format_cpulist(off)} are no longer housekeeping cores of node {node.id}")
-    gone = sorted(set(plan.emulator) - online)
-    if gone:
-        out.append(f"emulator CPUs {format_cpulist(gone)} are not online on this host")
-    return out
+def _node(host, cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]:
+    if plan.node is None or host.node(plan.node) is None:
+        return [f"NUMA node {plan.node} is not online on this host"]
+    nodes = [n for n, _why in _candidate_nodes(host, cfg, req, choices, running)]
+    if plan.node not in nodes:
+        return [f"the plan puts the VM on node {plan.node}; the planner's nodes for it are "
+                f"{', '.join(map(str, nodes)) or 'none'}"]
+    viommu = any(c.mode == "passthrough" and c.disk.guest == "spdk" for c in choices)
+    if plan.viommu != viommu:
+        return [f"the plan has viommu {plan.viommu}, the disks need {viommu}"]
+    return []
 
 
-def _memory(plan: Plan, node, running: Ledger) -> list[str]:
-    if not plan.hugepage_kib or node is None:
-        return []
-    pages = place_hugepages(node, plan.hugepage_kib, plan.memory_kib, running)
+def _cpus(host: Host, cfg: Config, req: Request, plan: Plan, node, running: Ledger) -> list[str]:
+    """The placement `place_cpus` makes from the plan's own CPUs must be the plan's."""
+    wanted = plan.dedicated_cpus
+    out = cpu_problems(host, cfg, node, wanted, running) if wanted else []
+    if out:
+        return out
+    placed = place_cpus(host, cfg, node, req.vcpus, req.intent.vm.cpus, running, only=wanted)
+    if isinstance(placed, NoFit):
+        return [placed.reason]
+    got = (placed.vcpu_pins, placed.reserved, placed.shared, placed.emulator)
+    if got != (plan.vcpu_pins, plan.reserved, plan.shared_cpus, plan.emulator):
+        return [f"the plan's CPUs (pins {_show(plan.vcpu_pins)}, reserved {format_cpulist(plan.reserved)}, "
+                f"shared {format_cpulist(plan.shared_cpus)}, emulator {format_cpulist(plan.emulator)}) "
+                f"are not a placement vstor makes here (it would pin {_show(placed.vcpu_pins)}, "
+                f"emulator on {format_cpulist(placed.emulator)})"]
+    return []
+
+
+def _memory(req: Request, plan: Plan, node, choices, running: Ledger) -> list[str]:
+    page_kib = _page_size(req, choices)
+    if plan.hugepage_kib != page_kib:
+        return [f"the plan has {plan.hugepage_kib or 'no'} KiB hugepages, the metadata and disks "
+                f"ask for {page_kib or 'none'}"]
+    if not page_kib:
+        return [] if plan.hugepages == 0 else [f"the plan holds {plan.hugepages} hugepages without a size"]
+    pages = place_hugepages(node, page_kib, req.memory_kib, running)
     if isinstance(pages, NoFit):
         return [pages.reason]
     if pages != plan.hugepages:
         return [f"the plan has {plan.hugepages} hugepages, the memory needs {pages}"]
     return []
-
-
 def _reactors(cfg: Config, plan: Plan, node) -> list[str]:
     out = []
     for d in plan.disks:
         if d.backend != "spdk":
+            if d.reactor is not None:
+                out.append(f"{d.target}: the plan gives a {d.backend} disk reactor core {d.reactor}")
             continue
         found = reactor_candidates(cfg, node, plan.numa == "strict")
         if isinstance(found, NoFit):

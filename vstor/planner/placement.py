@@ -58,7 +58,9 @@ def dedicated_pool(host: Host, cfg: Config, node: NumaNode, ledger: Ledger,
 
 
 def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
-               ledger: Ledger) -> CpuPlacement | NoFit:
+               ledger: Ledger, only: frozenset[int] | None = None) -> CpuPlacement | NoFit:
+    """`only`: take from these CPUs alone (the start check asks whether a
+    recorded placement is the one this function makes from its own CPUs)."""
     hk = tuple(c for c in housekeeping(host, cfg, node) if c not in cfg.reactors)
     if policy == "shared":
         if not hk:
@@ -69,6 +71,8 @@ def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
                                              f"housekeeping cores {cpus}, with the emulator",))
     not_ours = all_housekeeping(host, cfg) | frozenset(cfg.reactors)
     pool = dedicated_pool(host, cfg, node, ledger, not_ours)
+    if only is not None:
+        pool = tuple(c for c in pool if c in only)
     picked = _whole_cores(host, pool, vcpus)
     if isinstance(picked, NoFit):
         return NoFit(f"node {node.id}: {picked.reason}")

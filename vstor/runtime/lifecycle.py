@@ -12,6 +12,7 @@ from typing import Callable
 from vstor.config import Config
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
 from vstor.host.model import Host
+from vstor.host.read import read_host
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
 from vstor.planner import Request, fit
@@ -76,6 +77,7 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             # A run that never released (crash, or an interrupted prepare):
             # undo what it left, then start clean.
             _rollback(rt, state, leftover, progress)
+            host = read_host(rt.sysfs)      # the undo moved things: look again
         problems = fit.problems(host, rt.cfg, req, plan, running_ledger(state))
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
