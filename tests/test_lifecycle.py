@@ -154,7 +154,7 @@ def test_a_crash_between_steps_is_undone_by_the_next_run(env):
     from vstor.runtime.state import Record
     dom = domain(env, local_spdk())
     rt = env.rt()
-    steps = [executor.observe(a, rt) for a in actions.build(dom.recorded_plan(), env.cfg)]
+    steps = [executor.observe(a, rt, []) for a in actions.build(dom.recorded_plan(), env.cfg)]
     assert [a.kind for a in steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
     rec = Record("vm1", "vm1", None)
     executor.do(steps[0], rt)
@@ -257,3 +257,40 @@ def test_a_missing_backing_file_undoes_the_daemons_already_started(env):
     assert "missing.raw" in str(e.value) and e.value.exit_code == 2
     assert [f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1-")] == []
     assert env.state.records() == []
+
+
+def test_a_controller_two_spdk_domains_share_goes_back_to_its_driver_after_both(env):
+    """The second domain's bind finds the controller on vfio-pci already: it
+    keeps the first one's record of where it was, so whichever releases last
+    gives it back to nvme."""
+    from vstor.planner.ledger import Holding
+    disk = (f"<vstor:disk target='vdb' backend='spdk' readonly='yes'>"
+            f"<vstor:nvme controller='{LOCAL}'/></vstor:disk>")
+    a = domain(env, disk, name="a")
+    b = domain(env, disk, name="b", ledger=Ledger([Holding.from_plan(a.recorded_plan())]))
+    prepare(env.rt(), env.state, env.host(), a)
+    prepare(env.rt(), env.state, env.host(), b)
+    assert env.sysfs.driver_of(LOCAL) == "vfio-pci"
+    release(env.rt(), env.state, "a")
+    assert env.sysfs.driver_of(LOCAL) == "vfio-pci"          # b's SPDK still uses it
+    release(env.rt(), env.state, "b")
+    assert env.sysfs.driver_of(LOCAL) == "nvme"
+    nothing_left(env)
+
+
+def test_an_interrupted_prepare_leaves_no_record(env, monkeypatch):
+    """Ctrl-C in the middle of the steps: what was done is undone, no record holds anything."""
+    from vstor.runtime import steps as executor
+    real = executor.do
+    calls = []
+
+    def interrupted(a, rt):
+        calls.append(a.kind)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(a, rt)
+    monkeypatch.setattr(executor, "do", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    assert env.state.records() == [] and env.sysfs.driver_of(LOCAL) == "nvme"
+    assert env.spdk.nvme == {}

@@ -84,8 +84,8 @@ class Domain:
     @property
     def vcpus(self) -> int:
         text = (self.root.findtext("vcpu") or "1").strip()
-        if not text.isdigit() or int(text) < 1:
-            raise BadInput(f"{self.origin}: <vcpu> is '{text}', not a positive number")
+        if not re.fullmatch(r"[0-9]{1,4}", text, re.ASCII) or not 1 <= int(text) <= 4096:
+            raise BadInput(f"{self.origin}: <vcpu> is '{text[:20]}', not a number from 1 to 4096")
         return int(text)
 
     @property
@@ -95,11 +95,13 @@ class Domain:
             raise BadInput(f"{self.origin}: the domain has no <memory>")
         unit = e.get("unit", "KiB")
         if unit not in _UNITS:
-            raise BadInput(f"{self.origin}: <memory unit='{unit}'> is not a libvirt unit")
-        try:
-            return int(int(e.text.strip()) * _UNITS[unit])
-        except ValueError:
-            raise BadInput(f"{self.origin}: <memory> is '{e.text.strip()}', not a number") from None
+            raise BadInput(f"{self.origin}: <memory unit='{unit[:20]}'> is not a libvirt unit")
+        text = e.text.strip()
+        kib = int(int(text) * _UNITS[unit]) if re.fullmatch(r"[0-9]{1,20}", text, re.ASCII) else 0
+        if not 1 <= kib <= 2**50:
+            raise BadInput(f"{self.origin}: <memory> is '{text[:20]}', not an amount of memory "
+                           "from 1 KiB to 1 EiB")
+        return kib
 
     @property
     def domain_type(self) -> str:

@@ -62,7 +62,7 @@ class Int:
     def parse(self, text, name):
         # Digits only: no sign, no spaces (libxml2 checks the pattern on the
         # value as written), leading zeros allowed as XSD allows them.
-        if not re.fullmatch(r"[0-9]+", text, re.ASCII) or not self.lo <= int(text) <= self.hi:
+        if not re.fullmatch(r"[0-9]{1,20}", text, re.ASCII) or not self.lo <= int(text) <= self.hi:
             raise Invalid("is out of range", f"a whole number from {self.lo} to {self.hi}")
         return int(text)
 
@@ -71,7 +71,7 @@ class Int:
 
     def rng(self, e):
         d = rng(e, "data", type="integer")
-        rng(d, "param", name="pattern").text = "[0-9]+"
+        rng(d, "param", name="pattern").text = "[0-9]{1,20}"
         rng(d, "param", name="minInclusive").text = str(self.lo)
         rng(d, "param", name="maxInclusive").text = str(self.hi)
 

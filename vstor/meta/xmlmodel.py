@@ -123,8 +123,8 @@ def parse(cls, e: etree._Element, where: str = ""):
     names = {_attr_name(f, s): (f, s) for f, s in specs if isinstance(s, _Attr)}
     for name in e.attrib:
         if name not in names:
-            raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_local(name)}'",
-                           hint="allowed: " + ", ".join(sorted(names)) if names else "none")
+            raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_shown(_local(name))}'",
+                           hint="allowed: " + (", ".join(sorted(names)) or "none"))
     allowed = _child_tags(cls)
     kids = _element_children(e, tag, allowed, pre)
     if cls.xml_ordered:
@@ -139,7 +139,8 @@ def parse(cls, e: etree._Element, where: str = ""):
         try:
             values[f.name] = spec.type.parse(text, name)
         except Invalid as bad:
-            raise BadInput(f"{pre}<vstor:{tag} {name}='{text}'> {bad.problem}", hint=bad.hint) from None
+            raise BadInput(f"{pre}<vstor:{tag} {name}='{_shown(text)}'> {bad.problem}",
+                           hint=bad.hint) from None
     if cls.xml_where and e.get(cls.xml_where) is not None:
         where = f"<vstor:{tag} {cls.xml_where}='{e.get(cls.xml_where)}'>"
     for f, spec in specs:
@@ -185,11 +186,14 @@ def _element_children(e, tag, allowed, pre) -> list:
     kids = []
     for k in e:
         _no_text(k.tail, tag, pre)
+        if isinstance(k, etree._Entity):
+            raise BadInput(f"{pre}<vstor:{tag}> holds an entity reference &{_shown(k.name)};",
+                           hint="vstor metadata takes no entities; write the value itself")
         if not isinstance(k.tag, str):
             continue            # comments, processing instructions
         qn = etree.QName(k)
         if qn.namespace != NS or qn.localname not in allowed:
-            raise BadInput(f"{pre}<vstor:{tag}> has unexpected element <{qn.localname}>",
+            raise BadInput(f"{pre}<vstor:{tag}> has unexpected element <{_shown(qn.localname)}>",
                            hint="allowed: " + (", ".join(f"<vstor:{a}>" for a in allowed) or "none"))
         kids.append(k)
     return kids
@@ -214,16 +218,22 @@ def _in_order(cls, kids, pre) -> None:
 
 def _no_text(text, tag, pre) -> None:
     if text and text.strip(_WS):
-        raise BadInput(f"{pre}<vstor:{tag}> holds text '{text.strip()[:40]}'", hint="remove it")
+        raise BadInput(f"{pre}<vstor:{tag}> holds text '{_shown(text.strip()[:40])}'", hint="remove it")
 
 
 def _text_of(k, tag, pre) -> str:
     if k.attrib:
         raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_local(next(iter(k.attrib)))}'",
                        hint="allowed: none")
-    if any(isinstance(c.tag, str) for c in k):
+    if any(isinstance(c, etree._Entity) or isinstance(c.tag, str) for c in k):
         raise BadInput(f"{pre}<vstor:{tag}> holds an element", hint="text only")
     return "".join(k.itertext())
+
+
+def _shown(text: str) -> str:
+    """A value from the document, as a message may repeat it: one line, short."""
+    text = text.encode("unicode_escape").decode("ascii")
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _local(name: str) -> str:

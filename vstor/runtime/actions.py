@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from vstor.backends.qsd.export import QsdExport as QsdSpec
 from vstor.backends.vfio_record import BindRecord, record_from_json, record_to_json
 from vstor.config import Config
-from vstor.errors import ActionFailed
+from vstor.errors import ActionFailed, VstorError
 from vstor.meta.plan import AttachPath, Plan
 
 
@@ -145,7 +145,7 @@ def to_json(action: Action, state: str) -> dict:
 def from_json(entry: dict) -> Action:
     try:
         return KINDS[entry["kind"]].from_data(entry["data"])
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, VstorError) as e:
         raise ActionFailed(f"state record holds a step vstor cannot read "
                            f"({entry.get('kind')!r}: {type(e).__name__} {e})",
                            hint="it was written by another vstor version") from None

@@ -28,10 +28,27 @@ class Journal:
         self.state = state
         self.rec = rec
         self.rt = rt
-        self.progress = progress or (lambda _msg: None)
+        self._progress = progress or (lambda _msg: None)
         self.x = executor
 
+    def progress(self, message: str) -> None:
+        """Best effort: a reader that went away (a closed pipe) must not stop
+        a change half-way."""
+        try:
+            self._progress(message)
+        except Exception:
+            pass
+
     def run(self, steps: list) -> None:
+        try:
+            self._run(steps)
+        except KeyboardInterrupt:
+            # Interrupted between or inside steps: undo what is recorded, so no
+            # record is left holding resources, then stop as asked.
+            self.rollback()
+            raise
+
+    def _run(self, steps: list) -> None:
         for step in steps:
             self.rec.steps.append(self.x.encode(step, DOING))
             self.state.save(self.rec)

@@ -93,7 +93,8 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             return rec
         if any(d.backend == "spdk" for d in plan.disks):
             rt.spdk().get_version()     # SPDK missing: say so before touching anything
-        steps = [executor.observe(step, rt) for step in steps]
+        others = [r for r in state.records() if r.key != key]
+        steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
         Journal(state, rec, rt, progress).run(steps)
         return rec

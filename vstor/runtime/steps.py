@@ -19,9 +19,16 @@ encode = actions.to_json
 decode = actions.from_json
 
 
-def observe(a, rt):
-    """The action with the host facts its undo needs, read now (no writes)."""
+def observe(a, rt, others):
+    """The action with the host facts its undo needs, read now (no writes).
+    A controller another domain's record already moved keeps that record's
+    original: where it was before vstor, not vfio-pci (whichever domain
+    releases last puts it back)."""
     if isinstance(a, VfioBind) and a.original is None:
+        for rec in others:
+            for e in rec.steps:
+                if e["kind"] == a.kind and e["data"].get("address") == a.address and "peers" in e["data"]:
+                    return actions.with_original(a, actions.from_json(e).original)
         from vstor.backends import vfio
         return actions.with_original(a, vfio.plan_bind(rt.sysfs, a.address))
     return a
