@@ -184,3 +184,24 @@ def test_an_intent_edited_after_planning_is_refused_by_the_hook(work, disk, old,
                     r"\(run vstor apply ct1\)$", err[0])
     assert _sysfs_files(work.host) == before
     assert not os.path.isdir(f"{work.dir}/state/domains") or os.listdir(f"{work.dir}/state/domains") == []
+
+
+def test_one_domains_hook_never_undoes_anothers_record(work):
+    """A name that is not safe in a file name falls back to the UUID; a domain
+    whose UUID is another domain's name must not reach that domain's record."""
+    victim = "11111111-2222-3333-4444-555555555555"
+    image = os.path.join(work.dir, "v.raw")
+    with open(image, "wb") as f:
+        f.truncate(1 << 20)
+    xml = rendered(work, f"<vstor:disk target='vdb'><vstor:file path='{image}'/></vstor:disk>", name=victim)
+    assert hook(work, "prepare", xml, name=victim).returncode == 0
+    evil = os.path.join(work.dir, "evil.xml")
+    with open(evil, "w") as f:
+        f.write(f"<domain><name>evil one</name><uuid>{victim}</uuid><memory>1024</memory><metadata>"
+                f"<vstor:vstor xmlns:vstor='{NS}'><vstor:disk target='vdb'><vstor:file path='{image}'/>"
+                "</vstor:disk></vstor:vstor></metadata></domain>")
+    out = hook(work, "release", evil, name="evil one")
+    assert out.returncode == 3 and b"belongs to domain '11111111" in out.stderr
+    assert len(qsd_serving(image)) == 1                        # the victim's disk is untouched
+    assert hook(work, "release", xml, name=victim).returncode == 0
+    assert qsd_serving(image) == []

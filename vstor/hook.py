@@ -56,9 +56,10 @@ def _dispatch(name: str, op: str, xml: bytes) -> int:
         rec = prepare(rt, state, host, dom, progress=lambda m: log(name, m))
         log(name, f"prepared: {len(rec.steps)} host changes recorded")
     elif op == "release":
-        rec = release(rt, state, dom.safe_name, progress=lambda m: log(name, m))
+        rec = release(rt, state, dom.safe_name, progress=lambda m: log(name, m),
+                      domain=dom.name, uuid=dom.uuid)
         log(name, "released" if rec else "nothing to release")
     else:
-        for finding in reconnect(rt, state, dom.safe_name):
+        for finding in reconnect(rt, state, dom.safe_name, dom.name, dom.uuid):
             log(name, f"reconnect: {finding}", syslog.LOG_WARNING)
     return 0

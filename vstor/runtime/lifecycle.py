@@ -67,12 +67,11 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
     record is written; a failure after it leaves no record holding anything."""
     say = progress or print
     req, plan = plan_of(dom)
-    steps = actions.build(plan, rt.cfg)
     key = dom.safe_name
     rec = Record(key=key, domain=dom.name, uuid=dom.uuid,
                  holding=holding_to_json(Holding.from_plan(plan, active=True)))
     with state.lock(dry_run=rt.dry_run):
-        leftover = state.load(key)
+        leftover = _own(state.load(key), dom.name, dom.uuid)
         if leftover is not None and not rt.dry_run:
             # A run that never released (crash, or an interrupted prepare):
             # undo what it left, then start clean.
@@ -82,7 +81,8 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise DoesNotFit(f"domain '{dom.name}' cannot start: {problems[0]}{more}",
-                             reasons=tuple(problems))
+                             reasons=tuple(problems), hint=f"if the host changed for good: vstor apply {dom.name}")
+        steps = actions.build(plan, rt.cfg)     # from a plan that passed the check
         if rt.dry_run:
             if leftover is not None:
                 say(f"would first undo the {len(leftover.steps)} steps an earlier run left")
@@ -100,10 +100,23 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
         return rec
 
 
+def _own(rec: Record | None, domain: str | None, uuid: str | None) -> Record | None:
+    """The record, if it is this domain's: a safe name can be another
+    domain's UUID, and one domain's hook must never undo another's work."""
+    if rec is None or domain is None:
+        return rec
+    if rec.domain != domain or (rec.uuid and uuid and rec.uuid != uuid):
+        raise DoesNotFit(f"state record {rec.key} belongs to domain '{rec.domain}', not '{domain}'",
+                         hint="give the domain a name of letters, digits and _.+- or another <uuid>")
+    return rec
+
+
 def release(rt: Runtime, state: StateDir, key: str,
-            progress: Callable[[str], None] | None = None) -> Record | None:
+            progress: Callable[[str], None] | None = None, domain: str | None = None,
+            uuid: str | None = None) -> Record | None:
+    """Undo what vstor holds under `key`; with `domain`, only that domain's record."""
     with state.lock(dry_run=rt.dry_run):
-        rec = state.load(key)
+        rec = _own(state.load(key), domain, uuid)
         if rec is None:
             return None
         if rt.dry_run:
@@ -128,12 +141,13 @@ def _rollback(rt: Runtime, state: StateDir, rec: Record, progress) -> None:
                            hint=f"fix the cause, then: vstor release {rec.domain}")
 
 
-def reconnect(rt: Runtime, state: StateDir, key: str) -> list[str]:
+def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
+              uuid: str | None = None) -> list[str]:
     """libvirtd restarted while the domain runs: check what vstor made still
     exists and repair what can be repaired.  Returns one line per finding."""
     findings = []
     with state.lock():
-        rec = state.load(key)
+        rec = _own(state.load(key), domain, uuid)
         if rec is None:
             return ["vstor holds nothing for it"]
         for entry in rec.steps:
