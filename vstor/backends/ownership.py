@@ -22,28 +22,30 @@ def qemu_gid(group: str) -> int:
 
 def restrict_socket(path: str, group: str) -> None:
     """The QEMU user's group may connect, nobody else: root:<group> 0660."""
-    gid = qemu_gid(group)
-    try:
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise ActionFailed(f"{path} is not a socket", hint="move it away; vstor only hands out sockets")
-        os.chown(path, 0, gid, follow_symlinks=False)
-        os.chmod(path, 0o660)
-    except OSError as e:
-        raise ActionFailed(f"cannot restrict socket {path}: {e.strerror}") from None
+    _hand_over(path, group, stat.S_ISSOCK, "a socket", 0o660)
 
 
 def ensure_dir(path: str, group: str, enforce: bool = True) -> None:
     """root:<group> 0750: QEMU can reach sockets inside, other users cannot.
     An existing directory is only changed when `enforce` (a socket directory
     may be one the operator chose and shares)."""
-    gid = qemu_gid(group)
+    qemu_gid(group)
     if os.path.isdir(path) and not os.path.islink(path) and not enforce:
         return
     try:
         os.makedirs(path, mode=0o750, exist_ok=True)
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            raise ActionFailed(f"{path} is not a directory", hint="move it away")
-        os.chown(path, 0, gid, follow_symlinks=False)
-        os.chmod(path, 0o750)
     except OSError as e:
-        raise ActionFailed(f"cannot restrict directory {path}: {e.strerror}") from None
+        raise ActionFailed(f"cannot make directory {path}: {e.strerror}") from None
+    _hand_over(path, group, stat.S_ISDIR, "a directory", 0o750)
+
+
+def _hand_over(path: str, group: str, is_kind, kind: str, mode: int) -> None:
+    gid = qemu_gid(group)
+    try:
+        if not is_kind(os.lstat(path).st_mode):
+            raise ActionFailed(f"{path} is not {kind}", hint="move it away; vstor only hands out "
+                               "sockets and their directories")
+        os.chown(path, 0, gid, follow_symlinks=False)
+        os.chmod(path, mode)
+    except OSError as e:
+        raise ActionFailed(f"cannot restrict {kind} {path}: {e.strerror}") from None
