@@ -347,7 +347,8 @@ def test_dry_run_lists_the_command_and_the_socket_change():
     assert lines[0] == "install -d -o root -g kvm -m 0750 /run/vstor/qsd"
     assert lines[1].startswith(QSD + " --blockdev ") and "--daemonize" in lines[1]
     assert "filename=/var/lib/vstor/a,,b.raw,cache.direct=off,aio=threads," in lines[1]
-    assert lines[2:] == ["chown root:kvm /run/vstor/vhost/vm1-vdb",
+    assert lines[2].startswith("# at start: cache.direct=on,aio=native instead")
+    assert lines[3:] == ["chown root:kvm /run/vstor/vhost/vm1-vdb",
                          "chmod 0660 /run/vstor/vhost/vm1-vdb"]
     # Nothing to probe: the daemon's dry run shows the same.
     assert daemon.dry_run(_pure()) == lines

@@ -86,8 +86,10 @@ class QsdExport:
         unresolved `direct` shows as argv() renders it (off for files);
         daemon.dry_run probes the filesystem first."""
         g = self.qemu_group
+        note = ([f"# at start: cache.direct=on,aio=native instead, if {self.source}'s filesystem "
+                 "takes O_DIRECT"] if self.direct is None and self.kind == "file" else [])
         return [f"install -d -o root -g {g} -m 0750 {shlex.quote(self.run_dir)}",
-                shlex.join(self.argv()),
+                shlex.join(self.argv()), *note,
                 f"chown root:{g} {shlex.quote(self.socket_path)}",
                 f"chmod 0660 {shlex.quote(self.socket_path)}"]
 
