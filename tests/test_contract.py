@@ -50,7 +50,7 @@ def work():
 
 
 def vstor(w, *args) -> int:
-    return main(["--config", w.conf, "--host-root", w.host, *args])
+    return main(["-c", "test:///default", "--config", w.conf, "--host-root", w.host, *args])
 
 
 def domain_xml(w, disk: str, name="ct1") -> str:

@@ -41,3 +41,19 @@ def test_a_refused_prepare_is_one_line_with_vstors_exit_code(tmp_path):
 def test_malformed_xml_that_names_vstor_is_refused_cleanly():
     out = hook("h1", "prepare", "begin", "-", xml=f"<domain xmlns:v='{NS}'><name>h1")
     assert out.returncode == 2 and b"malformed XML" in out.stderr and b"Traceback" not in out.stderr
+
+
+def test_migrate_and_restore_pass_even_when_vstor_cannot_be_imported(tmp_path):
+    """A moved or broken install must not break incoming migrations; a start
+    it cannot serve fails with one line, not a traceback."""
+    hook_copy = tmp_path / "vstor"
+    hook_copy.write_text(open(HOOK).read())
+    env = {"PYTHONPATH": str(tmp_path / "nothing-here"), "PATH": os.environ.get("PATH", "")}
+    run = lambda *a: subprocess.run([sys.executable, "-S", str(hook_copy), *a],  # noqa: E731
+                                    input=VSTOR_XML.encode(), capture_output=True, env=env)
+    for op in ("migrate", "restore"):
+        out = run("h1", op, "begin", "-")
+        assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
+    out = run("h1", "prepare", "begin", "-")
+    assert out.returncode == 1 and b"Traceback" not in out.stderr
+    assert out.stderr.decode().count("\n") == 1 and "cannot load vstor" in out.stderr.decode()

@@ -115,3 +115,15 @@ def test_hooks_install_writes_this_interpreter_and_the_config(work, capsys):
     assert os.stat(os.path.join(hookdir, "vstor")).st_mode & 0o111
     assert vstor(work, "hooks", "uninstall", "--dir", hookdir) == 0
     assert not os.path.exists(os.path.join(hookdir, "vstor"))
+
+
+def test_release_refuses_when_libvirt_cannot_say_whether_the_domain_runs(work, capsys):
+    """Unknown is not 'stopped': without libvirt, release needs --force."""
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    assert vstor(work, "prepare", rendered) == 0
+    down = "qemu+unix:///system?socket=/nonexistent/libvirt-sock"
+    assert main(["-c", down, "--config", work.conf, "release", "cli1"]) == 4
+    assert "cannot tell from libvirt whether domain 'cli1' runs" in capsys.readouterr().err
+    assert vstor(work, "status") == 0 and "cli1: prepared" in capsys.readouterr().out
+    assert main(["-c", down, "--config", work.conf, "release", "--force", "cli1"]) == 0

@@ -102,6 +102,8 @@ def cmd_prepare(ctx, args) -> int:
 
 
 def _is_running(ctx, name: str) -> bool | None:
+    """True or False as libvirt says; None when vstor cannot tell."""
+    import libvirt
     from vstor.errors import Unavailable
     try:
         conn = ctx.conn
@@ -109,15 +111,21 @@ def _is_running(ctx, name: str) -> bool | None:
         return None
     try:
         return bool(conn.lookupByName(name).isActive())
-    except Exception:
-        return False
+    except libvirt.libvirtError as e:
+        return False if e.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN else None
 
 
 def cmd_release(ctx, args) -> int:
+    from vstor.errors import Unavailable
     from vstor.runtime.lifecycle import release
-    if not args.force and _is_running(ctx, args.domain):
-        raise BadInput(f"domain '{args.domain}' is running; its backends are in use",
-                       hint="stop it first (the hook then releases), or --force")
+    if not args.force:
+        running = _is_running(ctx, args.domain)
+        if running is None:
+            raise Unavailable(f"cannot tell from libvirt whether domain '{args.domain}' runs",
+                              hint="start libvirtd, or --force if you know it is stopped")
+        if running:
+            raise BadInput(f"domain '{args.domain}' is running; its backends are in use",
+                           hint="stop it first (the hook then releases), or --force")
     key = _key_of(ctx, args.domain)
     print(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
     rec = release(_runtime(ctx, args.dry_run), _state(ctx), key, progress=_say)
