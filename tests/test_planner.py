@@ -251,3 +251,15 @@ def test_start_refuses_a_block_source_whose_nvme_namespace_got_mounted(host_mode
     mounted = replace(ctrl, namespaces=(replace(ctrl.namespaces[0], in_use=("mounted at /srv",)),))
     busy = replace(host, controllers=tuple(mounted if c is ctrl else c for c in host.controllers))
     assert validate(busy, Config(), plan, Ledger()) == ["vdb: /dev/nvme1n1 is in use by the host (mounted at /srv)"]
+
+
+def test_a_controller_spdk_takes_for_one_vm_is_never_a_kernel_disk_for_another(host_model):
+    """Both orders refuse: SPDK would unbind the kernel driver under the qsd disk."""
+    host = host_model("two-socket")
+    spdk = request(nvme("0000:60:00.0", backend="spdk", readonly="yes"), name="a")
+    a = plan_domain(host, SPDK_CFG, spdk, Ledger())
+    kernel = request(nvme("0000:60:00.0", backend="qsd", readonly="yes"), name="b")
+    assert "SPDK takes the whole controller for a" in refused(
+        host, SPDK_CFG, kernel, Ledger([Holding.from_plan(a)]))
+    b = plan_domain(host, SPDK_CFG, kernel, Ledger())
+    assert "served through the kernel to b" in refused(host, SPDK_CFG, spdk, Ledger([Holding.from_plan(b)]))

@@ -292,6 +292,11 @@ def _qsd_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
                 "driver, so it has no block device")
     if ctrl.address in taken.spdk:
         return "SPDK serves another namespace of it to this VM"
+    spdk = ledger.spdk_users.get(ctrl.address)
+    if spdk:
+        # SPDK's PCIe driver takes the whole controller from the kernel when
+        # that domain starts: this namespace's block device would vanish.
+        return "SPDK takes the whole controller for " + ", ".join(sorted(set(spdk)))
     ns = ctrl.namespace(disk.source.namespace)
     if ns is None:
         return f"it has no namespace {disk.source.namespace}"

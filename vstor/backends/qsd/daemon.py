@@ -233,8 +233,11 @@ def _remove_files(export: QsdExport) -> None:
 
 def _lock(export: QsdExport, timeout: float = 30.0):
     """One vstor at a time starts or stops daemons in a run dir: a second
-    qsd started on a live one's files would steal its monitor socket."""
-    return flocked(export.run_dir, export.run_dir, timeout)
+    qsd started on a live one's files would steal its monitor socket.  The
+    lock is a root-only file: the run directory itself is readable by QEMU's
+    group, and anyone who can open a file can flock it."""
+    path = os.path.join(export.run_dir, ".lock")
+    return flocked(path, f"{path} (qemu-storage-daemon start/stop)", timeout, create=True)
 
 
 def _check_binary(export: QsdExport) -> None:
