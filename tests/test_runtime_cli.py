@@ -127,3 +127,32 @@ def test_release_refuses_when_libvirt_cannot_say_whether_the_domain_runs(work, c
     assert "cannot tell from libvirt whether domain 'cli1' runs" in capsys.readouterr().err
     assert vstor(work, "status") == 0 and "cli1: prepared" in capsys.readouterr().out
     assert main(["-c", down, "--config", work.conf, "release", "--force", "cli1"]) == 0
+
+
+def test_gc_leaves_what_is_not_provably_vstors(work, capsys):
+    """Only stale sockets and daemon files with vstor's names go; a listening
+    socket (SPDK's own, say), a regular file, a directory and a foreign name
+    are named and left."""
+    vhost, qsd = f"{work.dir}/vhost", f"{work.dir}/qsd"
+    os.makedirs(vhost, exist_ok=True)
+    os.makedirs(qsd, exist_ok=True)
+    live = socket.socket(socket.AF_UNIX)
+    live.bind(f"{vhost}/spdk1-vdb")
+    live.listen(1)
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(f"{vhost}/ghost-vdb")
+    dead.close()
+    for path in (f"{vhost}/notes.txt", f"{qsd}/other.conf", f"{vhost}/x-vdc"):
+        with open(path, "w") as f:
+            f.write("operator's")
+    os.mkdir(f"{vhost}/subdir")
+    with open(f"{qsd}/ghost-vdb.pid", "w") as f:
+        f.write(f"{os.getpid()}\n")                # this very test process: never signalled
+    try:
+        assert vstor(work, "gc") == 0
+        out = capsys.readouterr().out
+        assert "Removing orphan" in out and "Leaving" in out
+        assert sorted(os.listdir(vhost)) == ["notes.txt", "spdk1-vdb", "subdir", "x-vdc"]
+        assert os.listdir(qsd) == ["other.conf"]
+    finally:
+        live.close()

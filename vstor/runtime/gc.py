@@ -6,6 +6,9 @@ its own socket and daemon directories."""
 from __future__ import annotations
 
 import os
+import re
+import socket
+import stat
 from typing import Callable
 
 from vstor.config import Config
@@ -20,22 +23,30 @@ def stale_records(state: StateDir, running: set[str]) -> list[Record]:
 
 def collect(rt: Runtime, state: StateDir, running: set[str],
             say: Callable[[str], None], step: Callable[[str], None]) -> bool:
-    """Release stale records and remove orphans (dry run: only say so).
+    """Release stale records and remove orphans (dry run: only say so); name
+    what is in vstor's directories but not provably vstor's, and leave it.
     True when there was anything to collect."""
     stale = stale_records(state, running)
     for rec in stale:
         say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
         release(rt, state, rec.key, progress=step)
-    orphans = orphan_files(rt.cfg, state)
+    orphans, foreign = orphan_files(rt.cfg, state)
     for path in orphans:
         say(f"{'Would remove' if rt.dry_run else 'Removing'} orphan {path}")
         if not rt.dry_run:
             remove_orphan(path)
+    for path, why in foreign:
+        say(f"Leaving {path}: {why}")
     return bool(stale or orphans)
 
 
-def orphan_files(cfg: Config, state: StateDir) -> list[str]:
-    """Sockets and qsd files in vstor's own directories that no record owns."""
+# <safe domain name>-<target>: what vstor names sockets and daemons.
+_VSTOR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}-vd[a-z]{1,3}$")
+
+
+def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[str, str]]]:
+    """(what no record owns and vstor's naming proves is vstor's, stale;
+    what is there but not provably vstor's, with why)."""
     owned = set()
     for rec in state.records():
         owned.update(rec.holding.get("sockets", []))
@@ -43,15 +54,46 @@ def orphan_files(cfg: Config, state: StateDir) -> list[str]:
             if entry.get("kind") == actions.QsdExport.kind:
                 name = entry["data"].get("name", "")
                 owned.update(os.path.join(cfg.qsd_dir, name + ext) for ext in (".pid", ".qmp"))
-    out = []
-    for directory in (cfg.vhost_dir, cfg.qsd_dir):
+    orphans, foreign = [], []
+    for directory, judge in ((cfg.vhost_dir, _vhost_entry), (cfg.qsd_dir, _qsd_entry)):
         try:
             names = sorted(os.listdir(directory))
         except FileNotFoundError:
             continue
-        out += [os.path.join(directory, n) for n in names
-                if os.path.join(directory, n) not in owned and not n.startswith(".")]
-    return out
+        for n in names:
+            path = os.path.join(directory, n)
+            if path in owned or n.startswith("."):
+                continue
+            why = judge(n, path)
+            (foreign.append((path, why)) if why else orphans.append(path))
+    return orphans, foreign
+
+
+def _vhost_entry(name: str, path: str) -> str | None:
+    """None when `path` is a stale vstor socket; else why it stays."""
+    if not _VSTOR_NAME.match(name):
+        return "not named like a vstor socket"
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        return "not a socket"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            return None         # nobody listens: a dead daemon's socket
+        except OSError as e:
+            return f"cannot tell whether it is in use ({e.strerror})"
+    return "something still listens on it (SPDK's, or a daemon no record knows)"
+
+
+def _qsd_entry(name: str, path: str) -> str | None:
+    stem, ext = os.path.splitext(name)
+    if ext not in (".pid", ".qmp") or not _VSTOR_NAME.match(stem):
+        return "not named like a vstor daemon's file"
+    mode = os.lstat(path).st_mode
+    if not (stat.S_ISREG(mode) if ext == ".pid" else stat.S_ISSOCK(mode)):
+        return "not the kind of file vstor makes there"
+    return None
 
 
 def remove_orphan(path: str) -> None:

@@ -183,20 +183,19 @@ def stop(export: QsdExport, timeout: float = 5.0) -> None:
 
 def stop_orphan(pidfile: str, timeout: float = 5.0) -> bool:
     """Stop a qemu-storage-daemon no vstor record owns (`vstor gc`), found by
-    its pidfile; only a process whose own --pidfile is that file is touched.
+    its pidfile; only a qemu-storage-daemon whose own --pidfile is that file is
+    touched, checked after its pidfd is held (so a reused pid is never hit).
     True when one was stopped."""
     found = proc.read_pid(pidfile)
-    argv = proc.cmdline(found) if found else []
-    if not argv or _after(argv, "--pidfile") != pidfile:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(pidfile)      # stale: its daemon is long gone
-        return False
-    with proc.pidfd(found) as fd:
-        if fd is not None:
+    with proc.pidfd(found) if found else contextlib.nullcontext() as fd:
+        argv = proc.cmdline(found) if fd is not None else []
+        ours = (bool(argv) and os.path.basename(argv[0]) == "qemu-storage-daemon"
+                and _after(argv, "--pidfile") == pidfile)
+        if ours:
             proc.signal_until_gone(fd, [(signal.SIGTERM, timeout), (signal.SIGKILL, timeout)])
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(pidfile)
-    return True
+        os.unlink(pidfile)      # stopped, or stale: its daemon is long gone
+    return ours
 
 
 def _kill_and_clean(export: QsdExport, timeout: float = 5.0) -> None:
