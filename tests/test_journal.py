@@ -144,3 +144,22 @@ def test_the_lock_serialises_two_processes(tmp_path):
     for t in threads:
         t.join()
     assert overlaps == []
+
+
+@pytest.mark.parametrize("content", ["{", "[]", '{"key": "vm2"}', '{"key": "vm2", "domain": "vm2", "steps": [1]}',
+                                     '{"key": "other", "domain": "vm2"}',
+                                     '{"key": "vm2", "domain": "vm2", "holding": {"domain": "vm2", "cpus": 5}}'])
+def test_a_damaged_record_blocks_its_domain_and_nobody_else(tmp_path, content):
+    from vstor.errors import EXIT_UNAVAILABLE
+    from vstor.runtime.state import DamagedRecord
+    state = StateDir(str(tmp_path / "state"))
+    state.save(Record("vm1", "vm1", None))
+    (tmp_path / "state" / "domains" / "vm2.json").write_text(content)
+    (tmp_path / "state" / "domains" / "bad name.json").write_text("{}")
+    damaged = []
+    assert [r.key for r in state.records(damaged)] == ["vm1"]
+    assert len(damaged) == 2 and any("vm2.json is damaged" in d for d in damaged)
+    with pytest.raises(DamagedRecord) as e:
+        state.load("vm2")
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "\n" not in str(e.value)
+    assert (tmp_path / "state" / "domains" / "vm2.json").read_text() == content   # left for the operator

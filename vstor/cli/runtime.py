@@ -61,7 +61,10 @@ def _say(message: str) -> None:
 
 def cmd_status(ctx, args) -> int:
     from vstor.runtime.lifecycle import health
-    records = _state(ctx).records()
+    damaged: list[str] = []
+    records = _state(ctx).records(damaged)
+    for problem in damaged:
+        print(f"vstor: warning: {problem}", file=sys.stderr)
     if args.domain:
         records = [r for r in records if r.domain == args.domain]
         if not records:

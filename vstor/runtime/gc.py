@@ -14,11 +14,7 @@ from typing import Callable
 from vstor.config import Config
 from vstor.runtime import actions
 from vstor.runtime.lifecycle import Runtime, release
-from vstor.runtime.state import Record, StateDir
-
-
-def stale_records(state: StateDir, running: set[str]) -> list[Record]:
-    return [r for r in state.records() if r.domain not in running]
+from vstor.runtime.state import StateDir
 
 
 def collect(rt: Runtime, state: StateDir, running: set[str],
@@ -26,7 +22,10 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
     """Release stale records and remove orphans (dry run: only say so); name
     what is in vstor's directories but not provably vstor's, and leave it.
     True when there was anything to collect."""
-    stale = stale_records(state, running)
+    damaged: list[str] = []
+    stale = [r for r in state.records(damaged) if r.domain not in running]
+    for problem in damaged:
+        say(f"Leaving {problem}")
     for rec in stale:
         say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
         release(rt, state, rec.key, progress=step)

@@ -22,6 +22,11 @@ from vstor.locking import flocked
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
 
 
+class DamagedRecord(Unavailable):
+    """A state record that cannot be read: its domain is blocked until an
+    operator looks at it."""
+
+
 @dataclass
 class Record:
     key: str                      # the domain's safe name: the file name
@@ -74,26 +79,44 @@ class StateDir:
         return os.path.join(self.domains, key + ".json")
 
     def load(self, key: str) -> Record | None:
+        """The record, None when there is none; a damaged one blocks its
+        domain (DamagedRecord, exit 4) and nobody else."""
+        path = self._file(key)
         try:
-            with open(self._file(key)) as f:
-                return Record.from_json(json.load(f))
+            with open(path) as f:
+                data = json.load(f)
+            rec = Record.from_json(data)
+            _check_shape(rec)
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError) as e:
-            raise Unavailable(f"state record {self._file(key)} is damaged ({e})",
-                              hint="inspect it, then remove it by hand") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DamagedRecord(f"state record {path} is damaged ({type(e).__name__}: {e})",
+                                hint="inspect it, undo by hand what it lists, then remove it") from None
+        if rec.key != key:
+            raise DamagedRecord(f"state record {path} is damaged (it says key {rec.key!r})",
+                                hint="inspect it, undo by hand what it lists, then remove it")
+        return rec
 
-    def records(self) -> list[Record]:
+    def records(self, damaged: list[str] | None = None) -> list[Record]:
+        """Every readable record.  A damaged one (or a file whose name cannot
+        be a record's) is left where it is and reported in `damaged`, so one
+        bad file never stops vstor for every other domain."""
         try:
             names = sorted(os.listdir(self.domains))
         except FileNotFoundError:
             return []
         out = []
         for name in names:
-            if name.endswith(".json"):
+            if not name.endswith(".json"):
+                continue
+            try:
                 rec = self.load(name[:-5])
-                if rec is not None:
-                    out.append(rec)
+            except (DamagedRecord, BadInput) as e:
+                if damaged is not None:
+                    damaged.append(str(e))
+                continue
+            if rec is not None:
+                out.append(rec)
         return out
 
     def save(self, rec: Record) -> None:
@@ -122,3 +145,18 @@ def _fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _check_shape(rec: Record) -> None:
+    """What the rest of vstor relies on in a record; TypeError/ValueError if not."""
+    from vstor.planner.ledger import holding_from_json
+    if not all(isinstance(v, str) for v in (rec.key, rec.domain, rec.status)):
+        raise TypeError("key, domain and status must be strings")
+    for e in rec.steps:
+        if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
+                and e.get("state") in ("doing", "done") and isinstance(e.get("data"), dict)):
+            raise ValueError(f"a step is not {{kind, state, data}}: {str(e)[:60]}")
+    if not isinstance(rec.holding, dict):
+        raise TypeError("holding is not an object")
+    if rec.holding:
+        holding_from_json(rec.holding)
