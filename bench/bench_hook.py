@@ -72,7 +72,8 @@ def prepare_release(runs: int) -> None:
         with open(path, "wb") as f:
             f.truncate(64 << 20)
         disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
-    cfg = Config(state_dir=f"{work}/state", vhost_dir=f"{work}/vhost", qsd_dir=f"{work}/qsd")
+    cfg = Config(state_dir=f"{work}/state", vhost_dir=f"{work}/vhost", qsd_dir=f"{work}/qsd",
+                 images=(work,))
     host = read_host(SysFS("/"))
     dom = Domain.parse(FOUR_DISKS.format(disks=disks))
     dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))

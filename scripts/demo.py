@@ -57,7 +57,7 @@ def main() -> int:
     WORK.mkdir(parents=True)
     WORK.chmod(0o755)
     (WORK / "vstor.conf").write_text(f"[paths]\nstate_dir = {WORK}/state\nvhost_dir = {WORK}/vhost\n"
-                                     f"qsd_dir = {WORK}/qsd\n")
+                                     f"qsd_dir = {WORK}/qsd\nimages = {WORK}\n")
     say("building the tiny test guest (Debian kernel + busybox; cached)")
     guest = build_guest()
     say("starting virtlogd/libvirtd if needed, with vstor's hook")

@@ -64,3 +64,12 @@ def test_bad_config_is_one_line_naming_the_key(tmp_path, text, words):
 def test_explicit_missing_file_is_an_error(tmp_path):
     with pytest.raises(BadInput, match="does not exist"):
         config.load(str(tmp_path / "nope.conf"))
+
+
+def test_image_roots_are_a_list_of_absolute_directories(tmp_path):
+    p = tmp_path / "vstor.conf"
+    p.write_text("[paths]\nimages = /srv/images, /var/lib/libvirt/images/\n")
+    assert config.load(str(p)).images == ("/srv/images", "/var/lib/libvirt/images")
+    p.write_text("[paths]\nimages = relative/dir\n")
+    with pytest.raises(BadInput, match="images"):
+        config.load(str(p))

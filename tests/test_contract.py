@@ -41,7 +41,7 @@ def work():
     host = build_tree(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"), os.path.join(d, "host"))
     conf = os.path.join(d, "vstor.conf")
     with open(conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\n"
+        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d} /var/lib/vstor/images\n"
                 "[cpu]\nreactors = 2,18\n")
     w = type("W", (), {"dir": d, "host": host, "conf": conf})
     yield w
@@ -205,3 +205,24 @@ def test_one_domains_hook_never_undoes_anothers_record(work):
     assert len(qsd_serving(image)) == 1                        # the victim's disk is untouched
     assert hook(work, "release", xml, name=victim).returncode == 0
     assert qsd_serving(image) == []
+
+
+@pytest.mark.parametrize("where", ["outside", "symlink"])
+def test_a_file_source_outside_the_image_roots_is_never_exported(work, capsys, where):
+    """Planning refuses a path outside [paths] images; a symlink inside that
+    points out is refused at start, before anything changes (CLI and hook)."""
+    if where == "outside":
+        assert vstor(work, "render", domain_xml(work, "<vstor:disk target='vdb'>"
+                     "<vstor:file path='/etc/shadow'/></vstor:disk>"), "-o", f"{work.dir}/x.xml") == 2
+        assert "outside the image roots" in capsys.readouterr().err
+        return
+    link = os.path.join(work.dir, "innocent.raw")
+    os.symlink("/etc/hostname", link)
+    xml = rendered(work, f"<vstor:disk target='vdb' readonly='yes'><vstor:file path='{link}'/></vstor:disk>")
+    capsys.readouterr()
+    assert vstor(work, "prepare", xml) == 2
+    assert "resolves to /etc/hostname, outside the image roots" in capsys.readouterr().err
+    out = hook(work, "prepare", xml)
+    assert out.returncode == 2 and b"outside the image roots" in out.stderr
+    assert qsd_serving("/etc/hostname") == []
+    assert not os.path.isdir(f"{work.dir}/state/domains") or os.listdir(f"{work.dir}/state/domains") == []

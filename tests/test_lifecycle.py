@@ -44,7 +44,7 @@ def env():
     spdk.add_fabric("RDMA", "192.168.100.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
     spdk.add_fabric("RDMA", "192.168.101.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
     spdk.start()
-    cfg = Config(reactors=(2, 18), state_dir=f"{work}/state", vhost_dir=spdk.vhost_dir,
+    cfg = Config(reactors=(2, 18), images=(work,), state_dir=f"{work}/state", vhost_dir=spdk.vhost_dir,
                  qsd_dir=f"{work}/qsd", spdk_socket=spdk.socket_path, spdk_timeout=5.0)
     e = type("Env", (), {})()
     e.work, e.root, e.spdk, e.cfg = work, root, spdk, cfg

@@ -29,7 +29,7 @@ def nvmf(target="vdb", **attrs):
             "subnqn='nqn.2016-06.io.spdk:cnode1'><vstor:path traddr='192.168.101.8'/></vstor:nvmf></vstor:disk>")
 
 
-def qsd_file(path="/var/lib/vstor/a.raw", target="vdb", **attrs):
+def qsd_file(path="/var/lib/vstor/images/a.raw", target="vdb", **attrs):
     a = " ".join(f"{k}='{v}'" for k, v in attrs.items())
     return f"<vstor:disk target='{target}' {a}><vstor:file path='{path}'/></vstor:disk>"
 
@@ -115,7 +115,7 @@ def test_preferred_numa_falls_back_to_another_node_and_says_so(host_model):
     plan = plan_domain(host, Config(), req, Ledger())
     assert len(plan.vcpu_pins) == 28
     ledger = Ledger([Holding.from_plan(plan)])
-    second = plan_domain(host, Config(), request(qsd_file("/b.raw"), vm="<vstor:vm numa='preferred'/>",
+    second = plan_domain(host, Config(), request(qsd_file("/var/lib/libvirt/images/b.raw"), vm="<vstor:vm numa='preferred'/>",
                                                  vcpus=28, name="vm2"), ledger)
     assert second.node != plan.node
 

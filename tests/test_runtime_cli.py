@@ -25,7 +25,7 @@ def work():
     os.chmod(d, 0o755)
     conf = os.path.join(d, "vstor.conf")
     with open(conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\n")
+        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d}\n")
     for i in (0, 1):
         with open(os.path.join(d, f"d{i}.raw"), "wb") as f:
             f.truncate(16 << 20)

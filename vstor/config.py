@@ -17,7 +17,7 @@ from vstor.meta.names import normalise_bdf
 DEFAULT_PATH = "/etc/vstor/vstor.conf"
 
 _KEYS = {
-    "paths": {"state_dir", "vhost_dir", "qsd_dir"},
+    "paths": {"state_dir", "vhost_dir", "qsd_dir", "images"},
     "cpu": {"housekeeping", "reactors"},
     "qemu": {"user", "group"},
     "spdk": {"rpc_socket", "timeout"},
@@ -33,6 +33,8 @@ class Config:
     # SPDK's vhost app must be started with -S set to this directory.
     vhost_dir: str = "/run/vstor/vhost"
     qsd_dir: str = "/run/vstor/qsd"
+    # Image roots, like a storage pool's: a file source must resolve inside one.
+    images: tuple[str, ...] = ("/var/lib/libvirt/images", "/var/lib/vstor/images")
     # None: not configured, the planner picks the first core of each node.
     housekeeping: tuple[int, ...] | None = None
     reactors: tuple[int, ...] = ()
@@ -90,6 +92,9 @@ def _build(v: dict, path: str) -> Config:
     for key in ("state_dir", "vhost_dir", "qsd_dir"):
         if ("paths", key) in v:
             kw[key] = _abs_dir(v[("paths", key)], f"[paths] {key}", path)
+    if ("paths", "images") in v:
+        kw["images"] = tuple(_abs_dir(d, "[paths] images", path)
+                             for d in v[("paths", "images")].replace(",", " ").split())
     if ("cpu", "housekeeping") in v:
         kw["housekeeping"] = _cpus(v[("cpu", "housekeeping")], "housekeeping", path)
     if ("cpu", "reactors") in v:

@@ -33,7 +33,7 @@ def vstor_env(libvirt_daemons):
     conf = WORK / "vstor.conf"
     # No housekeeping cores on this 2-CPU machine: two 1-vCPU domains get a
     # dedicated core each, with their emulator threads on their own core.
-    conf.write_text(f"[paths]\nstate_dir = {WORK}/state\nvhost_dir = {WORK}/vhost\nqsd_dir = {WORK}/qsd\n"
+    conf.write_text(f"[paths]\nstate_dir = {WORK}/state\nvhost_dir = {WORK}/vhost\nqsd_dir = {WORK}/qsd\nimages = {WORK}\n"
                     "[cpu]\nhousekeeping =\nreactors =\n")
     from vstor.cli.runtime import render_hook
     libvirt_daemons.install_hook("vstor", render_hook(str(conf)))

@@ -60,3 +60,8 @@ def spdk_controller_name(source) -> str:
 def bdev_name(controller: str, namespace: int) -> str:
     """SPDK names a controller's namespaces <controller>n<nsid>."""
     return f"{controller}n{namespace}"
+
+
+def inside(path: str, roots) -> bool:
+    """Is `path` (clean and absolute) strictly below one of `roots`?"""
+    return any(path.startswith(root.rstrip("/") + "/") for root in roots)

@@ -14,7 +14,7 @@ from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, NvmeController
 from vstor.meta.intent import Reconnect
-from vstor.meta.names import volume_key
+from vstor.meta.names import inside, volume_key
 from vstor.meta.plan import AttachPath
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 
@@ -73,7 +73,7 @@ def choose(host: Host, cfg: Config, vm: VmIntent, disk: DiskIntent,
     if kind == "nvmf":
         return _nvmf(host, disk)
     if kind in ("file", "block"):
-        return _local_volume(host, disk, ledger)
+        return _local_volume(host, cfg, disk, ledger)
     return _nvme(host, cfg, vm, disk, ledger, taken)
 
 
@@ -125,7 +125,7 @@ def _nic_node(host: Host, src) -> tuple[int | None, str, str | None]:
 
 # -- files and block devices (qemu-storage-daemon) ----------------------------
 
-def _local_volume(host: Host, disk: DiskIntent, ledger: Ledger) -> DiskChoice | NoFit:
+def _local_volume(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger) -> DiskChoice | NoFit:
     src, t = disk.source, disk.target
     if disk.mode == "passthrough":
         return NoFit(f"{t}: a {src.kind} source cannot be passed through; passthrough needs "
@@ -133,6 +133,11 @@ def _local_volume(host: Host, disk: DiskIntent, ledger: Ledger) -> DiskChoice | 
     if disk.backend == "spdk":
         return NoFit(f"{t}: vstor serves {src.kind} sources with qemu-storage-daemon; "
                      "use backend='qsd' (or 'auto')")
+    if src.kind == "file" and not inside(src.path, cfg.images):
+        raise BadInput(f"disk {t}: file source {src.path} is outside the image roots "
+                       f"({', '.join(cfg.images) or 'none'})",
+                       hint="move it under one of them, or add its directory to [paths] images "
+                            "in vstor.conf")
     other = ledger.volume_conflict(volume_key(src), disk.readonly)
     if other:
         return NoFit(f"{t}: {src.path} is already used by domain '{other}'; two writers "

@@ -8,10 +8,12 @@ journal records the step: nothing here decides anything.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from vstor.backends import ownership
-from vstor.errors import ActionFailed
+from vstor.errors import ActionFailed, BadInput
+from vstor.meta.names import inside
 from vstor.runtime import actions
 from vstor.runtime.actions import QsdExport, SpdkAttach, SpdkVhost, VfioBind
 
@@ -31,7 +33,21 @@ def observe(a, rt, others):
                     return actions.with_original(a, actions.from_json(e).original)
         from vstor.backends import vfio
         return actions.with_original(a, vfio.plan_bind(rt.sysfs, a.address))
+    if isinstance(a, QsdExport) and a.export.kind == "file":
+        return QsdExport(dataclasses.replace(a.export, source=resolve_image(a.export.source, rt.cfg.images)))
     return a
+
+
+def resolve_image(path: str, roots) -> str:
+    """The file a file source really is, symlinks followed, which must lie
+    inside an image root (resolved the same way): root's own daemon never
+    opens a host file a domain's author pointed at."""
+    real = os.path.realpath(path)
+    if not inside(real, [os.path.realpath(r) for r in roots]):
+        raise BadInput(f"file source {path} resolves to {real}, outside the image roots "
+                       f"({', '.join(roots) or 'none'})",
+                       hint="move it under one of them, or add its directory to [paths] images")
+    return real
 
 
 def do(a, rt) -> None:
