@@ -30,13 +30,16 @@ VARIANTS = ["mode='passthrough'", "mode='vhost' backend='spdk'", "mode='vhost' b
 def _requests(host):
     for path in TEMPLATES:
         yield os.path.basename(path), Request.from_domain(Domain.load(path))
+    free = [d.name for d in host.block_devices if not d.in_use][:2]
+    blocks = "".join(f"<vstor:disk target='vd{t}'><vstor:block path='/dev/{n}'/></vstor:disk>"
+                     for t, n in zip("cd", free))
     for ctrl in host.controllers:
         for variant in VARIANTS:
             nsid = ctrl.namespaces[0].nsid if ctrl.namespaces else 1
             dom = Domain.parse(f"""<domain type='kvm'><name>p1</name><memory unit='MiB'>2048</memory>
               <vcpu>2</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'>
               <vstor:disk target='vdb' {variant}><vstor:nvme controller='{ctrl.address}' namespace='{nsid}'/>
-              </vstor:disk><vstor:disk target='vdc'><vstor:block path='/dev/sdz'/></vstor:disk>
+              </vstor:disk>{blocks}
               </vstor:vstor></metadata><os><type machine='q35'>hvm</type></os></domain>""")
             yield f"{ctrl.address} {variant}", Request.from_domain(dom)
 

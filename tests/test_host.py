@@ -231,14 +231,15 @@ def test_a_kernel_without_numa_is_one_node_with_every_cpu(tmp_path):
     assert {cpu.node for cpu in host.cpus} == {0}
 
 
-def test_non_nvme_disks_are_block_devices_loops_are_not(tmp_path):
+def test_non_nvme_disks_and_partitions_are_block_devices_loops_are_not(tmp_path):
     root = build_tree({"disk": [{"name": "sda", "size": "480GB", "partitions": [{"mount": "/"}]},
                                 {"name": "sdb", "size": "2TB"}]}, tmp_path / "r")
     os.makedirs(f"{root}/sys/devices/virtual/block/loop0")
     os.symlink("../devices/virtual/block/loop0", f"{root}/sys/block/loop0")
     host = read_host(SysFS(root))
-    assert [(d.name, d.size_bytes, d.in_use) for d in host.block_devices] == [
-        ("sda", 480 * 10**9, ("mounted at / (sda1)",)), ("sdb", 2 * 10**12, ())]
+    got = [(d.name, d.in_use) for d in host.block_devices]
+    assert got == [("sda", ("mounted at / (sda1)",)), ("sda1", ("mounted at /",)), ("sdb", ())]
+    assert host.block_device("sdb").size_bytes == 2 * 10**12
     assert host.controllers == ()
 
 

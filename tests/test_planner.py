@@ -263,3 +263,21 @@ def test_a_controller_spdk_takes_for_one_vm_is_never_a_kernel_disk_for_another(h
         host, SPDK_CFG, kernel, Ledger([Holding.from_plan(a)]))
     b = plan_domain(host, SPDK_CFG, kernel, Ledger())
     assert "served through the kernel to b" in refused(host, SPDK_CFG, spdk, Ledger([Holding.from_plan(b)]))
+
+
+@pytest.mark.parametrize("path, words", [
+    ("/dev/nvme0n1p3", "held by dm-0 (vg0-root), mounted at /"),
+    ("/dev/nvme0n1p1", "mounted at /boot"),
+    ("/dev/dm-0", "mounted at /"),
+    ("/dev/dm-1", "swap"),
+])
+def test_a_block_source_the_host_uses_is_refused_naming_the_use(host_model, path, words):
+    req = request(f"<vstor:disk target='vdb'><vstor:block path='{path}'/></vstor:disk>")
+    assert words in refused(host_model("nvme-root"), Config(), req)
+
+
+def test_a_block_source_vstor_cannot_see_is_refused_not_assumed_free(host_model):
+    for path in ("/dev/sdz", "/dev/mapper/vg0-root", "/dev/disk/by-id/nvme-x"):
+        with pytest.raises(BadInput, match="cannot tell whether the host uses it"):
+            plan_domain(host_model("nvme-root"), Config(),
+                        request(f"<vstor:disk target='vdb'><vstor:block path='{path}'/></vstor:disk>"), Ledger())

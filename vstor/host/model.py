@@ -135,8 +135,8 @@ class NvmeController:
 
 @dataclass(frozen=True)
 class BlockDevice:
-    """Any whole disk (NVMe or not), for the qsd backend's block sources."""
-    name: str                   # 'sdb', 'nvme0n1'
+    """Any whole disk (NVMe or not) or partition, for the qsd backend's block sources."""
+    name: str                   # 'sdb', 'nvme0n1', 'nvme0n1p2'
     size_bytes: int = 0
     in_use: tuple[str, ...] = ()
 

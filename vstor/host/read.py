@@ -315,6 +315,14 @@ def read_block_devices(sysfs: SysFS, usage: BlockUsage) -> tuple[BlockDevice, ..
             continue
         devices.append(BlockDevice(disk, sysfs.read_int(f"/sys/block/{disk}/size", 0) * 512,
                                    tuple(why for why, _ in usage.disk_uses(disk))))
+        # A partition is in use when it is, or when its whole disk itself is
+        # (an LVM PV or md member on the whole disk, say).
+        whole = tuple(why for why, _ in usage._uses(disk, f"/sys/block/{disk}", "", 0))
+        for part in usage.partitions(disk):
+            base = f"/sys/block/{disk}/{part}"
+            own = tuple(why for why, _ in usage._uses(part, base, "", 0))
+            devices.append(BlockDevice(part, sysfs.read_int(f"{base}/size", 0) * 512,
+                                       own + tuple(f"{why} (whole disk {disk})" for why in whole)))
     return tuple(devices)
 
 

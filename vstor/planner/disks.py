@@ -165,8 +165,11 @@ def _block_use(host: Host, path: str):
                 return node, f"NVMe {ctrl.address}", None
     dev = host.block_device(name)
     if dev is None:
-        return None, "", (f"{path} is not a whole disk vstor can see; it cannot check "
-                          "whether the host uses it")
+        # What vstor cannot see it cannot vouch for: refuse, never assume unused.
+        raise BadInput(f"{path} is not a disk or partition vstor can see on this host, so it "
+                       "cannot tell whether the host uses it",
+                       hint="name the kernel device, like /dev/sdb or /dev/nvme0n1p3 "
+                            "(not a /dev/mapper or /dev/disk/by-* link)")
     if dev.in_use:
         return NoFit(f"{path} is in use by the host ({'; '.join(dev.in_use)})")
     return None, "", None
