@@ -276,3 +276,12 @@ def test_btrfs_mount_with_an_anonymous_device_number_is_found_by_source(tmp_path
     mountinfo.write_text(text.replace(" 259:1 / / ", " 0:31 / / "))
     ctrl = read_host(SysFS(root)).controllers[0]
     assert ctrl.backs_root and ctrl.namespace(1).in_use == ("mounted at / (nvme0n1p1)",)
+
+
+@pytest.mark.parametrize("gone", ["proc/self/mountinfo", "proc/swaps"])
+def test_an_unreadable_mount_or_swap_table_is_a_refusal_not_nothing_mounted(tmp_path, gone):
+    from vstor.errors import Unavailable
+    root = build_tree(os.path.join(os.path.dirname(__file__), "hosts", "nvme-root.toml"), tmp_path / "r")
+    os.unlink(os.path.realpath(os.path.join(root, gone)))
+    with pytest.raises(Unavailable, match="cannot tell which disks the host uses"):
+        read_host(SysFS(root))

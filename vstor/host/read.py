@@ -10,8 +10,9 @@ from __future__ import annotations
 import posixpath
 import re
 
-from vstor.host.model import (NVME_CLASS, BlockDevice, Cpu, HugepagePool, Host, Namespace, NetDev,
+from vstor.host.model import (NVME_CLASS, Cpu, HugepagePool, Host, Namespace, NetDev,
                     NumaNode, NvmeController, PciDevice, RdmaNic, parse_cpulist)
+from vstor.host.blocks import BlockUsage, read_block_devices
 from vstor.host.sysfs import SysFS
 
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -23,8 +24,6 @@ INFINIBAND = "/sys/class/infiniband"
 # nvme0n1, or with native multipath the per-path device nvme0c1n1 (subsystem 0,
 # controller 1, namespace 1) whose block device is the subsystem's head nvme0n1.
 _NS_NAME = re.compile(r"nvme(\d+)(?:c\d+)?n(\d+)")
-_PATH_DEVICE = re.compile(r"nvme\d+c\d+n\d+")
-_NOT_DISKS = ("loop", "ram", "zram")
 
 
 def read_host(sysfs: SysFS) -> Host:
@@ -202,128 +201,6 @@ def read_namespace(sysfs: SysFS, block: str, nsid: int, usage: BlockUsage) -> tu
                           in_use=tuple(why for why, _ in uses),
                           scheduler=bracketed(sysfs.read(f"{base}/queue/scheduler", "")))
     return namespace, any(root for _, root in uses)
-
-
-# --- block devices and what the host uses them for -------------------------
-
-class BlockUsage:
-    """Mounts, swaps and holders (dm, md), followed up the stack, so that a
-    partition under an LVM volume mounted at / reads as in use by the root."""
-
-    def __init__(self, sysfs: SysFS):
-        self.sysfs = sysfs
-        self._dm_devices: dict[str, str] | None = None
-        self.mounts = self._read_mounts()
-        self.swaps = self._read_swaps()
-
-    def _read_mounts(self) -> dict[str, list[str]]:
-        mounts: dict[str, list[str]] = {}
-        for line in self.sysfs.read("/proc/self/mountinfo", "").splitlines():
-            fields = line.split()
-            # Optional fields end at a lone '-' (after the 6 fixed ones); fstype and source follow.
-            if "-" not in fields[6:]:
-                continue
-            after = fields[fields.index("-", 6) + 1:]
-            source = after[1] if len(after) > 1 else ""
-            # MAJ:MIN names the device even when the source says '/dev/root'; btrfs
-            # shows an anonymous 0:N there, so the source is the fallback.
-            name = self._name_of_devnum(fields[2]) or self._name_of_path(unescape(source))
-            if name:
-                mounts.setdefault(name, [])
-                mountpoint = unescape(fields[4])
-                if mountpoint not in mounts[name]:
-                    mounts[name].append(mountpoint)
-        return mounts
-
-    def _read_swaps(self) -> set[str]:
-        swaps = set()
-        for line in self.sysfs.read("/proc/swaps", "").splitlines()[1:]:
-            fields = line.split()
-            name = self._name_of_path(unescape(fields[0])) if fields else None
-            if name:
-                swaps.add(name)
-        return swaps
-
-    def _name_of_devnum(self, devnum: str) -> str | None:
-        if not re.fullmatch(r"\d+:\d+", devnum) or devnum.startswith("0:"):
-            return None
-        real = self.sysfs.resolve(f"/sys/dev/block/{devnum}")
-        return posixpath.basename(real) if real else None
-
-    def _name_of_path(self, path: str) -> str | None:
-        """'/dev/nvme0n1p2' -> 'nvme0n1p2', '/dev/mapper/vg-root' -> 'dm-0'; files -> None."""
-        if path.startswith("/dev/mapper/"):
-            return self.dm_devices().get(path[len("/dev/mapper/"):])
-        if not path.startswith("/dev/"):
-            return None
-        name = posixpath.basename(path)
-        return name if self.sysfs.exists(f"/sys/class/block/{name}") else None
-
-    def dm_devices(self) -> dict[str, str]:
-        """dm name -> kernel name ('vg-root' -> 'dm-0')."""
-        if self._dm_devices is None:
-            self._dm_devices = {}
-            for disk in self.sysfs.listdir("/sys/block"):
-                if disk.startswith("dm-"):
-                    self._dm_devices[self.sysfs.read(f"/sys/block/{disk}/dm/name", disk)] = disk
-        return self._dm_devices
-
-    def partitions(self, disk: str) -> tuple[str, ...]:
-        base = f"/sys/block/{disk}"
-        return tuple(e for e in self.sysfs.listdir(base)
-                     if e.startswith(disk) and self.sysfs.exists(f"{base}/{e}/partition"))
-
-    def disk_uses(self, disk: str, depth: int = 0) -> list[tuple[str, bool]]:
-        """(reason, backs_root) for each way the host uses DISK or its partitions."""
-        base = f"/sys/block/{disk}"
-        uses = self._uses(disk, base, "", depth)
-        for part in self.partitions(disk):
-            uses += self._uses(part, f"{base}/{part}", f" ({part})", depth)
-        return uses
-
-    def _uses(self, name: str, path: str, label: str, depth: int) -> list[tuple[str, bool]]:
-        uses = []
-        if name in self.mounts:
-            points = self.mounts[name]
-            uses.append((f"mounted at {', '.join(points)}{label}", "/" in points))
-        if name in self.swaps:
-            uses.append((f"swap{label}", False))
-        for holder in self.sysfs.listdir(f"{path}/holders"):
-            held = f"held by {holder}{self._dm_label(holder)}"
-            # Holders cannot form a cycle in the kernel; the depth bound guards odd trees.
-            above = self.disk_uses(holder, depth + 1) if depth < 8 else []
-            uses += [(f"{held}, {why}{label}", root) for why, root in above] or [(f"{held}{label}", False)]
-        return uses
-
-    def _dm_label(self, holder: str) -> str:
-        if not holder.startswith("dm-"):
-            return ""
-        name = self.sysfs.read(f"/sys/block/{holder}/dm/name")
-        return f" ({name})" if name else ""
-
-
-def unescape(field: str) -> str:
-    """mountinfo and /proc/swaps write space, tab, newline and backslash as octal escapes."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def read_block_devices(sysfs: SysFS, usage: BlockUsage) -> tuple[BlockDevice, ...]:
-    devices = []
-    for disk in sysfs.listdir("/sys/block"):
-        # Hidden multipath path devices are not usable disks; their head is.
-        if disk.startswith(_NOT_DISKS) or _PATH_DEVICE.fullmatch(disk):
-            continue
-        devices.append(BlockDevice(disk, sysfs.read_int(f"/sys/block/{disk}/size", 0) * 512,
-                                   tuple(why for why, _ in usage.disk_uses(disk))))
-        # A partition is in use when it is, or when its whole disk itself is
-        # (an LVM PV or md member on the whole disk, say).
-        whole = tuple(why for why, _ in usage._uses(disk, f"/sys/block/{disk}", "", 0))
-        for part in usage.partitions(disk):
-            base = f"/sys/block/{disk}/{part}"
-            own = tuple(why for why, _ in usage._uses(part, base, "", 0))
-            devices.append(BlockDevice(part, sysfs.read_int(f"{base}/size", 0) * 512,
-                                       own + tuple(f"{why} (whole disk {disk})" for why in whole)))
-    return tuple(devices)
 
 
 # --- RDMA NICs and the rest ---------------------------------------------------
