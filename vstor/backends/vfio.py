@@ -32,7 +32,7 @@ from dataclasses import replace
 from vstor.errors import ActionFailed
 from vstor.backends.vfio_record import BindRecord
 from vstor.host.model import PciDevice
-from vstor.meta.names import normalise_bdf as normalize_address
+from vstor.meta.names import normalise_bdf
 from vstor.planner.passthrough import VFIO, viable as _viable
 from vstor.host.sysfs import SysFS
 
@@ -45,7 +45,7 @@ DRIVERS_PROBE = "/sys/bus/pci/drivers_probe"
 
 def plan_bind(sysfs: SysFS, address: str) -> BindRecord:
     """Read (write nothing) where `address` and its group peers are now."""
-    address = normalize_address(address)
+    address = normalise_bdf(address)
     if not sysfs.exists(f"{PCI_DEVICES}/{address}"):
         raise ActionFailed(f"there is no PCI device {address} ({PCI_DEVICES}/{address} is missing)")
     peers = tuple(_snapshot(sysfs, p) for p in _group_peers(sysfs, address)

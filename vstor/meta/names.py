@@ -11,12 +11,19 @@ from vstor.errors import BadInput
 
 #: A name that may appear in a file name (domain safe names, state records).
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
+#: <safe name>-<target>: a disk's socket, vhost controller and daemon name.
+DISK_NAME = re.compile(SAFE_NAME.pattern[:-1] + r"-vd[a-z]{1,3}$")
 _BDF = re.compile(r"^(?:([0-9a-f]{4}):)?([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])$")
 SOCKET_MAX = 107            # sizeof(sun_path) - 1
 
 
 def is_safe_name(name: str) -> bool:
     return bool(SAFE_NAME.match(name))
+
+
+def is_disk_name(name: str) -> bool:
+    """Named the way socket_path names a disk."""
+    return bool(DISK_NAME.match(name))
 
 
 def normalise_bdf(text: str) -> str:

@@ -47,9 +47,9 @@ def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
     choices = choose_all(host, cfg, req.intent.vm, req.intent.disks, ledger)
     if isinstance(choices, NoFit):
         raise DoesNotFit(f"domain '{req.name}' does not fit: {choices.reason}")
-    page_kib = _page_size(req, choices)
+    page_kib = page_size(req, choices)
     failures: list[str] = []
-    for node_id, why in _candidate_nodes(host, cfg, req, choices, ledger):
+    for node_id, why in candidate_nodes(host, cfg, req, choices, ledger):
         placed = _place_on(host, cfg, req, choices, ledger, node_id, page_kib)
         if isinstance(placed, NoFit):
             failures.append(placed.reason)
@@ -66,7 +66,7 @@ def _check_config(cfg: Config) -> None:
                        "housekeeping cores", hint="a core has one owner: fix [cpu]")
 
 
-def _page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
+def page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
     wanted = req.intent.vm.hugepages
     spdk = any(c.backend == "spdk" for c in choices)
     if wanted == "none" and spdk:
@@ -80,7 +80,7 @@ def _page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
     return size
 
 
-def _candidate_nodes(host, cfg, req, choices, ledger):
+def candidate_nodes(host, cfg, req, choices, ledger):
     """Nodes to try, best first, with why each is a candidate."""
     device = [(c.node, c.node_from) for c in choices if c.node is not None]
     if device:

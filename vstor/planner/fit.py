@@ -20,7 +20,7 @@ from vstor.errors import BadInput
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
 from vstor.meta.plan import Plan
-from vstor.planner import Request, _candidate_nodes, _page_size, disk_plan
+from vstor.planner import Request, candidate_nodes, page_size, disk_plan
 from vstor.planner.disks import NoFit, choose_all
 from vstor.planner.ledger import Ledger
 from vstor.planner.placement import cpu_problems, place_cpus, place_hugepages, reactor_candidates
@@ -112,7 +112,7 @@ def _show(value) -> str:
 def _node(host, cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]:
     if plan.node is None or host.node(plan.node) is None:
         return [f"NUMA node {plan.node} is not online on this host"]
-    nodes = [n for n, _why in _candidate_nodes(host, cfg, req, choices, running)]
+    nodes = [n for n, _why in candidate_nodes(host, cfg, req, choices, running)]
     if plan.node not in nodes:
         return [f"the plan puts the VM on node {plan.node}; the planner's nodes for it are "
                 f"{', '.join(map(str, nodes)) or 'none'}"]
@@ -141,7 +141,7 @@ def _cpus(host: Host, cfg: Config, req: Request, plan: Plan, node, running: Ledg
 
 
 def _memory(req: Request, plan: Plan, node, choices, running: Ledger) -> list[str]:
-    page_kib = _page_size(req, choices)
+    page_kib = page_size(req, choices)
     if plan.hugepage_kib != page_kib:
         return [f"the plan has {plan.hugepage_kib or 'no'} KiB hugepages, the metadata and disks "
                 f"ask for {page_kib or 'none'}"]

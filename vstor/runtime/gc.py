@@ -6,12 +6,12 @@ its own socket and daemon directories."""
 from __future__ import annotations
 
 import os
-import re
 import socket
 import stat
 from typing import Callable
 
 from vstor.config import Config
+from vstor.meta.names import is_disk_name
 from vstor.runtime import actions
 from vstor.runtime.lifecycle import Runtime, release
 from vstor.runtime.state import StateDir
@@ -37,10 +37,6 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
     for path, why in foreign:
         say(f"Leaving {path}: {why}")
     return bool(stale or orphans)
-
-
-# <safe domain name>-<target>: what vstor names sockets and daemons.
-_VSTOR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}-vd[a-z]{1,3}$")
 
 
 def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[str, str]]]:
@@ -70,7 +66,7 @@ def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[st
 
 def _vhost_entry(name: str, path: str) -> str | None:
     """None when `path` is a stale vstor socket; else why it stays."""
-    if not _VSTOR_NAME.match(name):
+    if not is_disk_name(name):
         return "not named like a vstor socket"
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
         return "not a socket"
@@ -87,7 +83,7 @@ def _vhost_entry(name: str, path: str) -> str | None:
 
 def _qsd_entry(name: str, path: str) -> str | None:
     stem, ext = os.path.splitext(name)
-    if ext not in (".pid", ".qmp") or not _VSTOR_NAME.match(stem):
+    if ext not in (".pid", ".qmp") or not is_disk_name(stem):
         return "not named like a vstor daemon's file"
     mode = os.lstat(path).st_mode
     if not (stat.S_ISREG(mode) if ext == ".pid" else stat.S_ISSOCK(mode)):

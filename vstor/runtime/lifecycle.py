@@ -55,8 +55,8 @@ def plan_of(dom: Domain) -> tuple[Request, Plan]:
     return req, plan
 
 
-def running_ledger(state: StateDir) -> Ledger:
-    return Ledger([holding_from_json(r.holding) for r in state.records() if r.holding])
+def running_ledger(records: list[Record]) -> Ledger:
+    return Ledger([holding_from_json(r.holding) for r in records if r.holding])
 
 
 def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
@@ -77,7 +77,8 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             # undo what it left, then start clean.
             _rollback(rt, state, leftover, progress)
             host = read_host(rt.sysfs)      # the undo moved things: look again
-        problems = fit.problems(host, rt.cfg, req, plan, running_ledger(state))
+        others = [r for r in state.records() if r.key != key]
+        problems = fit.problems(host, rt.cfg, req, plan, running_ledger(others))
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise DoesNotFit(f"domain '{dom.name}' cannot start: {problems[0]}{more}",
@@ -93,7 +94,6 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             return rec
         if any(d.backend == "spdk" for d in plan.disks):
             rt.spdk().get_version()     # SPDK missing: say so before touching anything
-        others = [r for r in state.records() if r.key != key]
         steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
         Journal(state, rec, rt, progress).run(steps)

@@ -27,10 +27,9 @@ def observe(a, rt, others):
     original: where it was before vstor, not vfio-pci (whichever domain
     releases last puts it back)."""
     if isinstance(a, VfioBind) and a.original is None:
-        for rec in others:
-            for e in rec.steps:
-                if e["kind"] == a.kind and e["data"].get("address") == a.address and "peers" in e["data"]:
-                    return actions.with_original(a, actions.from_json(e).original)
+        theirs = _others_step(others, a, finished_only=False)
+        if theirs is not None and "peers" in theirs["data"]:
+            return actions.with_original(a, actions.from_json(theirs).original)
         from vstor.backends import vfio
         return actions.with_original(a, vfio.plan_bind(rt.sysfs, a.address))
     if isinstance(a, QsdExport) and a.export.kind == "file":
@@ -141,7 +140,17 @@ def _spdk_vhost(a: SpdkVhost, rt) -> None:
 
 def _shared(others, a) -> bool:
     """Does another domain's record hold a finished step on the same thing?"""
+    return _others_step(others, a, finished_only=True) is not None
+
+
+def _others_step(others, a, finished_only: bool) -> dict | None:
+    """Another domain's journal entry of the same kind on the same thing
+    (controller name or PCI address), if there is one."""
     key = "name" if a.kind == "spdk-attach" else "address"
     mine = a.to_data().get(key)
-    return any(e["kind"] == a.kind and e["state"] == "done" and e["data"].get(key) == mine
-               for rec in others for e in rec.steps)
+    for rec in others:
+        for e in rec.steps:
+            if (e["kind"] == a.kind and e["data"].get(key) == mine
+                    and (e["state"] == "done" or not finished_only)):
+                return e
+    return None
