@@ -285,3 +285,56 @@ def test_an_unreadable_mount_or_swap_table_is_a_refusal_not_nothing_mounted(tmp_
     os.unlink(os.path.realpath(os.path.join(root, gone)))
     with pytest.raises(Unavailable, match="cannot tell which disks the host uses"):
         read_host(SysFS(root))
+
+
+# --- a read the kernel refuses is a refusal, never "nothing there" ------------------
+
+def test_an_attribute_the_kernel_refuses_is_unreadable_not_the_default():
+    """/proc/self/mem at offset 0 is a real EIO from this kernel."""
+    from vstor.host.sysfs import Unreadable
+    with pytest.raises(Unreadable, match=r"cannot read /proc/self/mem: Input/output error \(check the device"):
+        SysFS("/").read("/proc/self/mem", "")
+    assert SysFS("/").read("/proc/self/mem", "x", optional=True) == "x"    # one that decides nothing
+    assert SysFS("/").read("/proc/no-such-file", "absent") == "absent"      # absence is an answer
+
+
+def as_nobody(fn):
+    """fn() in a child running as nobody: ('ok', value) or (exception type name, message)."""
+    import json
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:      # pragma: no cover (the child)
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            out = ["ok", repr(fn())]
+        except BaseException as e:      # noqa: BLE001
+            out = [type(e).__name__, str(e)]
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    os.waitpid(child, 0)
+    return tuple(json.loads(data))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_a_permission_denied_read_refuses_the_host_instead_of_reading_it_as_absent():
+    import shutil
+    import tempfile
+    work = tempfile.mkdtemp(prefix="vs-perm-", dir="/tmp")     # pytest's tmp_path is root-only
+    os.chmod(work, 0o755)
+    root = build_tree(os.path.join(os.path.dirname(__file__), "hosts", "two-socket.toml"), os.path.join(work, "r"))
+    for d, _, _ in os.walk(root):
+        os.chmod(d, 0o755)
+    assert as_nobody(lambda: len(read_host(SysFS(root)).controllers)) == ("ok", "5")
+    # The driver link of a controller, behind a directory nobody else may enter.
+    dev = os.path.realpath(os.path.join(root, "sys/bus/pci/devices/0000:5e:00.0"))
+    os.chmod(dev, 0o700)
+    kind, message = as_nobody(lambda: read_host(SysFS(root)))
+    assert kind == "Unreadable" and "Permission denied (run vstor as root)" in message
+    assert "/sys/bus/pci/devices/0000:5e:00.0/" in message
+    shutil.rmtree(work)

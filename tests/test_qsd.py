@@ -789,3 +789,23 @@ def test_concurrent_starts_of_one_export_make_one_daemon(area):
     for t in threads:
         t.join()
     assert errors == [] and len(set(pids)) == 1 and daemon.alive(exports[0])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_the_second_writer_check_refuses_when_it_cannot_look():
+    """Another daemon's source vstor may not stat is not 'another file'."""
+    import shutil
+    import tempfile
+    from tests.test_host import as_nobody
+    from vstor.backends.qsd import files
+    work = tempfile.mkdtemp(prefix="vs-sw-", dir="/tmp")
+    os.chmod(work, 0o755)
+    hidden = os.path.join(work, "hidden")
+    os.mkdir(hidden, 0o700)
+    open(os.path.join(hidden, "d.raw"), "w").close()
+    mine = os.stat(work)
+    kind, message = as_nobody(lambda: files.same_file(mine, os.path.join(hidden, "d.raw")))
+    assert (kind, message) == ("Unavailable", f"cannot tell whether {hidden}/d.raw is the same file: "
+                               "Permission denied (run vstor as root)")
+    assert files.same_file(mine, os.path.join(work, "gone")) is False
+    shutil.rmtree(work)

@@ -31,7 +31,7 @@ def read_host(sysfs: SysFS) -> Host:
     nodes = read_nodes(sysfs, online)
     usage = BlockUsage(sysfs)
     return Host(
-        hostname=sysfs.read("/proc/sys/kernel/hostname", ""),
+        hostname=sysfs.read("/proc/sys/kernel/hostname", "", optional=True),
         cpus=read_cpus(sysfs, online, nodes),
         nodes=nodes,
         controllers=read_controllers(sysfs, usage),
@@ -41,7 +41,7 @@ def read_host(sysfs: SysFS) -> Host:
         iommu_enabled=bool(sysfs.listdir(IOMMU_GROUPS)),
         vfio_available=(sysfs.exists("/sys/bus/pci/drivers/vfio-pci")
                         or sysfs.exists("/sys/module/vfio_pci")),
-        thp=bracketed(sysfs.read("/sys/kernel/mm/transparent_hugepage/enabled", "")),
+        thp=bracketed(sysfs.read("/sys/kernel/mm/transparent_hugepage/enabled", "", optional=True)),
         irqbalance_running=irqbalance_running(sysfs),
     )
 
@@ -139,8 +139,8 @@ def read_controller(sysfs: SysFS, address: str, usage: BlockUsage) -> NvmeContro
     return NvmeController(
         address=address, numa_node=pci.numa_node, vendor=pci.vendor, device=pci.device,
         driver=pci.driver, name=name,
-        model=sysfs.read(f"{ctrl}/model", "") if name else "",
-        serial=sysfs.read(f"{ctrl}/serial", "") if name else "",
+        model=sysfs.read(f"{ctrl}/model", "", optional=True) if name else "",
+        serial=sysfs.read(f"{ctrl}/serial", "", optional=True) if name else "",
         iommu_group=group, group_peers=group_peers(sysfs, group, address),
         namespaces=tuple(ns for ns, _ in namespaces),
         local_cpus=parse_cpulist(sysfs.read(f"{dev}/local_cpulist", "")),
@@ -171,9 +171,9 @@ def read_msi_irqs(sysfs: SysFS, dev: str) -> tuple[tuple[int, tuple[int, ...]], 
     irqs = []
     for irq in sysfs.listdir(f"{dev}/msi_irqs"):
         # msi_irqs/N holds the vector's mode ('msix', 'msi'); no mode: freed since the listing.
-        if not irq.isdigit() or not sysfs.read(f"{dev}/msi_irqs/{irq}"):
+        if not irq.isdigit() or not sysfs.read(f"{dev}/msi_irqs/{irq}", optional=True):
             continue
-        affinity = sysfs.read(f"/proc/irq/{irq}/smp_affinity_list", "")
+        affinity = sysfs.read(f"/proc/irq/{irq}/smp_affinity_list", "", optional=True)
         irqs.append((int(irq), parse_cpulist(affinity)))
     return tuple(sorted(irqs))
 
@@ -199,7 +199,7 @@ def read_namespace(sysfs: SysFS, block: str, nsid: int, usage: BlockUsage) -> tu
     namespace = Namespace(name=block, nsid=nsid, size_bytes=sysfs.read_int(f"{base}/size", 0) * 512,
                           partitions=usage.partitions(block),
                           in_use=tuple(why for why, _ in uses),
-                          scheduler=bracketed(sysfs.read(f"{base}/queue/scheduler", "")))
+                          scheduler=bracketed(sysfs.read(f"{base}/queue/scheduler", "", optional=True)))
     return namespace, any(root for _, root in uses)
 
 
@@ -210,7 +210,7 @@ def read_rdma_nics(sysfs: SysFS) -> tuple[RdmaNic, ...]:
     for name in sysfs.listdir(INFINIBAND):
         dev = f"{INFINIBAND}/{name}/device"
         pci = sysfs.resolve(dev)
-        netdevs = tuple(NetDev(n, sysfs.read_int(f"{dev}/net/{n}/mtu", 0))
+        netdevs = tuple(NetDev(n, sysfs.read_int(f"{dev}/net/{n}/mtu", 0, optional=True))
                         for n in sysfs.listdir(f"{dev}/net"))
         nics.append(RdmaNic(name, posixpath.basename(pci) if pci else "",
                             sysfs.read_int(f"{dev}/numa_node", -1), netdevs))
@@ -218,5 +218,5 @@ def read_rdma_nics(sysfs: SysFS) -> tuple[RdmaNic, ...]:
 
 
 def irqbalance_running(sysfs: SysFS) -> bool:
-    return any(sysfs.read(f"/proc/{pid}/comm") == "irqbalance"
+    return any(sysfs.read(f"/proc/{pid}/comm", optional=True) == "irqbalance"
                for pid in sysfs.listdir("/proc") if pid.isdigit())

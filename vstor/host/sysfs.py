@@ -3,18 +3,37 @@ offline planning point elsewhere.
 
 Every path is given as the host sees it ('/sys/bus/pci/devices'); `SysFS`
 joins it to its root.  The kernel's sysfs symlinks are relative, so a captured
-or synthetic tree resolves them inside the root too.  Reads tolerate a device
-vanishing between a listdir and a read (ENOENT/ENODEV), and attributes the
-kernel refuses to show (EINVAL/EIO/EACCES): they return the default.
+or synthetic tree resolves them inside the root too.
+
+A path that is not there (never was on this kernel, or a device that vanished
+between a listdir and a read: ENOENT/ENODEV/ENXIO/ENOTDIR) reads as the
+default: absence is an answer.  A read the kernel refuses (EACCES/EPERM, or
+EIO/EINVAL from a driver) is not: vstor decides what is safe to take from
+what it reads, so it raises Unreadable (exit 4) and the action is refused.
+A read that decides nothing (a model name, a hostname) says `optional=True`
+and gets the default instead.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 
-_GONE = (errno.ENOENT, errno.ENODEV, errno.ENXIO, errno.EINVAL, errno.EIO,
-         errno.EACCES, errno.EPERM, errno.ENOTDIR)
+from vstor.errors import Unavailable
+
+_GONE = (errno.ENOENT, errno.ENODEV, errno.ENXIO, errno.ENOTDIR)
+_REFUSED_OPTIONAL = (errno.EACCES, errno.EPERM, errno.EIO, errno.EINVAL)
+
+
+class Unreadable(Unavailable):
+    """The host refused a read vstor needs: never taken as "nothing there"."""
+
+
+def _refused(host_path: str, e: OSError) -> Unreadable:
+    hint = ("run vstor as root" if e.errno in (errno.EACCES, errno.EPERM)
+            else "check the device and the kernel log (dmesg)")
+    return Unreadable(f"cannot read {host_path}: {e.strerror}", hint=hint)
 
 
 class SysFS:
@@ -35,7 +54,7 @@ class SysFS:
         if self.record is not None:
             self.record.add(host_path)
 
-    def read(self, host_path: str, default: str | None = None) -> str | None:
+    def read(self, host_path: str, default: str | None = None, optional: bool = False) -> str | None:
         self._touch(host_path)
         try:
             with open(self.path(host_path), "rb") as f:
@@ -43,10 +62,13 @@ class SysFS:
         except OSError as e:
             if e.errno in _GONE or isinstance(e, IsADirectoryError):
                 return default
-            raise
+            if optional and e.errno in _REFUSED_OPTIONAL:
+                return default
+            raise _refused(host_path, e) from None
 
-    def read_int(self, host_path: str, default: int | None = None, base: int = 10) -> int | None:
-        text = self.read(host_path)
+    def read_int(self, host_path: str, default: int | None = None, base: int = 10,
+                 optional: bool = False) -> int | None:
+        text = self.read(host_path, optional=optional)
         if text is None or text == "":
             return default
         try:
@@ -61,15 +83,23 @@ class SysFS:
         except OSError as e:
             if e.errno in _GONE:
                 return []
-            raise
+            raise _refused(host_path, e) from None
+
+    def _stat(self, host_path: str, follow: bool):
+        self._touch(host_path)
+        try:
+            return os.stat(self.path(host_path), follow_symlinks=follow)
+        except OSError as e:
+            if e.errno in _GONE or e.errno == errno.ELOOP:
+                return None
+            raise _refused(host_path, e) from None
 
     def exists(self, host_path: str) -> bool:
-        self._touch(host_path)
-        return os.path.lexists(self.path(host_path))
+        return self._stat(host_path, follow=False) is not None
 
     def is_dir(self, host_path: str) -> bool:
-        self._touch(host_path)
-        return os.path.isdir(self.path(host_path))
+        st = self._stat(host_path, follow=True)
+        return st is not None and stat.S_ISDIR(st.st_mode)
 
     def link_name(self, host_path: str) -> str | None:
         """The last component of a symlink's target ('driver' -> 'nvme')."""
@@ -77,9 +107,9 @@ class SysFS:
         try:
             return os.path.basename(os.readlink(self.path(host_path)))
         except OSError as e:
-            if e.errno in _GONE:
+            if e.errno in _GONE or e.errno == errno.EINVAL:     # EINVAL: not a link
                 return None
-            raise
+            raise _refused(host_path, e) from None
 
     def resolve(self, host_path: str) -> str | None:
         """The host path a symlinked path really is, or None if it is gone."""

@@ -71,7 +71,22 @@ class StateDir:
             return
         self._ensure()
         with flocked(os.path.join(self.path, "lock"), f"{self.path}/lock", timeout, create=True):
+            if not dry_run:
+                self._drop_temporaries()
             yield self
+
+    def _drop_temporaries(self) -> None:
+        """Every save happens under the lock, so a temporary file found by
+        the lock's holder is what a killed writer left: its record (the
+        file it was to replace) is still whole.  Only names save() makes."""
+        try:
+            names = os.listdir(self.domains)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.endswith(".json.tmp") and is_safe_name(name[:-9]):
+                with contextlib.suppress(OSError):      # a directory there is not save()'s
+                    os.unlink(os.path.join(self.domains, name))
 
     def _file(self, key: str) -> str:
         if not is_safe_name(key):

@@ -254,7 +254,10 @@ def _check_no_other_writer(export: QsdExport) -> None:
         if not argv or os.path.basename(argv[0]) != "qemu-storage-daemon":
             continue
         opts = dict(o.split("=", 1) for o in _export_opts(argv) if "=" in o)
-        if "filename" not in opts or not files.same_file(mine, opts["filename"]):
+        if "filename" not in opts:
+            continue
+        # A relative filename is the daemon's own cwd's, not ours.
+        if not files.same_file(mine, os.path.join(f"/proc/{p}/cwd", opts["filename"])):
             continue
         if export.readonly and opts.get("writable") == "off":
             continue        # readers share

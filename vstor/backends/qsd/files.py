@@ -8,7 +8,7 @@ import os
 import stat
 
 from vstor.backends.qsd.export import QsdExport
-from vstor.errors import BadInput
+from vstor.errors import BadInput, Unavailable
 
 
 def check_source(export: QsdExport) -> None:
@@ -42,10 +42,15 @@ def direct_works(path: str) -> bool:
 
 
 def same_file(st: os.stat_result, path: str) -> bool:
+    """Is `path` the file `st` is?  A path that is gone is not; one vstor
+    cannot look at is a refusal, never "not the same"."""
     try:
         other = os.stat(path)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return False
+    except OSError as e:
+        raise Unavailable(f"cannot tell whether {path} is the same file: {e.strerror}",
+                          hint="run vstor as root") from None
     if stat.S_ISBLK(st.st_mode) and stat.S_ISBLK(other.st_mode):
         return st.st_rdev == other.st_rdev
     return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
