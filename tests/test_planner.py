@@ -137,6 +137,55 @@ def test_hugepages_promised_to_stopped_domains_count_but_running_ones_do_not(hos
     plan_domain(host, SPDK_CFG, req, Ledger([Holding.from_plan(other, active=True)]))
 
 
+# -- ordinary memory bound to a node (VMs without hugepages) ----------------------------------
+# two-socket: each node has 192 GiB, 48 GiB of it in hugepage pools (8192 x 2 MiB, 32 x 1 GiB),
+# and [memory] reserved keeps 1 GiB for the host: 143 GiB for VMs bound to the node.
+
+def test_a_strict_vm_larger_than_its_node_is_refused(host_model):
+    message = refused(host_model("two-socket"), Config(),
+                      request(qsd_file(), vm="<vstor:vm cpus='shared'/>", memory_mib=256 * 1024))
+    assert ("has 146432 MiB of memory left for VMs outside its hugepage pools (196608 MiB, 49152 MiB "
+            "in hugepage pools, 1024 MiB kept for the host, 0 MiB bound to other domains); the VM "
+            "needs 262144 MiB") in message
+
+
+def test_vms_bound_to_a_node_are_counted_running_or_not(host_model):
+    host = host_model("two-socket")
+    big = dict(vm="<vstor:vm cpus='shared'/>", memory_mib=60 * 1024)
+    held = []
+    for i, active in enumerate((True, False)):
+        plan = plan_domain(host, Config(), request(nvme(("0000:5e:00.0", "0000:60:00.0")[i]),
+                                                   name=f"m{i}", **big), Ledger(held))
+        assert plan.node == 1 and plan.hugepage_kib is None
+        held.append(Holding.from_plan(plan, active=active))
+    message = refused(host, Config(), request(nvme("0000:5f:00.0"), name="m2", **big), Ledger(held))
+    assert "node 1 has 23552 MiB of memory left" in message and "122880 MiB bound to other domains" in message
+    # preferred falls back to the other node; none binds nothing and is not counted
+    spill = plan_domain(host, Config(), request(nvme("0000:5f:00.0"), name="m2", vm="<vstor:vm cpus='shared' "
+                                                "numa='preferred'/>", memory_mib=60 * 1024), Ledger(held))
+    assert spill.node == 0
+    free = plan_domain(host, Config(), request(nvme("0000:5f:00.0"), name="m2", vm="<vstor:vm cpus='shared' "
+                                               "numa='none'/>", memory_mib=60 * 1024), Ledger(held))
+    assert Holding.from_plan(free).memory is None
+    # hugepage-backed memory comes from the pools, not from here
+    paged = plan_domain(host, Config(), request(nvme("0000:5f:00.0"), name="m2", vm="<vstor:vm cpus='shared' "
+                                                "hugepages='1G'/>", memory_mib=30 * 1024), Ledger(held))
+    assert paged.node == 1 and Holding.from_plan(paged).memory is None
+
+
+def test_the_host_reserve_is_configurable(host_model, tmp_path):
+    from vstor.config import load
+    conf = tmp_path / "c.conf"
+    conf.write_text("[memory]\nreserved = 16384\n")
+    cfg = load(str(conf))
+    assert cfg.memory_reserved_mib == 16384
+    assert "16384 MiB kept for the host" in refused(host_model("two-socket"), cfg, request(
+        qsd_file(), vm="<vstor:vm cpus='shared'/>", memory_mib=140 * 1024))
+    conf.write_text("[memory]\nreserved = 1G\n")
+    with pytest.raises(BadInput, match=r"\[memory\] reserved must be a whole number of MiB, not '1G'"):
+        load(str(conf))
+
+
 def test_a_controller_passed_through_elsewhere_is_refused_with_its_owner(host_model):
     host = host_model("two-socket")
     owner = plan_domain(host, SPDK_CFG, request(nvme("0000:60:00.0", mode="passthrough"), name="db"), Ledger())
@@ -281,3 +330,27 @@ def test_a_block_source_vstor_cannot_see_is_refused_not_assumed_free(host_model)
         with pytest.raises(BadInput, match="cannot tell whether the host uses it"):
             plan_domain(host_model("nvme-root"), Config(),
                         request(f"<vstor:disk target='vdb'><vstor:block path='{path}'/></vstor:disk>"), Ledger())
+
+
+def test_start_refuses_memory_the_running_domains_hold_on_the_node(host_model):
+    from vstor.planner import fit
+    host = host_model("two-socket")
+    big = dict(vm="<vstor:vm cpus='shared'/>", memory_mib=60 * 1024)
+    req = request(nvme("0000:5f:00.0"), **big)
+    plan = plan_domain(host, Config(), req, Ledger())      # planned while node 1 was empty
+    running = [Holding.from_plan(plan_domain(host, Config(), request(nvme(a), name=n, **big), Ledger()),
+                                 active=True) for a, n in (("0000:5e:00.0", "r0"), ("0000:60:00.0", "r1"))]
+    assert fit.problems(host, Config(), req, plan, Ledger(running[:1])) == []
+    (problem,) = fit.problems(host, Config(), req, plan, Ledger(running))
+    assert problem.startswith("node 1 has 23552 MiB of memory left for VMs")
+
+
+def test_the_reason_no_host_change_can_fix_comes_first(host_model):
+    """Passthrough of the root disk's controller for a VM larger than the free
+    hugepages: the root filesystem is the reason, not the hugepage pool."""
+    message = refused(host_model("nvme-root"), Config(pci_blocked=("0000:01:00.0",)), request(
+        nvme("0000:01:00.0", mode="passthrough"), vm="<vstor:vm hugepages='2M'/>", memory_mib=64 * 1024))
+    first = message.split("cannot be passed through: ", 1)[1]
+    assert first.startswith("0000:01:00.0 holds the host's root filesystem")
+    assert first.index("PCI_BLOCKED") < first.index("mounted at /boot")
+    assert "hugepages" not in message

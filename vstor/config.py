@@ -22,6 +22,7 @@ _KEYS = {
     "qemu": {"user", "group"},
     "spdk": {"rpc_socket", "timeout"},
     "pci": {"allowed", "blocked"},
+    "memory": {"reserved"},
     "vhost": {"default_backend"},
     "nvmf": {"hostnqn", "ctrlr_loss_timeout_sec", "reconnect_delay_sec",
              "fast_io_fail_timeout_sec"},
@@ -49,6 +50,9 @@ class Config:
     ctrlr_loss_timeout_sec: int = 60
     reconnect_delay_sec: int = 5
     fast_io_fail_timeout_sec: int = 30
+    # MiB of each node's memory outside its hugepage pools that no VM is
+    # planned into: the host's own (kernel, libvirtd, QEMU's overhead, SPDK).
+    memory_reserved_mib: int = 1024
     source: str = field(default="(defaults)", compare=False)
 
 
@@ -120,6 +124,8 @@ def _build(v: dict, path: str) -> Config:
             kw[key] = _int(v[(section, key)], f"[{section}] {key}", path)
     if ("spdk", "timeout") in v:
         kw["spdk_timeout"] = float(_int(v[("spdk", "timeout")], "[spdk] timeout", path))
+    if ("memory", "reserved") in v:
+        kw["memory_reserved_mib"] = _int(v[("memory", "reserved")], "[memory] reserved", path, "MiB")
     return Config(**kw)
 
 
@@ -137,9 +143,9 @@ def _cpus(value: str, what: str, path: str) -> tuple[int, ...]:
                        hint="write it like 0-1,32-33") from None
 
 
-def _int(value: str, what: str, path: str) -> int:
-    if not value.isdigit():
-        raise BadInput(f"{path}: {what} must be a whole number of seconds, not '{value}'")
+def _int(value: str, what: str, path: str, unit: str = "seconds") -> int:
+    if not (value.isascii() and value.isdigit()) or len(value) > 9:
+        raise BadInput(f"{path}: {what} must be a whole number of {unit}, not '{value}'")
     return int(value)
 
 

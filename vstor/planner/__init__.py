@@ -19,7 +19,8 @@ from vstor.meta.metadata import digest
 from vstor.meta.names import bdev_name, socket_path, spdk_controller_name
 from vstor.meta.plan import DiskPlan, Plan
 from vstor.planner.disks import DiskChoice, NoFit, attach_paths, choose_all
-from vstor.planner.placement import CpuPlacement, dedicated_pool, place_cpus, place_hugepages, place_reactor
+from vstor.planner.placement import (CpuPlacement, dedicated_pool, place_cpus, place_hugepages,
+                                     place_memory, place_reactor)
 
 _PAGE_KIB = {"2M": 2048, "1G": 1048576}
 
@@ -112,6 +113,10 @@ def _place_on(host, cfg, req, choices, ledger, node_id, page_kib):
         pages = place_hugepages(node, page_kib, req.memory_kib, ledger)
         if isinstance(pages, NoFit):
             return pages
+    elif req.intent.vm.numa != "none":
+        short = place_memory(cfg, node, req.memory_kib, ledger)
+        if short:
+            return short
     reactors: dict[str, tuple[int, str]] = {}
     load = Counter(ledger.reactor_load)
     for c in choices:

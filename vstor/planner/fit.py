@@ -23,7 +23,8 @@ from vstor.meta.plan import Plan
 from vstor.planner import Request, candidate_nodes, page_size, disk_plan
 from vstor.planner.disks import NoFit, choose_all
 from vstor.planner.ledger import Ledger
-from vstor.planner.placement import cpu_problems, place_cpus, place_hugepages, reactor_candidates
+from vstor.planner.placement import (cpu_problems, place_cpus, place_hugepages, place_memory,
+                                     reactor_candidates)
 
 _MODES = {("passthrough", "vfio"), ("vhost", "spdk"), ("vhost", "qsd")}
 
@@ -56,7 +57,7 @@ def problems(host: Host, cfg: Config, req: Request, plan: Plan, running: Ledger)
         return out
     node = host.node(plan.node)
     out += _cpus(host, cfg, req, plan, node, running)
-    out += _memory(req, plan, node, choices, running)
+    out += _memory(cfg, req, plan, node, choices, running)
     out += _reactors(cfg, plan, node)
     return out
 
@@ -140,13 +141,16 @@ def _cpus(host: Host, cfg: Config, req: Request, plan: Plan, node, running: Ledg
     return []
 
 
-def _memory(req: Request, plan: Plan, node, choices, running: Ledger) -> list[str]:
+def _memory(cfg: Config, req: Request, plan: Plan, node, choices, running: Ledger) -> list[str]:
     page_kib = page_size(req, choices)
     if plan.hugepage_kib != page_kib:
         return [f"the plan has {plan.hugepage_kib or 'no'} KiB hugepages, the metadata and disks "
                 f"ask for {page_kib or 'none'}"]
     if not page_kib:
-        return [] if plan.hugepages == 0 else [f"the plan holds {plan.hugepages} hugepages without a size"]
+        if plan.hugepages != 0:
+            return [f"the plan holds {plan.hugepages} hugepages without a size"]
+        short = place_memory(cfg, node, req.memory_kib, running) if plan.numa != "none" else None
+        return [short.reason] if short else []
     pages = place_hugepages(node, page_kib, req.memory_kib, running)
     if isinstance(pages, NoFit):
         return [pages.reason]

@@ -24,6 +24,7 @@ class Holding:
     cpus: frozenset[int]              # dedicated vCPU cores and reserved siblings
     reactors: tuple[int, ...]
     hugepages: tuple[int, int, int] | None   # (node, page KiB, count)
+    memory: tuple[int, int] | None    # (node, KiB) of ordinary memory bound to a node
     passthrough: frozenset[str]       # PCI addresses handed to the guest
     spdk_controllers: frozenset[str]  # local PCI addresses SPDK attaches for it
     volumes: frozenset[tuple[str, bool]]  # (volume key, read-only)
@@ -34,11 +35,14 @@ class Holding:
         pages = None
         if plan.hugepage_kib and plan.hugepages and plan.node is not None:
             pages = (plan.node, plan.hugepage_kib, plan.hugepages)
+        memory = None
+        if not plan.hugepage_kib and plan.numa != "none" and plan.node is not None:
+            memory = (plan.node, plan.memory_kib)
         return cls(
             domain=plan.domain, uuid=plan.uuid, active=active, node=plan.node,
             cpus=plan.dedicated_cpus,
             reactors=tuple(d.reactor for d in plan.disks if d.reactor is not None),
-            hugepages=pages,
+            hugepages=pages, memory=memory,
             passthrough=frozenset(d.controller for d in plan.disks
                                   if d.mode == "passthrough" and d.controller),
             spdk_controllers=frozenset(d.controller for d in plan.disks
@@ -60,6 +64,7 @@ class Ledger:
         self.volumes: dict[str, list[tuple[str, bool]]] = {}
         self.sockets: dict[str, str] = {}
         self._pages: Counter[tuple[int, int]] = Counter()
+        self._bound: Counter[int] = Counter()
         for h in self.holdings:
             self._index(h)
 
@@ -78,6 +83,10 @@ class Ledger:
         if h.hugepages and not h.active:
             node, size, count = h.hugepages
             self._pages[(node, size)] += count
+        if h.memory:
+            # Running or not: ordinary memory is counted against the node's
+            # size, not its free memory (which the page cache moves).
+            self._bound[h.memory[0]] += h.memory[1]
 
     def without(self, domain: str, uuid: str | None = None) -> "Ledger":
         """The ledger minus the domain being planned (re-planning is not a conflict)."""
@@ -92,6 +101,10 @@ class Ledger:
         free pool, but spoken for."""
         return self._pages[(node, size_kib)]
 
+    def bound_memory_kib(self, node: int) -> int:
+        """Ordinary (not hugepage) memory the domains hold bound to `node`."""
+        return self._bound[node]
+
     def volume_conflict(self, key: str, readonly: bool) -> str | None:
         """The domain that already writes (or would be written under) this volume."""
         for domain, ro in self.volumes.get(key, ()):
@@ -103,6 +116,7 @@ class Ledger:
 def holding_to_json(h: Holding) -> dict:
     return {"domain": h.domain, "uuid": h.uuid, "node": h.node, "cpus": sorted(h.cpus),
             "reactors": list(h.reactors), "hugepages": list(h.hugepages) if h.hugepages else None,
+            "memory": list(h.memory) if h.memory else None,
             "passthrough": sorted(h.passthrough), "spdk_controllers": sorted(h.spdk_controllers),
             "volumes": sorted([k, ro] for k, ro in h.volumes), "sockets": sorted(h.sockets)}
 
@@ -111,6 +125,7 @@ def holding_from_json(d: dict, active: bool = True) -> Holding:
     return Holding(domain=d["domain"], uuid=d.get("uuid"), active=active, node=d.get("node"),
                    cpus=frozenset(d.get("cpus", ())), reactors=tuple(d.get("reactors", ())),
                    hugepages=tuple(d["hugepages"]) if d.get("hugepages") else None,
+                   memory=tuple(d["memory"]) if d.get("memory") else None,
                    passthrough=frozenset(d.get("passthrough", ())),
                    spdk_controllers=frozenset(d.get("spdk_controllers", ())),
                    volumes=frozenset((k, ro) for k, ro in d.get("volumes", ())),

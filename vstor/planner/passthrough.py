@@ -19,13 +19,16 @@ USERSPACE_DRIVERS = ("vfio-pci", "uio_pci_generic", "igb_uio")
 def check_passthrough(ctrl: NvmeController, *, iommu_enabled: bool, vfio_available: bool,
                       pci_allowed: tuple[str, ...], pci_blocked: tuple[str, ...],
                       spdk_owned: bool) -> tuple[str, ...]:
-    """Why `ctrl` cannot go to vfio-pci now, one reason with its fix each;
-    () when it can."""
-    reasons = [_usage_reason(ns.name, why) for ns in ctrl.namespaces for why in ns.in_use]
+    """Why `ctrl` cannot go to vfio-pci now, one reason with its fix each,
+    the most important first (what no change on the host can fix, then the
+    operator's lists, then what the host uses, then the platform); () when
+    it can."""
+    reasons = []
     if ctrl.backs_root:
         reasons.append(f"{ctrl.address} holds the host's root filesystem: the host would "
                        "lose its root disk; choose another controller")
     reasons += _pci_list_reasons(ctrl.address, pci_allowed, pci_blocked)
+    reasons += [_usage_reason(ns.name, why) for ns in ctrl.namespaces for why in ns.in_use]
     if not iommu_enabled:
         reasons.append("the IOMMU is off: add intel_iommu=on iommu=pt (or amd_iommu=on) "
                        "to the kernel command line and reboot")

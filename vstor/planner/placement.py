@@ -136,6 +136,23 @@ def place_hugepages(node: NumaNode, size_kib: int, memory_kib: int,
     return count
 
 
+def place_memory(cfg: Config, node: NumaNode, memory_kib: int, ledger: Ledger) -> None | NoFit:
+    """Room on the node for a VM's ordinary memory bound there: the node's
+    memory outside its hugepage pools, less what the host keeps ([memory]
+    reserved) and what the ledger's domains hold bound to it."""
+    pools = sum(p.total * p.size_kib for p in node.hugepages)
+    reserved = cfg.memory_reserved_mib * 1024
+    held = ledger.bound_memory_kib(node.id)
+    room = node.memory_kib - pools - reserved - held
+    if memory_kib <= room:
+        return None
+    mib = lambda kib: f"{max(kib, 0) // 1024} MiB"     # noqa: E731
+    return NoFit(f"node {node.id} has {mib(room)} of memory left for VMs outside its hugepage "
+                 f"pools ({mib(node.memory_kib)}, {mib(pools)} in hugepage pools, {mib(reserved)} "
+                 f"kept for the host, {mib(held)} bound to other domains); the VM needs "
+                 f"{mib(memory_kib)} (use hugepages, numa='none', or another host)")
+
+
 def reactor_candidates(cfg: Config, node: NumaNode | None, strict: bool):
     """The reactor cores a vhost controller of a VM on `node` may use, with a
     note when they are off the node; or NoFit."""
