@@ -181,3 +181,9 @@ def test_host_show_and_capture_round_trip(host_layout, cfg, tmp_path):
     subprocess.run(["tar", "-xzf", str(tarball), "-C", str(extracted)], check=True)
     again = vstor("--host-root", str(extracted), "host", "show", check_code=0).stdout
     assert again == shown
+
+
+def test_a_control_character_in_a_message_is_shown_escaped_never_a_second_line():
+    from vstor.errors import BadInput
+    assert str(BadInput("domain 'a\nb'", hint="x\x1b[2J\u2028")) == "domain 'a\\nb' (x\\x1b[2J\\u2028)"
+    assert str(BadInput("naïve é")) == "naïve é"

@@ -24,9 +24,16 @@ class VstorError(Exception):
         self.hint = hint
 
     def __str__(self) -> str:
-        if self.hint:
-            return f"{self.message} ({self.hint})"
-        return self.message
+        text = f"{self.message} ({self.hint})" if self.hint else self.message
+        return one_line(text)
+
+
+def one_line(text: str) -> str:
+    """Control characters (a newline in a domain name, an escape sequence in a
+    path) shown escaped: a message stays one line on a terminal and in syslog."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class BadInput(VstorError):

@@ -11,12 +11,12 @@ import syslog
 
 from vstor import config as config_mod
 from vstor.meta.document import Domain
-from vstor.errors import EXIT_ERROR, VstorError
+from vstor.errors import EXIT_ERROR, VstorError, one_line
 
 
 def log(domain: str, message: str, priority=syslog.LOG_INFO) -> None:
     syslog.openlog("vstor", syslog.LOG_PID, syslog.LOG_DAEMON)
-    syslog.syslog(priority, f"{domain}: {message}")
+    syslog.syslog(priority, one_line(f"{domain}: {message}"))
 
 
 def run(argv: list[str], xml: bytes) -> int:
@@ -35,7 +35,7 @@ def run(argv: list[str], xml: bytes) -> int:
         return e.exit_code
     except Exception as e:      # never a traceback into libvirt's error message
         log(name, f"{op} failed: {type(e).__name__}: {e}", syslog.LOG_ERR)
-        print(f"vstor: internal error in {op}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(one_line(f"vstor: internal error in {op}: {type(e).__name__}: {e}"), file=sys.stderr)
         return EXIT_ERROR
 
 

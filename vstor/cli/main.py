@@ -7,7 +7,7 @@ import os
 import sys
 
 from vstor import __version__
-from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError
+from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError, one_line
 from vstor.cli import domains, hostcmds, runtime
 from vstor.cli.context import Context
 
@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:   # a bug: still one line, the traceback on request
         if os.environ.get("VSTOR_DEBUG"):
             raise
-        print(f"vstor: internal error: {type(e).__name__}: {e} "
-              "(run with VSTOR_DEBUG=1 for a traceback)", file=sys.stderr)
+        print(one_line(f"vstor: internal error: {type(e).__name__}: {e} "
+                       "(run with VSTOR_DEBUG=1 for a traceback)"), file=sys.stderr)
         return EXIT_ERROR
 
 
