@@ -79,6 +79,12 @@ def test_short_pci_address_is_normalised():
      ["subnqn='cnode1'", "qualified name"]),
     ("<vstor:disk target='vdb'><vstor:nvmf transport='fc' traddr='1.2.3.4' subnqn='nqn.x:y'/></vstor:disk>",
      ["transport='fc'", "rdma, tcp"]),
+    ("<vstor:disk target='vdb'><vstor:nvmf transport='rdma' traddr='1.2.3.4' subnqn='nqn.x:\u00a0y'/></vstor:disk>",
+     ["qualified name (ASCII, at most 223 bytes)"]),
+    ("<vstor:disk target='vdb'><vstor:nvmf transport='rdma' traddr='1.2.3.4' subnqn='nqn." + "é" * 200 + "'/></vstor:disk>",
+     ["qualified name"]),
+    ("<vstor:disk target='vdb'><vstor:nvmf transport='rdma' traddr='1.2.3.4' subnqn='nqn." + "x" * 220 + "'/></vstor:disk>",
+     ["qualified name"]),
     ("<vstor:disk target='vdb'><vstor:nvmf transport='rdma' subnqn='nqn.x:y'/></vstor:disk>", ["no traddr"]),
     ("<vstor:disk target='vdb'><vstor:file path='/a'/><vstor:extra/></vstor:disk>", ["unexpected element <extra>"]),
 ])

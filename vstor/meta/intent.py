@@ -24,7 +24,8 @@ ABSPATH = Text(f"(/{_SEG})+", "is not a clean absolute path", _PATH_HINT, max_le
 DEVPATH = Text(f"/dev(/{_SEG})+", "is not under /dev (or not a clean path)",
                "use <vstor:file> for a regular file; " + _PATH_HINT, max_length=4095)
 ADDR = Text(r"[0-9A-Za-z.:_\-]{1,255}", "is not an address", "an IPv4/IPv6 address or host name")
-NQN = Text(r"nqn\.\S{1,218}", "is not an NVMe qualified name", "like nqn.2016-06.io.spdk:cnode1")
+NQN = Text(r"nqn\.[!-~]{1,219}", "is not an NVMe qualified name (ASCII, at most 223 bytes)",
+           "like nqn.2016-06.io.spdk:cnode1")
 NIC = Text(r"[A-Za-z0-9_.\-]{1,64}", "is not an RDMA device name", "like mlx5_0")
 NSID = Int(1, 2**32 - 1)
 PORT = Int(1, 65535)
