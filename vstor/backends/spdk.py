@@ -185,11 +185,13 @@ class SpdkClient:
             "trsvcid": trsvcid, "subnqn": subnqn})
 
     def get_nvme_controllers(self, name: str | None = None) -> list[dict]:
-        # Unknown name: current SPDK answers code +22 (EINVAL, positive)
-        # "Controller X does not exist"; older releases answered
-        # -32602 "Invalid parameters" (module/bdev/nvme/bdev_nvme_rpc.c).
+        # Unknown name (module/bdev/nvme/bdev_nvme_rpc.c): "Controller X does
+        # not exist" with -EINVAL since v26.05 (recorded from v26.09-pre),
+        # +EINVAL before; -32602 "Invalid parameters" in older releases.
+        gone = "Controller {name} does not exist"
         return self._lookup("bdev_nvme_get_controllers", {"name": name},
-                            {(errno.EINVAL, None), (INVALID_PARAMS, "Invalid parameters")})
+                            {(-errno.EINVAL, gone), (errno.EINVAL, gone),
+                             (INVALID_PARAMS, "Invalid parameters")})
 
     def vhost_create_blk_controller(self, ctrlr: str, dev_name: str, cpumask: str | None = None,
                                     readonly: bool | None = None,
@@ -247,13 +249,14 @@ class SpdkClient:
         try:
             return self.call(method, params) or []
         except SpdkRpcError as e:
-            if params.get("name") is not None and _matches(e, not_found):
+            if params.get("name") is not None and _matches(e, not_found, params["name"]):
                 return []
             raise
 
 
-def _matches(e: SpdkRpcError, answers: set[tuple[int, str | None]]) -> bool:
-    return any(e.code == code and (message is None or e.rpc_message == message)
+def _matches(e: SpdkRpcError, answers: set[tuple[int, str | None]], name: str) -> bool:
+    """`message` None: any message; else the exact text, with {name} the name asked for."""
+    return any(e.code == code and (message is None or e.rpc_message == message.format(name=name))
                for code, message in answers)
 
 
