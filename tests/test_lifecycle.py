@@ -191,6 +191,57 @@ def test_nvmf_paths_are_attached_as_multipath_and_shared_until_the_last_user(env
     assert env.spdk.nvme == {} and env.state.records() == []
 
 
+def test_two_targets_that_reuse_an_nqn_get_two_controllers_and_their_own_namespaces(env):
+    """SPDK's example NQN on two targets: each domain gets a controller to the
+    target it named, never the other target's namespace of the same number."""
+    env.spdk.add_fabric("RDMA", "192.168.102.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
+    one = ("<vstor:disk target='vdb' backend='spdk'><vstor:nvmf transport='rdma' traddr='{addr}' "
+           "subnqn='nqn.2016-06.io.spdk:cnode1' namespace='2'/></vstor:disk>")
+    a = domain(env, one.format(addr="192.168.100.8"), name="a")
+    from vstor.planner.ledger import Holding
+    b = domain(env, one.format(addr="192.168.102.8"), name="b",
+               ledger=Ledger([Holding.from_plan(a.recorded_plan())]))
+    pa, pb = a.recorded_plan().disks[0], b.recorded_plan().disks[0]
+    assert pa.spdk_controller != pb.spdk_controller
+    prepare(env.rt(), env.state, env.host(), a)
+    prepare(env.rt(), env.state, env.host(), b)
+    served = {v.name: v.bdev for v in env.spdk.vhost.values()}
+    assert served == {"a-vdb": f"{pa.spdk_controller}n2", "b-vdb": f"{pb.spdk_controller}n2"}
+    addrs = {c["name"]: c["traddr"] for c in env.spdk.params_of("bdev_nvme_attach_controller")}
+    assert addrs == {pa.spdk_controller: "192.168.100.8", pb.spdk_controller: "192.168.102.8"}
+    release(env.rt(), env.state, "a")
+    release(env.rt(), env.state, "b")
+    assert env.spdk.nvme == {}
+
+
+def test_a_multipath_domain_gets_every_path_of_its_controller(env):
+    """A controller of that name left with one path (an interrupted run, a
+    path SPDK dropped) gets the missing one; one with a path the plan does not
+    have is refused, never merged."""
+    from vstor.runtime import actions, steps as executor
+    dom = domain(env, nvmf(1))
+    attach = next(a for a in actions.build(dom.recorded_plan(), env.cfg) if a.kind == "spdk-attach")
+    env.spdk.requests.clear()
+    first = attach.paths[0].params(attach.name)
+    client = env.rt().spdk()
+    client.attach_nvme_controller(**first)
+    assert "lost its path RDMA 192.168.101.8:4420" in executor.check(attach, env.rt())
+    prepare(env.rt(), env.state, env.host(), dom)
+    assert [c["traddr"] for c in env.spdk.params_of("bdev_nvme_attach_controller")] == [
+        "192.168.100.8", "192.168.101.8"]
+    assert executor.check(attach, env.rt()) is None
+    release(env.rt(), env.state, "vm1")
+    assert attach.name in env.spdk.nvme         # vstor did not make it: it stays
+    client.detach_nvme_controller(attach.name)
+    env.spdk.add_fabric("RDMA", "192.168.109.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
+    client.attach_nvme_controller(**first)
+    client.attach_nvme_controller(**{**first, "traddr": "192.168.109.8"})
+    with pytest.raises(ActionFailed, match="has a path the plan does not: RDMA 192.168.109.8:4420"):
+        prepare(env.rt(), env.state, env.host(), dom)
+    assert env.state.records() == [] and attach.name in env.spdk.nvme     # refused, and left alone
+    client.detach_nvme_controller(attach.name)
+
+
 # -- passthrough and the checks at start ---------------------------------------------------------
 
 def test_passthrough_binds_and_gives_the_controller_back(env):

@@ -354,3 +354,38 @@ def test_the_reason_no_host_change_can_fix_comes_first(host_model):
     assert first.startswith("0000:01:00.0 holds the host's root filesystem")
     assert first.index("PCI_BLOCKED") < first.index("mounted at /boot")
     assert "hugepages" not in message
+
+
+def nvmf_at(addr, nsid=1, target="vdb", paths=(), reconnect="", **attrs):
+    a = " ".join(f"{k}='{v}'" for k, v in attrs.items())
+    more = "".join(f"<vstor:path traddr='{p}'/>" for p in paths)
+    return (f"<vstor:disk target='{target}' {a}><vstor:nvmf transport='rdma' traddr='{addr}' "
+            f"subnqn='nqn.2016-06.io.spdk:cnode1' namespace='{nsid}'>{more}{reconnect}</vstor:nvmf></vstor:disk>")
+
+
+def test_a_remote_controller_is_named_by_everything_that_makes_it_a_connection(host_model):
+    host = host_model("two-socket")
+
+    def ctrl(disk):
+        return plan_domain(host, SPDK_CFG, request(disk), Ledger()).disks[0].spdk_controller
+    base = ctrl(nvmf_at("192.168.100.8"))
+    assert ctrl(nvmf_at("192.168.100.8", nsid=2)) == base          # namespaces share a controller
+    others = [nvmf_at("192.168.102.8"),                              # another target, same NQN
+              nvmf_at("192.168.100.8", paths=("192.168.101.8",)),    # multipath
+              nvmf_at("192.168.100.8", reconnect="<vstor:reconnect ctrlr_loss_timeout='5'/>")]
+    names = [ctrl(d) for d in others]
+    assert base not in names and len(set(names)) == len(names)
+    assert ctrl(nvmf_at("192.168.100.8").replace("subnqn=", "hostnqn='nqn.2016-06.io.spdk:h2' subnqn=")) != base
+
+
+def test_two_writers_of_one_remote_namespace_are_refused_on_any_shared_path(host_model):
+    host = host_model("two-socket")
+    a = plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", paths=("192.168.101.8",)), name="a"),
+                    Ledger())
+    held = Ledger([Holding.from_plan(a)])
+    assert "already used by domain 'a'" in refused(host, SPDK_CFG, request(nvmf_at("192.168.101.8")), held)
+    # the same NQN on another target is another namespace; readers share
+    plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.102.8")), held)
+    plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", nsid=2)), held)
+    ro = plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", readonly="yes"), name="r"), Ledger())
+    plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", readonly="yes")), Ledger([Holding.from_plan(ro)]))

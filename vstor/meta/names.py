@@ -4,6 +4,7 @@ keys, socket paths, SPDK controller names.  Pure."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 
@@ -35,13 +36,19 @@ def normalise_bdf(text: str) -> str:
     return f"{domain or '0000'}:{bus}:{slot}.{fn}"
 
 
-def volume_key(source) -> str:
-    """What two writers must never share, as one string."""
+def volume_keys(source) -> tuple[str, ...]:
+    """What two writers must never share: two disks are the same volume when
+    they share one key.  A remote namespace has one key per path (a subsystem
+    reached at an address and port): NQNs are reused across targets in
+    practice (SPDK's example cnode1), and two multipath disks are one volume
+    when any of their paths is the same."""
     if source.kind == "nvme":
-        return f"nvme:{source.controller}/{source.namespace}"
+        return (f"nvme:{source.controller}/{source.namespace}",)
     if source.kind == "nvmf":
-        return f"nvmf:{source.subnqn}/{source.namespace}"
-    return f"{source.kind}:{source.path}"
+        paths = [(source.traddr, source.trsvcid), *((p.traddr, p.trsvcid) for p in source.paths)]
+        return tuple(f"nvmf:{source.transport}:{addr.lower()}:{port}:{source.subnqn}/{source.namespace}"
+                     for addr, port in paths)
+    return (f"{source.kind}:{source.path}",)
 
 
 def socket_path(vhost_dir: str, safe_name: str, target: str) -> str:
@@ -55,13 +62,19 @@ def socket_path(vhost_dir: str, safe_name: str, target: str) -> str:
     return path
 
 
-def spdk_controller_name(source) -> str:
-    """SPDK bdev_nvme controller name: one per local controller or remote
-    subsystem, shared by every vstor disk that uses it."""
+def spdk_controller_name(source, paths=()) -> str:
+    """SPDK bdev_nvme controller name, shared by every vstor disk that uses
+    the same controller.  A local one is named by its PCI address.  A remote
+    one by everything that makes it a different connection: every path's
+    attach parameters (transport, address, port, subsystem and host NQN,
+    multipath mode, reconnect timeouts), so two domains share a controller
+    only when all of it matches, and two targets that reuse an NQN get two
+    controllers."""
     if source.kind == "nvme":
         return "vs_" + source.controller.replace(":", "_").replace(".", "_")
-    digest = hashlib.sha1(f"{source.transport}:{source.subnqn}".encode()).hexdigest()[:12]
-    return f"vs_nvmf_{digest}"
+    identity = json.dumps([{k: v for k, v in p.params("").items() if k != "name"} for p in paths],
+                          sort_keys=True)
+    return f"vs_nvmf_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
 def bdev_name(controller: str, namespace: int) -> str:

@@ -167,9 +167,9 @@ def disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor: tuple[int, str]
     if c.mode == "vhost":
         socket = socket_path(cfg.vhost_dir, req.safe_name, d.target)
     if c.backend == "spdk":
-        spdk_ctrl = spdk_controller_name(d.source)
-        bdev = bdev_name(spdk_ctrl, d.source.namespace)
         attach = attach_paths(cfg, d.source)
+        spdk_ctrl = spdk_controller_name(d.source, attach)
+        bdev = bdev_name(spdk_ctrl, d.source.namespace)
         if reactor:
             reasons.append(reactor[1])
     return DiskPlan(

@@ -14,7 +14,7 @@ from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, NvmeController
 from vstor.meta.intent import Reconnect
-from vstor.meta.names import inside, volume_key
+from vstor.meta.names import inside, volume_keys
 from vstor.meta.plan import AttachPath
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 
@@ -71,7 +71,7 @@ def choose(host: Host, cfg: Config, vm: VmIntent, disk: DiskIntent,
     _check_combination(disk)
     kind = disk.source.kind
     if kind == "nvmf":
-        return _nvmf(host, disk)
+        return _nvmf(host, disk, ledger)
     if kind in ("file", "block"):
         return _local_volume(host, cfg, disk, ledger)
     return _nvme(host, cfg, vm, disk, ledger, taken)
@@ -89,13 +89,18 @@ def _check_combination(disk: DiskIntent) -> None:
 
 # -- NVMe-oF ------------------------------------------------------------------
 
-def _nvmf(host: Host, disk: DiskIntent) -> DiskChoice | NoFit:
+def _nvmf(host: Host, disk: DiskIntent, ledger: Ledger) -> DiskChoice | NoFit:
     src, t = disk.source, disk.target
     if disk.mode == "passthrough":
         return NoFit(f"{t}: an NVMe-oF namespace cannot be passed through (passthrough hands a "
                      "local PCIe controller to the guest); use mode='vhost'")
     if disk.backend == "qsd":
         return NoFit(f"{t}: qemu-storage-daemon has no NVMe-oF initiator; use backend='spdk'")
+    other = ledger.volume_conflict(volume_keys(src), disk.readonly)
+    if other:
+        return NoFit(f"{t}: namespace {src.namespace} of {src.subnqn} at {src.traddr}:{src.trsvcid} "
+                     f"is already used by domain '{other}'; two writers would corrupt it "
+                     "(make both readonly='yes' or pick another)")
     reasons = [f"NVMe-oF over {src.transport.upper()}: vhost-user-blk from SPDK "
                "(a remote namespace cannot be passed through)"]
     if src.paths:
@@ -138,7 +143,7 @@ def _local_volume(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger) -> 
                        f"({', '.join(cfg.images) or 'none'})",
                        hint="move it under one of them, or add its directory to [paths] images "
                             "in vstor.conf")
-    other = ledger.volume_conflict(volume_key(src), disk.readonly)
+    other = ledger.volume_conflict(volume_keys(src), disk.readonly)
     if other:
         return NoFit(f"{t}: {src.path} is already used by domain '{other}'; two writers "
                      "would corrupt it (make both readonly='yes' or pick another)")
@@ -288,7 +293,7 @@ def _spdk_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
                                  spdk_owned=False)
     if problems:
         return "SPDK's PCIe driver takes the whole controller from the kernel, but " + "; ".join(problems)
-    other = ledger.volume_conflict(volume_key(disk.source), disk.readonly)
+    other = ledger.volume_conflict(volume_keys(disk.source), disk.readonly)
     if other:
         return f"namespace {disk.source.namespace} is already served to domain '{other}'"
     return None
@@ -310,7 +315,7 @@ def _qsd_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
         return f"it has no namespace {disk.source.namespace}"
     if ns.in_use:
         return f"{ns.dev_path} is in use by the host ({'; '.join(ns.in_use)})"
-    other = ledger.volume_conflict(volume_key(disk.source), disk.readonly)
+    other = ledger.volume_conflict(volume_keys(disk.source), disk.readonly)
     if other:
         return f"{ns.dev_path} is already served to domain '{other}'"
     return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from vstor.meta.names import volume_key
+from vstor.meta.names import volume_keys
 from vstor.meta.plan import Plan
 
 
@@ -47,7 +47,7 @@ class Holding:
                                   if d.mode == "passthrough" and d.controller),
             spdk_controllers=frozenset(d.controller for d in plan.disks
                                        if d.backend == "spdk" and d.controller),
-            volumes=frozenset((volume_key(d.source), d.readonly) for d in plan.disks),
+            volumes=frozenset((key, d.readonly) for d in plan.disks for key in volume_keys(d.source)),
             sockets=frozenset(d.socket for d in plan.disks if d.socket),
         )
 
@@ -105,11 +105,13 @@ class Ledger:
         """Ordinary (not hugepage) memory the domains hold bound to `node`."""
         return self._bound[node]
 
-    def volume_conflict(self, key: str, readonly: bool) -> str | None:
-        """The domain that already writes (or would be written under) this volume."""
-        for domain, ro in self.volumes.get(key, ()):
-            if not (ro and readonly):
-                return domain
+    def volume_conflict(self, keys: tuple[str, ...], readonly: bool) -> str | None:
+        """The domain that already writes (or would be written under) this
+        volume: one that holds any of its keys."""
+        for key in keys:
+            for domain, ro in self.volumes.get(key, ()):
+                if not (ro and readonly):
+                    return domain
         return None
 
 

@@ -52,6 +52,9 @@ class SpdkAttach:
     domains that use it, detached by the last."""
     name: str
     paths: tuple[AttachPath, ...]
+    # A controller of that name was in SPDK before this step and no vstor
+    # record held it: used, never detached (vstor did not make it).
+    found: bool = False
     kind = "spdk-attach"
 
     def describe(self) -> str:
@@ -61,7 +64,8 @@ class SpdkAttach:
         return [_rpc("bdev_nvme_attach_controller", p.params(self.name)) for p in self.paths]
 
     def to_data(self) -> dict:
-        return {"name": self.name, "paths": [p.params(self.name) for p in self.paths]}
+        data = {"name": self.name, "paths": [p.params(self.name) for p in self.paths]}
+        return {**data, "found": True} if self.found else data
 
     @classmethod
     def from_data(cls, d: dict) -> "SpdkAttach":
@@ -71,7 +75,7 @@ class SpdkAttach:
             if "trsvcid" in p:
                 p["trsvcid"] = int(p["trsvcid"])
             paths.append(AttachPath(**p))
-        return cls(d["name"], tuple(paths))
+        return cls(d["name"], tuple(paths), found=d.get("found") is True)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ def observe(a, rt, others):
             return actions.with_original(a, actions.from_json(theirs).original)
         from vstor.backends import vfio
         return actions.with_original(a, vfio.plan_bind(rt.sysfs, a.address))
+    if isinstance(a, SpdkAttach) and _others_step(others, a, finished_only=False) is None:
+        return dataclasses.replace(a, found=bool(rt.spdk().get_nvme_controllers(a.name)))
     if isinstance(a, QsdExport) and a.export.kind == "file":
         return QsdExport(dataclasses.replace(a.export, source=resolve_image(a.export.source, rt.cfg.images)))
     return a
@@ -54,11 +56,7 @@ def do(a, rt) -> None:
         from vstor.backends import vfio
         vfio.bind_to_vfio(rt.sysfs, a.original or a.address)
     elif isinstance(a, SpdkAttach):
-        spdk = rt.spdk()
-        if spdk.get_nvme_controllers(a.name):
-            return      # attached already (another domain, or an interrupted run)
-        for path in a.paths:
-            spdk.attach_nvme_controller(**path.params(a.name))
+        _spdk_attach(a, rt)
     elif isinstance(a, SpdkVhost):
         _spdk_vhost(a, rt)
     elif isinstance(a, QsdExport):
@@ -77,7 +75,7 @@ def undo(a, rt, others) -> None:
         if a.original is not None:
             vfio.restore_driver(rt.sysfs, a.original)
     elif isinstance(a, SpdkAttach):
-        if _shared(others, a):
+        if a.found or _shared(others, a):
             return
         spdk = rt.spdk()
         if spdk.get_nvme_controllers(a.name):
@@ -97,8 +95,16 @@ def check(a, rt) -> str | None:
         driver = rt.sysfs.link_name(f"/sys/bus/pci/devices/{a.address}/driver")
         return None if driver == "vfio-pci" else f"{a.address} is on {driver or 'no driver'}"
     if isinstance(a, SpdkAttach):
-        return None if rt.spdk().get_nvme_controllers(a.name) else \
-            f"SPDK has no NVMe controller {a.name}"
+        found = rt.spdk().get_nvme_controllers(a.name)
+        if not found:
+            return f"SPDK has no NVMe controller {a.name}"
+        missing, foreign = _path_difference(a, found)
+        if foreign:
+            return f"SPDK's NVMe controller {a.name} has a path the plan does not: {foreign[0]}"
+        if missing:
+            p = missing[0]
+            return f"SPDK's NVMe controller {a.name} lost its path {_trid(p.trtype, p.traddr, p.trsvcid, p.subnqn, None)}"
+        return None
     if isinstance(a, SpdkVhost):
         if not rt.spdk().vhost_get_controllers(a.ctrlr):
             return f"SPDK has no vhost controller {a.ctrlr}"
@@ -116,6 +122,49 @@ def repair(a, rt) -> None:
         daemon.restart_if_dead(a.export)
     else:
         do(a, rt)
+
+
+def _spdk_attach(a: SpdkAttach, rt) -> None:
+    """Attach every path, or add the ones a controller of that name lacks (an
+    interrupted run, a path SPDK dropped).  A controller of that name with a
+    path the plan does not have is not the connection the name stands for:
+    refused, never merged."""
+    spdk = rt.spdk()
+    found = spdk.get_nvme_controllers(a.name)
+    missing, foreign = _path_difference(a, found) if found else (a.paths, [])
+    if foreign:
+        raise ActionFailed(f"SPDK's NVMe controller {a.name} has a path the plan does not: "
+                           f"{foreign[0]}", hint=f"detach it (rpc.py bdev_nvme_detach_controller "
+                                                 f"{a.name}) if nothing uses it")
+    for path in missing:
+        spdk.attach_nvme_controller(**path.params(a.name))
+
+
+def _trid(trtype, traddr, trsvcid, subnqn, hostnqn) -> str:
+    where = f"{traddr}:{trsvcid}" if trsvcid else traddr
+    return f"{str(trtype).upper()} {str(where).lower()} {subnqn or ''} {hostnqn or ''}".strip()
+
+
+def _path_difference(a: SpdkAttach, found: list[dict]):
+    """(paths of the plan SPDK lacks, paths SPDK has that the plan does not),
+    from bdev_nvme_get_controllers: each path's trid and host NQN (a
+    failover controller lists its other paths as alternate_trids)."""
+    have = {}
+    for ctrl in found:
+        for c in ctrl.get("ctrlrs", ()):
+            host = (c.get("host") or {}).get("nqn")
+            for t in [c.get("trid") or {}, *c.get("alternate_trids", ())]:
+                key = _trid(t.get("trtype"), t.get("traddr"), t.get("trsvcid"), t.get("subnqn"), None)
+                have[key] = host
+    missing, mine = [], set()
+    for p in a.paths:
+        key = _trid(p.trtype, p.traddr, p.trsvcid, p.subnqn, None)
+        mine.add(key)
+        if key not in have:
+            missing.append(p)
+        elif p.hostnqn and have[key] and have[key] != p.hostnqn:
+            return [], [_trid(p.trtype, p.traddr, p.trsvcid, p.subnqn, have[key])]
+    return missing, [k for k in have if k not in mine]
 
 
 def _spdk_vhost(a: SpdkVhost, rt) -> None:
