@@ -41,6 +41,11 @@ METHODS = (
     "nvmf_subsystem_add_listener",
     "nvmf_delete_subsystem",
     "nvmf_get_subsystems",
+    "nvmf_subsystem_add_host",
+    "bdev_malloc_create",
+    "bdev_malloc_delete",
+    "framework_get_subsystems",
+    "rpc_get_methods",
 )
 
 

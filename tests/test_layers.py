@@ -19,7 +19,7 @@ PURE = ("vstor.meta", "vstor.planner", "vstor.render", "vstor.host.model",
 FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", "ctypes",
              "multiprocessing", "shutil", "tarfile", "libvirt", "spdk", "qemu",
              "vstor.host.sysfs", "vstor.host.read", "vstor.host.capture", "vstor.host.doctor",
-             "vstor.backends.spdk", "vstor.backends.vfio", "vstor.backends.qsd.daemon",
+             "vstor.backends.spdk", "vstor.backends.spdk_app", "vstor.backends.vfio", "vstor.backends.qsd.daemon",
              "vstor.runtime.state", "vstor.runtime.journal", "vstor.runtime.steps",
              "vstor.runtime.lifecycle", "vstor.locking", "vstor.runtime.inventory",
              "vstor.runtime.virt", "vstor.runtime.gc", "vstor.cli", "vstor.hook")

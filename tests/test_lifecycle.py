@@ -32,14 +32,15 @@ NS = "https://vstor.dev/xmlns/domain/1"
 LOCAL = "0000:5f:00.0"
 
 
-@pytest.fixture
-def env():
-    """A two-socket host tree, the SPDK double, a state dir: one short-pathed workdir."""
+@pytest.fixture(params=["v24.01", "v26.09"])
+def env(request):
+    """A two-socket host tree, the SPDK double (as the oldest SPDK vstor
+    supports and the newest recorded one), a state dir: one short-pathed workdir."""
     work = tempfile.mkdtemp(prefix="vs-", dir="/tmp")
     os.chmod(work, 0o755)
     root = build_tree(os.path.join(HERE, "hosts", "two-socket.toml"), os.path.join(work, "host"))
     spdk = SpdkTargetDouble(os.path.join(work, "spdk.sock"), os.path.join(work, "vhost"),
-                            cores=tuple(range(64)))
+                            cores=tuple(range(64)), version=request.param)
     spdk.add_pcie(LOCAL, 1).add_pcie("0000:60:00.0", 1)
     spdk.add_fabric("RDMA", "192.168.100.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
     spdk.add_fabric("RDMA", "192.168.101.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
@@ -103,25 +104,78 @@ def test_local_nvme_spdk_prepare_and_release(env):
     assert [s["kind"] for s in rec.steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
     assert all(problem is None for _, _, problem in health(env.rt(), env.state.load("vm1")))
     release(env.rt(), env.state, "vm1")
-    changes = [m for m in env.spdk.methods_called() if not m.endswith(("_get_controllers", "get_version"))]
+    changes = [m for m in env.spdk.methods_called()
+               if not m.endswith(("_get_controllers", "get_version", "get_methods"))]
     assert changes == ["bdev_nvme_attach_controller", "vhost_create_blk_controller",
                        "vhost_delete_controller", "bdev_nvme_detach_controller"]
     nothing_left(env)
 
 
-def test_release_while_qemu_is_connected_is_refused_and_kept(env):
+def test_release_while_qemu_is_connected_is_refused_before_anything_is_sent(env):
     prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
     env.spdk.mark_connected("vm1-vdb")
-    with pytest.raises(ActionFailed) as e:
+    sent = len(env.spdk.requests)
+    with pytest.raises(DoesNotFit) as e:
         release(env.rt(), env.state, "vm1")
-    assert "Device or resource busy" in str(e.value) and "vstor release vm1" in str(e.value)
+    assert e.value.exit_code == 3
+    assert "still using its storage: QEMU is connected to SPDK vhost controller vm1-vdb" in str(e.value)
+    assert [r["method"] for r in env.spdk.requests[sent:]
+            if not r["method"].endswith(("get_controllers", "get_version"))] == []
     kept = env.state.load("vm1")
-    assert [s["kind"] for s in kept.steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
-    # the controller under a live vhost controller was NOT detached (SPDK would allow it)
+    assert kept.status == "prepared" and [s["kind"] for s in kept.steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
     assert "vs_0000_5f_00_0" in env.spdk.nvme and env.sysfs.driver_of(LOCAL) == "vfio-pci"
     env.spdk.mark_connected("vm1-vdb", False)
     release(env.rt(), env.state, "vm1")
     nothing_left(env)
+
+
+def test_a_forced_release_while_connected_is_followed_until_spdk_deletes(env):
+    """--force sends the deletion: SPDK before v24.09 refuses it (EBUSY); since
+    then it defers it until QEMU lets go, and vstor follows it for a while.
+    Either way nothing under the vhost controller is touched and the record
+    keeps it; once QEMU is gone the next release finishes."""
+    import dataclasses
+    prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    env.spdk.mark_connected("vm1-vdb")
+    forced = Runtime(dataclasses.replace(env.cfg, spdk_timeout=1.0), env.sysfs, force=True)
+    with pytest.raises(ActionFailed) as e:
+        release(forced, env.state, "vm1")
+    why = "Device or resource busy" if env.spdk.version == "v24.01" else "SPDK deferred deleting vhost controller vm1-vdb"
+    assert why in str(e.value) and "vstor release vm1" in str(e.value)
+    kept = env.state.load("vm1")
+    assert [s["kind"] for s in kept.steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
+    assert "vs_0000_5f_00_0" in env.spdk.nvme and env.sysfs.driver_of(LOCAL) == "vfio-pci"
+    env.spdk.mark_connected("vm1-vdb", False)       # QEMU goes; a deferred deletion completes
+    release(env.rt(), env.state, "vm1")
+    nothing_left(env)
+
+
+def test_an_spdk_app_without_vhost_is_found_before_anything_changes(env):
+    import dataclasses
+    nvmf = SpdkTargetDouble(os.path.join(env.work, "nvmf.sock"), os.path.join(env.work, "vhost"),
+                            app="nvmf_tgt").start()
+    try:
+        rt = Runtime(dataclasses.replace(env.cfg, spdk_socket=nvmf.socket_path), env.sysfs)
+        writes = len(env.sysfs.writes)
+        with pytest.raises(Exception) as e:
+            prepare(rt, env.state, env.host(), domain(env, local_spdk()))
+        assert e.value.exit_code == EXIT_UNAVAILABLE
+        assert "has no vhost_create_blk_controller" in str(e.value) and "-S" in str(e.value)
+        assert len(env.sysfs.writes) == writes and env.state.records() == []
+        assert [r["method"] for r in nvmf.requests] == ["rpc_get_methods"]
+    finally:
+        nvmf.stop()
+
+
+def test_release_with_spdk_down_is_unavailable_and_keeps_everything(env):
+    prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    env.spdk.stop()
+    writes = len(env.sysfs.writes)
+    with pytest.raises(Exception) as e:
+        release(env.rt(), env.state, "vm1")
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "SPDK is not reachable" in str(e.value)
+    kept = env.state.load("vm1")
+    assert kept.status == "prepared" and len(kept.steps) == 3 and len(env.sysfs.writes) == writes
 
 
 @pytest.mark.parametrize("fault", ["vfio-write", "bdev_nvme_attach_controller", "vhost_create_blk_controller"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from spdk.rpc.client import JSONRPCClient
 
-from tests.doubles.spdk_target import (FACTS, QSD_BINARY, SpdkTargetDouble, load_facts,
+from tests.doubles.spdk_target import (FACTS, QSD_BINARY, Fabric, SpdkTargetDouble, load_facts,
                                        spdk_target_double)  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -371,3 +371,207 @@ def test_qsd_backed_controller_speaks_vhost_user():
     finally:
         double.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+# -- apps, releases and the fabric ----------------------------------------------------------
+
+HOST = "nqn.2014-08.org.nvmexpress:uuid:6b0f6f3c-2a4e-4c1d-9e55-0a1b2c3d4e5f"
+
+
+@pytest.fixture
+def workdir():
+    path = tempfile.mkdtemp(prefix="spdk-double-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def double(workdir, name="spdk", **kw) -> SpdkTargetDouble:
+    return SpdkTargetDouble(os.path.join(workdir, f"{name}.sock"), os.path.join(workdir, name), **kw)
+
+
+def ok(spdk, method, params=None):
+    result, error = rpc(spdk, method, params)
+    assert error is None, (method, params, error)
+    return result
+
+
+def vhost_on_malloc(spdk, ctrlr="vblk0"):
+    ok(spdk, "bdev_malloc_create", {"name": "Malloc0", "num_blocks": 1024, "block_size": 512})
+    ok(spdk, "vhost_create_blk_controller", {"ctrlr": ctrlr, "dev_name": "Malloc0"})
+    return os.path.join(spdk.vhost_dir, ctrlr)
+
+
+def initiator(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    return s
+
+
+@pytest.mark.parametrize("app, vhost, nvmf", [("vhost", True, False), ("nvmf_tgt", False, True),
+                                              ("spdk_tgt", True, True)])
+def test_each_app_serves_its_method_families(workdir, app, vhost, nvmf):
+    with double(workdir, app=app) as spdk:
+        listed = ok(spdk, "rpc_get_methods")
+        assert ("vhost_create_blk_controller" in listed) == vhost
+        assert ("nvmf_create_subsystem" in listed) == nvmf
+        assert {"bdev_nvme_attach_controller", "bdev_malloc_create", "framework_get_reactors",
+                "spdk_get_version", "rpc_get_methods"} <= set(listed)
+        assert set(spdk.methods) <= set(listed) and len(set(listed)) == len(listed)
+        for method, served in (("vhost_get_controllers", vhost), ("nvmf_get_subsystems", nvmf)):
+            _, error = rpc(spdk, method)
+            assert error is None if served else error == {"code": -32601, "message": "Method not found"}
+        names = [s["subsystem"] for s in ok(spdk, "framework_get_subsystems")]
+        assert ("vhost_blk" in names, "nvmf" in names, "bdev" in names) == (vhost, nvmf, True)
+
+
+@pytest.mark.parametrize("version, text, code", [
+    ("v24.01", "SPDK v24.01", 22),
+    ("v26.09", "SPDK v26.09-pre git sha1 3230130e6a", -22),
+])
+def test_what_each_release_says_about_itself_and_a_missing_controller(workdir, version, text, code):
+    with double(workdir, version=version) as spdk:
+        assert ok(spdk, "spdk_get_version")["version"] == text
+        _, error = rpc(spdk, "bdev_nvme_get_controllers", {"name": "nvme0"})
+        assert error == {"code": code, "message": "Controller nvme0 does not exist"}
+
+
+@pytest.mark.parametrize("version", ["v24.01", "v26.09"])
+def test_every_connected_initiator_is_a_session(workdir, version):
+    with double(workdir, version=version) as spdk:
+        path = vhost_on_malloc(spdk)
+        first, second = initiator(path), initiator(path)
+        try:
+            (vc,) = ok(spdk, "vhost_get_controllers", {"name": "vblk0"})
+            assert vc["sessions"] == [
+                {"vid": 0, "id": 0, "name": "vblk0s0", "started": False, "max_queues": 0, "inflight_task_cnt": 0},
+                {"vid": 1, "id": 1, "name": "vblk0s1", "started": False, "max_queues": 0, "inflight_task_cnt": 0}]
+            first.close()
+            deadline = time.monotonic() + 2
+            while len(ok(spdk, "vhost_get_controllers")[0]["sessions"]) != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert [s["name"] for s in ok(spdk, "vhost_get_controllers")[0]["sessions"]] == ["vblk0s1"]
+        finally:
+            first.close()
+            second.close()
+
+
+def test_v24_01_refuses_a_delete_while_an_initiator_is_connected(workdir):
+    with double(workdir, version="v24.01") as spdk:
+        qemu = initiator(vhost_on_malloc(spdk))
+        with qemu:
+            _, error = rpc(spdk, "vhost_delete_controller", {"ctrlr": "vblk0"})
+            assert error == {"code": -32602, "message": "Device or resource busy"}
+        assert spdk.wait_disconnected("vblk0")
+        assert ok(spdk, "vhost_delete_controller", {"ctrlr": "vblk0"}) is True
+
+
+def test_v26_09_answers_a_deferred_delete_once_the_initiator_leaves(workdir):
+    with double(workdir, version="v26.09") as spdk:
+        path = vhost_on_malloc(spdk)
+        qemu = initiator(path)
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(spdk.socket_path)
+            client.sendall(json.dumps({"jsonrpc": "2.0", "method": "vhost_delete_controller",
+                                       "params": {"ctrlr": "vblk0"}, "id": 7}).encode())
+            client.settimeout(0.3)
+            with pytest.raises(socket.timeout):
+                client.recv(65536)
+            (vc,) = ok(spdk, "vhost_get_controllers", {"name": "vblk0"})    # still there, with its session
+            assert len(vc["sessions"]) == 1 and os.path.exists(path)
+            qemu.close()
+            client.settimeout(3)
+            assert json.loads(client.recv(65536)) == {"jsonrpc": "2.0", "id": 7, "result": True}
+        assert spdk.vhost == {} and not os.path.exists(path)
+        _, error = rpc(spdk, "vhost_delete_controller", {"ctrlr": "vblk0"})
+        assert error == {"code": -32602, "message": "No such device"}
+
+
+def test_v26_09_drops_a_deferred_answer_whose_client_has_gone(workdir):
+    with double(workdir, version="v26.09") as spdk:
+        vhost_on_malloc(spdk)
+        spdk.mark_connected("vblk0")
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(spdk.socket_path)
+            client.sendall(json.dumps({"jsonrpc": "2.0", "method": "vhost_delete_controller",
+                                       "params": {"ctrlr": "vblk0"}, "id": 8}).encode())
+            time.sleep(0.2)
+        assert "vblk0" in spdk.vhost
+        spdk.mark_connected("vblk0", False)
+        deadline = time.monotonic() + 2
+        while spdk.vhost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert spdk.vhost == {}
+        assert ok(spdk, "vhost_get_controllers") == []
+
+
+@pytest.mark.parametrize("version, answer", [
+    ("v24.01", ([], None)),
+    ("v26.09", (None, {"code": -22, "message": "Invalid argument"})),
+])
+def test_a_failover_path_on_a_multipath_controller(workdir, version, answer):
+    """Refused since SPDK checks that all paths of a name are configured the
+    same way (recorded from v26.09 the other way round: multipath on failover)."""
+    with double(workdir, version=version) as spdk:
+        spdk.add_fabric("RDMA", "192.168.100.8", "4420", SUBNQN)
+        spdk.add_fabric("RDMA", "192.168.100.9", "4420", SUBNQN)
+        attach_rdma(spdk, "192.168.100.8", multipath="multipath")
+        assert attach_rdma(spdk, "192.168.100.9", multipath="failover") == answer
+
+
+def nvmf_target(workdir, fabric, **kw) -> SpdkTargetDouble:
+    tgt = double(workdir, "tgt", app="nvmf_tgt", fabric=fabric, **kw).start()
+    ok(tgt, "bdev_malloc_create", {"name": "Malloc0", "num_blocks": 4096, "block_size": 512})
+    ok(tgt, "bdev_malloc_create", {"name": "Malloc1", "num_blocks": 8192, "block_size": 4096})
+    ok(tgt, "nvmf_create_transport", {"trtype": "TCP"})
+    ok(tgt, "nvmf_create_subsystem", {"nqn": SUBNQN, "allow_any_host": False})
+    ok(tgt, "nvmf_subsystem_add_host", {"nqn": SUBNQN, "host": HOST})
+    assert ok(tgt, "nvmf_subsystem_add_ns", {"nqn": SUBNQN, "namespace": {"bdev_name": "Malloc0"}}) == 1
+    assert ok(tgt, "nvmf_subsystem_add_ns", {"nqn": SUBNQN, "namespace": {"bdev_name": "Malloc1"}}) == 2
+    ok(tgt, "nvmf_subsystem_add_listener", {"nqn": SUBNQN, "listen_address": {
+        "trtype": "TCP", "adrfam": "IPv4", "traddr": "10.0.0.1", "trsvcid": "4420"}})
+    return tgt
+
+
+def tcp(name, trsvcid="4420", hostnqn=HOST, subnqn=SUBNQN, **extra):
+    return {"name": name, "trtype": "TCP", "adrfam": "IPv4", "traddr": "10.0.0.1", "trsvcid": trsvcid,
+            "subnqn": subnqn, "hostnqn": hostnqn, **extra}
+
+
+def test_a_vhost_app_attaches_to_an_nvmf_tgt_over_the_fabric(workdir):
+    fabric = Fabric()
+    tgt = nvmf_target(workdir, fabric)
+    try:
+        with double(workdir, "vhost", fabric=fabric, version="v26.09") as vhost:
+            assert ok(vhost, "bdev_nvme_attach_controller", tcp("nvme0")) == ["nvme0n1", "nvme0n2"]
+            bdevs = {b["name"]: b for b in ok(vhost, "bdev_get_bdevs")}
+            remote = {b["name"]: b for b in ok(tgt, "bdev_get_bdevs")}
+            for local, there in (("nvme0n1", "Malloc0"), ("nvme0n2", "Malloc1")):
+                assert [bdevs[local][k] for k in ("uuid", "num_blocks", "block_size")] == [
+                    remote[there][k] for k in ("uuid", "num_blocks", "block_size")]
+                assert remote[there]["claimed"] and remote[there]["claim_type"] == "exclusive_write"
+            assert bdevs["nvme0n1"]["driver_specific"]["nvme"][0]["ctrlr_data"]["cntlid"] == 1
+            for refused in (tcp("nvme1", hostnqn="nqn.2016-06.io.spdk:stranger"),     # not an allowed host
+                            tcp("nvme1", trsvcid="4421"),                             # no listener
+                            tcp("nvme1", subnqn="nqn.2016-06.io.spdk:other")):        # no such subsystem
+                _, error = rpc(vhost, "bdev_nvme_attach_controller", refused)
+                assert error == {"code": -5, "message": "Input/output error"}
+            ok(tgt, "nvmf_create_subsystem", {"nqn": "nqn.2016-06.io.spdk:open", "allow_any_host": True})
+            ok(tgt, "nvmf_subsystem_add_listener", {"nqn": "nqn.2016-06.io.spdk:open", "listen_address": {
+                "trtype": "TCP", "traddr": "10.0.0.1", "trsvcid": "4420"}})
+            assert ok(vhost, "bdev_nvme_attach_controller", tcp(
+                "nvme1", hostnqn="nqn.2016-06.io.spdk:stranger", subnqn="nqn.2016-06.io.spdk:open")) == []
+            assert ok(vhost, "bdev_nvme_detach_controller", {"name": "nvme0"}) is True
+            tgt.stop()          # the target goes away: nothing answers a connect
+            _, error = rpc(vhost, "bdev_nvme_attach_controller", tcp("nvme0"))
+            assert error == {"code": -5, "message": "Input/output error"}
+    finally:
+        tgt.stop()
+
+
+def test_an_app_without_nvmf_does_not_serve_on_the_fabric(workdir):
+    fabric = Fabric()
+    with double(workdir, "tgt", app="vhost", fabric=fabric) as other, \
+            double(workdir, "vhost", fabric=fabric) as vhost:
+        assert rpc(other, "nvmf_create_transport", {"trtype": "TCP"})[1]["code"] == -32601
+        _, error = rpc(vhost, "bdev_nvme_attach_controller", tcp("nvme0"))
+        assert error == {"code": -5, "message": "Input/output error"}

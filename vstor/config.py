@@ -55,6 +55,11 @@ class Config:
     memory_reserved_mib: int = 1024
     source: str = field(default="(defaults)", compare=False)
 
+    @property
+    def file(self) -> str:
+        """The file an operator edits to change this configuration."""
+        return DEFAULT_PATH if self.source == "(defaults)" else self.source
+
 
 def load(path: str | None = None) -> Config:
     """Read the config file; a missing default file means all defaults."""

@@ -16,22 +16,13 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 import sys
+import time
 from typing import Any, TextIO
 
+from vstor.backends.spdk_app import (_TRANSPORT_ERRORS, CONFIG_FILE, DEFAULT_SOCKET,
+                                     DEFAULT_VHOST_DIR, connect)
 from vstor.errors import ActionFailed, Unavailable
-
-try:
-    from spdk.rpc.client import JSONRPCClient, JSONRPCException
-    _TRANSPORT_ERRORS: tuple = (JSONRPCException, OSError)
-except ImportError:     # said when a connection is needed; dry runs work without it
-    JSONRPCClient = None
-    _TRANSPORT_ERRORS = (OSError,)
-
-DEFAULT_SOCKET = "/var/tmp/spdk.sock"
-DEFAULT_VHOST_DIR = "/run/vstor/vhost"
-CONFIG_FILE = "/etc/vstor/vstor.conf"
 
 # JSON-RPC error codes SPDK uses (include/spdk/jsonrpc.h).
 METHOD_NOT_FOUND = -32601
@@ -60,6 +51,8 @@ def _hint(method: str, code: int, message: str) -> str | None:
         return f"this SPDK application has no {method}: start SPDK's vhost app, or a newer SPDK"
     if method == "vhost_delete_controller" and message == os.strerror(errno.EBUSY):
         return "QEMU is still connected to it: stop the domain first"
+    if code == INVALID_PARAMS and method == "vhost_create_blk_controller" and message == os.strerror(errno.EINVAL):
+        return "is the reactor core in SPDK's -m mask? ([cpu] reactors must be SPDK's cores)"
     return None
 
 
@@ -71,12 +64,13 @@ class SpdkClient:
 
     def __init__(self, socket_path: str = DEFAULT_SOCKET, timeout: float = 30.0, *,
                  dry_run: bool = False, out: TextIO | None = None,
-                 vhost_dir: str = DEFAULT_VHOST_DIR):
+                 vhost_dir: str = DEFAULT_VHOST_DIR, config: str = CONFIG_FILE):
         self.socket_path = socket_path
         self.timeout = timeout
         self.dry_run = dry_run
         self.out = out
         self.vhost_dir = vhost_dir
+        self.config = config
         self.requests: list[dict] = []      # dry run only: what would have been sent
         self._rpc = None
 
@@ -96,11 +90,13 @@ class SpdkClient:
 
     # -- the one way requests go out ----------------------------------------------------
 
-    def call(self, method: str, params: dict | None = None) -> Any:
+    def call(self, method: str, params: dict | None = None, timeout: float | None = None) -> Any:
+        """`timeout`: for this call only (the connection's otherwise)."""
         params = _without_none(params or {})
         if self.dry_run:
             return self._record(method, params)
         rpc = self._connection()
+        rpc.timeout = self.timeout if timeout is None else timeout
         try:
             # send()/recv() rather than JSONRPCClient.call(): call() folds the
             # error object into a message string (losing the code) and writes
@@ -130,7 +126,7 @@ class SpdkClient:
 
     def _connection(self):
         if self._rpc is None:
-            self._rpc = connect(self.socket_path, self.timeout, self.vhost_dir)
+            self._rpc = connect(self.socket_path, self.timeout, self.vhost_dir, self.config)
         return self._rpc
 
     def _drop(self) -> None:
@@ -145,7 +141,7 @@ class SpdkClient:
         text = getattr(e, "message", None) or str(e) or type(e).__name__
         if text.startswith("Timeout"):
             why = f"no answer to {method} within {self.timeout:g} s"
-            hint = "SPDK is busy or hung; raise [spdk] timeout in /etc/vstor/vstor.conf if it is only slow"
+            hint = f"SPDK is busy or hung; raise [spdk] timeout in {self.config} if it is only slow"
         else:
             why = f"the connection broke during {method} ({text.splitlines()[0]})"
             hint = "check that SPDK is still running"
@@ -156,6 +152,21 @@ class SpdkClient:
     def get_version(self) -> str:
         result = self.call("spdk_get_version") or {}
         return result.get("version", "")
+
+    def require(self, methods) -> None:
+        """Unavailable unless this SPDK application serves every method: an
+        app without vhost (nvmf_tgt), or too old, is found out before the
+        first change, not half-way through a plan."""
+        served = set(self.call("rpc_get_methods") or ())
+        missing = sorted(set(methods) - served)
+        if missing and not self.dry_run:
+            raise Unavailable(f"the SPDK application at {self.socket_path} has no {', '.join(missing)}",
+                              hint=f"run SPDK's vhost app (or spdk_tgt) there, started with -S {self.vhost_dir}")
+
+    def app_pid(self) -> int | None:
+        """The SPDK application's pid, as it reports it (framework_get_reactors)."""
+        pid = self.framework_get_reactors().get("pid")
+        return pid if isinstance(pid, int) and pid > 0 else None
 
     def get_bdevs(self, name: str | None = None) -> list[dict]:
         # bdev_get_bdevs with an unknown name answers -ENODEV (lib/bdev/bdev_rpc.c).
@@ -201,9 +212,41 @@ class SpdkClient:
             "ctrlr": ctrlr, "dev_name": dev_name, "cpumask": cpumask,
             "readonly": readonly, "packed_ring": packed_ring})
 
-    def vhost_delete_controller(self, ctrlr: str) -> None:
-        """Refused (EBUSY) while an initiator is connected: delete after QEMU stops."""
-        self.call("vhost_delete_controller", {"ctrlr": ctrlr})
+    def vhost_delete_controller(self, ctrlr: str, wait: float = 10.0) -> None:
+        """Delete a vhost controller and follow it until it is gone.
+
+        While QEMU is connected, SPDK before v24.09 refuses with EBUSY; since
+        v24.09 it sends no answer and retries until QEMU disconnects (logging
+        a line per retry), then deletes and drops the answer.  So the request
+        gets a short timeout, and then vstor watches vhost_get_controllers for
+        up to `wait` seconds: gone is done; still there is an ActionFailed
+        saying SPDK will finish when QEMU lets go.  Callers check `sessions`
+        first and do not send this while QEMU is connected."""
+        try:
+            self.call("vhost_delete_controller", {"ctrlr": ctrlr}, timeout=min(2.0, self.timeout))
+            return
+        except SpdkRpcError as e:
+            if e.code == INVALID_PARAMS and e.rpc_message == os.strerror(errno.ENODEV):
+                return      # gone already (an earlier, deferred delete finished)
+            raise
+        except Unavailable as e:
+            if "no answer" not in e.message:
+                raise
+        deadline = time.monotonic() + wait
+        while self.vhost_get_controllers(ctrlr):
+            if time.monotonic() >= deadline:
+                raise ActionFailed(f"SPDK deferred deleting vhost controller {ctrlr}: an initiator "
+                                   "(QEMU) is still connected, and SPDK deletes it when it disconnects",
+                                   hint="stop the domain's QEMU, then run vstor release again")
+            time.sleep(0.1)
+
+    def vhost_sessions(self, ctrlr: str) -> int | None:
+        """How many initiators (QEMUs) are connected to a vhost controller;
+        None when there is no such controller."""
+        found = self.vhost_get_controllers(ctrlr)
+        if not found:
+            return None
+        return len(found[0].get("sessions") or ())
 
     def vhost_get_controllers(self, name: str | None = None) -> list[dict]:
         # Unknown name: -32603 with strerror(ENODEV), "No such device"
@@ -271,50 +314,6 @@ _DRY_RUN_RESULTS: dict[str, Any] = {
     "vhost_get_controllers": [],
     "nvmf_get_subsystems": [],
     "framework_get_reactors": {"reactors": []},
+    "rpc_get_methods": [],
     "bdev_nvme_attach_controller": [],
 }
-
-
-# -- reaching SPDK ------------------------------------------------------------------------
-
-def connect(socket_path: str, timeout: float, vhost_dir: str = DEFAULT_VHOST_DIR):
-    """SPDK's JSONRPCClient on socket_path, or Unavailable saying why not."""
-    def unreachable(why: str) -> Unavailable:
-        return Unavailable(f"SPDK is not reachable at {socket_path}: {why}",
-                           hint=f"start SPDK's vhost app with -r {socket_path} -S {vhost_dir}, "
-                                f"or set [spdk] rpc_socket in {CONFIG_FILE}")
-    if JSONRPCClient is None:
-        raise Unavailable("SPDK's Python client is not installed", hint="pip install spdk")
-    _check_socket(socket_path, unreachable)
-    try:
-        rpc = JSONRPCClient(socket_path, timeout=timeout)
-    except _TRANSPORT_ERRORS as e:
-        raise unreachable(_connect_failure(e.__cause__ or e)) from None
-    # Each JSONRPCClient adds one more log handler to the logger shared by
-    # every client of the same address; keep a single one.
-    del rpc.get_logger().handlers[:-1]
-    return rpc
-
-
-def _check_socket(path: str, unreachable) -> None:
-    # JSONRPCClient treats any address that is not an existing path as an IP
-    # address and fails with a three-line message: say it in one line first.
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise unreachable("no such socket") from None
-    except PermissionError:
-        raise unreachable("permission denied (run as root)") from None
-    if not stat.S_ISSOCK(mode):
-        raise unreachable("not a socket")
-
-
-def _connect_failure(cause: BaseException | None) -> str:
-    code = getattr(cause, "errno", None)
-    if code == errno.ECONNREFUSED:
-        return "connection refused (a stale socket: SPDK is not running)"
-    if code in (errno.EACCES, errno.EPERM):
-        return "permission denied (run as root)"
-    if code == errno.ENOENT or code is None:
-        return "no such socket"
-    return os.strerror(code).lower()

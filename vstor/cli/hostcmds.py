@@ -43,11 +43,14 @@ def cmd_doctor(ctx, args) -> int:
 
 
 def _spdk_check(cfg):
-    def probe() -> str:
-        from vstor.backends.spdk import SpdkClient
-        with SpdkClient(cfg.spdk_socket, timeout=min(cfg.spdk_timeout, 5.0)) as client:
-            return client.get_version()
-    return doctor.check_spdk(cfg, probe)
+    from vstor.backends import spdk_app
+    from vstor.backends.spdk import SpdkClient
+
+    def probe() -> dict:
+        with SpdkClient(cfg.spdk_socket, timeout=min(cfg.spdk_timeout, 5.0),
+                        vhost_dir=cfg.vhost_dir, config=cfg.file) as client:
+            return spdk_app.app_facts(client)
+    return doctor.check_spdk(cfg, probe, spdk_app.SUPPORTED)
 
 
 def _libvirt_check(ctx):

@@ -24,7 +24,8 @@ def register(sub) -> None:
     p = sub.add_parser("release", help="undo everything vstor holds for a domain that is not running")
     p.add_argument("domain", metavar="DOMAIN")
     p.add_argument("--dry-run", action="store_true", help="print what would be undone")
-    p.add_argument("--force", action="store_true", help="even if libvirt says it runs")
+    p.add_argument("--force", action="store_true",
+                   help="even if libvirt says it runs, or QEMU is still connected to its SPDK disks")
     p.set_defaults(func=cmd_release)
 
     p = sub.add_parser("gc", help="release what vstor holds for domains that no longer run")
@@ -47,10 +48,10 @@ def _state(ctx):
     return StateDir(ctx.config.state_dir)
 
 
-def _runtime(ctx, dry_run=False):
+def _runtime(ctx, dry_run=False, force=False):
     from vstor.runtime.lifecycle import Runtime
     from vstor.host.sysfs import SysFS
-    return Runtime(ctx.config, SysFS(ctx.host_root), dry_run=dry_run)
+    return Runtime(ctx.config, SysFS(ctx.host_root), dry_run=dry_run, force=force)
 
 
 def _say(message: str) -> None:
@@ -131,7 +132,7 @@ def cmd_release(ctx, args) -> int:
                            hint="stop it first (the hook then releases), or --force")
     key = _key_of(ctx, args.domain)
     print(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
-    rec = release(_runtime(ctx, args.dry_run), _state(ctx), key, progress=_say)
+    rec = release(_runtime(ctx, args.dry_run, args.force), _state(ctx), key, progress=_say)
     if rec is None:
         print(f"vstor holds nothing for domain '{args.domain}'")
     elif not args.dry_run:

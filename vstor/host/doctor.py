@@ -7,6 +7,7 @@ tests drive them with real-but-local things.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from typing import Callable
@@ -134,14 +135,35 @@ def check_qsd(binary: str | None = None) -> Check:
                  "apt-get install qemu-system-common")
 
 
-def check_spdk(cfg: Config, probe: Callable[[], str]) -> Check:
-    """probe() returns SPDK's version or raises a VstorError saying why not."""
+def check_spdk(cfg: Config, probe: Callable[[], dict], supported) -> Check:
+    """probe() returns the SPDK app's facts (backends.spdk.app_facts) or
+    raises a VstorError saying why not; `supported`: the oldest and newest
+    (year, month) releases vstor supports."""
     from vstor.errors import VstorError
+    bad = FAIL if cfg.default_backend == "spdk" else WARN
     try:
-        return Check("spdk", OK, f"SPDK {probe()} at {cfg.spdk_socket}")
+        facts = probe()
     except VstorError as e:
-        status = FAIL if cfg.default_backend == "spdk" else WARN
-        return Check("spdk", status, e.message, e.hint or "")
+        return Check("spdk", bad, e.message, e.hint or "")
+    oldest, newest = supported
+    span = f"v{oldest[0]}.{oldest[1]:02} to v{newest[0]}.{newest[1]:02}"
+    app = facts.get("app") or "app"
+    where = f"SPDK {facts['version']} ({app}) at {cfg.spdk_socket}"
+    if facts["missing"]:
+        return Check("spdk", bad, f"{where} has no {', '.join(facts['missing'])}",
+                     f"run SPDK's vhost app (or spdk_tgt) with -S {cfg.vhost_dir} -r {cfg.spdk_socket}")
+    release = facts.get("release")
+    if release is None or release < oldest:
+        return Check("spdk", bad, f"{where}: vstor supports {span}", "upgrade SPDK")
+    sdir = facts.get("socket_dir")
+    if sdir is not None and os.path.normpath(sdir) != os.path.normpath(cfg.vhost_dir):
+        return Check("spdk", bad, f"{where} makes its sockets in {sdir}, not in [paths] vhost_dir "
+                     f"{cfg.vhost_dir}", f"start it with -S {cfg.vhost_dir}, or set [paths] "
+                     f"vhost_dir in {cfg.file}")
+    notes = [f"supported {span}" + (", newer than vstor was tested with" if release > newest else "")]
+    notes.append(f"sockets in {sdir}" if sdir else "its -S directory cannot be read from /proc")
+    status = OK if sdir and release <= newest else WARN
+    return Check("spdk", status, f"{where}; {'; '.join(notes)}")
 
 
 HOST_CHECKS = (check_iommu, check_vfio, check_hugepages, check_thp, check_irqbalance,

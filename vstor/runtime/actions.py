@@ -56,6 +56,8 @@ class SpdkAttach:
     # record held it: used, never detached (vstor did not make it).
     found: bool = False
     kind = "spdk-attach"
+    rpc_methods = ("bdev_nvme_attach_controller", "bdev_nvme_get_controllers",
+                   "bdev_nvme_detach_controller")
 
     def describe(self) -> str:
         return f"attach SPDK NVMe controller {self.name}"
@@ -89,6 +91,7 @@ class SpdkVhost:
     socket: str
     group: str
     kind = "spdk-vhost"
+    rpc_methods = ("vhost_create_blk_controller", "vhost_get_controllers", "vhost_delete_controller")
 
     @property
     def cpumask(self) -> str:

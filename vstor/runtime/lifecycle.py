@@ -26,10 +26,14 @@ from vstor.runtime.state import PREPARED, Record, StateDir
 class Runtime:
     """What steps touch: sysfs, SPDK (connected on first use), the config."""
 
-    def __init__(self, cfg: Config, sysfs, dry_run: bool = False, spdk_factory=None):
+    def __init__(self, cfg: Config, sysfs, dry_run: bool = False, spdk_factory=None,
+                 force: bool = False):
         self.cfg = cfg
         self.sysfs = sysfs
         self.dry_run = dry_run
+        # release --force: undo even what QEMU still uses (SPDK then finishes
+        # a vhost controller's deletion when QEMU lets go).
+        self.force = force
         self._spdk_factory = spdk_factory
         self._spdk = None
 
@@ -40,7 +44,8 @@ class Runtime:
             else:
                 from vstor.backends.spdk import SpdkClient
                 self._spdk = SpdkClient(self.cfg.spdk_socket, timeout=self.cfg.spdk_timeout,
-                                        dry_run=self.dry_run)
+                                        dry_run=self.dry_run, vhost_dir=self.cfg.vhost_dir,
+                                        config=self.cfg.file)
         return self._spdk
 
 
@@ -92,8 +97,9 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
                 for line in step.dry_run():
                     say(f"    {line}")
             return rec
-        if any(d.backend == "spdk" for d in plan.disks):
-            rt.spdk().get_version()     # SPDK missing: say so before touching anything
+        methods = {m for step in steps for m in getattr(step, "rpc_methods", ())}
+        if methods:     # SPDK missing, or an app without vhost: said before touching anything
+            rt.spdk().require(methods)
         steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
         Journal(state, rec, rt, progress).run(steps)
@@ -123,8 +129,31 @@ def release(rt: Runtime, state: StateDir, key: str,
             for entry in reversed(rec.steps):
                 (progress or print)(f"would undo: {_describe(entry)}")
             return rec
+        _check_releasable(rt, rec)
         _rollback(rt, state, rec, progress)
         return rec
+
+
+def _check_releasable(rt: Runtime, rec: Record) -> None:
+    """Before any undo: SPDK reachable when the record needs it (exit 4), and,
+    unless forced, nothing the record made still in use by QEMU (exit 3): a
+    release never takes half of a running domain's storage away."""
+    recorded = []
+    for entry in rec.steps:
+        try:
+            recorded.append(actions.from_json(entry))
+        except ActionFailed:
+            continue        # undo reports it
+    if any(getattr(step, "rpc_methods", ()) for step in recorded):
+        rt.spdk().get_version()
+    if rt.force:
+        return
+    for step in recorded:
+        why = executor.in_use(step, rt)
+        if why:
+            raise DoesNotFit(f"domain '{rec.domain}' is still using its storage: {why}",
+                             hint="stop the domain first (or vstor release --force, which leaves "
+                                  "SPDK to finish when QEMU lets go)")
 
 
 def _describe(entry: dict) -> str:

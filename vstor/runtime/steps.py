@@ -82,11 +82,25 @@ def undo(a, rt, others) -> None:
             spdk.detach_nvme_controller(a.name)
     elif isinstance(a, SpdkVhost):
         spdk = rt.spdk()
-        if spdk.vhost_get_controllers(a.ctrlr):
-            spdk.vhost_delete_controller(a.ctrlr)
+        sessions = spdk.vhost_sessions(a.ctrlr)
+        if sessions is None:
+            return
+        if sessions and not rt.force:
+            # SPDK would retry the deletion until QEMU lets go, logging a line
+            # per retry: never sent while QEMU is connected, unless forced.
+            raise ActionFailed(f"QEMU is still connected to SPDK vhost controller {a.ctrlr}",
+                               hint="stop the domain first")
+        spdk.vhost_delete_controller(a.ctrlr, wait=rt.cfg.spdk_timeout)
     elif isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
         daemon.stop(a.export)
+
+
+def in_use(a, rt) -> str | None:
+    """Why undoing `a` now would take something from a running QEMU, or None."""
+    if isinstance(a, SpdkVhost) and rt.spdk().vhost_sessions(a.ctrlr):
+        return f"QEMU is connected to SPDK vhost controller {a.ctrlr}"
+    return None
 
 
 def check(a, rt) -> str | None:
@@ -184,6 +198,12 @@ def _spdk_vhost(a: SpdkVhost, rt) -> None:
         ownership.ensure_dir(os.path.dirname(a.socket), a.group)
         spdk.vhost_create_blk_controller(ctrlr=a.ctrlr, dev_name=a.bdev, cpumask=a.cpumask,
                                          readonly=a.readonly or None)
+    if not os.path.lexists(a.socket):
+        where = os.path.dirname(a.socket)
+        raise ActionFailed(f"SPDK made vhost controller {a.ctrlr} but no socket {a.socket}: its -S "
+                           f"directory is not [paths] vhost_dir {where}",
+                           hint=f"start SPDK's vhost app with -S {where}, or set [paths] vhost_dir "
+                                f"in {rt.cfg.file} to SPDK's")
     ownership.restrict_socket(a.socket, a.group)
 
 
