@@ -14,7 +14,7 @@ from tests.doubles.kernel_sysfs import KernelSysfsDouble
 from tests.doubles.spdk_target import SpdkTargetDouble
 from vstor.config import Config
 from vstor.meta.document import Domain
-from vstor.errors import ActionFailed, DoesNotFit, EXIT_UNAVAILABLE
+from vstor.errors import ActionFailed, BadInput, DoesNotFit, EXIT_UNAVAILABLE
 from vstor.host.read import read_host
 from vstor.planner.ledger import Ledger
 from vstor.runtime.lifecycle import Runtime, health, prepare, reconnect, release
@@ -351,16 +351,17 @@ def test_four_qsd_disks_prepare_and_release_with_real_daemons(env):
     assert env.state.records() == []
 
 
-def test_a_missing_backing_file_undoes_the_daemons_already_started(env):
+def test_a_missing_backing_file_is_refused_before_any_daemon_starts(env):
     good = os.path.join(env.work, "good.raw")
     with open(good, "wb") as f:
         f.truncate(16 << 20)
     disks = (f"<vstor:disk target='vdb'><vstor:file path='{good}'/></vstor:disk>"
              f"<vstor:disk target='vdc'><vstor:file path='{env.work}/missing.raw'/></vstor:disk>")
-    with pytest.raises(ActionFailed) as e:
+    with pytest.raises(BadInput) as e:
         prepare(env.rt(), env.state, env.host(), domain(env, disks, vm="<vstor:vm cpus='shared'/>"))
     assert "missing.raw" in str(e.value) and e.value.exit_code == 2
     assert [f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1-")] == []
+    assert not os.path.exists(env.cfg.qsd_dir) or os.listdir(env.cfg.qsd_dir) in ([], [".lock"])
     assert env.state.records() == []
 
 

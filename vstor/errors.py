@@ -31,9 +31,14 @@ class VstorError(Exception):
 def one_line(text: str) -> str:
     """Control characters (a newline in a domain name, an escape sequence in a
     path) shown escaped: a message stays one line on a terminal and in syslog."""
+    if len(text) > MESSAGE_MAX:     # a megabyte of domain name is not a message
+        text = text[:MESSAGE_MAX // 2] + " [...] " + text[-MESSAGE_MAX // 4:]
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+MESSAGE_MAX = 2000
 
 
 class BadInput(VstorError):

@@ -36,7 +36,12 @@ class Metadata:
 
 
 def find(root: etree._Element) -> etree._Element | None:
-    return root.find(f"metadata/{Q}vstor")
+    """The one <vstor:vstor> element; two are refused (one would be ignored)."""
+    found = root.findall(f"metadata/{Q}vstor")
+    if len(found) > 1:
+        raise BadInput(f"<metadata> holds {len(found)} <vstor:vstor> elements",
+                       hint="keep one: vstor reads its disks from a single element")
+    return found[0] if found else None
 
 
 def load_intent(elem: etree._Element) -> Intent:

@@ -89,9 +89,12 @@ class Ledger:
             self._bound[h.memory[0]] += h.memory[1]
 
     def without(self, domain: str, uuid: str | None = None) -> "Ledger":
-        """The ledger minus the domain being planned (re-planning is not a conflict)."""
+        """The ledger minus the domain being planned (re-planning is not a
+        conflict): its name, and its UUID when both say one.  A holding with
+        this UUID under another name stays: it is another domain's, or a
+        borrowed UUID must not hide it."""
         keep = [h for h in self.holdings
-                if h.domain != domain and (uuid is None or h.uuid != uuid)]
+                if not (h.domain == domain and (uuid is None or h.uuid is None or h.uuid == uuid))]
         if len(keep) == len(self.holdings):
             return self
         return Ledger(keep)

@@ -79,7 +79,9 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
         leftover = _own(state.load(key), dom.name, dom.uuid)
         if leftover is not None and not rt.dry_run:
             # A run that never released (crash, or an interrupted prepare):
-            # undo what it left, then start clean.
+            # undo what it left, then start clean; but never what a running
+            # QEMU of this name still uses.
+            _check_releasable(rt, leftover)
             _rollback(rt, state, leftover, progress)
             host = read_host(rt.sysfs)      # the undo moved things: look again
         others = [r for r in state.records() if r.key != key]
@@ -89,6 +91,8 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             raise DoesNotFit(f"domain '{dom.name}' cannot start: {problems[0]}{more}",
                              reasons=tuple(problems), hint=f"if the host changed for good: vstor apply {dom.name}")
         steps = actions.build(plan, rt.cfg)     # from a plan that passed the check
+        for step in steps:
+            executor.preflight(step, rt)
         if rt.dry_run:
             if leftover is not None:
                 say(f"would first undo the {len(leftover.steps)} steps an earlier run left")
@@ -111,7 +115,7 @@ def _own(rec: Record | None, domain: str | None, uuid: str | None) -> Record | N
     domain's UUID, and one domain's hook must never undo another's work."""
     if rec is None or domain is None:
         return rec
-    if rec.domain != domain or (rec.uuid and uuid and rec.uuid != uuid):
+    if rec.domain != domain or rec.uuid != uuid:
         raise DoesNotFit(f"state record {rec.key} belongs to domain '{rec.domain}', not '{domain}'",
                          hint="give the domain a name of letters, digits and _.+- or another <uuid>")
     return rec

@@ -21,6 +21,17 @@ encode = actions.to_json
 decode = actions.from_json
 
 
+def preflight(a, rt) -> None:
+    """The read-only checks a dry run makes too, so it never says yes to a
+    start that would be refused: a file source that resolves outside the
+    image roots, a source that is missing or of the wrong kind."""
+    if isinstance(a, QsdExport) and a.export.kind == "file":
+        # (A block device is the host's, and an offline --host-root has none.)
+        from vstor.backends.qsd import files
+        files.check_source(dataclasses.replace(
+            a.export, source=resolve_image(a.export.source, rt.cfg.images)))
+
+
 def observe(a, rt, others):
     """The action with the host facts its undo needs, read now (no writes).
     A controller another domain's record already moved keeps that record's
@@ -100,6 +111,10 @@ def in_use(a, rt) -> str | None:
     """Why undoing `a` now would take something from a running QEMU, or None."""
     if isinstance(a, SpdkVhost) and rt.spdk().vhost_sessions(a.ctrlr):
         return f"QEMU is connected to SPDK vhost controller {a.ctrlr}"
+    if isinstance(a, QsdExport):
+        from vstor.backends.qsd import proc
+        if proc.unix_peers(a.export.socket_path):
+            return f"a client (QEMU) is connected to {a.export.socket_path}"
     return None
 
 

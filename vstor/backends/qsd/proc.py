@@ -30,6 +30,25 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
 
 
+def unix_peers(path: str) -> int:
+    """Clients connected to the Unix socket bound at `path` (its accepted,
+    connected sockets in /proc/net/unix).  A table vstor cannot read is a
+    refusal, never "nobody connected"."""
+    from vstor.errors import Unavailable
+    count = 0
+    try:
+        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split(None, 7)
+                if len(fields) == 8 and fields[7].rstrip("\n") == path and fields[5] == "03":
+                    count += 1
+    except OSError as e:
+        raise Unavailable(f"cannot read /proc/net/unix: {e.strerror}",
+                          hint="vstor needs it to tell whether QEMU still uses a disk") from None
+    return count
+
+
 def read_pid(path: str) -> int | None:
     try:
         with open(path) as f:
