@@ -279,3 +279,25 @@ def test_dry_run_needs_no_spdk(tmp_path):
     dry = SpdkClient(str(tmp_path / "absent.sock"), dry_run=True, out=io.StringIO())
     assert dry.get_version() == "(dry run)"
     assert dry.framework_get_reactors() == {"reactors": []}
+
+
+@pytest.mark.parametrize("app, status, words", [
+    ("vhost", "warn", "supported v24.01 to v26.09; its -S directory cannot be read"),
+    ("nvmf_tgt", "fail", "has no vhost_create_blk_controller, vhost_delete_controller, vhost_get_controllers"),
+])
+def test_doctor_names_the_app_what_it_lacks_and_the_supported_range(tmp_path, app, status, words):
+    from tests.doubles.spdk_target import SpdkTargetDouble
+    from vstor.backends.spdk_app import SUPPORTED, app_facts
+    from vstor.config import Config
+    from vstor.host.doctor import check_spdk
+    double = SpdkTargetDouble(str(tmp_path / "s.sock"), str(tmp_path / "vhost"), app=app,
+                              version="v26.09").start()
+    try:
+        with SpdkClient(double.socket_path) as client:
+            facts = app_facts(client)
+        check = check_spdk(Config(spdk_socket=double.socket_path, default_backend="spdk"),
+                           lambda: facts, SUPPORTED)
+    finally:
+        double.stop()
+    assert check.status == status and words in check.detail
+    assert check.detail.startswith("SPDK v26.09-pre git sha1 3230130e6a (")      # not "SPDK SPDK"

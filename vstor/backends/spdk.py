@@ -153,13 +153,19 @@ class SpdkClient:
         result = self.call("spdk_get_version") or {}
         return result.get("version", "")
 
+    def missing(self, methods) -> list[str]:
+        """The methods this SPDK application does not serve (rpc_get_methods);
+        a dry run sends nothing and assumes none are missing."""
+        if self.dry_run:
+            return []
+        return sorted(set(methods) - set(self.call("rpc_get_methods") or ()))
+
     def require(self, methods) -> None:
         """Unavailable unless this SPDK application serves every method: an
         app without vhost (nvmf_tgt), or too old, is found out before the
         first change, not half-way through a plan."""
-        served = set(self.call("rpc_get_methods") or ())
-        missing = sorted(set(methods) - served)
-        if missing and not self.dry_run:
+        missing = self.missing(methods)
+        if missing:
             raise Unavailable(f"the SPDK application at {self.socket_path} has no {', '.join(missing)}",
                               hint=f"run SPDK's vhost app (or spdk_tgt) there, started with -S {self.vhost_dir}")
 

@@ -9,7 +9,9 @@ import os
 import re
 import stat
 
+from vstor.backends.qsd.proc import cmdline
 from vstor.errors import Unavailable
+from vstor.runtime.actions import SpdkAttach, SpdkVhost
 
 try:
     from spdk.rpc.client import JSONRPCClient, JSONRPCException
@@ -24,10 +26,8 @@ CONFIG_FILE = "/etc/vstor/vstor.conf"
 # The SPDK releases vstor supports, oldest and newest, as (year, month): the
 # tests run against the SPDK test double told to be each of them.
 SUPPORTED = ((24, 1), (26, 9))
-#: What vstor sends to serve a disk over vhost-user-blk.
-VHOST_METHODS = ("bdev_nvme_attach_controller", "bdev_nvme_get_controllers",
-                 "bdev_nvme_detach_controller", "vhost_create_blk_controller",
-                 "vhost_get_controllers", "vhost_delete_controller")
+#: What vstor sends to serve a disk over vhost-user-blk: what its SPDK steps declare.
+VHOST_METHODS = SpdkAttach.rpc_methods + SpdkVhost.rpc_methods
 
 
 def release_of(version: str) -> tuple[int, int] | None:
@@ -41,15 +41,11 @@ def app_facts(client) -> dict:
     vhost methods it lacks, and (from its command line in /proc, when vstor
     can read it) the app's name and its -S socket directory."""
     version = client.get_version()
-    served = set(client.call("rpc_get_methods") or ())
     facts = {"version": version.removeprefix("SPDK ").strip(), "release": release_of(version),
-             "missing": sorted(set(VHOST_METHODS) - served), "app": None, "socket_dir": None}
+             "missing": client.missing(VHOST_METHODS), "app": None, "socket_dir": None}
     pid = client.app_pid()
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
-    except (OSError, TypeError):
-        return facts        # another pid namespace (a container), or no pid given
+    # [] when vstor cannot read it: another pid namespace (a container), or no pid given.
+    argv = cmdline(pid) if pid else []
     facts["app"] = os.path.basename(argv[0]) if argv else None
     for i, arg in enumerate(argv):
         if arg == "-S" and i + 1 < len(argv):
