@@ -5,7 +5,7 @@ import pytest
 from vstor.config import Config
 from vstor.meta.document import Domain
 from vstor.errors import BadInput, DoesNotFit
-from vstor.planner.ledger import Holding, Ledger
+from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.planner import Request, plan_domain
 
 NS = "https://vstor.dev/xmlns/domain/1"
@@ -386,6 +386,26 @@ def test_two_writers_of_one_remote_namespace_are_refused_on_any_shared_path(host
     assert "already used by domain 'a'" in refused(host, SPDK_CFG, request(nvmf_at("192.168.101.8")), held)
     # the same NQN on another target is another namespace; readers share
     plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.102.8")), held)
-    plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", nsid=2)), held)
+    plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", nsid=2, paths=("192.168.101.8",))), held)
     ro = plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", readonly="yes"), name="r"), Ledger())
     plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", readonly="yes")), Ledger([Holding.from_plan(ro)]))
+
+
+def test_a_path_another_controller_has_is_refused_unless_every_setting_matches(host_model):
+    """SPDK keeps one controller per path and host NQN (bdev_nvme_create
+    refuses a second with -EEXIST): a disk whose controller would differ
+    from the one already on its path cannot start; one that matches shares it."""
+    host = host_model("two-socket")
+    a = plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8"), name="a"), Ledger())
+    held = Ledger([Holding.from_plan(a)])
+    why = "SPDK keeps one NVMe-oF controller per path and host NQN, and domain 'a' reaches RDMA 192.168.100.8:4420"
+    for clash in (nvmf_at("192.168.100.8", nsid=2, paths=("192.168.101.8",)),
+                  nvmf_at("192.168.100.8", nsid=2, reconnect="<vstor:reconnect ctrlr_loss_timeout='5'/>")):
+        assert why in refused(host, SPDK_CFG, request(clash), held)
+    plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", nsid=2)), held)          # shares it
+    other_host = nvmf_at("192.168.100.8", nsid=2).replace("subnqn=", "hostnqn='nqn.2016-06.io.spdk:h2' subnqn=")
+    plan_domain(host, SPDK_CFG, request(other_host), held)                                 # its own
+    two = nvmf_at("192.168.100.8") + nvmf_at("192.168.100.8", nsid=2, target="vdc", paths=("192.168.101.8",))
+    assert "another disk of this domain reaches" in refused(host, SPDK_CFG, request(two), Ledger())
+    again = holding_from_json(holding_to_json(Holding.from_plan(a)))
+    assert again.connections == Holding.from_plan(a).connections != frozenset()

@@ -77,6 +77,14 @@ def spdk_controller_name(source, paths=()) -> str:
     return f"vs_nvmf_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
 
+def nvme_path(trtype, traddr, trsvcid, subnqn, hostnqn=None) -> str:
+    """One path of an NVMe controller as SPDK tells them apart: the transport
+    ID and the host NQN (bdev_nvme_create refuses a second controller with
+    both the same).  Also how vstor names a path to an operator."""
+    where = f"{traddr}:{trsvcid}" if trsvcid else traddr
+    return f"{str(trtype).upper()} {str(where).lower()} {subnqn or ''} {hostnqn or ''}".strip()
+
+
 def bdev_name(controller: str, namespace: int) -> str:
     """SPDK names a controller's namespaces <controller>n<nsid>."""
     return f"{controller}n{namespace}"

@@ -18,7 +18,8 @@ from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
 from vstor.meta.names import bdev_name, socket_path, spdk_controller_name
 from vstor.meta.plan import DiskPlan, Plan
-from vstor.planner.disks import DiskChoice, NoFit, attach_paths, choose_all
+from vstor.planner.disks import DiskChoice, NoFit, choose_all
+from vstor.planner.spdk_paths import attach_paths
 from vstor.planner.placement import (CpuPlacement, dedicated_pool, place_cpus, place_hugepages,
                                      place_memory, place_reactor)
 

@@ -13,9 +13,8 @@ from vstor.errors import BadInput
 from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, NvmeController
-from vstor.meta.intent import Reconnect
 from vstor.meta.names import inside, volume_keys
-from vstor.meta.plan import AttachPath
+from vstor.planner.spdk_paths import connections_of
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 
 
@@ -30,6 +29,7 @@ class DiskChoice:
     reasons: tuple[str, ...]
     bind: bool = False         # vstor moves the controller to vfio-pci
     device: str | None = None  # qsd on a namespace: its block device
+    connections: tuple[tuple[str, str], ...] = ()   # NVMe-oF: (path, SPDK controller)
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,10 @@ class _Taken:
         self.passthrough: set[str] = set()
         self.spdk: set[str] = set()
         self.kernel: set[str] = set()
+        self.connections: dict[str, str] = {}
 
     def add(self, choice: DiskChoice) -> None:
+        self.connections.update(choice.connections)
         if choice.controller is None:
             return
         {"vfio": self.passthrough, "spdk": self.spdk,
@@ -71,7 +73,7 @@ def choose(host: Host, cfg: Config, vm: VmIntent, disk: DiskIntent,
     _check_combination(disk)
     kind = disk.source.kind
     if kind == "nvmf":
-        return _nvmf(host, disk, ledger)
+        return _nvmf(host, cfg, disk, ledger, taken)
     if kind in ("file", "block"):
         return _local_volume(host, cfg, disk, ledger)
     return _nvme(host, cfg, vm, disk, ledger, taken)
@@ -89,7 +91,7 @@ def _check_combination(disk: DiskIntent) -> None:
 
 # -- NVMe-oF ------------------------------------------------------------------
 
-def _nvmf(host: Host, disk: DiskIntent, ledger: Ledger) -> DiskChoice | NoFit:
+def _nvmf(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger, taken: _Taken) -> DiskChoice | NoFit:
     src, t = disk.source, disk.target
     if disk.mode == "passthrough":
         return NoFit(f"{t}: an NVMe-oF namespace cannot be passed through (passthrough hands a "
@@ -101,6 +103,9 @@ def _nvmf(host: Host, disk: DiskIntent, ledger: Ledger) -> DiskChoice | NoFit:
         return NoFit(f"{t}: namespace {src.namespace} of {src.subnqn} at {src.traddr}:{src.trsvcid} "
                      f"is already used by domain '{other}'; two writers would corrupt it "
                      "(make both readonly='yes' or pick another)")
+    connections, reason = connections_of(cfg, src, ledger, taken.connections)
+    if reason:
+        return NoFit(f"{t}: {reason}")
     reasons = [f"NVMe-oF over {src.transport.upper()}: vhost-user-blk from SPDK "
                "(a remote namespace cannot be passed through)"]
     if src.paths:
@@ -108,7 +113,8 @@ def _nvmf(host: Host, disk: DiskIntent, ledger: Ledger) -> DiskChoice | NoFit:
     node, node_from, why = _nic_node(host, src)
     if why:
         reasons.append(why)
-    return DiskChoice(disk, "vhost", "spdk", None, node, node_from, tuple(reasons))
+    return DiskChoice(disk, "vhost", "spdk", None, node, node_from, tuple(reasons),
+                      connections=connections)
 
 
 def _nic_node(host: Host, src) -> tuple[int | None, str, str | None]:
@@ -319,24 +325,3 @@ def _qsd_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
     if other:
         return f"{ns.dev_path} is already served to domain '{other}'"
     return None
-
-
-# -- what SPDK is told --------------------------------------------------------
-
-def attach_paths(cfg: Config, src) -> tuple[AttachPath, ...]:
-    """bdev_nvme_attach_controller parameters, one call per path."""
-    if src.kind == "nvme":
-        return (AttachPath(trtype="PCIe", traddr=src.controller),)
-    r = src.reconnect or Reconnect()
-    common = dict(trtype=src.transport.upper(), adrfam={"ipv4": "IPv4", "ipv6": "IPv6"}[src.adrfam],
-                  subnqn=src.subnqn, hostnqn=src.hostnqn or cfg.hostnqn,
-                  multipath="multipath" if src.paths else None,
-                  ctrlr_loss_timeout_sec=_pick(r.ctrlr_loss_timeout, cfg.ctrlr_loss_timeout_sec),
-                  reconnect_delay_sec=_pick(r.reconnect_delay, cfg.reconnect_delay_sec),
-                  fast_io_fail_timeout_sec=_pick(r.fast_io_fail_timeout, cfg.fast_io_fail_timeout_sec))
-    paths = [(src.traddr, src.trsvcid), *((p.traddr, p.trsvcid) for p in src.paths)]
-    return tuple(AttachPath(traddr=addr, trsvcid=port, **common) for addr, port in paths)
-
-
-def _pick(value, default):
-    return default if value is None else value

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from vstor.meta.names import volume_keys
+from vstor.meta.names import nvme_path, volume_keys
 from vstor.meta.plan import Plan
 
 
@@ -29,6 +29,8 @@ class Holding:
     spdk_controllers: frozenset[str]  # local PCI addresses SPDK attaches for it
     volumes: frozenset[tuple[str, bool]]  # (volume key, read-only)
     sockets: frozenset[str]
+    # (NVMe-oF path with host NQN, SPDK controller): SPDK has one per path.
+    connections: frozenset[tuple[str, str]] = frozenset()
 
     @classmethod
     def from_plan(cls, plan: Plan, active: bool = False) -> "Holding":
@@ -49,7 +51,14 @@ class Holding:
                                        if d.backend == "spdk" and d.controller),
             volumes=frozenset((key, d.readonly) for d in plan.disks for key in volume_keys(d.source)),
             sockets=frozenset(d.socket for d in plan.disks if d.socket),
+            connections=frozenset(connections(plan.disks)),
         )
+
+
+def connections(disks) -> list[tuple[str, str]]:
+    """(path, SPDK controller) of each path of each NVMe-oF disk."""
+    return [(nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, p.hostnqn), d.spdk_controller)
+            for d in disks if d.source.kind == "nvmf" for p in d.attach]
 
 
 class Ledger:
@@ -63,6 +72,7 @@ class Ledger:
         self.spdk_users: dict[str, list[str]] = {}
         self.volumes: dict[str, list[tuple[str, bool]]] = {}
         self.sockets: dict[str, str] = {}
+        self.connections: dict[str, tuple[str, str]] = {}   # path -> (controller, domain)
         self._pages: Counter[tuple[int, int]] = Counter()
         self._bound: Counter[int] = Counter()
         for h in self.holdings:
@@ -80,6 +90,8 @@ class Ledger:
             self.volumes.setdefault(key, []).append((h.domain, ro))
         for sock in h.sockets:
             self.sockets.setdefault(sock, h.domain)
+        for path, controller in h.connections:
+            self.connections.setdefault(path, (controller, h.domain))
         if h.hugepages and not h.active:
             node, size, count = h.hugepages
             self._pages[(node, size)] += count
@@ -98,6 +110,11 @@ class Ledger:
         if len(keep) == len(self.holdings):
             return self
         return Ledger(keep)
+
+    def path_conflict(self, path: str, controller: str) -> str | None:
+        """The domain whose SPDK controller of another name has this path."""
+        held = self.connections.get(path)
+        return held[1] if held and held[0] != controller else None
 
     def promised_hugepages(self, node: int, size_kib: int) -> int:
         """Pages planned for defined domains that are not running: still in the
@@ -123,7 +140,8 @@ def holding_to_json(h: Holding) -> dict:
             "reactors": list(h.reactors), "hugepages": list(h.hugepages) if h.hugepages else None,
             "memory": list(h.memory) if h.memory else None,
             "passthrough": sorted(h.passthrough), "spdk_controllers": sorted(h.spdk_controllers),
-            "volumes": sorted([k, ro] for k, ro in h.volumes), "sockets": sorted(h.sockets)}
+            "volumes": sorted([k, ro] for k, ro in h.volumes), "sockets": sorted(h.sockets),
+            "connections": sorted([p, c] for p, c in h.connections)}
 
 
 def holding_from_json(d: dict, active: bool = True) -> Holding:
@@ -134,4 +152,5 @@ def holding_from_json(d: dict, active: bool = True) -> Holding:
                    passthrough=frozenset(d.get("passthrough", ())),
                    spdk_controllers=frozenset(d.get("spdk_controllers", ())),
                    volumes=frozenset((k, ro) for k, ro in d.get("volumes", ())),
-                   sockets=frozenset(d.get("sockets", ())))
+                   sockets=frozenset(d.get("sockets", ())),
+                   connections=frozenset((p, c) for p, c in d.get("connections", ())))

@@ -36,6 +36,8 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
             remove_orphan(path)
     for path, why in foreign:
         say(f"Leaving {path}: {why}")
+    for what in spdk_leftovers(rt.cfg, state):
+        say(f"Leaving {what}")
     return bool(stale or orphans)
 
 
@@ -62,6 +64,38 @@ def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[st
             why = judge(n, path)
             (foreign.append((path, why)) if why else orphans.append(path))
     return orphans, foreign
+
+
+def spdk_leftovers(cfg: Config, state: StateDir) -> list[str]:
+    """SPDK objects named the way vstor names them that no record holds.
+    Every change vstor makes is journaled before it is made, so these are not
+    provably vstor's (an operator's, or a record removed by hand): named, with
+    how to remove them, and left.  Only read, in a dry run too."""
+    if not os.path.exists(cfg.spdk_socket):
+        return []
+    from vstor.backends.spdk import SpdkClient
+    from vstor.errors import VstorError
+    key = {actions.SpdkAttach.kind: "name", actions.SpdkVhost.kind: "ctrlr"}
+    owned = {entry.get("data", {}).get(key[entry.get("kind")])
+             for rec in state.records() for entry in rec.steps if entry.get("kind") in key}
+    spdk = SpdkClient(cfg.spdk_socket, timeout=cfg.spdk_timeout, vhost_dir=cfg.vhost_dir, config=cfg.file)
+    out = []
+    try:
+        vhost = [] if spdk.missing(["vhost_get_controllers"]) else spdk.vhost_get_controllers()
+        nvme = spdk.get_nvme_controllers()
+    except VstorError as e:
+        return [f"SPDK unchecked for leftovers: {e}"]
+    for c in vhost:
+        name = c.get("ctrlr", "")
+        if is_disk_name(name) and name not in owned:
+            out.append(f"SPDK vhost controller {name}: no vstor record holds it (if nothing uses "
+                       f"it: rpc.py vhost_delete_controller {name})")
+    for c in nvme:
+        name = c.get("name", "")
+        if name.startswith("vs_") and name not in owned:
+            out.append(f"SPDK NVMe controller {name}: no vstor record holds it (if nothing uses "
+                       f"it: rpc.py bdev_nvme_detach_controller {name})")
+    return out
 
 
 def _vhost_entry(name: str, path: str) -> str | None:

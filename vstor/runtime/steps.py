@@ -12,8 +12,8 @@ import dataclasses
 import os
 
 from vstor.backends import ownership
-from vstor.errors import ActionFailed, BadInput
-from vstor.meta.names import inside
+from vstor.errors import ActionFailed, BadInput, DoesNotFit
+from vstor.meta.names import inside, nvme_path
 from vstor.runtime import actions
 from vstor.runtime.actions import QsdExport, SpdkAttach, SpdkVhost, VfioBind
 
@@ -44,7 +44,9 @@ def observe(a, rt, others):
         from vstor.backends import vfio
         return actions.with_original(a, vfio.plan_bind(rt.sysfs, a.address))
     if isinstance(a, SpdkAttach) and _others_step(others, a, finished_only=False) is None:
-        return dataclasses.replace(a, found=bool(rt.spdk().get_nvme_controllers(a.name)))
+        every = rt.spdk().get_nvme_controllers()
+        _refuse_taken_paths(a, every)
+        return dataclasses.replace(a, found=any(c.get("name") == a.name for c in every))
     if isinstance(a, QsdExport) and a.export.kind == "file":
         return QsdExport(dataclasses.replace(a.export, source=resolve_image(a.export.source, rt.cfg.images)))
     return a
@@ -132,7 +134,7 @@ def check(a, rt) -> str | None:
             return f"SPDK's NVMe controller {a.name} has a path the plan does not: {foreign[0]}"
         if missing:
             p = missing[0]
-            return f"SPDK's NVMe controller {a.name} lost its path {_trid(p.trtype, p.traddr, p.trsvcid, p.subnqn, None)}"
+            return f"SPDK's NVMe controller {a.name} lost its path {nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, None)}"
         return None
     if isinstance(a, SpdkVhost):
         if not rt.spdk().vhost_get_controllers(a.ctrlr):
@@ -169,9 +171,28 @@ def _spdk_attach(a: SpdkAttach, rt) -> None:
         spdk.attach_nvme_controller(**path.params(a.name))
 
 
-def _trid(trtype, traddr, trsvcid, subnqn, hostnqn) -> str:
-    where = f"{traddr}:{trsvcid}" if trsvcid else traddr
-    return f"{str(trtype).upper()} {str(where).lower()} {subnqn or ''} {hostnqn or ''}".strip()
+def _refuse_taken_paths(a: SpdkAttach, controllers: list[dict]) -> None:
+    """SPDK keeps one controller per path (transport ID and host NQN): a path
+    another controller already has cannot be attached under this name, and
+    sharing that controller would give the disk another connection's
+    settings.  Refused before anything changes."""
+    for ctrl in controllers:
+        if ctrl.get("name") == a.name:
+            continue
+        for c in ctrl.get("ctrlrs", ()):
+            host = (c.get("host") or {}).get("nqn")
+            for t in [c.get("trid") or {}, *c.get("alternate_trids", ())]:
+                theirs = nvme_path(t.get("trtype"), t.get("traddr"), t.get("trsvcid"), t.get("subnqn"))
+                for p in a.paths:
+                    if (nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn) == theirs
+                            and (p.trtype == "PCIe" or not (p.hostnqn and host) or p.hostnqn == host)):
+                        raise DoesNotFit(
+                            f"SPDK's NVMe controller {ctrl.get('name')} already has the path "
+                            f"{nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, host)} that {a.name} "
+                            "needs, and SPDK keeps one controller per path and host NQN",
+                            hint="give the disk the same paths and reconnect settings as the disks "
+                                 "using it, or another hostnqn; or detach it (rpc.py "
+                                 f"bdev_nvme_detach_controller {ctrl.get('name')}) if nothing uses it")
 
 
 def _path_difference(a: SpdkAttach, found: list[dict]):
@@ -183,16 +204,16 @@ def _path_difference(a: SpdkAttach, found: list[dict]):
         for c in ctrl.get("ctrlrs", ()):
             host = (c.get("host") or {}).get("nqn")
             for t in [c.get("trid") or {}, *c.get("alternate_trids", ())]:
-                key = _trid(t.get("trtype"), t.get("traddr"), t.get("trsvcid"), t.get("subnqn"), None)
+                key = nvme_path(t.get("trtype"), t.get("traddr"), t.get("trsvcid"), t.get("subnqn"), None)
                 have[key] = host
     missing, mine = [], set()
     for p in a.paths:
-        key = _trid(p.trtype, p.traddr, p.trsvcid, p.subnqn, None)
+        key = nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, None)
         mine.add(key)
         if key not in have:
             missing.append(p)
         elif p.hostnqn and have[key] and have[key] != p.hostnqn:
-            return [], [_trid(p.trtype, p.traddr, p.trsvcid, p.subnqn, have[key])]
+            return [], [nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, have[key])]
     return missing, [k for k in have if k not in mine]
 
 
