@@ -22,10 +22,16 @@ def test_a_domain_without_vstor_metadata_passes_untouched():
         assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
 
 
-def test_migrate_and_restore_keep_the_xml_as_it_is():
-    for op in ("migrate", "restore"):
-        out = hook("h1", op, "begin", "-", xml=VSTOR_XML)
-        assert (out.returncode, out.stdout) == (0, b"")     # empty stdout: unchanged
+def test_restore_keeps_the_xml_and_an_unprepared_migration_is_refused(tmp_path):
+    out = hook("h1", "restore", "begin", "-", xml=VSTOR_XML)
+    assert (out.returncode, out.stdout) == (0, b"")     # empty stdout: unchanged
+    conf = tmp_path / "c.conf"
+    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n")
+    out = hook("h1", "migrate", "begin", "-", xml=VSTOR_XML, env={"VSTOR_CONFIG": str(conf)})
+    assert out.returncode == 3 and out.stdout == b""
+    lines = out.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "no migration was prepared for it on this host" in lines[0]
+    assert "vstor migrate prepare h1 --to" in lines[0]
 
 
 def test_a_refused_prepare_is_one_line_with_vstors_exit_code(tmp_path):
@@ -43,17 +49,17 @@ def test_malformed_xml_that_names_vstor_is_refused_cleanly():
     assert out.returncode == 2 and b"malformed XML" in out.stderr and b"Traceback" not in out.stderr
 
 
-def test_migrate_and_restore_pass_even_when_vstor_cannot_be_imported(tmp_path):
-    """A moved or broken install must not break incoming migrations; a start
-    it cannot serve fails with one line, not a traceback."""
+def test_restore_passes_even_when_vstor_cannot_be_imported(tmp_path):
+    """A moved or broken install must not break a restore; a start or an
+    incoming migration it cannot serve fails with one line, not a traceback."""
     hook_copy = tmp_path / "vstor"
     hook_copy.write_text(open(HOOK).read())
     env = {"PYTHONPATH": str(tmp_path / "nothing-here"), "PATH": os.environ.get("PATH", "")}
     run = lambda *a: subprocess.run([sys.executable, "-S", str(hook_copy), *a],  # noqa: E731
                                     input=VSTOR_XML.encode(), capture_output=True, env=env)
-    for op in ("migrate", "restore"):
+    out = run("h1", "restore", "begin", "-")
+    assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
+    for op in ("prepare", "migrate"):
         out = run("h1", op, "begin", "-")
-        assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
-    out = run("h1", "prepare", "begin", "-")
-    assert out.returncode == 1 and b"Traceback" not in out.stderr
-    assert out.stderr.decode().count("\n") == 1 and "cannot load vstor" in out.stderr.decode()
+        assert out.returncode == 1 and b"Traceback" not in out.stderr and out.stdout == b""
+        assert out.stderr.decode().count("\n") == 1 and "cannot load vstor" in out.stderr.decode()

@@ -13,7 +13,8 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 PKG = os.path.join(ROOT, "vstor")
 
 PURE = ("vstor.meta", "vstor.planner", "vstor.render", "vstor.host.model",
-        "vstor.runtime.actions", "vstor.backends.qsd.export", "vstor.backends.vfio_record")
+        "vstor.runtime.actions", "vstor.backends.qsd.export", "vstor.backends.vfio_record",
+        "vstor.migration.verdict")
 # What touches the host or a service: process control, sockets, signals, locks,
 # libvirt, SPDK's client, QMP, and vstor's own host-changing modules.
 FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", "ctypes",

@@ -26,6 +26,7 @@ _KEYS = {
     "vhost": {"default_backend"},
     "nvmf": {"hostnqn", "ctrlr_loss_timeout_sec", "reconnect_delay_sec",
              "fast_io_fail_timeout_sec"},
+    "migrate": {"shared", "peer_command", "timeout"},
 }
 
 @dataclass(frozen=True)
@@ -53,6 +54,15 @@ class Config:
     # MiB of each node's memory outside its hugepage pools that no VM is
     # planned into: the host's own (kernel, libvirtd, QEMU's overhead, SPDK).
     memory_reserved_mib: int = 1024
+    # Storage every migration peer sees at the same path (a cluster or network
+    # filesystem's mount point, a multipath device): files and block devices
+    # under one are live-migratable.  Network filesystems are recognised alone.
+    migrate_shared: tuple[str, ...] = ()
+    # How `vstor migrate` reaches vstor on the destination; {host} is the
+    # destination's host name.  Run as argv, never through a shell.
+    peer_command: str = "ssh -o BatchMode=yes -- {host} vstor migrate agent"
+    # Seconds `vstor migrate prepare --run` lets libvirt's migration run.
+    migrate_timeout: int = 600
     source: str = field(default="(defaults)", compare=False)
 
     @property
@@ -129,6 +139,13 @@ def _build(v: dict, path: str) -> Config:
             kw[key] = _int(v[(section, key)], f"[{section}] {key}", path)
     if ("spdk", "timeout") in v:
         kw["spdk_timeout"] = float(_int(v[("spdk", "timeout")], "[spdk] timeout", path))
+    if ("migrate", "shared") in v:
+        kw["migrate_shared"] = tuple(_abs_dir(d, "[migrate] shared", path)
+                                     for d in v[("migrate", "shared")].replace(",", " ").split())
+    if v.get(("migrate", "peer_command")):
+        kw["peer_command"] = v[("migrate", "peer_command")]
+    if ("migrate", "timeout") in v:
+        kw["migrate_timeout"] = _int(v[("migrate", "timeout")], "[migrate] timeout", path)
     if ("memory", "reserved") in v:
         kw["memory_reserved_mib"] = _int(v[("memory", "reserved")], "[memory] reserved", path, "MiB")
     return Config(**kw)

@@ -24,8 +24,8 @@ def run(argv: list[str], xml: bytes) -> int:
         print("vstor hook: expected <domain> <operation> <sub-operation> <extra>", file=sys.stderr)
         return EXIT_ERROR
     name, op = argv[0], argv[1]
-    if op not in ("prepare", "release", "reconnect"):
-        # migrate/restore: print nothing, libvirt keeps the XML as it is.
+    if op not in ("prepare", "release", "reconnect", "migrate"):
+        # restore (and anything newer): print nothing, libvirt keeps the XML.
         return 0
     try:
         return _dispatch(name, op, xml)
@@ -50,7 +50,13 @@ def _dispatch(name: str, op: str, xml: bytes) -> int:
     root = os.environ.get("VSTOR_HOST_ROOT", "/")
     rt = Runtime(cfg, SysFS(root))
     state = StateDir(cfg.state_dir)
-    if op == "prepare":
+    if op == "migrate":
+        # On the destination, before prepare: the XML the domain arrives
+        # with, placed by the plan `vstor migrate prepare` made here.
+        from vstor.runtime.incoming import arriving_xml
+        sys.stdout.write(arriving_xml(state, dom))
+        log(name, "incoming migration: placed by the plan made for it here")
+    elif op == "prepare":
         from vstor.host.read import read_host
         host = read_host(SysFS(root))
         rec = prepare(rt, state, host, dom, progress=lambda m: log(name, m))

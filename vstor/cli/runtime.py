@@ -73,6 +73,7 @@ def cmd_status(ctx, args) -> int:
                            hint="see: vstor status")
     rt = _runtime(ctx)
     rows = [{"domain": r.domain, "status": r.status, "holding": r.holding,
+             "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
              "steps": [{"step": s, "state": st, "problem": p} for s, st, p in health(rt, r)]}
             for r in records]
     if args.json:
@@ -86,6 +87,11 @@ def cmd_status(ctx, args) -> int:
         cpus = ",".join(map(str, h.get("cpus", []))) or "none dedicated"
         print(f"{row['domain']}: {row['status']}; node {h.get('node')}; CPUs {cpus}; "
               f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
+        m = row["migration"] or {}
+        if m.get("role") == "incoming":
+            print(f"  held for an incoming migration from {m.get('from') or 'another host'}")
+        elif m.get("role") == "outgoing":
+            print(f"  migrating to {m.get('to')} (vstor migrate finish or abort {row['domain']})")
         for s in row["steps"]:
             mark = "ok" if s["problem"] is None else f"PROBLEM: {s['problem']}"
             print(f"  {s['step']}: {mark}")

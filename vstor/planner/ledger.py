@@ -72,7 +72,7 @@ class Ledger:
         self.spdk_users: dict[str, list[str]] = {}
         self.volumes: dict[str, list[tuple[str, bool]]] = {}
         self.sockets: dict[str, str] = {}
-        self.connections: dict[str, tuple[str, str]] = {}   # path -> (controller, domain)
+        self.connections: dict[str, list[tuple[str, str]]] = {}   # path -> [(controller, domain)]
         self._pages: Counter[tuple[int, int]] = Counter()
         self._bound: Counter[int] = Counter()
         for h in self.holdings:
@@ -91,7 +91,7 @@ class Ledger:
         for sock in h.sockets:
             self.sockets.setdefault(sock, h.domain)
         for path, controller in h.connections:
-            self.connections.setdefault(path, (controller, h.domain))
+            self.connections.setdefault(path, []).append((controller, h.domain))
         if h.hugepages and not h.active:
             node, size, count = h.hugepages
             self._pages[(node, size)] += count
@@ -113,8 +113,8 @@ class Ledger:
 
     def path_conflict(self, path: str, controller: str) -> str | None:
         """The domain whose SPDK controller of another name has this path."""
-        held = self.connections.get(path)
-        return held[1] if held and held[0] != controller else None
+        return next((domain for name, domain in self.connections.get(path, ())
+                     if name != controller), None)
 
     def promised_hugepages(self, node: int, size_kib: int) -> int:
         """Pages planned for defined domains that are not running: still in the

@@ -29,11 +29,7 @@ _ORDER = ("name", "uuid", "genid", "title", "description", "metadata", "maxMemor
 def render(dom: Domain, plan: Plan, previous: Plan | None = None) -> Domain:
     root = copy.deepcopy(dom.root)
     _drop_owned(root, plan, previous)
-    _memory_backing(root, plan)
-    _vcpu(root, plan)
-    _cputune(root, plan)
-    _numatune(root, plan)
-    _cpu_numa(root, plan)
+    place(root, plan)
     devices = _child(root, "devices")
     for disk in plan.disks:
         if disk.mode == "vhost":
@@ -43,9 +39,20 @@ def render(dom: Domain, plan: Plan, previous: Plan | None = None) -> Domain:
     if plan.viommu:
         _child(_child(root, "features"), "ioapic").set("driver", "qemu")
         devices.append(_iommu())
-    _record(root, plan)
     _sort_devices(devices)
     return Domain(root, dom.origin)
+
+
+def place(root, plan: Plan) -> None:
+    """The host side of the domain as the plan places it: memory backing,
+    vCPUs and their pinning, numatune, the guest's NUMA cell, and the plan
+    itself; what a migration may change (libvirt's ABI check allows it)."""
+    _memory_backing(root, plan)
+    _vcpu(root, plan)
+    _cputune(root, plan)
+    _numatune(root, plan)
+    _cpu_numa(root, plan)
+    _record(root, plan)
 
 
 # -- ownership -----------------------------------------------------------------

@@ -14,7 +14,7 @@ from vstor.config import Config
 from vstor.meta.names import is_disk_name
 from vstor.runtime import actions
 from vstor.runtime.lifecycle import Runtime, release
-from vstor.runtime.state import StateDir
+from vstor.runtime.state import INCOMING, StateDir
 
 
 def collect(rt: Runtime, state: StateDir, running: set[str],
@@ -26,6 +26,11 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
     stale = [r for r in state.records(damaged) if r.domain not in running]
     for problem in damaged:
         say(f"Leaving {problem}")
+    for rec in [r for r in stale if r.status == INCOMING]:
+        say(f"Leaving what is held for {rec.domain}'s incoming migration from "
+            f"{rec.migration.get('from') or 'another host'} (vstor migrate abort {rec.domain} there, "
+            f"or vstor release --force {rec.domain} here)")
+    stale = [r for r in stale if r.status != INCOMING]
     for rec in stale:
         say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
         release(rt, state, rec.key, progress=step)
@@ -75,16 +80,24 @@ def spdk_leftovers(cfg: Config, state: StateDir) -> list[str]:
         return []
     from vstor.backends.spdk import SpdkClient
     from vstor.errors import VstorError
-    key = {actions.SpdkAttach.kind: "name", actions.SpdkVhost.kind: "ctrlr"}
-    owned = {entry.get("data", {}).get(key[entry.get("kind")])
-             for rec in state.records() for entry in rec.steps if entry.get("kind") in key}
-    spdk = SpdkClient(cfg.spdk_socket, timeout=cfg.spdk_timeout, vhost_dir=cfg.vhost_dir, config=cfg.file)
-    out = []
     try:
-        vhost = [] if spdk.missing(["vhost_get_controllers"]) else spdk.vhost_get_controllers()
-        nvme = spdk.get_nvme_controllers()
+        # SPDK first, the records after: a step is journaled before it is
+        # made, so whatever SPDK listed is in a record read afterwards.
+        with SpdkClient(cfg.spdk_socket, timeout=cfg.spdk_timeout, vhost_dir=cfg.vhost_dir,
+                        config=cfg.file) as spdk:
+            vhost = [] if spdk.missing(["vhost_get_controllers"]) else spdk.vhost_get_controllers()
+            nvme = spdk.get_nvme_controllers()
     except VstorError as e:
         return [f"SPDK unchecked for leftovers: {e}"]
+    damaged: list[str] = []
+    records = state.records(damaged)
+    if damaged:
+        return [f"SPDK unchecked for leftovers: {len(damaged)} state records cannot be read, "
+                "and what they hold is not known"]
+    key = {actions.SpdkAttach.kind: "name", actions.SpdkVhost.kind: "ctrlr"}
+    owned = {entry.get("data", {}).get(key[entry.get("kind")])
+             for rec in records for entry in rec.steps if entry.get("kind") in key}
+    out = []
     for c in vhost:
         name = c.get("ctrlr", "")
         if is_disk_name(name) and name not in owned:

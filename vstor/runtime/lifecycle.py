@@ -20,17 +20,20 @@ from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
 from vstor.runtime.journal import DONE, Journal
-from vstor.runtime.state import PREPARED, Record, StateDir
+from vstor.runtime.state import INCOMING, PREPARED, Record, StateDir
 
 
 class Runtime:
     """What steps touch: sysfs, SPDK (connected on first use), the config."""
 
     def __init__(self, cfg: Config, sysfs, dry_run: bool = False, spdk_factory=None,
-                 force: bool = False):
+                 force: bool = False, handover: bool = False):
         self.cfg = cfg
         self.sysfs = sysfs
         self.dry_run = dry_run
+        # The destination of a live migration: the source host's backend of
+        # the same disk may hold a shared source until its QEMU stops.
+        self.handover = handover
         # release --force: undo even what QEMU still uses (SPDK then finishes
         # a vhost controller's deletion when QEMU lets go).
         self.force = force
@@ -65,18 +68,21 @@ def running_ledger(records: list[Record]) -> Ledger:
 
 
 def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
-            progress: Callable[[str], None] | None = None) -> Record:
+            progress: Callable[[str], None] | None = None, incoming: dict | None = None) -> Record:
     """Carry out the domain's recorded plan.  Everything that can fail before
     the first host change (reading the plan, building the steps, checking the
     host, reaching SPDK, reading what undo will need) happens before the state
-    record is written; a failure after it leaves no record holding anything."""
+    record is written; a failure after it leaves no record holding anything.
+    `incoming`: made ahead of a live migration (the record's `migration`)."""
     say = progress or print
     req, plan = plan_of(dom)
     key = dom.safe_name
-    rec = Record(key=key, domain=dom.name, uuid=dom.uuid,
+    rec = Record(key=key, domain=dom.name, uuid=dom.uuid, migration=dict(incoming or {}),
                  holding=holding_to_json(Holding.from_plan(plan, active=True)))
     with state.lock(dry_run=rt.dry_run):
-        leftover = _own(state.load(key), dom.name, dom.uuid)
+        leftover = own_record(state.load(key), dom.name, dom.uuid)
+        if leftover is not None and leftover.status == INCOMING and not incoming:
+            return _arrive(rt, state, leftover, plan, say)
         if leftover is not None and not rt.dry_run:
             # A run that never released (crash, or an interrupted prepare):
             # undo what it left, then start clean; but never what a running
@@ -107,16 +113,41 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
         steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
         Journal(state, rec, rt, progress).run(steps)
+        if incoming:
+            rec.status = INCOMING
+            state.save(rec)
         return rec
 
 
-def _own(rec: Record | None, domain: str | None, uuid: str | None) -> Record | None:
+def _arrive(rt: Runtime, state: StateDir, rec: Record, plan: Plan, say) -> Record:
+    """The domain a migration brought, started on what `vstor migrate
+    prepare` made for it: taken over when it is the plan made here for the
+    migration (the migrate hook put it in the XML), refused otherwise."""
+    from vstor.meta.document import Domain
+    planned = Domain.parse(rec.migration.get("xml", ""), f"state record {rec.key}").recorded_plan()
+    if planned != plan:
+        raise DoesNotFit(f"domain '{rec.domain}' is reserved here for an incoming migration, and "
+                         "this start is not it (its plan is not the one made for the migration)",
+                         hint=f"vstor migrate abort {rec.domain} on the source, or vstor release "
+                              f"--force {rec.domain} here")
+    if rt.dry_run:
+        say(f"would take over the {len(rec.steps)} host changes made for the incoming migration")
+        return rec
+    rec.status, rec.migration = PREPARED, {}
+    state.save(rec)
+    say(f"took over the {len(rec.steps)} host changes made for the incoming migration")
+    return rec
+
+
+def own_record(rec: Record | None, domain: str | None, uuid: str | None) -> Record | None:
     """The record, if it is this domain's: a safe name can be another
     domain's UUID, and one domain's hook must never undo another's work."""
     if rec is None or domain is None:
         return rec
     if rec.domain != domain or rec.uuid != uuid:
-        raise DoesNotFit(f"state record {rec.key} belongs to domain '{rec.domain}', not '{domain}'",
+        theirs = f"'{rec.domain}'" if rec.domain != domain else f"'{rec.domain}' of UUID {rec.uuid}"
+        raise DoesNotFit(f"state record {rec.key} belongs to domain {theirs}, not '{domain}'"
+                         f"{'' if rec.domain != domain else f' of UUID {uuid}'}",
                          hint="give the domain a name of letters, digits and _.+- or another <uuid>")
     return rec
 
@@ -126,7 +157,7 @@ def release(rt: Runtime, state: StateDir, key: str,
             uuid: str | None = None) -> Record | None:
     """Undo what vstor holds under `key`; with `domain`, only that domain's record."""
     with state.lock(dry_run=rt.dry_run):
-        rec = _own(state.load(key), domain, uuid)
+        rec = own_record(state.load(key), domain, uuid)
         if rec is None:
             return None
         if rt.dry_run:
@@ -180,7 +211,7 @@ def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
     exists and repair what can be repaired.  Returns one line per finding."""
     findings = []
     with state.lock():
-        rec = _own(state.load(key), domain, uuid)
+        rec = own_record(state.load(key), domain, uuid)
         if rec is None:
             return ["vstor holds nothing for it"]
         for entry in rec.steps:

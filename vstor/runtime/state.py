@@ -20,6 +20,10 @@ from vstor.locking import flocked
 
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
+# Backends made ahead of an incoming live migration (vstor migrate prepare):
+# held for the domain until it arrives (then prepared) or the migration is
+# aborted or fails (then released).
+INCOMING = "incoming"
 
 
 class DamagedRecord(Unavailable):
@@ -36,17 +40,22 @@ class Record:
     holding: dict = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)
     updated: float = 0.0
+    # A migration under way: {"role": "incoming", "xml": ..., "from": ...} on
+    # the destination, {"role": "outgoing", "to": ..., "xml_file": ...} on the source.
+    migration: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"key": self.key, "domain": self.domain, "uuid": self.uuid,
-                "status": self.status, "holding": self.holding, "steps": self.steps,
-                "updated": self.updated}
+        out = {"key": self.key, "domain": self.domain, "uuid": self.uuid,
+               "status": self.status, "holding": self.holding, "steps": self.steps,
+               "updated": self.updated}
+        return {**out, "migration": self.migration} if self.migration else out
 
     @classmethod
     def from_json(cls, data: dict) -> "Record":
         return cls(key=data["key"], domain=data["domain"], uuid=data.get("uuid"),
                    status=data.get("status", PREPARING), holding=data.get("holding", {}),
-                   steps=list(data.get("steps", [])), updated=data.get("updated", 0.0))
+                   steps=list(data.get("steps", [])), updated=data.get("updated", 0.0),
+                   migration=dict(data.get("migration") or {}))
 
 
 class StateDir:
@@ -173,5 +182,7 @@ def _check_shape(rec: Record) -> None:
             raise ValueError(f"a step is not {{kind, state, data}}: {str(e)[:60]}")
     if not isinstance(rec.holding, dict):
         raise TypeError("holding is not an object")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in rec.migration.items()):
+        raise TypeError("migration is not an object of strings")
     if rec.holding:
         holding_from_json(rec.holding)

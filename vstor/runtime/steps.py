@@ -74,7 +74,7 @@ def do(a, rt) -> None:
         _spdk_vhost(a, rt)
     elif isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
-        daemon.start(a.export)
+        daemon.start(a.export, handover=rt.handover)
     else:
         raise ActionFailed(f"vstor cannot do a {a.kind} step")
 

@@ -65,8 +65,9 @@ def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
 
 # -- starting --------------------------------------------------------------------------------
 
-def start(export: QsdExport, timeout: float = 10.0) -> int:
-    """Start the daemon (or take over the one already serving); its pid."""
+def start(export: QsdExport, timeout: float = 10.0, handover: bool = False) -> int:
+    """Start the daemon (or take over the one already serving); its pid.
+    `handover`: see _check_no_other_writer."""
     ownership.ensure_dir(export.run_dir, export.qemu_group, enforce=True)
     with _lock(export):
         running = _reuse(export)
@@ -79,7 +80,7 @@ def start(export: QsdExport, timeout: float = 10.0) -> int:
                                hint="move it away; vstor only replaces sockets")
         _check_binary(export)
         files.check_source(export)
-        _check_no_other_writer(export)
+        _check_no_other_writer(export, handover)
         ownership.ensure_dir(os.path.dirname(export.socket_path), export.qemu_group, enforce=False)
         resolved = _resolved(export)
         try:
@@ -245,10 +246,15 @@ def _check_binary(export: QsdExport) -> None:
                           hint="apt install qemu-system-common, or use backend='spdk'")
 
 
-def _check_no_other_writer(export: QsdExport) -> None:
+def _check_no_other_writer(export: QsdExport, handover: bool = False) -> None:
     """qsd's exports share every permission on their node, so QEMU's image
-    locking lets two daemons write one source: refuse it here."""
+    locking lets two daemons write one source: refuse it here.  One exception,
+    with `handover` (the destination of a live migration): the source host's
+    daemon for the same disk, which is another host's (another mount
+    namespace) and serves a socket of the same name; the source's QEMU drains
+    and stops before the destination's runs."""
     mine = os.stat(export.source)
+    here = _mount_ns("self")
     for p in proc.pids():
         argv = proc.cmdline(p)
         if not argv or os.path.basename(argv[0]) != "qemu-storage-daemon":
@@ -261,10 +267,20 @@ def _check_no_other_writer(export: QsdExport) -> None:
             continue
         if export.readonly and opts.get("writable") == "off":
             continue        # readers share
+        if (handover and os.path.basename(opts.get("addr.path", "")) == export.name
+                and None not in (here, _mount_ns(p)) and _mount_ns(p) != here):
+            continue
         raise DoesNotFit(f"disk source {export.source} is already exported by "
                          f"qemu-storage-daemon pid {p} ({opts.get('addr.path')})",
                          hint="two writers would corrupt it; make both readonly "
                               "or stop the other")
+
+
+def _mount_ns(pid) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
 
 
 def _last_line(raw: bytes, code: int) -> str:

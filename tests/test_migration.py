@@ -1,0 +1,177 @@
+"""vstor migrate between two "hosts" on this machine: A (the source, this
+process) and B (its own config, state, socket and daemon directories, its own
+host layout, and its own mount namespace: `unshare -m` runs B's agent, as
+another host's vstor would run behind ssh).  The disk is a file under a
+directory both list in [migrate] shared.  Real qemu-storage-daemons on both;
+libvirt's test driver (the live migration itself is in tests/e2e)."""
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from vstor.cli.main import main
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
+                                reason="starts qemu-storage-daemons in another mount namespace (needs root)")
+
+HERE = os.path.dirname(__file__)
+ROOT = os.path.abspath(os.path.join(HERE, ".."))
+HOOK = os.path.join(ROOT, "hooks", "vstor")
+NS = "https://vstor.dev/xmlns/domain/1"
+
+
+def conf(work, h, shared, peer=None):
+    text = (f"[paths]\nstate_dir = {work}/{h}/state\nvhost_dir = {work}/{h}/vhost\n"
+            f"qsd_dir = {work}/{h}/qsd\nimages = {shared} {work}/{h}/local\n"
+            f"[migrate]\nshared = {shared}\n")
+    if peer:
+        text += f"peer_command = {peer}\n"
+    path = f"{work}/{h}.conf"
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+@pytest.fixture
+def hosts():
+    from tests.hostlayout import build_tree
+    work = tempfile.mkdtemp(prefix="vs-mig-", dir="/tmp")
+    os.chmod(work, 0o755)
+    shared = f"{work}/shared"
+    for d in (shared, f"{work}/a/local", f"{work}/b/local"):
+        os.makedirs(d)
+    for name in ("d0.raw", "big.raw"):
+        with open(f"{shared}/{name}", "wb") as f:
+            f.truncate(16 << 20)
+    with open(f"{work}/a/local/mine.raw", "wb") as f:
+        f.truncate(16 << 20)
+    a_root = build_tree(os.path.join(HERE, "hosts", "two-socket.toml"), f"{work}/a/host")
+    b_root = build_tree(os.path.join(HERE, "hosts", "laptop.toml"), f"{work}/b/host")
+    b_conf = conf(work, "b", shared)
+    agent = (f"unshare -m --propagation private {shlex.quote(sys.executable)} -m vstor.cli.main "
+             f"-c test:///default --config {b_conf} --host-root {b_root} migrate agent")
+    h = type("Hosts", (), {})()
+    h.work, h.shared, h.a_root, h.b_root, h.b_conf = work, shared, a_root, b_root, b_conf
+    h.a_conf = conf(work, "a", shared, peer=agent)
+    yield h
+    for who, cfg, root in (("a", h.a_conf, a_root), ("b", b_conf, b_root)):
+        d = f"{work}/{who}/state/domains"
+        for name in (os.listdir(d) if os.path.isdir(d) else ()):
+            main(["-c", "test:///default", "--config", cfg, "--host-root", root,
+                  "release", "--force", name.removesuffix(".json")])
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def on_a(h, *args) -> int:
+    return main(["-c", "test:///default", "--config", h.a_conf, "--host-root", h.a_root, *args])
+
+
+def hook(h, who, name, op, sub, extra, xml: str):
+    cfg, root = (h.a_conf, h.a_root) if who == "a" else (h.b_conf, h.b_root)
+    env = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", ""), "VSTOR_CONFIG": cfg,
+           "VSTOR_HOST_ROOT": root}
+    return subprocess.run([sys.executable, HOOK, name, op, sub, extra], input=xml.encode(),
+                          capture_output=True, env=env)
+
+
+def running_on_a(h, name="vm", disk="shared/d0.raw", memory_mib=512) -> str:
+    """The domain rendered and prepared on A, as its start would."""
+    src, out = f"{h.work}/{name}.in.xml", f"{h.work}/{name}.xml"
+    with open(src, "w") as f:
+        f.write(f"""<domain type='kvm'><name>{name}</name><uuid>6a0c6c5e-7f55-4b4a-9d8e-0000000000{len(name):02d}</uuid>
+          <memory unit='MiB'>{memory_mib}</memory><vcpu>2</vcpu><os><type arch='x86_64' machine='q35'>hvm</type></os>
+          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm migratable='yes'/>
+          <vstor:disk target='vdb'><vstor:file path='{h.work}/{disk}'/></vstor:disk></vstor:vstor></metadata>
+          <devices/></domain>""")
+    assert on_a(h, "render", src, "-o", out) == 0
+    assert on_a(h, "prepare", out) == 0
+    return out
+
+
+def records(h, who) -> dict:
+    d = f"{h.work}/{who}/state/domains"
+    out = {}
+    for name in (os.listdir(d) if os.path.isdir(d) else ()):
+        with open(os.path.join(d, name)) as f:
+            rec = json.load(f)
+        out[rec["domain"]] = rec["status"]
+    return out
+
+
+def test_check_prepare_arrive_and_finish(hosts, capsys):
+    h = hosts
+    xml_path = running_on_a(h)
+    capsys.readouterr()
+    assert on_a(h, "migrate", "check", xml_path, "--to", "hostb", "--json") == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["verdict"] == "ready" and verdict["live"] and verdict["destination_problems"] == []
+    assert "[migrate] shared" in verdict["disks"][0]["reason"] and "hostb sees it" in verdict["disks"][0]["reason"]
+
+    out_xml = f"{h.work}/vm.b.xml"
+    assert on_a(h, "migrate", "prepare", xml_path, "--to", "hostb", "-o", out_xml) == 0
+    printed = capsys.readouterr().out
+    assert f"migrate --live --persistent --undefinesource --xml {out_xml} vm qemu+ssh://hostb/system" in printed
+    assert records(h, "b") == {"vm": "incoming"} and records(h, "a") == {"vm": "prepared"}
+    assert on_a(h, "status", "vm") == 0
+    assert "migrating to hostb" in capsys.readouterr().out
+    b_status = subprocess.run([sys.executable, "-m", "vstor.cli.main", "--config", h.b_conf, "status"],
+                              capture_output=True, text=True)
+    assert "vm: incoming" in b_status.stdout and "held for an incoming migration from" in b_status.stdout
+    assert os.listdir(f"{h.work}/b/vhost") == ["vm-vdb"]        # B's daemon serves B's socket
+    arriving = open(out_xml).read()
+    assert f"{h.work}/b/vhost/vm-vdb" in arriving and f"{h.work}/a/vhost" not in arriving
+
+    # libvirt on B: the migrate hook places the XML the source sends ...
+    source_xml = open(xml_path).read()
+    out = hook(h, "b", "vm", "migrate", "begin", "-", source_xml)
+    assert (out.returncode, out.stderr) == (0, b""), out.stderr
+    assert out.stdout.decode() == arriving
+    # ... prepare takes over what migrate prepare made; the source releases.
+    out = hook(h, "b", "vm", "prepare", "begin", "-", out.stdout.decode())
+    assert (out.returncode, out.stderr) == (0, b""), out.stderr
+    assert records(h, "b") == {"vm": "prepared"}
+    out = hook(h, "a", "vm", "release", "end", "migrated", source_xml)
+    assert out.returncode == 0 and records(h, "a") == {} and os.listdir(f"{h.work}/a/vhost") == []
+    assert on_a(h, "migrate", "finish", "vm", "--to", "hostb") == 0
+    assert "vm runs on hostb" in capsys.readouterr().out
+
+
+def test_abort_releases_the_destination_and_a_second_prepare_is_clean(hosts, capsys):
+    h = hosts
+    xml_path = running_on_a(h)
+    assert on_a(h, "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{h.work}/o.xml") == 0
+    assert on_a(h, "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{h.work}/o.xml") == 0
+    assert records(h, "b") == {"vm": "incoming"}
+    assert on_a(h, "migrate", "abort", "vm") == 0
+    assert records(h, "b") == {} and os.listdir(f"{h.work}/b/vhost") == []
+    assert records(h, "a") == {"vm": "prepared"}             # the source runs on, untouched
+    assert "released what was held for vm" in capsys.readouterr().out
+
+
+def test_a_destination_that_cannot_take_it_changes_nothing_on_either_host(hosts, capsys):
+    h = hosts
+    xml_path = running_on_a(h, memory_mib=64 * 1024)      # fits a node of A (192 GiB), not B (32 GiB)
+    capsys.readouterr()
+    assert on_a(h, "migrate", "check", xml_path, "--to", "hostb") == 3
+    assert "hostb cannot take it" in capsys.readouterr().out
+    assert on_a(h, "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{h.work}/o.xml") == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot live-migrate to hostb" in err
+    assert records(h, "b") == {} and not os.path.exists(f"{h.work}/o.xml")
+    assert records(h, "a") == {"vm": "prepared"}
+
+
+def test_a_file_only_the_source_sees_is_impossible(hosts, capsys):
+    h = hosts
+    xml_path = running_on_a(h, disk="a/local/mine.raw")
+    capsys.readouterr()
+    assert on_a(h, "migrate", "check", xml_path, "--to", "hostb", "--json") == 3
+    v = json.loads(capsys.readouterr().out)
+    assert v["verdict"] == "impossible" and "on a local" in v["disks"][0]["reason"]
+    assert "[migrate] shared" in v["disks"][0]["fix"]

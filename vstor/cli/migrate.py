@@ -1,0 +1,164 @@
+"""vstor migrate check | prepare | abort | finish, and the destination's agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from vstor.errors import BadInput
+
+
+def register(sub) -> None:
+    m = sub.add_parser("migrate", help="live migration: check, prepare the destination, abort, finish")
+    msub = m.add_subparsers(dest="migrate_command", metavar="STEP")
+    msub.required = True
+    p = msub.add_parser("check", help="can DOMAIN live-migrate to DEST: a verdict per disk, and "
+                                      "whether DEST can take it")
+    p.add_argument("domain", metavar="FILE|DOMAIN")
+    p.add_argument("--to", required=True, metavar="DEST", help="host name or libvirt URI")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_check)
+    p = msub.add_parser("prepare", help="make and hold DOMAIN's backends on DEST; write the XML it "
+                                        "arrives with; print the virsh migrate command")
+    p.add_argument("domain", metavar="DOMAIN")
+    p.add_argument("--to", required=True, metavar="DEST", help="host name or libvirt URI")
+    p.add_argument("-o", "--output", metavar="FILE", help="destination XML (default: DOMAIN.DEST.xml)")
+    p.add_argument("--cold", action="store_true", help="reserve DEST for a cold migration")
+    p.set_defaults(func=cmd_prepare)
+    p = msub.add_parser("abort", help="give up what migrate prepare holds on the destination")
+    p.add_argument("domain", metavar="DOMAIN")
+    p.add_argument("--to", metavar="DEST", help="(default: the destination prepare recorded)")
+    p.set_defaults(func=cmd_abort)
+    p = msub.add_parser("finish", help="after a migration: check the domain arrived, clean this host")
+    p.add_argument("domain", metavar="DOMAIN")
+    p.add_argument("--to", metavar="DEST", help="(default: the destination prepare recorded)")
+    p.set_defaults(func=cmd_finish)
+    p = msub.add_parser("agent", help="(run by migrate on the destination) one JSON request "
+                                      "on stdin, one JSON answer on stdout")
+    p.set_defaults(func=cmd_agent)
+
+
+def _peer(ctx, dest: str):
+    from vstor.migration.peer import Peer, destination
+    host, uri = destination(dest)
+    return Peer(ctx.config, host), uri
+
+
+def _domain(ctx, source: str):
+    from vstor.cli.domains import load_source
+    from vstor.runtime import virt
+    if os.path.sep in source or os.path.exists(source):
+        return load_source(ctx, source)
+    from vstor.meta.document import Domain
+    vdom = virt.lookup(ctx.conn, source)
+    return Domain.parse(vdom.XMLDesc(0), f"domain '{source}'")
+
+
+def cmd_check(ctx, args) -> int:
+    from vstor.migration import source
+    dom = _domain(ctx, args.domain)
+    peer, _ = _peer(ctx, args.to)
+    verdict = source.check(ctx.config, dom, peer)
+    if args.json:
+        print(json.dumps(verdict.to_json(), indent=1))
+    else:
+        print(f"{dom.name} -> {peer.host}: {verdict.verdict}"
+              f"{'' if not verdict.problems else ', and it does not fit there'}")
+        for d in verdict.disks:
+            print(f"  {d.target}: {d.verdict}: {d.reason}")
+            if d.fix:
+                print(f"      fix: {d.fix}")
+        for why in verdict.problems:
+            print(f"  {peer.host} cannot take it: {why}")
+        for line in verdict.placement:
+            print(f"  on {peer.host}: {line}")
+    return 0 if verdict.live else 3
+
+
+def cmd_prepare(ctx, args) -> int:
+    from vstor.cli.runtime import _state
+    from vstor.migration import source
+    dom = _domain(ctx, args.domain)
+    peer, uri = _peer(ctx, args.to)
+    print(f"Preparing {peer.host} for {dom.name}:")
+    verdict, xml = source.prepare(ctx.config, _state(ctx), dom, peer, uri, cold=args.cold)
+    for d in verdict.disks:
+        print(f"  {d.target}: {d.reason}")
+    out = args.output or f"{dom.name}.{peer.host}.xml"
+    try:
+        with open(out, "w") as f:
+            f.write(xml)
+    except OSError as e:
+        raise BadInput(f"cannot write {out}: {e.strerror}", hint="pick another -o FILE") from None
+    src = f" -c {ctx.args.connect}" if ctx.args.connect else ""
+    print(f"{peer.host} holds {dom.name}'s backends; it arrives with {out}. Migrate it with:")
+    print(f"  virsh{src} migrate --live --persistent --undefinesource --xml {out} {dom.name} {uri}")
+    print(f"(then: vstor migrate finish {dom.name}; to give up: vstor migrate abort {dom.name})")
+    return 0
+
+
+def _recorded_peer(ctx, args):
+    from vstor.cli.runtime import _state
+    from vstor.migration import source
+    dest = args.to or source.recorded_destination(_state(ctx), args.domain)
+    if not dest:
+        raise BadInput(f"no migration of domain '{args.domain}' is recorded here",
+                       hint="name the destination with --to")
+    return _peer(ctx, dest)[0]
+
+
+def cmd_abort(ctx, args) -> int:
+    from vstor.cli.runtime import _state
+    from vstor.migration import source
+    peer = _recorded_peer(ctx, args)
+    uuid = _uuid_of(ctx, args.domain)
+    answer = peer.call("abort", name=args.domain, uuid=uuid)
+    source.forget(_state(ctx), args.domain)
+    print(f"{peer.host}: {'released what was held for' if answer.get('aborted') else 'held nothing for'} "
+          f"{args.domain}")
+    return 0
+
+
+def cmd_finish(ctx, args) -> int:
+    from vstor.cli.runtime import _is_running, _key_of, _runtime, _state
+    from vstor.errors import DoesNotFit
+    from vstor.migration import source
+    from vstor.runtime.lifecycle import release
+    peer = _recorded_peer(ctx, args)
+    there = peer.call("status", name=args.domain, uuid=_uuid_of(ctx, args.domain))
+    if there.get("status") != "prepared":
+        raise DoesNotFit(f"domain '{args.domain}' has not arrived on {peer.host} "
+                         f"({there.get('status') or 'nothing held there'})",
+                         hint=f"migrate it first, or: vstor migrate abort {args.domain}")
+    if _is_running(ctx, args.domain) is not False:
+        raise DoesNotFit(f"domain '{args.domain}' still runs here (or libvirt cannot say)",
+                         hint="wait for the migration to complete")
+    state = _state(ctx)
+    rec = release(_runtime(ctx), state, _key_of(ctx, args.domain), progress=lambda m: print(f"  {m}"))
+    source.forget(state, args.domain)
+    print(f"{args.domain} runs on {peer.host}; {'released its backends here' if rec else 'nothing left here'}")
+    return 0
+
+
+def _uuid_of(ctx, name: str) -> str | None:
+    from vstor.cli.runtime import _state
+    return next((r.uuid for r in _state(ctx).records() if r.domain == name), None) or _libvirt_uuid(ctx, name)
+
+
+def _libvirt_uuid(ctx, name: str) -> str | None:
+    try:
+        from vstor.runtime import virt
+        return virt.lookup(ctx.conn, name).UUIDString()
+    except Exception:
+        return None
+
+
+def cmd_agent(ctx, args) -> int:
+    from vstor.migration import agent
+    try:
+        request = json.loads(sys.stdin.read())
+    except ValueError:
+        request = None
+    print(json.dumps(agent.answer(ctx, request)))
+    return 0

@@ -1,0 +1,117 @@
+"""`vstor migrate agent`: the destination's side, one JSON request in, one
+JSON answer out.  Whoever reaches it is root on the source (over ssh), but
+the domain XML it carries is input like any domain's: planned again here,
+sources resolved against this host's own image roots."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from vstor.errors import BadInput, DoesNotFit, VstorError
+from vstor.meta.document import Domain
+from vstor.migration.peer import PROTOCOL
+from vstor.planner.ledger import Ledger, holding_from_json
+
+
+def answer(ctx, request) -> dict:
+    """The answer to one request; a refusal is {"ok": false, ...}, never raised."""
+    try:
+        return {"ok": True, **_serve(ctx, request)}
+    except VstorError as e:
+        return {"ok": False, "exit_code": e.exit_code, "message": str(e)}
+
+
+def _serve(ctx, request) -> dict:
+    if not isinstance(request, dict) or request.get("vstor_agent") != PROTOCOL:
+        raise BadInput(f"not a vstor migrate agent request of protocol {PROTOCOL}",
+                       hint="install the same vstor version on both hosts")
+    op = request.get("op")
+    from vstor.cli.runtime import _runtime, _state
+    rt, state = _runtime(ctx, False), _state(ctx)
+    if op in ("abort", "status"):
+        name, uuid = _text(request, "name"), request.get("uuid")
+        if uuid is not None and not isinstance(uuid, str):
+            raise BadInput("uuid must be a string")
+        if op == "status":
+            from vstor.runtime.lifecycle import own_record
+            key = next((r.key for r in state.records() if r.domain == name), None)
+            rec = state.load(key) if key else None
+            if rec is not None and uuid is not None:     # a read: the name is enough without one
+                rec = own_record(rec, name, uuid)
+            return {"host": ctx.host.hostname, "status": rec.status if rec else None}
+        from vstor.runtime.incoming import abort_incoming
+        return {"host": ctx.host.hostname, "aborted": abort_incoming(rt, state, name, uuid, _quiet)}
+    dom = Domain.parse(_text(request, "xml"), "the migrating domain's XML")
+    ledger = _ledger(ctx, state)
+    if op == "check":
+        return _check(ctx, rt, dom, ledger, request.get("files") or {})
+    if op == "prepare":
+        from vstor.runtime.incoming import prepare_incoming
+        source = _text(request, "from")
+        rec, arriving = prepare_incoming(rt, state, ctx.host, dom, ledger, source, _quiet)
+        return {"host": ctx.host.hostname, "xml": arriving.to_string(), "steps": len(rec.steps)}
+    raise BadInput(f"unknown agent request '{op}'", hint="install the same vstor version on both hosts")
+
+
+def _check(ctx, rt, dom: Domain, ledger: Ledger, files) -> dict:
+    from vstor.runtime.incoming import plan_here
+    problems, placement = [], []
+    try:
+        plan = plan_here(ctx.host, rt, dom, ledger).recorded_plan()
+        placement = list(plan.reasons)
+    except (BadInput, DoesNotFit) as e:    # the domain as this host would refuse to start it
+        problems = list(getattr(e, "reasons", ())) or [e.message]
+    if not isinstance(files, dict):
+        raise BadInput("files must be an object")
+    seen = {}
+    for target, f in files.items():
+        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)):
+            raise BadInput(f"files: {target!r} is not {{path, size}}")
+        seen[str(target)] = _sees(rt.cfg, f["path"], f["size"], f.get("kind") == "block")
+    return {"host": ctx.host.hostname, "problems": problems, "placement": placement, "seen": seen}
+
+
+def _sees(cfg, path: str, size: int, block: bool) -> str | None:
+    """None when this host has the same source at the same path; else why not."""
+    from vstor.runtime.steps import resolve_image
+    try:
+        real = path if block else resolve_image(path, cfg.images)
+        st = os.stat(real)
+    except BadInput:
+        return "has it outside its image roots"
+    except FileNotFoundError:
+        return "has no such file"
+    except OSError as e:
+        return f"cannot read it ({e.strerror})"
+    if block != stat.S_ISBLK(st.st_mode) or not (block or stat.S_ISREG(st.st_mode)):
+        return "has something else at that path"
+    if block:
+        with open(real, "rb") as f:
+            have = f.seek(0, os.SEEK_END)
+    else:
+        have = st.st_size
+    return None if have == size else f"has it with another size ({have} bytes, not {size})"
+
+
+def _ledger(ctx, state) -> Ledger:
+    """Other domains' holdings: libvirt's defined domains and every state
+    record besides (a migration held for a domain not defined here yet)."""
+    holdings = list(ctx.ledger().holdings)
+    known = {h.domain for h in holdings}
+    holdings += [holding_from_json(r.holding) for r in state.records()
+                 if r.holding and r.domain not in known]
+    return Ledger(holdings)
+
+
+def _text(request: dict, key: str) -> str:
+    value = request.get(key)
+    if not isinstance(value, str) or not value:
+        raise BadInput(f"the request has no {key}")
+    return value
+
+
+def _quiet(message: str) -> None:
+    """Progress goes to stderr: stdout carries the one JSON answer."""
+    import sys
+    print(f"  {message}", file=sys.stderr)

@@ -1,0 +1,35 @@
+"""The XML a domain arrives with on a migration's destination: the domain as
+libvirt sends it, placed by the destination's plan.  Every device stays as it
+is (its PCI address, alias and features are the guest's ABI, which libvirt
+checks); only what is the host's changes: each vhost-user disk's socket, the
+pinning, numatune, hugepages and the recorded plan."""
+
+from __future__ import annotations
+
+import copy
+
+from vstor.errors import BadInput
+from vstor.meta.document import Domain
+from vstor.meta.plan import Plan
+from vstor.render.libvirt import place
+
+
+def render_incoming(dom: Domain, plan: Plan) -> Domain:
+    root = copy.deepcopy(dom.root)
+    disks = {}
+    for el in root.iterfind("devices/disk"):
+        target = el.find("target")
+        if target is not None:
+            disks[target.get("dev")] = el
+    for d in plan.disks:
+        if d.mode != "vhost":
+            raise BadInput(f"domain '{plan.domain}': disk {d.target} is passed through, and a PCI "
+                           "device cannot be live-migrated", hint="migrate it cold")
+        el = disks.get(d.target)
+        source = el.find("source") if el is not None else None
+        if el is None or el.get("type") != "vhostuser" or source is None:
+            raise BadInput(f"domain '{plan.domain}' arrives without the vhost-user disk {d.target} "
+                           "its vstor metadata plans", hint="migrate the domain as vstor rendered it")
+        source.set("path", d.socket)
+    place(root, plan)
+    return Domain(root, dom.origin)

@@ -1,0 +1,71 @@
+"""The destination's side of a live migration: backends made ahead for a
+domain that is coming (`vstor migrate prepare` on the source asks for it
+through `vstor migrate agent` here), the XML it arrives with (the migrate
+hook), and giving the reservation up (abort, or a failed migration).
+
+The domain XML the source sends is input like any domain's (threats.md):
+its intent is planned again here, with this host's model, config and ledger;
+the source's plan is never used."""
+
+from __future__ import annotations
+
+from vstor.errors import BadInput, DoesNotFit
+from vstor.host.model import Host
+from vstor.meta.document import Domain
+from vstor.planner import Request, fit, plan_domain
+from vstor.planner.ledger import Ledger
+from vstor.render.migration import render_incoming
+from vstor.runtime.lifecycle import Runtime, own_record, prepare, release
+from vstor.runtime.state import INCOMING, StateDir
+
+
+def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger) -> Domain:
+    """The domain as it would arrive here: its intent planned on this host."""
+    if not dom.has_vstor():
+        raise BadInput(f"domain '{dom.name}' has no vstor metadata", hint="nothing for vstor to prepare")
+    plan = plan_domain(host, rt.cfg, Request.from_domain(dom), ledger.without(dom.name, dom.uuid))
+    return render_incoming(dom, plan)
+
+
+def prepare_incoming(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger,
+                     source: str, progress=None):
+    """Make the backends the domain will arrive on, and hold them for it."""
+    existing = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
+    if existing is not None and existing.status != INCOMING:
+        raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
+                         hint=f"it runs here, or: vstor release {dom.name} here first")
+    arriving = plan_here(host, rt, dom, ledger)
+    handover = Runtime(rt.cfg, rt.sysfs, dry_run=rt.dry_run, handover=True)
+    rec = prepare(handover, state, host, arriving, progress=progress,
+                  incoming={"role": "incoming", "from": source, "xml": arriving.to_string()})
+    return rec, arriving
+
+
+def arriving_xml(state: StateDir, dom: Domain) -> str:
+    """The migrate hook: the XML the domain arrives with, placed by the plan
+    made here for it; refused when no migration was prepared here."""
+    rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
+    if rec is None or rec.status != INCOMING:
+        raise DoesNotFit(f"vstor domain '{dom.name}' arrives, but no migration was prepared for "
+                         "it on this host", hint=f"on the source: vstor migrate prepare {dom.name} "
+                                                 "--to <this host>, then migrate again")
+    planned = Domain.parse(rec.migration.get("xml", ""), f"state record {rec.key}").recorded_plan()
+    fit.check_made_for(planned, Request.from_domain(dom))
+    return render_incoming(dom, planned).to_string()
+
+
+def abort_incoming(rt: Runtime, state: StateDir, name: str, uuid: str | None, progress=None) -> bool:
+    """Give up the backends held for a migration that will not come.  Never
+    a domain that arrived (its record is prepared then): False if none."""
+    from vstor.meta.names import is_safe_name
+    key = next((r.key for r in state.records() if r.domain == name), name)
+    if not is_safe_name(key):
+        return False
+    rec = own_record(state.load(key), name, uuid)
+    if rec is None:
+        return False
+    if rec.status != INCOMING:
+        raise DoesNotFit(f"domain '{name}' is not waiting for a migration here ({rec.status}): "
+                         "it arrived, or was never prepared for one", hint="nothing to abort here")
+    release(rt, state, key, progress=progress, domain=name, uuid=uuid)
+    return True
