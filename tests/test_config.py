@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from vstor import config
@@ -73,3 +75,15 @@ def test_image_roots_are_a_list_of_absolute_directories(tmp_path):
     p.write_text("[paths]\nimages = relative/dir\n")
     with pytest.raises(BadInput, match="images"):
         config.load(str(p))
+
+
+def test_the_readme_sample_config_loads_as_written(tmp_path):
+    """README's /etc/vstor/vstor.conf block, inline comments and all."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    block = readme[readme.index("## Configuration: /etc/vstor/vstor.conf"):]
+    start = block.index("```ini") + len("```ini")
+    path = tmp_path / "vstor.conf"
+    path.write_text(block[start:block.index("```", start)])
+    cfg = config.load(str(path))
+    assert cfg.reactors == (2, 34) and cfg.export_address == "192.168.100.7"
+    assert cfg.peer_command == "ssh -o BatchMode=yes -- {host} vstor migrate agent"

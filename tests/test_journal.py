@@ -163,3 +163,29 @@ def test_a_damaged_record_blocks_its_domain_and_nobody_else(tmp_path, content):
         state.load("vm2")
     assert e.value.exit_code == EXIT_UNAVAILABLE and "\n" not in str(e.value)
     assert (tmp_path / "state" / "domains" / "vm2.json").read_text() == content   # left for the operator
+
+
+def test_more_steps_for_a_running_domain_undo_only_themselves(tmp_path):
+    """extend (an export added to a running domain's record): its failure
+    undoes the new steps and leaves what the domain runs on, and its status."""
+    state = StateDir(str(tmp_path / "state"))
+    rec = Record("vm1", "vm1", None)
+    first = steps(tmp_path, 2)
+    J(state, rec, rt=None).run(first)
+    more = [TouchFile({"path": str(tmp_path / "m0")}), TouchFile({"path": str(tmp_path / "m1"), "fail_do": True})]
+    with pytest.raises(ActionFailed, match="touch m1 failed"):
+        J(state, rec, rt=None).extend(more)
+    kept = state.load("vm1")
+    assert kept.status == PREPARED and [os.path.basename(e["data"]["path"]) for e in kept.steps] == ["f0", "f1"]
+    assert os.path.exists(tmp_path / "f0") and os.path.exists(tmp_path / "f1")
+    assert not os.path.exists(tmp_path / "m0") and not os.path.exists(tmp_path / "m1")
+
+
+def test_a_rollback_keeps_what_it_is_told_to_and_in_order(tmp_path):
+    state = StateDir(str(tmp_path / "state"))
+    rec = Record("vm1", "vm1", None)
+    J(state, rec, rt=None).run(steps(tmp_path, 4))
+    errors = J(state, rec, rt=None).rollback(keep=lambda i, e: i in (0, 2))
+    assert errors == []
+    assert [os.path.basename(e["data"]["path"]) for e in state.load("vm1").steps] == ["f0", "f2"]
+    assert [os.path.exists(tmp_path / f"f{i}") for i in range(4)] == [True, False, True, False]

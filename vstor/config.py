@@ -26,7 +26,8 @@ _KEYS = {
     "vhost": {"default_backend"},
     "nvmf": {"hostnqn", "ctrlr_loss_timeout_sec", "reconnect_delay_sec",
              "fast_io_fail_timeout_sec"},
-    "migrate": {"shared", "peer_command", "timeout"},
+    "migrate": {"shared", "peer_command", "timeout", "export_address", "export_transport",
+                "export_port"},
 }
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class Config:
     peer_command: str = "ssh -o BatchMode=yes -- {host} vstor migrate agent"
     # Seconds `vstor migrate prepare --run` lets libvirt's migration run.
     migrate_timeout: int = 600
+    # Where this host's SPDK exports local NVMe over NVMe-oF to a migration's
+    # destination (an address of this host the destination reaches).
+    export_address: str | None = None
+    export_transport: str = "rdma"
+    export_port: int = 4420
     source: str = field(default="(defaults)", compare=False)
 
     @property
@@ -80,7 +86,7 @@ def load(path: str | None = None) -> Config:
             raise BadInput(f"config file {path} does not exist",
                            hint="create it or drop --config/VSTOR_CONFIG")
         return Config()
-    parser = configparser.ConfigParser(interpolation=None)
+    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";",))
     try:
         with open(path) as f:
             parser.read_file(f)
@@ -144,6 +150,23 @@ def _build(v: dict, path: str) -> Config:
                                      for d in v[("migrate", "shared")].replace(",", " ").split())
     if v.get(("migrate", "peer_command")):
         kw["peer_command"] = v[("migrate", "peer_command")]
+    if v.get(("migrate", "export_address")):
+        from vstor.meta.intent import ADDR
+        from vstor.meta.types import Invalid
+        addr = v[("migrate", "export_address")]
+        try:
+            ADDR.parse(addr, "export_address")
+        except Invalid:
+            raise BadInput(f"{path}: [migrate] export_address '{addr}' is not an address",
+                           hint="an IPv4/IPv6 address or host name of this host") from None
+        kw["export_address"] = addr
+    if ("migrate", "export_transport") in v:
+        transport = v[("migrate", "export_transport")].lower()
+        if transport not in ("rdma", "tcp"):
+            raise BadInput(f"{path}: [migrate] export_transport is '{transport}'", hint="use rdma or tcp")
+        kw["export_transport"] = transport
+    if ("migrate", "export_port") in v:
+        kw["export_port"] = _int(v[("migrate", "export_port")], "[migrate] export_port", path, "port")
     if ("migrate", "timeout") in v:
         kw["migrate_timeout"] = _int(v[("migrate", "timeout")], "[migrate] timeout", path)
     if ("memory", "reserved") in v:

@@ -28,7 +28,7 @@ def run(argv: list[str], xml: bytes) -> int:
         # restore (and anything newer): print nothing, libvirt keeps the XML.
         return 0
     try:
-        return _dispatch(name, op, xml)
+        return _dispatch(name, op, xml, argv[3] if len(argv) > 3 else "-")
     except VstorError as e:
         log(name, f"{op} failed: {e}", syslog.LOG_ERR)
         print(f"vstor: {e}", file=sys.stderr)
@@ -39,7 +39,7 @@ def run(argv: list[str], xml: bytes) -> int:
         return EXIT_ERROR
 
 
-def _dispatch(name: str, op: str, xml: bytes) -> int:
+def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
     from vstor.runtime.lifecycle import Runtime, prepare, reconnect, release
     from vstor.runtime.state import StateDir
     from vstor.host.sysfs import SysFS
@@ -63,7 +63,7 @@ def _dispatch(name: str, op: str, xml: bytes) -> int:
         log(name, f"prepared: {len(rec.steps)} host changes recorded")
     elif op == "release":
         rec = release(rt, state, dom.safe_name, progress=lambda m: log(name, m),
-                      domain=dom.name, uuid=dom.uuid)
+                      domain=dom.name, uuid=dom.uuid, migrated=extra == "migrated")
         log(name, "released" if rec else "nothing to release")
     else:
         for finding in reconnect(rt, state, dom.safe_name, dom.name, dom.uuid):

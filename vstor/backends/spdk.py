@@ -285,6 +285,9 @@ class SpdkClient:
                                  "trsvcid": trsvcid})
         self.call("nvmf_subsystem_add_listener", {"nqn": nqn, "listen_address": address})
 
+    def nvmf_subsystem_add_host(self, nqn: str, host: str) -> None:
+        self.call("nvmf_subsystem_add_host", {"nqn": nqn, "host": host})
+
     def nvmf_delete_subsystem(self, nqn: str) -> None:
         self.call("nvmf_delete_subsystem", {"nqn": nqn})
 

@@ -77,12 +77,12 @@ def cmd_check(ctx, args) -> int:
 
 
 def cmd_prepare(ctx, args) -> int:
-    from vstor.cli.runtime import _state
+    from vstor.cli.runtime import _runtime, _state
     from vstor.migration import source
     dom = _domain(ctx, args.domain)
     peer, uri = _peer(ctx, args.to)
     print(f"Preparing {peer.host} for {dom.name}:")
-    verdict, xml = source.prepare(ctx.config, _state(ctx), dom, peer, uri, cold=args.cold)
+    verdict, xml = source.prepare(ctx.config, _state(ctx), dom, peer, uri, _runtime(ctx), cold=args.cold)
     for d in verdict.disks:
         print(f"  {d.target}: {d.reason}")
     out = args.output or f"{dom.name}.{peer.host}.xml"
@@ -109,11 +109,13 @@ def _recorded_peer(ctx, args):
 
 
 def cmd_abort(ctx, args) -> int:
-    from vstor.cli.runtime import _state
+    from vstor.cli.runtime import _runtime, _state
     from vstor.migration import source
     peer = _recorded_peer(ctx, args)
     uuid = _uuid_of(ctx, args.domain)
     answer = peer.call("abort", name=args.domain, uuid=uuid)
+    if source.unexport_all(_state(ctx), args.domain, _runtime(ctx)):
+        print(f"removed the NVMe-oF exports made for {peer.host}")
     source.forget(_state(ctx), args.domain)
     print(f"{peer.host}: {'released what was held for' if answer.get('aborted') else 'held nothing for'} "
           f"{args.domain}")
@@ -135,6 +137,10 @@ def cmd_finish(ctx, args) -> int:
         raise DoesNotFit(f"domain '{args.domain}' still runs here (or libvirt cannot say)",
                          hint="wait for the migration to complete")
     state = _state(ctx)
+    if any(r.domain == args.domain and r.status == "exporting" for r in state.records()):
+        print(f"{args.domain} runs on {peer.host} and reads its local NVMe through this host's "
+              f"NVMe-oF export, which stays until it leaves {peer.host} (vstor gc removes it then)")
+        return 0
     rec = release(_runtime(ctx), state, _key_of(ctx, args.domain), progress=lambda m: print(f"  {m}"))
     source.forget(state, args.domain)
     print(f"{args.domain} runs on {peer.host}; {'released its backends here' if rec else 'nothing left here'}")

@@ -29,6 +29,9 @@ def _serve(ctx, request) -> dict:
     op = request.get("op")
     from vstor.cli.runtime import _runtime, _state
     rt, state = _runtime(ctx, False), _state(ctx)
+    if op == "facts":
+        # The host NQN this host's SPDK attaches with: what a source's export allows.
+        return {"host": ctx.host.hostname, "hostnqn": rt.cfg.hostnqn}
     if op in ("abort", "status"):
         name, uuid = _text(request, "name"), request.get("uuid")
         if uuid is not None and not isinstance(uuid, str):
@@ -42,23 +45,25 @@ def _serve(ctx, request) -> dict:
             return {"host": ctx.host.hostname, "status": rec.status if rec else None}
         from vstor.runtime.incoming import abort_incoming
         return {"host": ctx.host.hostname, "aborted": abort_incoming(rt, state, name, uuid, _quiet)}
+    from vstor.runtime.incoming import parse_imports
     dom = Domain.parse(_text(request, "xml"), "the migrating domain's XML")
     ledger = _ledger(ctx, state)
+    imports = parse_imports(request.get("imports") or {})
     if op == "check":
-        return _check(ctx, rt, dom, ledger, request.get("files") or {})
+        return _check(ctx, rt, dom, ledger, request.get("files") or {}, imports)
     if op == "prepare":
         from vstor.runtime.incoming import prepare_incoming
         source = _text(request, "from")
-        rec, arriving = prepare_incoming(rt, state, ctx.host, dom, ledger, source, _quiet)
+        rec, arriving = prepare_incoming(rt, state, ctx.host, dom, ledger, source, _quiet, imports)
         return {"host": ctx.host.hostname, "xml": arriving.to_string(), "steps": len(rec.steps)}
     raise BadInput(f"unknown agent request '{op}'", hint="install the same vstor version on both hosts")
 
 
-def _check(ctx, rt, dom: Domain, ledger: Ledger, files) -> dict:
+def _check(ctx, rt, dom: Domain, ledger: Ledger, files, imports) -> dict:
     from vstor.runtime.incoming import plan_here
     problems, placement = [], []
     try:
-        plan = plan_here(ctx.host, rt, dom, ledger).recorded_plan()
+        plan = plan_here(ctx.host, rt, dom, ledger, imports).recorded_plan()
         placement = list(plan.reasons)
     except (BadInput, DoesNotFit) as e:    # the domain as this host would refuse to start it
         problems = list(getattr(e, "reasons", ())) or [e.message]

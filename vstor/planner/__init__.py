@@ -7,12 +7,12 @@ Pure and deterministic: no I/O, and the same inputs give the same plan.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vstor.config import Config
 from vstor.meta.document import Domain
 from vstor.errors import BadInput, DoesNotFit
-from vstor.meta.intent import Intent
+from vstor.meta.intent import Intent, NvmfSource
 from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
@@ -36,17 +36,26 @@ class Request:
     memory_kib: int
     machine: str
     intent: Intent
+    # NVMe-oF namespaces that stand in for disks' sources on this host: on a
+    # live migration's destination, the source's local NVMe exported to it.
+    imports: tuple[tuple[str, NvmfSource], ...] = ()
 
     @classmethod
-    def from_domain(cls, dom: Domain) -> "Request":
+    def from_domain(cls, dom: Domain, imports=()) -> "Request":
         return cls(dom.name, dom.safe_name, dom.uuid, dom.vcpus, dom.memory_kib,
-                   dom.machine, dom.intent())
+                   dom.machine, dom.intent(), tuple(imports))
+
+    def disks(self) -> tuple:
+        """The intent's disks, imported ones served by SPDK from their namespace."""
+        imported = dict(self.imports)
+        return tuple(replace(d, source=imported[d.target], mode="vhost", backend="spdk")
+                     if d.target in imported else d for d in self.intent.disks)
 
 
 def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
     _check_config(cfg)
     ledger = ledger.without(req.name, req.uuid)
-    choices = choose_all(host, cfg, req.intent.vm, req.intent.disks, ledger)
+    choices = choose_all(host, cfg, req.intent.vm, req.disks(), ledger)
     if isinstance(choices, NoFit):
         raise DoesNotFit(f"domain '{req.name}' does not fit: {choices.reason}")
     page_kib = page_size(req, choices)

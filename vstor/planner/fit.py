@@ -68,8 +68,13 @@ def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
     planned = {d.target: d for d in plan.disks}
     if set(planned) != {d.target for d in req.intent.disks}:
         return "the plan's disks are not the metadata's disks"
+    # A local NVMe disk the plan serves from NVMe-oF arrived by migration
+    # from the host that exports it (no more than the metadata could ask).
+    req = dataclasses.replace(req, imports=tuple(
+        (d.target, planned[d.target].source) for d in req.intent.disks
+        if d.source.kind == "nvme" and planned[d.target].source.kind == "nvmf"))
     pinned = []
-    for d in req.intent.disks:
+    for d in req.disks():
         was = planned[d.target]
         if (was.mode, was.backend) not in _MODES:
             return f"{d.target}: the plan has mode {was.mode} with backend {was.backend}"

@@ -141,8 +141,52 @@ class QsdExport:
         return cls(QsdSpec.from_record(d))
 
 
-Action = VfioBind | SpdkAttach | SpdkVhost | QsdExport
-KINDS = {cls.kind: cls for cls in (VfioBind, SpdkAttach, SpdkVhost, QsdExport)}
+@dataclass(frozen=True)
+class NvmfExport:
+    """A bdev exported over NVMe-oF by this host's SPDK for a migration's
+    destination (local NVMe made migratable): one subsystem, its one
+    namespace, one listener, and only the destination's host NQN allowed
+    (never allow_any_host).  SPDK takes the namespace only after the vhost
+    controller has the bdev (the other order fails: "already claimed")."""
+    nqn: str
+    bdev: str
+    trtype: str
+    adrfam: str
+    traddr: str
+    trsvcid: int
+    host: str
+    kind = "nvmf-export"
+    rpc_methods = ("nvmf_create_transport", "nvmf_create_subsystem", "nvmf_subsystem_add_ns",
+                   "nvmf_subsystem_add_listener", "nvmf_subsystem_add_host",
+                   "nvmf_delete_subsystem", "nvmf_get_subsystems")
+
+    def describe(self) -> str:
+        return (f"export bdev {self.bdev} over NVMe-oF as {self.nqn} on {self.trtype} "
+                f"{self.traddr}:{self.trsvcid} for {self.host}")
+
+    def listen_address(self) -> dict:
+        return {"trtype": self.trtype, "adrfam": self.adrfam, "traddr": self.traddr,
+                "trsvcid": str(self.trsvcid)}
+
+    def dry_run(self) -> list[str]:
+        return [_rpc("nvmf_create_transport", {"trtype": self.trtype}),
+                _rpc("nvmf_create_subsystem", {"nqn": self.nqn, "allow_any_host": False}),
+                _rpc("nvmf_subsystem_add_ns", {"nqn": self.nqn, "namespace": {"bdev_name": self.bdev, "nsid": 1}}),
+                _rpc("nvmf_subsystem_add_listener", {"nqn": self.nqn, "listen_address": self.listen_address()}),
+                _rpc("nvmf_subsystem_add_host", {"nqn": self.nqn, "host": self.host})]
+
+    def to_data(self) -> dict:
+        return {"nqn": self.nqn, "bdev": self.bdev, "trtype": self.trtype, "adrfam": self.adrfam,
+                "traddr": self.traddr, "trsvcid": self.trsvcid, "host": self.host}
+
+    @classmethod
+    def from_data(cls, d: dict) -> "NvmfExport":
+        return cls(str(d["nqn"]), str(d["bdev"]), str(d["trtype"]), str(d["adrfam"]),
+                   str(d["traddr"]), int(d["trsvcid"]), str(d["host"]))
+
+
+Action = VfioBind | SpdkAttach | SpdkVhost | QsdExport | NvmfExport
+KINDS = {cls.kind: cls for cls in (VfioBind, SpdkAttach, SpdkVhost, QsdExport, NvmfExport)}
 
 
 def to_json(action: Action, state: str) -> dict:

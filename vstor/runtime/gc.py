@@ -14,7 +14,7 @@ from vstor.config import Config
 from vstor.meta.names import is_disk_name
 from vstor.runtime import actions
 from vstor.runtime.lifecycle import Runtime, release
-from vstor.runtime.state import INCOMING, StateDir
+from vstor.runtime.state import EXPORTING, INCOMING, StateDir
 
 
 def collect(rt: Runtime, state: StateDir, running: set[str],
@@ -31,6 +31,11 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
             f"{rec.migration.get('from') or 'another host'} (vstor migrate abort {rec.domain} there, "
             f"or vstor release --force {rec.domain} here)")
     stale = [r for r in stale if r.status != INCOMING]
+    for rec in [r for r in stale if r.status == EXPORTING]:
+        why = _still_needed(rt.cfg, rec)
+        if why:
+            say(f"Leaving the NVMe-oF export of {rec.domain}: {why}")
+            stale.remove(rec)
     for rec in stale:
         say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
         release(rt, state, rec.key, progress=step)
@@ -44,6 +49,22 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
     for what in spdk_leftovers(rt.cfg, state):
         say(f"Leaving {what}")
     return bool(stale or orphans)
+
+
+def _still_needed(cfg: Config, rec) -> str | None:
+    """Why an export that a migrated domain read its disk through must stay:
+    the destination still holds the domain, or cannot say."""
+    from vstor.errors import VstorError
+    from vstor.migration.peer import Peer
+    dest = rec.migration.get("to")
+    if not dest:
+        return None
+    try:
+        there = Peer(cfg, dest, timeout=60).call("status", name=rec.domain, uuid=rec.uuid)
+    except VstorError as e:
+        return f"cannot ask {dest} whether it still needs it ({e})"
+    status = there.get("status")
+    return f"{dest} still holds the domain ({status})" if status else None
 
 
 def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[str, str]]]:

@@ -19,22 +19,46 @@ from vstor.runtime.lifecycle import Runtime, own_record, prepare, release
 from vstor.runtime.state import INCOMING, StateDir
 
 
-def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger) -> Domain:
-    """The domain as it would arrive here: its intent planned on this host."""
+def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger, imports=()) -> Domain:
+    """The domain as it would arrive here: its intent planned on this host,
+    `imports` (target, NvmfSource) standing in for local NVMe the source exports."""
     if not dom.has_vstor():
         raise BadInput(f"domain '{dom.name}' has no vstor metadata", hint="nothing for vstor to prepare")
-    plan = plan_domain(host, rt.cfg, Request.from_domain(dom), ledger.without(dom.name, dom.uuid))
+    local = {d.target for d in dom.intent().disks if d.source.kind == "nvme"}
+    for target, _ in imports:
+        if target not in local:
+            raise BadInput(f"an import for disk {target}, which is not a local NVMe disk of "
+                           f"domain '{dom.name}'")
+    plan = plan_domain(host, rt.cfg, Request.from_domain(dom, imports), ledger.without(dom.name, dom.uuid))
     return render_incoming(dom, plan)
 
 
+def parse_imports(given) -> tuple:
+    """{target: {nvmf attributes}} from a request -> ((target, NvmfSource), ...),
+    each checked by the metadata's own declaration."""
+    from lxml import etree
+    from vstor.meta import xmlmodel
+    from vstor.meta.intent import NvmfSource
+    from vstor import NS
+    if not isinstance(given, dict):
+        raise BadInput("imports must be an object")
+    out = []
+    for target, attrs in sorted(given.items()):
+        if not (isinstance(attrs, dict) and all(isinstance(v, str) for v in attrs.values())):
+            raise BadInput(f"import {target!r} is not an object of strings")
+        e = etree.Element(f"{{{NS}}}nvmf", {k: v for k, v in attrs.items()})
+        out.append((str(target), xmlmodel.parse(NvmfSource, e, f"import for {target}")))
+    return tuple(out)
+
+
 def prepare_incoming(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger,
-                     source: str, progress=None):
+                     source: str, progress=None, imports=()):
     """Make the backends the domain will arrive on, and hold them for it."""
     existing = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
     if existing is not None and existing.status != INCOMING:
         raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
                          hint=f"it runs here, or: vstor release {dom.name} here first")
-    arriving = plan_here(host, rt, dom, ledger)
+    arriving = plan_here(host, rt, dom, ledger, imports)
     handover = Runtime(rt.cfg, rt.sysfs, dry_run=rt.dry_run, handover=True)
     rec = prepare(handover, state, host, arriving, progress=progress,
                   incoming={"role": "incoming", "from": source, "xml": arriving.to_string()})

@@ -48,7 +48,19 @@ class Journal:
             self.rollback()
             raise
 
-    def _run(self, steps: list) -> None:
+    def extend(self, steps: list) -> None:
+        """More steps for a prepared record (a running domain's): a failure
+        undoes only these; what the domain runs on stays, and so does its status."""
+        first = len(self.rec.steps)
+        status = self.rec.status
+        try:
+            self._run(steps, first)
+        finally:
+            if self.rec.steps and self.rec.status != status:
+                self.rec.status = status
+                self.state.save(self.rec)
+
+    def _run(self, steps: list, first: int = 0) -> None:
         for step in steps:
             self.rec.steps.append(self.x.encode(step, DOING))
             self.state.save(self.rec)
@@ -57,7 +69,7 @@ class Journal:
                 self.x.do(step, self.rt)
             except Exception as e:
                 failure = _one_line(e)
-                errors = self.rollback()
+                errors = self.rollback(keep=lambda i, _entry: i < first)
                 more = f"; undo also failed: {'; '.join(errors)}" if errors else "; everything done before it was undone"
                 err = ActionFailed(f"{self.rec.domain}: {step.describe()} failed: {failure}{more}")
                 if isinstance(e, VstorError):
@@ -68,11 +80,12 @@ class Journal:
         self.rec.status = PREPARED
         self.state.save(self.rec)
 
-    def rollback(self) -> list[str]:
-        """Undo every recorded step, newest first; the record goes when empty.
-        The first undo that fails stops the rollback: the steps before it are
-        what it stands on (an NVMe controller under a vhost controller QEMU
-        still uses), so they stay, recorded, for a later release or gc."""
+    def rollback(self, keep=None) -> list[str]:
+        """Undo every recorded step (but those `keep(index, entry)` names),
+        newest first; the record goes when empty.  The first undo that fails
+        stops the rollback: the steps before it are what it stands on (an
+        NVMe controller under a vhost controller QEMU still uses), so they
+        stay, recorded, for a later release or gc."""
         self.rec.status = RELEASING
         self.state.save(self.rec)
         # What every other domain holds: a shared controller stays while one uses it.
@@ -82,6 +95,10 @@ class Journal:
         kept: list[dict] = []
         while pending:
             entry = pending.pop()
+            if keep is not None and keep(len(pending), entry):
+                kept.insert(0, entry)
+                self.rec.steps = pending + kept
+                continue
             what = entry.get("kind", "step")
             try:
                 step = self.x.decode(entry)
@@ -90,7 +107,7 @@ class Journal:
                 self.x.undo(step, self.rt, others)
             except Exception as e:
                 errors.append(f"{what}: {_one_line(e)}")
-                kept = pending + [entry]
+                kept = pending + [entry] + kept
                 pending = []
             # Saved after every undo: a crash here leaves an exact record.
             self.rec.steps = pending + kept

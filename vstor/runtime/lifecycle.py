@@ -20,7 +20,7 @@ from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
 from vstor.runtime.journal import DONE, Journal
-from vstor.runtime.state import INCOMING, PREPARED, Record, StateDir
+from vstor.runtime.state import EXPORTING, INCOMING, PREPARED, Record, StateDir
 
 
 class Runtime:
@@ -154,19 +154,43 @@ def own_record(rec: Record | None, domain: str | None, uuid: str | None) -> Reco
 
 def release(rt: Runtime, state: StateDir, key: str,
             progress: Callable[[str], None] | None = None, domain: str | None = None,
-            uuid: str | None = None) -> Record | None:
-    """Undo what vstor holds under `key`; with `domain`, only that domain's record."""
+            uuid: str | None = None, migrated: bool = False) -> Record | None:
+    """Undo what vstor holds under `key`; with `domain`, only that domain's
+    record.  `migrated` (the domain now runs on another host): an NVMe-oF
+    export that host reads the domain's disk through stays, with what it
+    stands on, in a record marked exporting."""
     with state.lock(dry_run=rt.dry_run):
         rec = own_record(state.load(key), domain, uuid)
         if rec is None:
             return None
+        keep = exported(rec) if migrated else None
         if rt.dry_run:
-            for entry in reversed(rec.steps):
-                (progress or print)(f"would undo: {_describe(entry)}")
+            for i, entry in reversed(list(enumerate(rec.steps))):
+                if not (keep and keep(i, entry)):
+                    (progress or print)(f"would undo: {_describe(entry)}")
             return rec
         _check_releasable(rt, rec)
-        _rollback(rt, state, rec, progress)
+        _rollback(rt, state, rec, progress, keep)
+        if keep is not None and rec.steps:
+            rec.status = EXPORTING
+            state.save(rec)
         return rec
+
+
+def exported(rec: Record):
+    """keep(index, entry) for what a record's NVMe-oF exports stand on: the
+    exports, the SPDK controllers of their bdevs, those controllers' vfio
+    binding; None when the record exports nothing."""
+    exports = [e["data"] for e in rec.steps if e.get("kind") == "nvmf-export"]
+    if not exports:
+        return None
+    controllers = {str(x.get("bdev", "")).rsplit("n", 1)[0] for x in exports}
+    addresses = {p.get("traddr") for e in rec.steps if e.get("kind") == "spdk-attach"
+                 and e["data"].get("name") in controllers
+                 for p in e["data"].get("paths", ()) if p.get("trtype") == "PCIe"}
+    return lambda _i, e: (e.get("kind") == "nvmf-export"
+                          or (e.get("kind") == "spdk-attach" and e["data"].get("name") in controllers)
+                          or (e.get("kind") == "vfio-bind" and e["data"].get("address") in addresses))
 
 
 def _check_releasable(rt: Runtime, rec: Record) -> None:
@@ -198,8 +222,8 @@ def _describe(entry: dict) -> str:
         return e.message
 
 
-def _rollback(rt: Runtime, state: StateDir, rec: Record, progress) -> None:
-    errors = Journal(state, rec, rt, progress).rollback()
+def _rollback(rt: Runtime, state: StateDir, rec: Record, progress, keep=None) -> None:
+    errors = Journal(state, rec, rt, progress).rollback(keep)
     if errors:
         raise ActionFailed(f"domain '{rec.domain}': could not undo everything: {'; '.join(errors)}",
                            hint=f"fix the cause, then: vstor release {rec.domain}")

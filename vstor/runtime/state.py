@@ -24,6 +24,9 @@ PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
 # held for the domain until it arrives (then prepared) or the migration is
 # aborted or fails (then released).
 INCOMING = "incoming"
+# The domain left by live migration and reads its disk through this host's
+# NVMe-oF export: the export and what it stands on stay until it is gone.
+EXPORTING = "exporting"
 
 
 class DamagedRecord(Unavailable):

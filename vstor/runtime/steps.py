@@ -9,13 +9,14 @@ journal records the step: nothing here decides anything.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 
 from vstor.backends import ownership
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
 from vstor.meta.names import inside, nvme_path
 from vstor.runtime import actions
-from vstor.runtime.actions import QsdExport, SpdkAttach, SpdkVhost, VfioBind
+from vstor.runtime.actions import NvmfExport, QsdExport, SpdkAttach, SpdkVhost, VfioBind
 
 encode = actions.to_json
 decode = actions.from_json
@@ -75,6 +76,8 @@ def do(a, rt) -> None:
     elif isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
         daemon.start(a.export, handover=rt.handover)
+    elif isinstance(a, NvmfExport):
+        _nvmf_export(a, rt)
     else:
         raise ActionFailed(f"vstor cannot do a {a.kind} step")
 
@@ -107,6 +110,10 @@ def undo(a, rt, others) -> None:
     elif isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
         daemon.stop(a.export)
+    elif isinstance(a, NvmfExport):
+        spdk = rt.spdk()
+        if spdk.nvmf_get_subsystems(a.nqn):
+            spdk.nvmf_delete_subsystem(a.nqn)     # its namespace, listener and host go with it
 
 
 def in_use(a, rt) -> str | None:
@@ -143,6 +150,9 @@ def check(a, rt) -> str | None:
     if isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
         return None if daemon.alive(a.export) else "qemu-storage-daemon is not running"
+    if isinstance(a, NvmfExport):
+        found = rt.spdk().nvmf_get_subsystems(a.nqn)
+        return None if found else f"SPDK has no NVMe-oF subsystem {a.nqn}"
     return None
 
 
@@ -241,6 +251,35 @@ def _spdk_vhost(a: SpdkVhost, rt) -> None:
                            hint=f"start SPDK's vhost app with -S {where}, or set [paths] vhost_dir "
                                 f"in {rt.cfg.file} to SPDK's")
     ownership.restrict_socket(a.socket, a.group)
+
+
+def _nvmf_export(a: NvmfExport, rt) -> None:
+    """Look, then make what is missing: a re-run after a crash finds its own
+    subsystem; one of that name serving another bdev is not vstor's export."""
+    spdk = rt.spdk()
+    try:
+        spdk.nvmf_create_transport(a.trtype)
+    except Exception as e:      # SPDK keeps one transport per type: "already exists"
+        if "already exists" not in str(e):
+            raise
+    found = spdk.nvmf_get_subsystems(a.nqn)
+    if not found:
+        serial = "VS" + hashlib.sha256(a.nqn.encode()).hexdigest()[:18].upper()   # NVMe: 20 ASCII
+        spdk.nvmf_create_subsystem(a.nqn, serial_number=serial,
+                                   model_number="vstor migration export", allow_any_host=False)
+        found = spdk.nvmf_get_subsystems(a.nqn)
+    sub = found[0] if found else {}
+    namespaces = {ns.get("bdev_name") for ns in sub.get("namespaces", ())}
+    if namespaces - {a.bdev}:
+        raise ActionFailed(f"SPDK's NVMe-oF subsystem {a.nqn} serves {', '.join(sorted(namespaces))}, "
+                           f"not {a.bdev}", hint=f"rpc.py nvmf_delete_subsystem {a.nqn} if nothing uses it")
+    if not namespaces:
+        spdk.nvmf_subsystem_add_ns(a.nqn, a.bdev, nsid=1)
+    if not any(la.get("traddr") == a.traddr and str(la.get("trsvcid")) == str(a.trsvcid)
+               for la in sub.get("listen_addresses", ())):
+        spdk.nvmf_subsystem_add_listener(a.nqn, a.trtype, a.traddr, str(a.trsvcid), adrfam=a.adrfam)
+    if a.host not in {h.get("nqn") for h in sub.get("hosts", ())}:
+        spdk.nvmf_subsystem_add_host(a.nqn, a.host)
 
 
 def _shared(others, a) -> bool:
