@@ -29,7 +29,7 @@ NS = "https://vstor.dev/xmlns/domain/1"
 def conf(work, h, shared, peer=None):
     text = (f"[paths]\nstate_dir = {work}/{h}/state\nvhost_dir = {work}/{h}/vhost\n"
             f"qsd_dir = {work}/{h}/qsd\nimages = {shared} {work}/{h}/local\n"
-            f"[migrate]\nshared = {shared}\n")
+            f"[migrate]\nshared = {shared}\nlocal_peers = yes\n")
     if peer:
         text += f"peer_command = {peer}\n"
     path = f"{work}/{h}.conf"
@@ -116,7 +116,8 @@ def test_check_prepare_arrive_and_finish(hosts, capsys):
     out_xml = f"{h.work}/vm.b.xml"
     assert on_a(h, "migrate", "prepare", xml_path, "--to", "hostb", "-o", out_xml) == 0
     printed = capsys.readouterr().out
-    assert f"migrate --live --persistent --undefinesource --xml {out_xml} vm qemu+ssh://hostb/system" in printed
+    assert (f"migrate --live --persistent --undefinesource --persistent-xml {out_xml} --xml {out_xml} "
+            "vm qemu+ssh://hostb/system") in printed
     assert records(h, "b") == {"vm": "incoming"} and records(h, "a") == {"vm": "prepared"}
     assert on_a(h, "status", "vm") == 0
     assert "migrating to hostb" in capsys.readouterr().out
@@ -127,6 +128,9 @@ def test_check_prepare_arrive_and_finish(hosts, capsys):
     arriving = open(out_xml).read()
     assert f"{h.work}/b/vhost/vm-vdb" in arriving and f"{h.work}/a/vhost" not in arriving
 
+    # a start of that name on B that is not the migration does not take the reservation
+    out = hook(h, "b", "vm", "prepare", "begin", "-", arriving)
+    assert out.returncode == 3 and b"reserved here for an incoming migration" in out.stderr
     # libvirt on B: the migrate hook places the XML the source sends ...
     source_xml = open(xml_path).read()
     out = hook(h, "b", "vm", "migrate", "begin", "-", source_xml)
@@ -175,3 +179,22 @@ def test_a_file_only_the_source_sees_is_impossible(hosts, capsys):
     v = json.loads(capsys.readouterr().out)
     assert v["verdict"] == "impossible" and "on a local" in v["disks"][0]["reason"]
     assert "[migrate] shared" in v["disks"][0]["fix"]
+
+
+def test_a_cold_migration_reserves_the_destination_and_its_start_makes_the_backends(hosts, capsys):
+    h = hosts
+    xml_path = running_on_a(h)
+    out_xml = f"{h.work}/cold.xml"
+    capsys.readouterr()
+    assert on_a(h, "migrate", "prepare", xml_path, "--to", "hostb", "--cold", "-o", out_xml) == 0
+    assert "virsh -c test:///default migrate --offline --persistent" in capsys.readouterr().out
+    assert records(h, "b") == {"vm": "incoming"} and os.listdir(f"{h.work}/b") .count("vhost") == 0
+    # shut down on A (its hook releases), the offline migration runs B's migrate hook, then a start on B
+    source_xml = open(xml_path).read()
+    assert hook(h, "a", "vm", "release", "end", "-", source_xml).returncode == 0
+    out = hook(h, "b", "vm", "migrate", "begin", "-", source_xml)
+    assert out.returncode == 0 and out.stdout.decode() == open(out_xml).read()
+    out = hook(h, "b", "vm", "prepare", "begin", "-", out.stdout.decode())
+    assert (out.returncode, out.stderr) == (0, b""), out.stderr
+    assert records(h, "b") == {"vm": "prepared"} and os.listdir(f"{h.work}/b/vhost") == ["vm-vdb"]
+    assert on_a(h, "migrate", "finish", "vm", "--to", "hostb") == 0

@@ -10,7 +10,7 @@ import pytest
 from tests.test_planner import SPDK_CFG, nvme, nvmf, qsd_file, request
 from vstor.errors import BadInput
 from vstor.meta.document import Domain
-from vstor.migration.source import mount_type
+from vstor.migration.storage import mount_of
 from vstor.migration.verdict import COLD, IMPOSSIBLE, MAKE_READY, READY, judge
 from vstor.planner import Request, plan_domain
 from vstor.planner.ledger import Ledger
@@ -82,10 +82,24 @@ def test_an_arriving_domain_without_its_vhost_disk_or_with_passthrough_is_refuse
 
 def test_the_mount_that_holds_a_path(tmp_path):
     info = tmp_path / "mountinfo"
-    info.write_text(
-        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
-        "40 22 0:50 / /srv/vm\\040store rw shared:2 - nfs4 fs:/export rw\n"
-        "41 22 0:51 / /srv rw shared:3 - xfs /dev/sdb1 rw\n")
-    assert mount_type("/srv/vm store/a.raw", str(info)) == "nfs4"
-    assert mount_type("/srv/other.raw", str(info)) == "xfs"
-    assert mount_type("/var/lib/x.raw", str(info)) == "ext4"
+    info.write_bytes(
+        b"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        b"40 22 0:50 / /srv/vm\\040store rw shared:2 - nfs4 fs:/export rw\n"
+        b"41 22 0:51 / /srv rw shared:3 - xfs /dev/sdb1 rw\n"
+        b"42 22 0:52 / /d\xc3\xa9p\xc3\xb4t rw shared:4 - nfs4 fs:/d\xc3\xa9p\xc3\xb4t rw\n")
+    assert mount_of("/srv/vm store/a.raw", str(info)) == ("nfs4", "fs:/export")
+    assert mount_of("/srv/other.raw", str(info)) == ("xfs", "/dev/sdb1")
+    assert mount_of("/var/lib/x.raw", str(info)) == ("ext4", "/dev/sda1")
+    assert mount_of("/dépôt/a.raw", str(info)) == ("nfs4", "fs:/dépôt")
+
+
+def test_two_hosts_copies_of_a_source_are_compared_by_size_and_filesystem():
+    from vstor.migration.storage import differs, shared
+    nfs = {"path": "/v/a.raw", "kind": "file", "size": 10, "fstype": "nfs4", "mount": "fs:/export", "shared_root": ""}
+    assert shared(nfs) == (True, "on a nfs4 filesystem (fs:/export)") and differs(nfs, dict(nfs)) is None
+    assert "another size" in differs(nfs, {**nfs, "size": 11})
+    local_copy = {**nfs, "fstype": "ext4", "mount": "/dev/sda1"}
+    assert differs(nfs, local_copy) == "has it on ext4 /dev/sda1, not on nfs4 fs:/export"
+    declared = {**local_copy, "shared_root": "/v"}
+    assert differs({**nfs, "shared_root": "/v"}, declared) is None       # both operators say so
+    assert shared({**local_copy})[0] is False

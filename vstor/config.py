@@ -27,7 +27,7 @@ _KEYS = {
     "nvmf": {"hostnqn", "ctrlr_loss_timeout_sec", "reconnect_delay_sec",
              "fast_io_fail_timeout_sec"},
     "migrate": {"shared", "peer_command", "timeout", "export_address", "export_transport",
-                "export_port"},
+                "export_port", "local_peers"},
 }
 
 @dataclass(frozen=True)
@@ -69,6 +69,10 @@ class Config:
     export_address: str | None = None
     export_transport: str = "rdma"
     export_port: int = 4420
+    # The migration peers are "hosts" on this one machine (a lab, a test):
+    # only then may a destination's qemu-storage-daemon share a file with
+    # the source's (another mount namespace, a socket of the same name).
+    local_peers: bool = False
     source: str = field(default="(defaults)", compare=False)
 
     @property
@@ -167,6 +171,11 @@ def _build(v: dict, path: str) -> Config:
         kw["export_transport"] = transport
     if ("migrate", "export_port") in v:
         kw["export_port"] = _int(v[("migrate", "export_port")], "[migrate] export_port", path, "port")
+    if ("migrate", "local_peers") in v:
+        flag = v[("migrate", "local_peers")].lower()
+        if flag not in ("yes", "no"):
+            raise BadInput(f"{path}: [migrate] local_peers is '{flag}'", hint="use yes or no")
+        kw["local_peers"] = flag == "yes"
     if ("migrate", "timeout") in v:
         kw["migrate_timeout"] = _int(v[("migrate", "timeout")], "[migrate] timeout", path)
     if ("memory", "reserved") in v:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 
 from vstor.errors import BadInput
@@ -32,7 +33,8 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_abort)
     p = msub.add_parser("finish", help="after a migration: check the domain arrived, clean this host")
     p.add_argument("domain", metavar="DOMAIN")
-    p.add_argument("--to", metavar="DEST", help="(default: the destination prepare recorded)")
+    p.add_argument("--to", metavar="DEST", help="(default: the destination prepare recorded, while "
+                                                "this host still holds the domain)")
     p.set_defaults(func=cmd_finish)
     p = msub.add_parser("agent", help="(run by migrate on the destination) one JSON request "
                                       "on stdin, one JSON answer on stdout")
@@ -91,10 +93,19 @@ def cmd_prepare(ctx, args) -> int:
             f.write(xml)
     except OSError as e:
         raise BadInput(f"cannot write {out}: {e.strerror}", hint="pick another -o FILE") from None
-    src = f" -c {ctx.args.connect}" if ctx.args.connect else ""
-    print(f"{peer.host} holds {dom.name}'s backends; it arrives with {out}. Migrate it with:")
-    print(f"  virsh{src} migrate --live --persistent --undefinesource --xml {out} {dom.name} {uri}")
-    print(f"(then: vstor migrate finish {dom.name}; to give up: vstor migrate abort {dom.name})")
+    q = shlex.quote
+    src = f" -c {q(ctx.args.connect)}" if ctx.args.connect else ""
+    if args.cold:
+        print(f"{peer.host} holds a place for {dom.name}; it arrives with {out}. Shut it down, then:")
+        print(f"  virsh{src} migrate --offline --persistent --undefinesource --persistent-xml {q(out)} "
+              f"{q(dom.name)} {q(uri)}")
+        print(f"and start it on {peer.host}; that start makes its backends there")
+    else:
+        print(f"{peer.host} holds {dom.name}'s backends; it arrives with {out}. Migrate it with:")
+        print(f"  virsh{src} migrate --live --persistent --undefinesource --persistent-xml {q(out)} "
+              f"--xml {q(out)} {q(dom.name)} {q(uri)}")
+    print(f"(then: vstor migrate finish {q(dom.name)} --to {q(peer.host)}; to give up: "
+          f"vstor migrate abort {q(dom.name)} --to {q(peer.host)})")
     return 0
 
 
@@ -129,7 +140,8 @@ def cmd_finish(ctx, args) -> int:
     from vstor.runtime.lifecycle import release
     peer = _recorded_peer(ctx, args)
     there = peer.call("status", name=args.domain, uuid=_uuid_of(ctx, args.domain))
-    if there.get("status") != "prepared":
+    arrived = there.get("status") == "prepared" or (there.get("cold") is True and there.get("status") == "incoming")
+    if not arrived:
         raise DoesNotFit(f"domain '{args.domain}' has not arrived on {peer.host} "
                          f"({there.get('status') or 'nothing held there'})",
                          hint=f"migrate it first, or: vstor migrate abort {args.domain}")
@@ -137,6 +149,10 @@ def cmd_finish(ctx, args) -> int:
         raise DoesNotFit(f"domain '{args.domain}' still runs here (or libvirt cannot say)",
                          hint="wait for the migration to complete")
     state = _state(ctx)
+    if not any(r.domain == args.domain for r in state.records()):
+        source.forget(state, args.domain)
+        print(f"{args.domain} runs on {peer.host}; nothing of it is left here")
+        return 0
     if any(r.domain == args.domain and r.status == "exporting" for r in state.records()):
         print(f"{args.domain} runs on {peer.host} and reads its local NVMe through this host's "
               f"NVMe-oF export, which stays until it leaves {peer.host} (vstor gc removes it then)")

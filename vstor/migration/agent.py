@@ -5,9 +5,6 @@ sources resolved against this host's own image roots."""
 
 from __future__ import annotations
 
-import os
-import stat
-
 from vstor.errors import BadInput, DoesNotFit, VstorError
 from vstor.meta.document import Domain
 from vstor.migration.peer import PROTOCOL
@@ -42,61 +39,56 @@ def _serve(ctx, request) -> dict:
             rec = state.load(key) if key else None
             if rec is not None and uuid is not None:     # a read: the name is enough without one
                 rec = own_record(rec, name, uuid)
-            return {"host": ctx.host.hostname, "status": rec.status if rec else None}
+            return {"host": ctx.host.hostname, "status": rec.status if rec else None,
+                    "cold": bool(rec and rec.migration.get("cold") == "yes")}
         from vstor.runtime.incoming import abort_incoming
         return {"host": ctx.host.hostname, "aborted": abort_incoming(rt, state, name, uuid, _quiet)}
     from vstor.runtime.incoming import parse_imports
     dom = Domain.parse(_text(request, "xml"), "the migrating domain's XML")
     ledger = _ledger(ctx, state)
     imports = parse_imports(request.get("imports") or {})
+    cold = request.get("cold") is True
     if op == "check":
-        return _check(ctx, rt, dom, ledger, request.get("files") or {}, imports)
+        return _check(ctx, rt, dom, ledger, request.get("files") or {}, imports, cold)
     if op == "prepare":
-        from vstor.runtime.incoming import prepare_incoming
+        from vstor.runtime.incoming import prepare_incoming, reserve_cold
         source = _text(request, "from")
-        rec, arriving = prepare_incoming(rt, state, ctx.host, dom, ledger, source, _quiet, imports)
+        if cold:
+            rec, arriving = reserve_cold(rt, state, ctx.host, dom, ledger, source)
+        else:
+            rec, arriving = prepare_incoming(rt, state, ctx.host, dom, ledger, source, _quiet, imports)
         return {"host": ctx.host.hostname, "xml": arriving.to_string(), "steps": len(rec.steps)}
     raise BadInput(f"unknown agent request '{op}'", hint="install the same vstor version on both hosts")
 
 
-def _check(ctx, rt, dom: Domain, ledger: Ledger, files, imports) -> dict:
+def _check(ctx, rt, dom: Domain, ledger: Ledger, files, imports, cold: bool) -> dict:
     from vstor.runtime.incoming import plan_here
-    problems, placement = [], []
+    problems, placement, disks = [], [], {}
     try:
-        plan = plan_here(ctx.host, rt, dom, ledger, imports).recorded_plan()
+        plan = plan_here(ctx.host, rt, dom, ledger, imports, cold).recorded_plan()
         placement = list(plan.reasons)
+        disks = {d.target: {"mode": d.mode, "backend": d.backend, "queues": d.queues,
+                            "readonly": d.readonly} for d in plan.disks}
     except (BadInput, DoesNotFit) as e:    # the domain as this host would refuse to start it
         problems = list(getattr(e, "reasons", ())) or [e.message]
     if not isinstance(files, dict):
         raise BadInput("files must be an object")
-    seen = {}
-    for target, f in files.items():
-        if not (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("size"), int)):
-            raise BadInput(f"files: {target!r} is not {{path, size}}")
-        seen[str(target)] = _sees(rt.cfg, f["path"], f["size"], f.get("kind") == "block")
-    return {"host": ctx.host.hostname, "problems": problems, "placement": placement, "seen": seen}
+    seen = {str(target): _sees(rt.cfg, theirs) for target, theirs in files.items()}
+    return {"host": ctx.host.hostname, "problems": problems, "placement": placement, "seen": seen,
+            "disks": disks}
 
 
-def _sees(cfg, path: str, size: int, block: bool) -> str | None:
-    """None when this host has the same source at the same path; else why not."""
-    from vstor.runtime.steps import resolve_image
+def _sees(cfg, theirs) -> str | None:
+    """None when this host has the same storage at the same path; else why not."""
+    from vstor.migration import storage
+    if not (isinstance(theirs, dict) and theirs.get("kind") in ("file", "block")
+            and isinstance(theirs.get("path"), str) and isinstance(theirs.get("size"), int)):
+        raise BadInput("files: each must be {path, kind, size, ...}")
     try:
-        real = path if block else resolve_image(path, cfg.images)
-        st = os.stat(real)
-    except BadInput:
-        return "has it outside its image roots"
-    except FileNotFoundError:
-        return "has no such file"
-    except OSError as e:
-        return f"cannot read it ({e.strerror})"
-    if block != stat.S_ISBLK(st.st_mode) or not (block or stat.S_ISREG(st.st_mode)):
-        return "has something else at that path"
-    if block:
-        with open(real, "rb") as f:
-            have = f.seek(0, os.SEEK_END)
-    else:
-        have = st.st_size
-    return None if have == size else f"has it with another size ({have} bytes, not {size})"
+        mine = storage.describe(cfg, theirs["kind"], theirs["path"])
+    except BadInput as e:
+        return f"cannot use it ({e.message})"
+    return storage.differs(theirs, mine)
 
 
 def _ledger(ctx, state) -> Ledger:

@@ -16,7 +16,8 @@ from vstor.errors import (ActionFailed, BadInput, DoesNotFit, Unavailable, Vstor
                           one_line)
 
 PROTOCOL = 1
-_HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]+\])$")
+MAX_ANSWER = 16 << 20        # a domain's XML and its verdict, with room to spare
+_HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}$")
 _ERRORS = {2: BadInput, 3: DoesNotFit, 4: Unavailable, 5: ActionFailed}
 
 
@@ -28,10 +29,19 @@ def destination(dest: str) -> tuple[str, str]:
             raise BadInput(f"libvirt URI {dest} names no host", hint="use qemu+ssh://HOST/system")
         uri = dest
     else:
-        host, uri = dest, f"qemu+ssh://{dest}/system"
-    if not _HOST.match(host):
+        host = dest.strip("[]")
+        uri = f"qemu+ssh://{f'[{host}]' if ':' in host else host}/system"
+    if not (_HOST.match(host) or _is_ipv6(host)):
         raise BadInput(f"'{host}' is not a host name", hint="use a DNS name or an IP address")
     return host, uri
+
+
+def _is_ipv6(text: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(text).version == 6
+    except ValueError:
+        return False
 
 
 class Peer:
@@ -50,8 +60,12 @@ class Peer:
         except FileNotFoundError:
             raise Unavailable(f"cannot run {self.argv[0]} to reach vstor on {self.host}", hint=hint) from None
         except subprocess.TimeoutExpired:
-            raise Unavailable(f"vstor on {self.host} did not answer '{op}' in {self.timeout:.0f} s",
-                              hint=hint) from None
+            raise Unavailable(f"vstor on {self.host} did not answer '{op}' in {self.timeout:.0f} s "
+                              "(it may still finish)", hint=f"see vstor status on {self.host}; "
+                              f"vstor migrate abort DOMAIN --to {self.host} gives up") from None
+        if len(out.stdout) > MAX_ANSWER:
+            raise Unavailable(f"vstor on {self.host} answered '{op}' with {len(out.stdout)} bytes",
+                              hint=hint)
         try:
             answer = json.loads(out.stdout)
             if not isinstance(answer, dict):
@@ -63,8 +77,10 @@ class Peer:
                               hint=hint) from None
         if answer.get("ok") is not True:
             code = answer.get("exit_code")
-            err = _ERRORS.get(code, VstorError)(f"{self.host}: {answer.get('message', 'refused')}")
-            if isinstance(code, int) and 1 <= code <= 5:
-                err.exit_code = code
+            code = code if isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 5 else 1
+            message = answer.get("message")
+            message = message if isinstance(message, str) else "refused, saying nothing"
+            err = _ERRORS.get(code, VstorError)(one_line(f"{self.host}: {message}"))
+            err.exit_code = code
             raise err
         return answer

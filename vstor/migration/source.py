@@ -5,87 +5,89 @@ in the domain's state record until it is finished or aborted."""
 
 from __future__ import annotations
 
-import os
 import socket
 
 from vstor.config import Config
-from vstor.errors import BadInput, DoesNotFit
+from vstor.errors import DoesNotFit
 from vstor.meta.document import Domain
-from vstor.meta.names import inside
+from vstor.migration import storage
 from vstor.migration.peer import Peer
 from vstor.migration.verdict import MAKE_READY, Verdict, judge
 
-# Filesystems every host that mounts them sees the same: a file on one of
-# them is on storage a migration's destination can see (if it mounts it too).
-NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "ceph", "fuse.cephfs", "glusterfs",
-                        "fuse.glusterfs", "gpfs", "ocfs2", "gfs2", "lustre", "beegfs",
-                        "fuse.beegfs", "virtiofs"})
-
 
 def plan_of(dom: Domain):
-    plan = dom.recorded_plan()
-    if plan is None:
-        raise BadInput(f"domain '{dom.name}' has no vstor plan", hint=f"run: vstor apply {dom.name}")
-    return plan
-
-
-def shared(cfg: Config, path: str) -> tuple[bool, str]:
-    """(can another host see this source at the same path, in words)."""
-    real = os.path.realpath(path)
-    roots = [r for r in cfg.migrate_shared if real == r or inside(real, [r])]
-    if roots:
-        return True, f"under the shared storage {roots[0]} ([migrate] shared)"
-    fstype = mount_type(real)
-    if fstype in NETWORK_FS:
-        return True, f"on a {fstype} filesystem"
-    return False, f"on a local {fstype or 'unknown'} filesystem"
-
-
-def mount_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """The filesystem type of the mount that holds `path` (the longest mount
-    point above it)."""
-    best, kind = "", None
-    with open(mountinfo) as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index("-")
-            point = fields[4].encode().decode("unicode_escape")
-            if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                best, kind = point, fields[sep + 1]
-    return kind
-
-
-def files_to_check(plan) -> dict:
-    """The file and block sources the destination must see, with their sizes."""
-    out = {}
+    """The domain's plan, made for its metadata as it is (lifecycle.plan_of's
+    check), with each disk's source as the metadata says: a plan in a
+    domain's XML is input, and nothing on this host is opened on its word."""
+    import dataclasses
+    from vstor.runtime.lifecycle import plan_of as checked
+    req, plan = checked(dom)
+    intent = {d.target: d.source for d in req.intent.disks}
+    disks = []
     for d in plan.disks:
-        if d.source.kind in ("file", "block"):
-            real = os.path.realpath(d.source.path)
-            with open(real, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-            out[d.target] = {"path": d.source.path, "size": size, "kind": d.source.kind}
-    return out
+        src = intent[d.target]
+        imported = src.kind == "nvme" and d.source.kind == "nvmf"     # it came here over NVMe-oF
+        disks.append(d if imported else dataclasses.replace(d, source=src))
+    return dataclasses.replace(plan, disks=tuple(disks))
+
+
+def files_to_check(cfg: Config, plan) -> dict:
+    """This host's description of each file and block source (storage.describe)."""
+    return {d.target: storage.describe(cfg, d.source.kind, d.source.path)
+            for d in plan.disks if d.source.kind in ("file", "block")}
 
 
 def check(cfg: Config, dom: Domain, peer: Peer) -> Verdict:
     return _check(cfg, dom, peer)[0]
 
 
-def _check(cfg: Config, dom: Domain, peer: Peer):
+def _check(cfg: Config, dom: Domain, peer: Peer, cold: bool = False):
     """(verdict, the destination's answer, its SPDK's host NQN).  Local NVMe
     under SPDK is asked about as the NVMe-oF namespace this host would
     export it as, which needs the destination's host NQN first."""
     plan = plan_of(dom)
-    files = files_to_check(plan)
-    facts = {t: shared(cfg, f["path"]) for t, f in files.items()}
+    files = files_to_check(cfg, plan)
+    facts = {t: storage.shared(f) for t, f in files.items()}
     hostnqn, imports = None, {}
-    if cfg.export_address and any(d.source.kind == "nvme" and d.backend == "spdk" for d in plan.disks):
-        hostnqn = peer.call("facts").get("hostnqn")
+    if not cold and cfg.export_address and any(d.source.kind == "nvme" and d.backend == "spdk"
+                                               for d in plan.disks):
+        hostnqn = expect(peer.call("facts"), "hostnqn", str, None)
         imports = {t: x for t, (_, x) in exports_for(cfg, dom, plan, hostnqn).items()}
-    there = peer.call("check", xml=dom.to_string(), files=files, imports=imports)
-    seen = {t: there.get("seen", {}).get(t, "did not say") for t in files}
-    verdict = judge(plan, facts, seen, peer.host, there.get("problems", ()), there.get("placement", ()))
-    return verdict, there, hostnqn
+    there = peer.call("check", xml=dom.to_string(), files=files, imports=imports, cold=cold)
+    said = expect(there, "seen", dict, {})
+    seen = {t: said.get(t, "did not say") if isinstance(said.get(t), (str, type(None))) else "did not say"
+            for t in files}
+    problems = [p for p in expect(there, "problems", list, []) if isinstance(p, str)]
+    if not cold:
+        problems += _mismatches(plan, expect(there, "disks", dict, {}), peer.host)
+    placement = [p for p in expect(there, "placement", list, []) if isinstance(p, str)]
+    return judge(plan, facts, seen, peer.host, problems, placement), there, hostnqn
+
+
+def expect(answer: dict, key: str, kind: type, default):
+    """answer[key] if it is a `kind` (a destination's answer is checked like any input)."""
+    value = answer.get(key, default)
+    if value is not default and not isinstance(value, kind):
+        from vstor.errors import Unavailable
+        raise Unavailable(f"vstor on the destination answered {key} that is not a {kind.__name__}",
+                          hint="install the same vstor version on both hosts")
+    return value
+
+
+def _mismatches(plan, theirs: dict, host: str) -> list[str]:
+    """Both ends of a vhost-user migration serve each disk alike (the guest's
+    device must not change under it): the same mode, backend, queues, readonly."""
+    out = []
+    for d in plan.disks:
+        there = theirs.get(d.target)
+        if not isinstance(there, dict) or d.mode != "vhost":
+            continue
+        for key in ("mode", "backend", "queues", "readonly"):
+            if there.get(key) != getattr(d, key):
+                out.append(f"{d.target}: {host} would serve it with {key} {there.get(key)!r}, this host "
+                           f"does with {getattr(d, key)!r}; pin {key} in the disk's metadata")
+                break
+    return out
 
 
 def exports_for(cfg: Config, dom: Domain, plan, hostnqn: str | None) -> dict:
@@ -112,10 +114,25 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
     """The destination's backends made and held, local NVMe exported to it
     first; the XML the domain will arrive with.  Refused, with every reason,
     unless the verdict allows it; a failure on either side undoes both."""
-    verdict, there, hostnqn = _check(cfg, dom, peer)
+    verdict, there, hostnqn = _check(cfg, dom, peer, cold)
+    elsewhere = recorded_destination(state, dom.name)
+    if elsewhere not in (None, peer.host):
+        raise DoesNotFit(f"domain '{dom.name}' is already prepared to migrate to {elsewhere}",
+                         hint=f"vstor migrate abort {dom.name} first")
     if cold:
-        raise DoesNotFit("a cold migration's reservation (--cold) is not built yet",
-                         hint="shut the domain down, then vstor define it on the destination")
+        if not verdict.cold:
+            reasons = [f"{d.target}: {d.reason}" for d in verdict.disks if d.verdict == "impossible"]
+            reasons += list(verdict.problems)
+            raise DoesNotFit(f"domain '{dom.name}' cannot move to {peer.host}: {reasons[0]}",
+                             reasons=tuple(reasons), hint="see vstor migrate check")
+        answer = peer.call("prepare", xml=dom.to_string(), cold=True, **{"from": socket.gethostname()})
+        xml = expect(answer, "xml", str, None)
+        if not xml:
+            from vstor.errors import Unavailable
+            raise Unavailable(f"vstor on {peer.host} reserved {dom.name} but sent no XML",
+                              hint=f"vstor migrate abort {dom.name} --to {peer.host}")
+        _remember(state, dom, {"role": "outgoing", "to": peer.host, "uri": dest_uri, "cold": "yes"})
+        return verdict, xml
     if not verdict.live:
         reasons = [f"{d.target}: {d.verdict}: {d.reason}" for d in verdict.disks if d.verdict != "ready"]
         reasons += list(verdict.problems)
@@ -136,11 +153,16 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
     try:
         answer = peer.call("prepare", xml=dom.to_string(), imports={t: x for t, (_, x) in exports.items()},
                            **{"from": socket.gethostname()})
+        xml = expect(answer, "xml", str, None)
+        if not xml:
+            from vstor.errors import Unavailable
+            raise Unavailable(f"vstor on {peer.host} prepared {dom.name} but sent no XML",
+                              hint=f"vstor migrate abort {dom.name} --to {peer.host}")
     except BaseException:
         _unexport(state, dom.safe_name, rt, added)
         raise
     _remember(state, dom, {"role": "outgoing", "to": peer.host, "uri": dest_uri})
-    return verdict, answer["xml"]
+    return verdict, xml
 
 
 def _export(state, dom: Domain, rt, steps) -> list[str]:

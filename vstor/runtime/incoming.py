@@ -14,14 +14,17 @@ from vstor.host.model import Host
 from vstor.meta.document import Domain
 from vstor.planner import Request, fit, plan_domain
 from vstor.planner.ledger import Ledger
+from vstor.render.libvirt import render
 from vstor.render.migration import render_incoming
 from vstor.runtime.lifecycle import Runtime, own_record, prepare, release
 from vstor.runtime.state import INCOMING, StateDir
 
 
-def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger, imports=()) -> Domain:
+def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger, imports=(), cold=False) -> Domain:
     """The domain as it would arrive here: its intent planned on this host,
-    `imports` (target, NvmfSource) standing in for local NVMe the source exports."""
+    `imports` (target, NvmfSource) standing in for local NVMe the source
+    exports.  `cold`: it starts afresh here, so it is rendered anew (a live
+    one keeps every device, render_incoming)."""
     if not dom.has_vstor():
         raise BadInput(f"domain '{dom.name}' has no vstor metadata", hint="nothing for vstor to prepare")
     local = {d.target for d in dom.intent().disks if d.source.kind == "nvme"}
@@ -30,7 +33,37 @@ def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger, imports=()) 
             raise BadInput(f"an import for disk {target}, which is not a local NVMe disk of "
                            f"domain '{dom.name}'")
     plan = plan_domain(host, rt.cfg, Request.from_domain(dom, imports), ledger.without(dom.name, dom.uuid))
-    return render_incoming(dom, plan)
+    return _placed(dom, plan, cold)
+
+
+def _placed(dom: Domain, plan, cold: bool) -> Domain:
+    return render(dom, plan, dom.recorded_plan()) if cold else render_incoming(dom, plan)
+
+
+def reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger, source: str):
+    """A cold migration: what the domain will hold here, reserved (no host
+    change yet: its start here makes the backends, as any start does)."""
+    from vstor.planner.ledger import Holding, holding_to_json
+    from vstor.runtime.lifecycle import running_ledger
+    from vstor.runtime.state import Record
+    arriving = plan_here(host, rt, dom, ledger, cold=True)
+    plan = arriving.recorded_plan()
+    with state.lock():
+        existing = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
+        if existing is not None and (existing.status != INCOMING or existing.steps):
+            raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
+                             hint=f"vstor migrate abort {dom.name} on the source first")
+        others = [r for r in state.records() if r.key != dom.safe_name]
+        problems = fit.problems(host, rt.cfg, Request.from_domain(arriving), plan, running_ledger(others))
+        if problems:
+            raise DoesNotFit(f"domain '{dom.name}' cannot be reserved here: {problems[0]}",
+                             reasons=tuple(problems))
+        rec = Record(dom.safe_name, dom.name, dom.uuid, status=INCOMING,
+                     holding=holding_to_json(Holding.from_plan(plan)),
+                     migration={"role": "incoming", "cold": "yes", "from": source,
+                                "xml": arriving.to_string()})
+        state.save(rec)
+    return rec, arriving
 
 
 def parse_imports(given) -> tuple:
@@ -59,7 +92,7 @@ def prepare_incoming(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledg
         raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
                          hint=f"it runs here, or: vstor release {dom.name} here first")
     arriving = plan_here(host, rt, dom, ledger, imports)
-    handover = Runtime(rt.cfg, rt.sysfs, dry_run=rt.dry_run, handover=True)
+    handover = Runtime(rt.cfg, rt.sysfs, dry_run=rt.dry_run, handover=rt.cfg.local_peers)
     rec = prepare(handover, state, host, arriving, progress=progress,
                   incoming={"role": "incoming", "from": source, "xml": arriving.to_string()})
     return rec, arriving
@@ -75,7 +108,13 @@ def arriving_xml(state: StateDir, dom: Domain) -> str:
                                                  "--to <this host>, then migrate again")
     planned = Domain.parse(rec.migration.get("xml", ""), f"state record {rec.key}").recorded_plan()
     fit.check_made_for(planned, Request.from_domain(dom))
-    return render_incoming(dom, planned).to_string()
+    arriving = _placed(dom, planned, rec.migration.get("cold") == "yes").to_string()
+    with state.lock():      # only a domain let in here takes the held backends over
+        rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
+        if rec is not None and rec.status == INCOMING:
+            rec.migration = {**rec.migration, "arriving": "yes"}
+            state.save(rec)
+    return arriving
 
 
 def abort_incoming(rt: Runtime, state: StateDir, name: str, uuid: str | None, progress=None) -> bool:

@@ -39,9 +39,10 @@ class Journal:
         except Exception:
             pass
 
-    def run(self, steps: list) -> None:
+    def run(self, steps: list, final: str = PREPARED) -> None:
+        """Do every step; the record then says `final` (written once)."""
         try:
-            self._run(steps)
+            self._run(steps, final=final)
         except KeyboardInterrupt:
             # Interrupted between or inside steps: undo what is recorded, so no
             # record is left holding resources, then stop as asked.
@@ -60,7 +61,7 @@ class Journal:
                 self.rec.status = status
                 self.state.save(self.rec)
 
-    def _run(self, steps: list, first: int = 0) -> None:
+    def _run(self, steps: list, first: int = 0, final: str = PREPARED) -> None:
         for step in steps:
             self.rec.steps.append(self.x.encode(step, DOING))
             self.state.save(self.rec)
@@ -77,7 +78,7 @@ class Journal:
                 raise err from None
             self.rec.steps[-1] = self.x.encode(step, DONE)
             self.state.save(self.rec)
-        self.rec.status = PREPARED
+        self.rec.status = final
         self.state.save(self.rec)
 
     def rollback(self, keep=None) -> list[str]:

@@ -82,7 +82,12 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
     with state.lock(dry_run=rt.dry_run):
         leftover = own_record(state.load(key), dom.name, dom.uuid)
         if leftover is not None and leftover.status == INCOMING and not incoming:
-            return _arrive(rt, state, leftover, plan, say)
+            if leftover.migration.get("cold") != "yes":
+                return _arrive(rt, state, leftover, plan, say)
+            _claim(leftover, plan)      # a cold migration's reservation: this start makes it real
+            if not rt.dry_run:
+                state.remove(key)
+            leftover = None
         if leftover is not None and not rt.dry_run:
             # A run that never released (crash, or an interrupted prepare):
             # undo what it left, then start clean; but never what a running
@@ -112,24 +117,32 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             rt.spdk().require(methods)
         steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
-        Journal(state, rec, rt, progress).run(steps)
-        if incoming:
-            rec.status = INCOMING
-            state.save(rec)
+        Journal(state, rec, rt, progress).run(steps, final=INCOMING if incoming else PREPARED)
         return rec
 
 
-def _arrive(rt: Runtime, state: StateDir, rec: Record, plan: Plan, say) -> Record:
-    """The domain a migration brought, started on what `vstor migrate
-    prepare` made for it: taken over when it is the plan made here for the
-    migration (the migrate hook put it in the XML), refused otherwise."""
+def _claim(rec: Record, plan: Plan) -> None:
+    """Refused unless this start is the migration the record was made for:
+    the plan made here for it, let in by the migrate hook."""
     from vstor.meta.document import Domain
     planned = Domain.parse(rec.migration.get("xml", ""), f"state record {rec.key}").recorded_plan()
-    if planned != plan:
+    if planned != plan or rec.migration.get("arriving") != "yes":
         raise DoesNotFit(f"domain '{rec.domain}' is reserved here for an incoming migration, and "
-                         "this start is not it (its plan is not the one made for the migration)",
-                         hint=f"vstor migrate abort {rec.domain} on the source, or vstor release "
-                              f"--force {rec.domain} here")
+                         "this start is not it (the migrate hook did not let it in with the plan "
+                         "made for it)", hint=f"vstor migrate abort {rec.domain} on the source, or "
+                                              f"vstor release --force {rec.domain} here")
+
+
+def _arrive(rt: Runtime, state: StateDir, rec: Record, plan: Plan, say) -> Record:
+    """The domain a live migration brought, started on what `vstor migrate
+    prepare` made for it: taken over (see _claim), if it is all still there."""
+    _claim(rec, plan)
+    for entry in rec.steps:
+        problem = executor.check(actions.from_json(entry), rt)
+        if problem:     # QEMU would wait on a dead backend (and the migration hang)
+            raise DoesNotFit(f"domain '{rec.domain}': what was made for its migration is gone: "
+                             f"{problem}", hint=f"vstor migrate abort {rec.domain} on the source, "
+                                                "then prepare the migration again")
     if rt.dry_run:
         say(f"would take over the {len(rec.steps)} host changes made for the incoming migration")
         return rec

@@ -1,0 +1,83 @@
+"""Is a file or block source the same storage on two hosts?  Each host
+describes its own copy (opened safely: never a FIFO, a device that acts on
+open, or a symlink swapped in; a file only inside the image roots), and the
+two descriptions are compared: same path, kind and size, and the same
+filesystem (type and mount source, as /proc/self/mountinfo says), or both
+under storage the operator declared shared on both hosts ([migrate] shared)."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+from vstor.config import Config
+from vstor.errors import BadInput
+from vstor.meta.names import inside
+
+# Filesystems every host that mounts them sees the same.
+NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "ceph", "fuse.cephfs", "glusterfs",
+                        "fuse.glusterfs", "gpfs", "ocfs2", "gfs2", "lustre", "beegfs",
+                        "fuse.beegfs", "virtiofs"})
+_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def describe(cfg: Config, kind: str, path: str) -> dict:
+    """This host's copy of a source: {path, kind, size, fstype, mount, shared_root}."""
+    from vstor.runtime.steps import resolve_image
+    real = resolve_image(path, cfg.images) if kind == "file" else os.path.realpath(path)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise BadInput(f"{kind} source {path} does not exist") from None
+    except OSError as e:
+        raise BadInput(f"cannot open {kind} source {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) if kind == "file" else stat.S_ISBLK(st.st_mode)):
+            raise BadInput(f"{path} is not a {'regular file' if kind == 'file' else 'block device'}")
+        size = os.lseek(fd, 0, os.SEEK_END)
+    finally:
+        os.close(fd)
+    fstype, source = mount_of(real) if kind == "file" else ("block", real)
+    roots = [r for r in (os.path.realpath(x) for x in cfg.migrate_shared) if real == r or inside(real, [r])]
+    return {"path": path, "kind": kind, "size": size, "fstype": fstype or "", "mount": source or "",
+            "shared_root": roots[0] if roots else ""}
+
+
+def shared(mine: dict) -> tuple[bool, str]:
+    """(can another host see this source at the same path, in words)."""
+    if mine["shared_root"]:
+        return True, f"under the shared storage {mine['shared_root']} ([migrate] shared)"
+    if mine["fstype"] in NETWORK_FS:
+        return True, f"on a {mine['fstype']} filesystem ({mine['mount']})"
+    what = "block device" if mine["kind"] == "block" else f"{mine['fstype'] or 'unknown'} filesystem"
+    return False, f"on a local {what}"
+
+
+def differs(theirs: dict, mine: dict) -> str | None:
+    """None when `mine` (this host's) is the storage `theirs` describes; else why not."""
+    if mine["size"] != theirs.get("size"):
+        return f"has it with another size ({mine['size']} bytes, not {theirs.get('size')})"
+    if mine["shared_root"] and theirs.get("shared_root"):
+        return None         # both operators say so
+    if mine["fstype"] in NETWORK_FS and (mine["fstype"], mine["mount"]) == (theirs.get("fstype"), theirs.get("mount")):
+        return None
+    return (f"has it on {mine['fstype'] or 'unknown'} {mine['mount']}, not on "
+            f"{theirs.get('fstype') or 'unknown'} {theirs.get('mount')}")
+
+
+def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str | None, str | None]:
+    """(filesystem type, mount source) of the mount that holds `path`: the
+    longest mount point above it (the last one mounted there, if several)."""
+    best, found = b"", (None, None)
+    target = os.fsencode(path)
+    with open(mountinfo, "rb") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index(b"-")
+            point = _ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])
+            if (target == point or target.startswith(point.rstrip(b"/") + b"/")) and len(point) >= len(best):
+                best = point
+                found = (os.fsdecode(fields[sep + 1]), os.fsdecode(fields[sep + 2]))
+    return found
