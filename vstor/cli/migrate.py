@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -26,6 +27,10 @@ def register(sub) -> None:
     p.add_argument("--to", required=True, metavar="DEST", help="host name or libvirt URI")
     p.add_argument("-o", "--output", metavar="FILE", help="destination XML (default: DOMAIN.DEST.xml)")
     p.add_argument("--cold", action="store_true", help="reserve DEST for a cold migration")
+    p.add_argument("--run", action="store_true", help="then migrate it through libvirt, with progress; "
+                   "finish on success, abort both sides on failure")
+    p.add_argument("--migrate-uri", metavar="URI", help="with --run: QEMU's migration stream address "
+                   "(virsh --migrateuri), e.g. tcp://10.0.0.2")
     p.set_defaults(func=cmd_prepare)
     p = msub.add_parser("abort", help="give up what migrate prepare holds on the destination")
     p.add_argument("domain", metavar="DOMAIN")
@@ -81,6 +86,9 @@ def cmd_check(ctx, args) -> int:
 def cmd_prepare(ctx, args) -> int:
     from vstor.cli.runtime import _runtime, _state
     from vstor.migration import source
+    if args.cold and args.run:
+        raise BadInput("--run migrates live; a cold migration waits for the domain to be shut down",
+                       hint="drop --run, or --cold")
     dom = _domain(ctx, args.domain)
     peer, uri = _peer(ctx, args.to)
     print(f"Preparing {peer.host} for {dom.name}:")
@@ -100,6 +108,8 @@ def cmd_prepare(ctx, args) -> int:
         print(f"  virsh{src} migrate --offline --persistent --undefinesource --persistent-xml {q(out)} "
               f"{q(dom.name)} {q(uri)}")
         print(f"and start it on {peer.host}; that start makes its backends there")
+    elif args.run:
+        return _run(ctx, args, dom, peer, uri, xml)
     else:
         print(f"{peer.host} holds {dom.name}'s backends; it arrives with {out}. Migrate it with:")
         print(f"  virsh{src} migrate --live --persistent --undefinesource --persistent-xml {q(out)} "
@@ -107,6 +117,24 @@ def cmd_prepare(ctx, args) -> int:
     print(f"(then: vstor migrate finish {q(dom.name)} --to {q(peer.host)}; to give up: "
           f"vstor migrate abort {q(dom.name)} --to {q(peer.host)})")
     return 0
+
+
+def _run(ctx, args, dom, peer, uri: str, xml: str) -> int:
+    """Migrate now; finish on success, give both sides back on failure."""
+    from vstor.migration import run
+    print(f"Migrating {dom.name} to {peer.host}:", flush=True)
+    try:
+        stats = run.migrate(ctx.conn, dom.name, uri, xml, ctx.config.migrate_timeout,
+                            lambda line: print(line, flush=True), args.migrate_uri)
+    except BaseException:
+        print(f"Giving up: releasing what {peer.host} holds for {dom.name}", flush=True)
+        try:
+            cmd_abort(ctx, argparse.Namespace(domain=dom.name, to=peer.host))
+        except Exception as e:      # the migration's own failure is the one to report
+            print(f"vstor: warning: the abort failed too: {e}", file=sys.stderr)
+        raise
+    print(f"{dom.name} runs on {peer.host}: {run.completed(stats)}")
+    return cmd_finish(ctx, argparse.Namespace(domain=dom.name, to=peer.host))
 
 
 def _recorded_peer(ctx, args):

@@ -46,10 +46,10 @@ def _serve(ctx, request) -> dict:
     from vstor.runtime.incoming import parse_imports
     dom = Domain.parse(_text(request, "xml"), "the migrating domain's XML")
     ledger = _ledger(ctx, state)
-    imports = parse_imports(request.get("imports") or {})
+    imports = parse_imports(request.get("imports", {}))
     cold = request.get("cold") is True
     if op == "check":
-        return _check(ctx, rt, dom, ledger, request.get("files") or {}, imports, cold)
+        return _check(ctx, rt, dom, ledger, request.get("files", {}), imports, cold)
     if op == "prepare":
         from vstor.runtime.incoming import prepare_incoming, reserve_cold
         source = _text(request, "from")
