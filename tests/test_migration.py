@@ -198,3 +198,22 @@ def test_a_cold_migration_reserves_the_destination_and_its_start_makes_the_backe
     assert (out.returncode, out.stderr) == (0, b""), out.stderr
     assert records(h, "b") == {"vm": "prepared"} and os.listdir(f"{h.work}/b/vhost") == ["vm-vdb"]
     assert on_a(h, "migrate", "finish", "vm", "--to", "hostb") == 0
+
+
+def test_two_incoming_migrations_get_their_own_cores_and_a_failed_one_gives_them_back(hosts, capsys):
+    """The destination's ledger holds what it reserved for incoming
+    migrations; libvirt's `release end failed` there gives it back."""
+    h = hosts
+    first, second = running_on_a(h), running_on_a(h, name="vm2", disk="shared/big.raw")
+    for path, out in ((first, "o1.xml"), (second, "o2.xml")):
+        assert on_a(h, "migrate", "prepare", path, "--to", "hostb", "-o", f"{h.work}/{out}") == 0
+    cpus = []
+    for name in ("vm", "vm2"):
+        with open(f"{h.work}/b/state/domains/{name}.json") as f:
+            cpus.append(set(json.load(f)["holding"]["cpus"]))
+    assert cpus[0] and cpus[1] and not cpus[0] & cpus[1]
+    xml = open(f"{h.work}/o2.xml").read()
+    assert hook(h, "b", "vm2", "migrate", "begin", "-", open(second).read()).returncode == 0
+    out = hook(h, "b", "vm2", "release", "end", "failed", xml)
+    assert out.returncode == 0 and records(h, "b") == {"vm": "incoming"}
+    assert os.listdir(f"{h.work}/b/vhost") == ["vm-vdb"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from vstor.errors import BadInput, DoesNotFit, VstorError
 from vstor.meta.document import Domain
 from vstor.migration.peer import PROTOCOL
-from vstor.planner.ledger import Ledger, holding_from_json
+from vstor.planner.ledger import Ledger
 
 
 def answer(ctx, request) -> dict:
@@ -94,11 +94,8 @@ def _sees(cfg, theirs) -> str | None:
 def _ledger(ctx, state) -> Ledger:
     """Other domains' holdings: libvirt's defined domains and every state
     record besides (a migration held for a domain not defined here yet)."""
-    holdings = list(ctx.ledger().holdings)
-    known = {h.domain for h in holdings}
-    holdings += [holding_from_json(r.holding) for r in state.records()
-                 if r.holding and r.domain not in known]
-    return Ledger(holdings)
+    from vstor.runtime.inventory import load_ledger
+    return load_ledger(ctx.conn, state.records())
 
 
 def _text(request: dict, key: str) -> str:

@@ -28,5 +28,12 @@ def holdings_from_libvirt(conn) -> list[Holding]:
     return out
 
 
-def load_ledger(conn=None) -> Ledger:
-    return Ledger(holdings_from_libvirt(conn) if conn is not None else [])
+def load_ledger(conn=None, records=()) -> Ledger:
+    """Every defined domain's plan (libvirt) and, besides, what state
+    records hold for domains libvirt does not list: prepared by hand, or
+    reserved for an incoming migration."""
+    from vstor.planner.ledger import holding_from_json
+    holdings = holdings_from_libvirt(conn) if conn is not None else []
+    known = {h.domain for h in holdings}
+    holdings += [holding_from_json(r.holding) for r in records if r.holding and r.domain not in known]
+    return Ledger(holdings)
