@@ -21,6 +21,11 @@ checksum of the first `size` bytes.  Markers on the serial console, one per line
     VSTOR-GUEST: DONE uptime=S        or    VSTOR-GUEST: FAIL reason
 
 then it powers off.
+
+vstor.job=loop (see loop_job()) writes records without pause until the host
+tells it to stop through the disk itself (stop_loop()), e.g. across a live
+migration, printing `LOOP n=N uptime=S` every 10 rounds; then it verifies the
+whole region like write-verify does (loop_expected() is what the file must hold).
 """
 
 from __future__ import annotations
@@ -58,6 +63,12 @@ MARKER = "VSTOR-GUEST: "
 # awk's doubles compute it exactly.
 PATTERN_AWK = r"""BEGIN { x = seed % 2147483646 + 1
   for (r = 0; r < n; r++) { x = (x * 48271) % 2147483647; printf "%08x:%011d:%010d\n", x, r, seed } }"""
+# What the loop job's region holds after n >= blocks rounds (see loop_expected()):
+# block b, the record of the last round k < n with k % blocks == b.
+LOOP_AWK = r"""BEGIN { for (b = 0; b < nb; b++) { k = b + nb * int((n - 1 - b) / nb)
+  printf "%-511s\n", "vstor seed=" seed " n=" k } }"""
+LOOP_BLOCK = 512
+LOOP_STOP = b"STOP"
 
 INIT = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -87,7 +98,7 @@ for arg in $(cat /proc/cmdline); do
     vstor.hold=*) hold=${arg#*=} ;;
     esac
 done
-case $job in write-verify|verify|read) ;; *) fail "unknown job '$job'" ;; esac
+case $job in write-verify|verify|read|loop) ;; *) fail "unknown job '$job'" ;; esac
 
 # A missing /dev/vda would silently become a plain file on devtmpfs: wait for
 # a real block device.
@@ -102,6 +113,45 @@ for dev in $devs; do
     say "READY dev=$dev"
 done
 if [ "$hold" -gt 0 ]; then say "HOLD seconds=$hold"; sleep $hold; fi
+
+# loop: write 512-byte records "vstor seed=S n=N" (space-padded, newline-ended)
+# to block N % blocks of the first `size` bytes, each with fsync, and read it
+# back from the device, until the host writes STOP into the block just after
+# them (honoured once every block was written) or `timeout` seconds of uptime
+# pass.  Then the whole region is read back and compared with what the last
+# writes must have left.
+loop() {
+    dev=${devs%% *} nb=$((size / 512)) n=0
+    [ $nb -ge 1 ] || fail "loop: vstor.size must be at least 512"
+    [ "$(blockdev --getsize64 /dev/$dev)" -ge $(( (nb + 1) * 512 )) ] || fail "loop: /dev/$dev has no block after the region"
+    say "LOOP START blocks=$nb uptime=$(uptime_s)"
+    while :; do
+        b=$((n % nb))
+        printf '%-511s\n' "vstor seed=$seed n=$n" > /tmp/rec
+        dd if=/tmp/rec of=/dev/$dev bs=512 seek=$b count=1 conv=notrunc,fsync 2>/tmp/err || fail "loop: write n=$n: $(cat /tmp/err)"
+        blockdev --flushbufs /dev/$dev; echo 3 > /proc/sys/vm/drop_caches
+        dd if=/dev/$dev of=/tmp/back bs=512 skip=$b count=1 2>/tmp/err || fail "loop: read n=$n: $(cat /tmp/err)"
+        cmp -s /tmp/rec /tmp/back || fail "loop: block $b reads back '$(head -c 40 /tmp/back)' after writing n=$n"
+        n=$((n + 1))
+        [ $((n % 10)) -eq 0 ] && say "LOOP n=$n uptime=$(uptime_s)"
+        [ $n -ge $nb ] && [ "$(dd if=/dev/$dev bs=512 skip=$nb count=1 2>/dev/null | head -c 4)" = STOP ] && break
+        up=$(uptime_s)
+        [ ${up%.*} -lt $timeout ] || fail "loop: no STOP after ${timeout}s of uptime (n=$n)"
+    done
+    say "LOOP STOP rounds=$n uptime=$(uptime_s)"
+    awk -v seed=$seed -v nb=$nb -v n=$n '@LOOP@' > /tmp/pattern
+    want=$(sha256sum < /tmp/pattern | cut -d' ' -f1)
+    say "wrote sha256=$want dev=$dev rounds=$n"
+    sync; blockdev --flushbufs /dev/$dev; echo 3 > /proc/sys/vm/drop_caches
+    head -c $((nb * 512)) /dev/$dev > /tmp/got
+    got=$(sha256sum < /tmp/got | cut -d' ' -f1)
+    say "read sha256=$got dev=$dev"
+    [ "$got" = "$want" ] || fail "/dev/$dev: read $got, expected $want: $(cmp /tmp/pattern /tmp/got 2>&1)"
+    say "DONE uptime=$(uptime_s)"
+    poweroff -f
+    sleep 60
+}
+[ $job = loop ] && loop
 
 pattern() {
     awk -v seed=$seed -v n=$(( (size + @RECORD@ - 1) / @RECORD@ )) '@PATTERN@' | head -c $size
@@ -158,6 +208,63 @@ def job(kind: str, dev: str = "vda", seed: int = 1234, size: int = 1 << 20,
     expected_pattern(seed, 0)   # validates the seed
     return (f"vstor.job={kind} vstor.dev={dev} vstor.seed={seed} vstor.size={size}"
             f" vstor.timeout={timeout} vstor.hold={hold}")
+
+
+def loop_job(dev: str = "vda", seed: int = 1234, size: int = 32 << 10, timeout: int = 300) -> str:
+    """The kernel command line words for the loop job: records written and read
+    back without pause until the host writes LOOP_STOP at byte `size` of the
+    disk (see stop_loop()) or `timeout` seconds of guest uptime pass.  `size`
+    is a multiple of LOOP_BLOCK; the disk needs one block more."""
+    expected_pattern(seed, 0)   # validates the seed
+    if size <= 0 or size % LOOP_BLOCK:
+        raise ValueError(f"size must be a positive multiple of {LOOP_BLOCK}")
+    return (f"vstor.job=loop vstor.dev={dev} vstor.seed={seed} vstor.size={size}"
+            f" vstor.timeout={timeout} vstor.hold=0")
+
+
+def loop_record(seed: int, n: int) -> bytes:
+    """The block the loop job writes in round n (to block n % blocks)."""
+    return (f"vstor seed={seed} n={n}".ljust(LOOP_BLOCK - 1) + "\n").encode()
+
+
+def loop_expected(seed: int, size: int, rounds: int) -> bytes:
+    """Exactly the first `size` bytes the loop job leaves after `rounds` rounds."""
+    blocks = size // LOOP_BLOCK
+    if rounds < blocks:
+        raise ValueError("the loop job stops only after writing every block once")
+    return b"".join(loop_record(seed, b + blocks * ((rounds - 1 - b) // blocks))
+                    for b in range(blocks))
+
+
+def stop_loop(path: str | os.PathLike, size: int) -> None:
+    """Tell a loop job on the disk backed by `path` to stop (written by the
+    host into the block after the region; the guest reads it every round)."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, LOOP_STOP.ljust(LOOP_BLOCK, b"\n"), size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def parse_loop(text: str) -> dict:
+    """The loop job's markers: {'started' (uptime or None), 'progress': [(n,
+    uptime)...], 'rounds' (at STOP, or None), 'wrote', 'read', 'done', 'fail'}."""
+    parsed = parse_console(text)
+    out = {"started": None, "progress": [], "rounds": None, "wrote": parsed["wrote"],
+           "read": parsed["read"], "done": parsed["done"], "fail": parsed["fail"]}
+    for body in parsed["markers"]:
+        word, _, rest = body.partition(" ")
+        if word != "LOOP":
+            continue
+        fields = dict(f.split("=", 1) for f in rest.split() if "=" in f)
+        if rest.startswith("START"):
+            out["started"] = float(fields.get("uptime", "nan"))
+        elif rest.startswith("STOP"):
+            out["rounds"] = int(fields["rounds"])
+        elif "n" in fields:
+            out["progress"].append((int(fields["n"]), float(fields.get("uptime", "nan"))))
+    return out
 
 
 def parse_console(text: str) -> dict:
@@ -275,7 +382,8 @@ def _kernel_package() -> str:
 def _init_script() -> str:
     return (INIT.replace("@MODULES@", " ".join(MODULES))
             .replace("@RECORD@", str(RECORD))
-            .replace("@PATTERN@", PATTERN_AWK))
+            .replace("@PATTERN@", PATTERN_AWK)
+            .replace("@LOOP@", LOOP_AWK))
 
 
 def _build(kpkg: str, init: str, out: Path, guest: Guest) -> None:

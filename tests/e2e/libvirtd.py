@@ -174,37 +174,10 @@ class Daemons:
             self._lock = None
 
     def _take_session_lock(self, wait: float) -> None:
-        self._lock = open(SESSION_LOCK, "w")
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    self._lock.close()
-                    self._lock = None
-                    raise RuntimeError(f"another e2e test session held {SESSION_LOCK} "
-                                       f"for more than {wait:.0f}s")
-                time.sleep(1)
+        self._lock = take_session_lock(wait)
 
     def _share_kvm(self) -> None:
-        """Give /dev/kvm to group kvm, 0660, as Debian's udev rule would.
-
-        A root-only /dev/kvm makes libvirt 9.0 re-probe QEMU on nearly every API
-        call ("KVM was enabled when probing ..., but it is not available now":
-        the probe runs as root, the check as libvirt-qemu): ~4 s per probe, about
-        a minute for the first defineXML. The tests use TCG either way."""
-        try:
-            kvm_gid = grp.getgrnam("kvm").gr_gid
-            st = KVM.stat()
-        except (KeyError, OSError):
-            return
-        if st.st_gid == kvm_gid and st.st_mode & 0o060 == 0o060:
-            return
-        self.kvm_mode = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
-        os.chown(KVM, -1, kvm_gid)
-        KVM.chmod(0o660)
+        self.kvm_mode = share_kvm()
 
     def _ensure(self, name: str, timeout: float) -> None:
         if running_pid(name):
@@ -231,6 +204,43 @@ class Daemons:
             except libvirt.libvirtError:
                 pass
             self._conn = None
+
+
+def take_session_lock(wait: float):
+    """SESSION_LOCK held (the open file); RuntimeError after `wait` seconds."""
+    lock = open(SESSION_LOCK, "w")
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                lock.close()
+                raise RuntimeError(f"another e2e test session held {SESSION_LOCK} "
+                                   f"for more than {wait:.0f}s")
+            time.sleep(1)
+
+
+def share_kvm() -> tuple[int, int, int] | None:
+    """Give /dev/kvm to group kvm, 0660, as Debian's udev rule would; the
+    (mode, uid, gid) to restore, or None when nothing changed.
+
+    A root-only /dev/kvm makes libvirt 9.0 re-probe QEMU on nearly every API
+    call ("KVM was enabled when probing ..., but it is not available now":
+    the probe runs as root, the check as libvirt-qemu): ~4 s per probe, about
+    a minute for the first defineXML. The tests use TCG either way."""
+    try:
+        kvm_gid = grp.getgrnam("kvm").gr_gid
+        st = KVM.stat()
+    except (KeyError, OSError):
+        return None
+    if st.st_gid == kvm_gid and st.st_mode & 0o060 == 0o060:
+        return None
+    old = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
+    os.chown(KVM, -1, kvm_gid)
+    KVM.chmod(0o660)
+    return old
 
 
 def _terminate(pid: int, timeout: float) -> None:

@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--cold", action="store_true", help="reserve DEST for a cold migration")
     p.add_argument("--run", action="store_true", help="then migrate it through libvirt, with progress; "
                    "finish on success, abort both sides on failure")
+    p.add_argument("--dest-uri", metavar="URI", help="the destination's libvirt URI when it is not "
+                   "qemu+ssh://DEST/system (qemu+tls://..., a local socket)")
     p.add_argument("--migrate-uri", metavar="URI", help="with --run: QEMU's migration stream address "
                    "(virsh --migrateuri), e.g. tcp://10.0.0.2")
     p.set_defaults(func=cmd_prepare)
@@ -57,9 +59,13 @@ def _domain(ctx, source: str):
     from vstor.runtime import virt
     if os.path.sep in source or os.path.exists(source):
         return load_source(ctx, source)
+    import libvirt
     from vstor.meta.document import Domain
     vdom = virt.lookup(ctx.conn, source)
-    return Domain.parse(vdom.XMLDesc(0), f"domain '{source}'")
+    # A running domain as libvirt migrates it (virsh dumpxml --migratable):
+    # virsh migrate --xml is checked against exactly that.
+    flags = libvirt.VIR_DOMAIN_XML_MIGRATABLE if vdom.isActive() else 0
+    return Domain.parse(vdom.XMLDesc(flags), f"domain '{source}'")
 
 
 def cmd_check(ctx, args) -> int:
@@ -91,6 +97,7 @@ def cmd_prepare(ctx, args) -> int:
                        hint="drop --run, or --cold")
     dom = _domain(ctx, args.domain)
     peer, uri = _peer(ctx, args.to)
+    uri = args.dest_uri or uri
     print(f"Preparing {peer.host} for {dom.name}:")
     verdict, xml = source.prepare(ctx.config, _state(ctx), dom, peer, uri, _runtime(ctx), cold=args.cold)
     for d in verdict.disks:

@@ -175,7 +175,7 @@ def _export(state, dom: Domain, rt, steps) -> list[str]:
         if rec is None or rec.status != "prepared":
             raise DoesNotFit(f"domain '{dom.name}' does not run here on backends vstor made "
                              f"({rec.status if rec else 'no record'}): nothing to export",
-                             hint=f"start it here first, or migrate it cold")
+                             hint="start it here first, or migrate it cold")
         have = {e["data"].get("nqn") for e in rec.steps if e.get("kind") == "nvmf-export"}
         new = [s for s in steps if s.nqn not in have]
         if new:

@@ -1,0 +1,248 @@
+"""A real live migration between two libvirtd on this machine (migration_lab.py):
+vstor defines and prepares a TCG guest on host A, with one qemu-storage-daemon
+disk on storage both hosts see. The guest writes without pause (guest.py's
+loop job). `vstor migrate prepare` has B make and hold the disk's backend, and
+libvirt moves the guest live. The guest's writes must all be where it wrote
+them, on both sides of the move. A refusal on either side must leave both
+hosts as they were.
+
+No qemu.conf change was needed for the two libvirtds: libvirt leaves QEMU in
+the root cgroup on this machine, and no lock manager is configured (see
+migration_lab.Lab._lay_out)."""
+from __future__ import annotations
+
+import json
+import time
+
+import libvirt
+import pytest
+
+from .guest import loop_expected, loop_job, parse_loop, stop_loop
+from .libvirtd import read_console
+from .migration_lab import Host, Lab, migration_lab, vstor_domain_xml  # noqa: F401 (fixture)
+
+REGION = 32 << 10           # the loop job's 64 blocks; its STOP block follows
+
+
+def start_on_a(lab: Lab, guest, name: str, seed: int) -> libvirt.virDomain:
+    """Defined through `vstor define` on A and started there (A's hook prepares
+    it); returns once the guest's writes are under way."""
+    lab.forget(name)                             # a leftover of an interrupted run
+    disk = lab.disk(name)
+    src = lab.root / f"{name}.xml"
+    src.write_text(vstor_domain_xml(name, guest, disk, loop_job("vda", seed, REGION, timeout=300)))
+    out = lab.a.vstor("define", str(src))
+    assert out.returncode == 0, out.stdout + out.stderr
+    dom = lab.a.connect().lookupByName(name)
+    assert "vhostuser" in dom.XMLDesc(0)
+    dom.create()
+    wait_rounds(lab.a, name, dom, 20)
+    return dom
+
+
+def wait_rounds(h: Host, name: str, dom: libvirt.virDomain, at_least: int, timeout: float = 120) -> dict:
+    """The loop job's markers on h's console once its guest wrote `at_least` rounds there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        parsed = parse_loop(read_console(h.console(name)))
+        assert not parsed["fail"], f"guest on {h.key} failed: {parsed['fail']}"
+        if parsed["progress"] and parsed["progress"][-1][0] >= at_least:
+            return parsed
+        if time.monotonic() > deadline or not dom.isActive():
+            pytest.fail(f"guest on {h.key} did not reach {at_least} rounds; console:\n"
+                        + read_console(h.console(name))[-2000:])
+        time.sleep(0.3)
+
+
+def stop_and_verify(lab: Lab, h: Host, name: str, dom: libvirt.virDomain, seed: int) -> dict:
+    """Stop the guest's loop. It reads the whole region back and checks it.
+    Then the host checks that the file holds exactly what the guest wrote."""
+    disk = lab.shared / f"{name}.raw"
+    stop_loop(disk, REGION)
+    deadline = time.monotonic() + 120
+    while True:
+        parsed = parse_loop(read_console(h.console(name)))
+        assert not parsed["fail"], f"guest on {h.key} failed: {parsed['fail']}"
+        if parsed["done"]:
+            break
+        if time.monotonic() > deadline or not dom.isActive():
+            pytest.fail(f"no DONE from the guest on {h.key}; console:\n"
+                        + read_console(h.console(name))[-2000:])
+        time.sleep(0.3)
+    assert parsed["rounds"] and parsed["wrote"] == parsed["read"]
+    with open(disk, "rb") as f:
+        data = f.read(REGION + 4)
+    assert data[:REGION] == loop_expected(seed, REGION, parsed["rounds"]), \
+        "the file does not hold what the guest wrote"
+    assert data[REGION:] == b"STOP"
+    return parsed
+
+
+def holds_nothing(h: Host, name: str) -> None:
+    assert name not in h.records()
+    assert not [s for s in h.sockets() if s.startswith(f"{name}-")]
+    assert not [p for p in h.qsd_pids()], f"qemu-storage-daemon still runs on {h.key}"
+
+
+def wait_released(h: Host, name: str, timeout: float = 20) -> None:
+    """libvirt runs `release end` just after QEMU exits; give it a moment."""
+    deadline = time.monotonic() + timeout
+    while (name in h.records() or h.qsd_pids()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    holds_nothing(h, name)
+
+
+def a_runs_it_unchanged(lab: Lab, name: str, dom: libvirt.virDomain, qsd: list[int], rounds: int) -> None:
+    """The guest still runs on A on the same backend, and still writes; B holds nothing."""
+    assert dom.isActive()
+    assert lab.a.records() == {name: "prepared"}
+    assert lab.a.qsd_pids() == qsd
+    assert f"{name}-vdb" in lab.a.sockets()
+    wait_rounds(lab.a, name, dom, rounds + 10)
+    assert lab.b.domain(name) is None
+    holds_nothing(lab.b, name)
+
+
+def test_live_migration_under_guest_writes(migration_lab, guest_image):
+    lab, name, seed = migration_lab, "mig-live", 4711
+    try:
+        start_on_a(lab, guest_image, name, seed)
+        out_xml = lab.root / f"{name}.B.xml"
+        t0 = time.monotonic()
+        prep = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname, "-o", str(out_xml))
+        prepare_s = time.monotonic() - t0
+        assert prep.returncode == 0, prep.stdout + prep.stderr
+        assert "virsh" in prep.stdout and "migrate --live" in prep.stdout
+        assert lab.b.records() == {name: "incoming"}
+        assert lab.b.sockets() == [f"{name}-vdb"] and len(lab.b.qsd_pids()) == 1
+        arriving = out_xml.read_text()
+        assert str(lab.b.vhost_dir) in arriving and str(lab.a.vhost_dir) not in arriving
+        on_a = parse_loop(read_console(lab.a.console(name)))["progress"][-1][0]
+
+        # Without --xml: B's migrate hook places the domain (the --xml form is
+        # test_the_xml_prepare_writes_is_what_virsh_migrate_xml_takes).
+        seconds, error = lab.migrate(name, lab.a, lab.b)
+        assert error is None, f"the migration failed: {error}"
+        moved = lab.b.domain(name)
+        assert moved is not None and moved.isActive() and moved.isPersistent()
+        assert lab.a.domain(name) is None                   # --undefinesource
+        stats = moved.jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
+        print(f"\nprepare {prepare_s:.1f} s, migration {seconds:.1f} s, "
+              f"downtime {stats.get('downtime', -1)} ms")
+
+        # The guest writes on, on B: not rebooted, its rounds go on from A's.
+        parsed = wait_rounds(lab.b, name, moved, on_a + 20)
+        assert parsed["started"] is None, "the guest started again on B"
+        assert parsed["progress"][0][0] > on_a
+        # A released everything (release end migrated); B runs it on what prepare made.
+        wait_released(lab.a, name)
+        status = lab.b.vstor("status", "--json", name)
+        assert status.returncode == 0, status.stderr
+        rows = json.loads(status.stdout)
+        assert [r["status"] for r in rows] == ["prepared"] and rows[0]["migration"] is None
+        assert all(s["problem"] is None for s in rows[0]["steps"]), rows
+        assert len(lab.b.qsd_pids()) == 1
+        live = moved.XMLDesc(0)
+        assert f"{lab.b.vhost_dir}/{name}-vdb" in live and str(lab.a.vhost_dir) not in live
+
+        finish = lab.a.vstor("migrate", "finish", name, "--to", lab.b.hostname)
+        assert finish.returncode == 0, finish.stdout + finish.stderr
+        assert lab.b.hostname in finish.stdout
+        holds_nothing(lab.a, name)
+
+        result = stop_and_verify(lab, lab.b, name, moved, seed)
+        assert result["rounds"] > parsed["progress"][-1][0]
+        before = parse_loop(read_console(lab.a.console(name)))
+        assert before["started"] is not None and not before["done"]
+        wait_released(lab.b, name)
+    finally:
+        lab.forget(name)
+
+
+def test_a_destination_that_cannot_take_it_refuses_and_nothing_changes(migration_lab, guest_image):
+    lab, name, seed = migration_lab, "mig-nofit", 815
+    out_xml = lab.root / f"{name}.B.xml"
+    try:
+        dom = start_on_a(lab, guest_image, name, seed)
+        qsd = lab.a.qsd_pids()
+        assert len(qsd) == 1
+        # B keeps all its memory for itself: the domain does not fit there.
+        lab.write_config(lab.b, peer=lab.a, extra="[memory]\nreserved = 999999999\n")
+        try:
+            check = lab.a.vstor("migrate", "check", name, "--to", lab.b.hostname)
+            prep = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname, "-o", str(out_xml))
+        finally:
+            lab.write_config(lab.b, peer=lab.a)
+        assert check.returncode == 3, check.stdout + check.stderr
+        assert f"{lab.b.hostname} cannot take it" in check.stdout
+        assert prep.returncode == 3, prep.stdout + prep.stderr
+        assert prep.stderr.count("\n") == 1 and prep.stderr.startswith("vstor: error: ")
+        assert f"cannot live-migrate to {lab.b.hostname}" in prep.stderr
+        assert "Traceback" not in prep.stderr
+        assert not out_xml.exists()
+        rounds = parse_loop(read_console(lab.a.console(name)))["progress"][-1][0]
+        a_runs_it_unchanged(lab, name, dom, qsd, rounds)
+        status = lab.a.vstor("status", "--json", name)
+        assert json.loads(status.stdout)[0]["migration"] is None   # no migration recorded
+        stop_and_verify(lab, lab.a, name, dom, seed)
+    finally:
+        lab.forget(name)
+
+
+def test_virsh_migrate_without_vstor_prepare_is_refused_by_the_destination(migration_lab, guest_image):
+    lab, name, seed = migration_lab, "mig-unprepared", 1312
+    try:
+        dom = start_on_a(lab, guest_image, name, seed)
+        qsd = lab.a.qsd_pids()
+        _, error = lab.migrate(name, lab.a, lab.b, timeout=60)
+        assert error is not None, "the migration went through without vstor migrate prepare"
+        message = str(error)
+        hook_said = message[message.index("vstor: "):] if "vstor: " in message else message
+        assert "vstor migrate prepare" in hook_said and "no migration was prepared" in hook_said, message
+        assert "\n" not in hook_said.strip(), message
+        rounds = parse_loop(read_console(lab.a.console(name)))["progress"][-1][0]
+        a_runs_it_unchanged(lab, name, dom, qsd, rounds)
+        stop_and_verify(lab, lab.a, name, dom, seed)
+    finally:
+        lab.forget(name)
+
+
+def test_the_xml_prepare_writes_is_what_virsh_migrate_xml_takes(migration_lab, guest_image):
+    """The command prepare prints: virsh migrate --live --persistent
+    --undefinesource --persistent-xml FILE --xml FILE."""
+    lab, name, seed = migration_lab, "mig-xml", 99
+    out_xml = lab.root / f"{name}.B.xml"
+    try:
+        start_on_a(lab, guest_image, name, seed)
+        prep = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname, "-o", str(out_xml))
+        assert prep.returncode == 0, prep.stdout + prep.stderr
+        assert f"--xml {out_xml}" in prep.stdout
+        arriving = out_xml.read_text()
+        _, error = lab.migrate(name, lab.a, lab.b, xml=arriving, persistent_xml=arriving)
+        assert error is None, f"the migration failed: {error}"
+        moved = lab.b.domain(name)
+        assert moved is not None and moved.isActive()
+        assert f"{lab.b.vhost_dir}/{name}-vdb" in moved.XMLDesc(0)
+        wait_released(lab.a, name)
+        stop_and_verify(lab, lab.b, name, moved, seed)
+    finally:
+        lab.forget(name)
+
+
+def test_prepare_run_migrates_with_progress_and_finishes(migration_lab, guest_image):
+    """`vstor migrate prepare --run`: prepare, libvirt's migration with a
+    progress line, finish; the guest's writes all where it wrote them."""
+    lab, name, seed = migration_lab, "mig-run", 1234
+    try:
+        start_on_a(lab, guest_image, name, seed)
+        out = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname, "--dest-uri", lab.b.uri,
+                          "--run", "--migrate-uri", f"tcp://{lab.b.addr}", "-o", str(lab.root / f"{name}.B.xml"))
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "migrating:" in out.stdout and f"{name} runs on {lab.b.hostname}: downtime" in out.stdout
+        moved = lab.b.domain(name)
+        assert moved is not None and moved.isActive()
+        wait_released(lab.a, name)
+        holds_nothing(lab.a, name)
+        stop_and_verify(lab, lab.b, name, moved, seed)
+    finally:
+        lab.forget(name)
