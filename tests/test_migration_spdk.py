@@ -154,6 +154,11 @@ def test_local_nvme_is_exported_to_the_destination_and_the_export_outlives_the_m
     out = hook(t, "a", "release", "end", "migrated", source_xml)
     assert out.returncode == 0, out.stderr
     assert kinds(t, "a") == ("exporting", ["vfio-bind", "spdk-attach", "nvmf-export"])
+    capsys.readouterr()
+    assert on(t, "a", "status", "vm") == 0
+    shown = capsys.readouterr().out
+    assert "vm: exporting" in shown and "runs on hostb, reading its disk through this host's NVMe-oF export" in shown
+    assert "PROBLEM" not in shown
     assert t.a_spdk.vhost == {} and EXPORT in t.a_spdk.subsystems and t.sysfs.driver_of(LOCAL) == "vfio-pci"
     capsys.readouterr()
     assert on(t, "a", "migrate", "finish", "vm", "--to", "hostb") == 0

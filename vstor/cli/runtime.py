@@ -88,7 +88,10 @@ def cmd_status(ctx, args) -> int:
         print(f"{row['domain']}: {row['status']}; node {h.get('node')}; CPUs {cpus}; "
               f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
         m = row["migration"] or {}
-        if m.get("role") == "incoming":
+        if row["status"] == "exporting":
+            print(f"  runs on {m.get('to') or 'another host'}, reading its disk through this host's "
+                  "NVMe-oF export (vstor gc removes it once the domain has left there)")
+        elif m.get("role") == "incoming":
             print(f"  held for an incoming migration from {m.get('from') or 'another host'}")
         elif m.get("role") == "outgoing":
             print(f"  migrating to {m.get('to')} (vstor migrate finish or abort {row['domain']})")
