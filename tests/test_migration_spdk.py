@@ -123,7 +123,8 @@ def changes(spdk, since=0) -> list:
                                          "get_bdevs"))]
 
 
-def test_local_nvme_is_exported_to_the_destination_and_the_export_outlives_the_move(two, capsys):
+@pytest.mark.parametrize("reason", ["migrated", "-"])     # libvirt >= 10.5 says why; older does not
+def test_local_nvme_is_exported_to_the_destination_and_the_export_outlives_the_move(two, capsys, reason):
     t = two
     xml_path = running_on_a(t)
     capsys.readouterr()
@@ -151,7 +152,7 @@ def test_local_nvme_is_exported_to_the_destination_and_the_export_outlives_the_m
     out = hook(t, "b", "migrate", "begin", "-", source_xml)
     assert out.returncode == 0, out.stderr
     assert hook(t, "b", "prepare", "begin", "-", out.stdout.decode()).returncode == 0
-    out = hook(t, "a", "release", "end", "migrated", source_xml)
+    out = hook(t, "a", "release", "end", reason, source_xml)
     assert out.returncode == 0, out.stderr
     assert kinds(t, "a") == ("exporting", ["vfio-bind", "spdk-attach", "nvmf-export"])
     capsys.readouterr()
@@ -166,6 +167,26 @@ def test_local_nvme_is_exported_to_the_destination_and_the_export_outlives_the_m
     assert on(t, "a", "gc") == 0
     assert "Leaving the NVMe-oF export of vm: hostb still holds the domain" in capsys.readouterr().out
     assert kinds(t, "a")[0] == "exporting"
+    assert on(t, "a", "release", "vm") == 3                       # B reads through it
+    assert "reads its disk through this host's NVMe-oF export" in capsys.readouterr().err
+    with open(f"{t.work}/a/state/domains/vm.json") as f:         # it holds no cores or reactor now
+        held = json.load(f)["holding"]
+    assert held["cpus"] == [] and held["reactors"] == [] and held["sockets"] == []
+    # a damaged record on B: B cannot say, so the export stays
+    os.rename(f"{t.work}/b/state/domains/vm.json", f"{t.work}/b/vm.json.saved")
+    with open(f"{t.work}/b/state/domains/vm.json", "w") as f:
+        f.write("{")
+    assert on(t, "a", "gc") == 0
+    assert "cannot ask hostb whether it still needs it" in capsys.readouterr().out
+    assert kinds(t, "a")[0] == "exporting"
+    os.replace(f"{t.work}/b/vm.json.saved", f"{t.work}/b/state/domains/vm.json")
+    # from B the disk cannot move on: only A's export serves it, to B alone
+    with open(t.b_conf, "a") as f:
+        f.write(f"[migrate]\npeer_command = {sys.executable} -m vstor.cli.main -c test:///default "
+                f"--config {t.a_conf} --host-root {t.a_root} migrate agent\n")
+    assert on(t, "b", "migrate", "check", f"{t.work}/o.xml", "--to", "hostc", "--json") == 3
+    v = json.loads(capsys.readouterr().out)
+    assert v["disks"][0]["verdict"] == "impossible" and "reads another host's local NVMe" in v["disks"][0]["reason"]
 
     # the domain stops on B; the next gc on A takes the export down
     assert hook(t, "b", "release", "end", "-", open(f"{t.work}/o.xml").read()).returncode == 0

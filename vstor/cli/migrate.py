@@ -95,6 +95,8 @@ def cmd_prepare(ctx, args) -> int:
     if args.cold and args.run:
         raise BadInput("--run migrates live; a cold migration waits for the domain to be shut down",
                        hint="drop --run, or --cold")
+    if args.migrate_uri and not args.run:
+        raise BadInput("--migrate-uri is for --run", hint="add --run, or give virsh --migrateuri yourself")
     dom = _domain(ctx, args.domain)
     peer, uri = _peer(ctx, args.to)
     uri = args.dest_uri or uri
@@ -180,6 +182,8 @@ def cmd_finish(ctx, args) -> int:
         raise DoesNotFit(f"domain '{args.domain}' has not arrived on {peer.host} "
                          f"({there.get('status') or 'nothing held there'})",
                          hint=f"migrate it first, or: vstor migrate abort {args.domain}")
+    if there.get("cold") is True:
+        print(f"{args.domain} is defined on {peer.host}, and its first start there makes its backends")
     if _is_running(ctx, args.domain) is not False:
         raise DoesNotFit(f"domain '{args.domain}' still runs here (or libvirt cannot say)",
                          hint="wait for the migration to complete")

@@ -34,8 +34,14 @@ def _serve(ctx, request) -> dict:
         if uuid is not None and not isinstance(uuid, str):
             raise BadInput("uuid must be a string")
         if op == "status":
+            from vstor.errors import Unavailable
             from vstor.runtime.lifecycle import own_record
-            key = next((r.key for r in state.records() if r.domain == name), None)
+            damaged: list[str] = []
+            records = state.records(damaged)
+            if damaged:     # one of them may be this domain's: "nothing" would be a guess
+                raise Unavailable(f"{len(damaged)} state records here cannot be read",
+                                  hint="vstor status names them")
+            key = next((r.key for r in records if r.domain == name), None)
             rec = state.load(key) if key else None
             if rec is not None and uuid is not None:     # a read: the name is enough without one
                 rec = own_record(rec, name, uuid)

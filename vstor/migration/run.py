@@ -41,21 +41,29 @@ def migrate(src_conn, name: str, dest_uri: str, xml: str, timeout: float,
     worker = threading.Thread(target=run, name="vstor-migrate", daemon=True)
     started = time.monotonic()
     worker.start()
-    aborted = False
-    while worker.is_alive():
-        worker.join(1.0)
-        if not worker.is_alive():
-            break
-        say(progress(_stats(dom), time.monotonic() - started))
-        if not aborted and time.monotonic() - started > timeout:
-            say(f"{timeout:.0f} s passed: aborting libvirt's migration job")
-            try:
-                dom.abortJob()
-            except libvirt.libvirtError:
-                pass
-            aborted = True
+    aborted = None
+    try:
+        while worker.is_alive():
+            worker.join(1.0)
+            if not worker.is_alive():
+                break
+            now = time.monotonic()
+            if aborted is None:
+                say(progress(_stats(dom), now - started))
+                if now - started > timeout:
+                    say(f"{timeout:.0f} s passed: aborting libvirt's migration job")
+                    aborted = _abort(dom)
+            elif now - aborted > 60:
+                raise ActionFailed(f"libvirt's migration of {name} did not stop 60 s after it was "
+                                   "aborted", hint=f"virsh domjobabort {name}; virsh domjobinfo {name}")
+    except KeyboardInterrupt:
+        _abort(dom)         # the guest stays here; the caller gives the destination back
+        worker.join(30)
+        dconn.close()
+        raise
     if "error" in outcome:
-        why = "it ran past [migrate] timeout" if aborted else outcome["error"]
+        why = outcome["error"] + (f" (aborted after [migrate] timeout {timeout:.0f} s)" if aborted else "")
+        dconn.close()
         raise ActionFailed(one_line(f"libvirt's migration of {name} failed: {why}"))
     try:
         return dconn.lookupByName(name).jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED) or {}
@@ -63,6 +71,14 @@ def migrate(src_conn, name: str, dest_uri: str, xml: str, timeout: float,
         return {}
     finally:
         dconn.close()
+
+
+def _abort(dom) -> float:
+    try:
+        dom.abortJob()
+    except Exception:       # finished or failed meanwhile: the worker says which
+        pass
+    return time.monotonic()
 
 
 def _stats(dom) -> dict:

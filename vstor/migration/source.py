@@ -5,6 +5,7 @@ in the domain's state record until it is finished or aborted."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 from vstor.config import Config
@@ -13,6 +14,13 @@ from vstor.meta.document import Domain
 from vstor.migration import storage
 from vstor.migration.peer import Peer
 from vstor.migration.verdict import MAKE_READY, Verdict, judge
+
+
+def imported(plan) -> dict:
+    """target -> the NVMe-oF namespace a disk of this host's plan reads
+    another host's local NVMe through (it arrived here by migration)."""
+    return {d.target: d.source for d in plan.disks
+            if d.source.kind == "nvmf" and d.source.subnqn.startswith("nqn.2016-06.io.vstor:migrate:")}
 
 
 def plan_of(dom: Domain):
@@ -61,7 +69,17 @@ def _check(cfg: Config, dom: Domain, peer: Peer, cold: bool = False):
     if not cold:
         problems += _mismatches(plan, expect(there, "disks", dict, {}), peer.host)
     placement = [p for p in expect(there, "placement", list, []) if isinstance(p, str)]
-    return judge(plan, facts, seen, peer.host, problems, placement), there, hostnqn
+    verdict = judge(plan, facts, seen, peer.host, problems, placement)
+    relayed = imported(plan)
+    if relayed:     # another host's disk: only that host's export serves it, to this host alone
+        from vstor.migration.verdict import IMPOSSIBLE, DiskVerdict
+        disks = tuple(DiskVerdict(d.target, IMPOSSIBLE, f"it reads another host's local NVMe through "
+                                  f"{relayed[d.target].traddr}'s export {relayed[d.target].subnqn}, "
+                                  "which serves this host alone",
+                                  "shut it down and start it on the host that has the NVMe")
+                      if d.target in relayed else d for d in verdict.disks)
+        verdict = dataclasses.replace(verdict, disks=disks)
+    return verdict, there, hostnqn
 
 
 def expect(answer: dict, key: str, kind: type, default):
@@ -188,9 +206,13 @@ def unexport_all(state, name: str, rt) -> int:
     """Undo every export a running domain's record holds (the migration was
     aborted); how many there were."""
     for rec in state.records():
+        nqns = [e["data"].get("nqn") for e in rec.steps if e.get("kind") == "nvmf-export"]
         if rec.domain == name and rec.status == "prepared":
-            nqns = [e["data"].get("nqn") for e in rec.steps if e.get("kind") == "nvmf-export"]
             _unexport(state, rec.key, rt, nqns)
+            return len(nqns)
+        if rec.domain == name and rec.status == "exporting":    # it stopped here, never moved
+            from vstor.runtime.lifecycle import release
+            release(rt, state, rec.key, drop_exports=True, domain=rec.domain, uuid=rec.uuid)
             return len(nqns)
     return 0
 

@@ -72,7 +72,8 @@ def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
     # from the host that exports it (no more than the metadata could ask).
     req = dataclasses.replace(req, imports=tuple(
         (d.target, planned[d.target].source) for d in req.intent.disks
-        if d.source.kind == "nvme" and planned[d.target].source.kind == "nvmf"))
+        if d.source.kind == "nvme" and planned[d.target].source.kind == "nvmf"
+        and planned[d.target].source.subnqn == f"nqn.2016-06.io.vstor:migrate:{req.safe_name}-{d.target}"))
     pinned = []
     for d in req.disks():
         was = planned[d.target]

@@ -31,14 +31,15 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
             f"{rec.migration.get('from') or 'another host'} (vstor migrate abort {rec.domain} there, "
             f"or vstor release --force {rec.domain} here)")
     stale = [r for r in stale if r.status != INCOMING]
-    for rec in [r for r in stale if r.status == EXPORTING]:
+    for rec in [r for r in stale if r.status == EXPORTING or any(
+            e.get("kind") == "nvmf-export" for e in r.steps)]:
         why = _still_needed(rt.cfg, rec)
         if why:
             say(f"Leaving the NVMe-oF export of {rec.domain}: {why}")
             stale.remove(rec)
     for rec in stale:
         say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
-        release(rt, state, rec.key, progress=step)
+        release(rt, state, rec.key, progress=step, drop_exports=True)    # still needed: left above
     orphans, foreign = orphan_files(rt.cfg, state)
     for path in orphans:
         say(f"{'Would remove' if rt.dry_run else 'Removing'} orphan {path}")
@@ -63,8 +64,10 @@ def _still_needed(cfg: Config, rec) -> str | None:
         there = Peer(cfg, dest, timeout=60).call("status", name=rec.domain, uuid=rec.uuid)
     except VstorError as e:
         return f"cannot ask {dest} whether it still needs it ({e})"
-    status = there.get("status")
-    return f"{dest} still holds the domain ({status})" if status else None
+    if "status" not in there:
+        return f"{dest} did not say whether it still holds the domain"
+    status = there["status"]
+    return f"{dest} still holds the domain ({status})" if status is not None else None
 
 
 def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[str, str]]]:

@@ -90,7 +90,8 @@ def prepare_incoming(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledg
     existing = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
     if existing is not None and existing.status != INCOMING:
         raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
-                         hint=f"it runs here, or: vstor release {dom.name} here first")
+                         hint="it runs here" if existing.status != "exporting" else
+                              "this host exports its disk; shut it down where it runs and start it here")
     arriving = plan_here(host, rt, dom, ledger, imports)
     handover = Runtime(rt.cfg, rt.sysfs, dry_run=rt.dry_run, handover=rt.cfg.local_peers)
     rec = prepare(handover, state, host, arriving, progress=progress,

@@ -32,8 +32,8 @@ def load_ledger(conn=None, records=()) -> Ledger:
     """Every defined domain's plan (libvirt) and, besides, what state
     records hold for domains libvirt does not list: prepared by hand, or
     reserved for an incoming migration."""
-    from vstor.planner.ledger import holding_from_json
+    from vstor.runtime.lifecycle import holding_of
     holdings = holdings_from_libvirt(conn) if conn is not None else []
     known = {h.domain for h in holdings}
-    holdings += [holding_from_json(r.holding) for r in records if r.holding and r.domain not in known]
+    holdings += [holding_of(r) for r in records if r.holding and r.domain not in known]
     return Ledger(holdings)

@@ -56,6 +56,9 @@ class Journal:
         status = self.rec.status
         try:
             self._run(steps, first)
+        except KeyboardInterrupt:
+            self.rollback(keep=lambda i, _entry: i < first)
+            raise
         finally:
             if self.rec.steps and self.rec.status != status:
                 self.rec.status = status

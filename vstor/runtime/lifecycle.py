@@ -64,7 +64,13 @@ def plan_of(dom: Domain) -> tuple[Request, Plan]:
 
 
 def running_ledger(records: list[Record]) -> Ledger:
-    return Ledger([holding_from_json(r.holding) for r in records if r.holding])
+    return Ledger([holding_of(r) for r in records if r.holding])
+
+
+def holding_of(rec: Record):
+    """A record's holding; one held for an incoming migration is not running
+    yet, so its hugepages are still in the pool but promised."""
+    return holding_from_json(rec.holding, active=rec.status != INCOMING)
 
 
 def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
@@ -167,16 +173,27 @@ def own_record(rec: Record | None, domain: str | None, uuid: str | None) -> Reco
 
 def release(rt: Runtime, state: StateDir, key: str,
             progress: Callable[[str], None] | None = None, domain: str | None = None,
-            uuid: str | None = None, migrated: bool = False) -> Record | None:
+            uuid: str | None = None, migrated: bool = False,
+            drop_exports: bool = False) -> Record | None:
     """Undo what vstor holds under `key`; with `domain`, only that domain's
-    record.  `migrated` (the domain now runs on another host): an NVMe-oF
-    export that host reads the domain's disk through stays, with what it
-    stands on, in a record marked exporting."""
+    record.  An NVMe-oF export made for a migration (the domain may now run
+    on the other host, reading its disk through it) stays, with what it
+    stands on, in a record marked exporting, unless `drop_exports` (gc found
+    the other host done with it) or `rt.force`."""
     with state.lock(dry_run=rt.dry_run):
         rec = own_record(state.load(key), domain, uuid)
         if rec is None:
             return None
-        keep = exported(rec) if migrated else None
+        # An export the other host may read its disk through stays until gc
+        # has asked it (libvirt before 10.5 gives no 'migrated' reason).
+        exports = exported(rec)
+        if exports and rec.status == EXPORTING and not (drop_exports or rt.force):
+            raise DoesNotFit(f"domain '{rec.domain}' runs on {rec.migration.get('to') or 'another host'} "
+                             "and reads its disk through this host's NVMe-oF export",
+                             hint="vstor gc removes it once that host no longer holds the domain; "
+                                  "vstor release --force removes it now")
+        keep = exports if exports and not (drop_exports or rt.force) and (
+            migrated or rec.migration.get("role") == "outgoing") else None
         if rt.dry_run:
             for i, entry in reversed(list(enumerate(rec.steps))):
                 if not (keep and keep(i, entry)):
@@ -185,7 +202,11 @@ def release(rt: Runtime, state: StateDir, key: str,
         _check_releasable(rt, rec)
         _rollback(rt, state, rec, progress, keep)
         if keep is not None and rec.steps:
+            # What the export stands on is all it holds now: no cores,
+            # reactor, socket or memory of a domain that runs elsewhere.
             rec.status = EXPORTING
+            rec.holding = {**rec.holding, "cpus": [], "reactors": [], "hugepages": None,
+                           "memory": None, "sockets": [], "connections": []}
             state.save(rec)
         return rec
 
