@@ -2,28 +2,16 @@
 Proxmox's own test configs (../shared/pve/cfg2cmd): unchanged, every file
 comes back byte for byte; a change touches only its own line."""
 
-import glob
 import os
 
 import pytest
 
 from vstor.errors import BadInput
+from tests.pve import CFG2CMD, proxmox_configs
 from vstor.pve.config import PveConfig
 
-CFG2CMD = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "pve", "cfg2cmd")
-
-
-def proxmox_configs() -> list[str]:
-    found = sorted(glob.glob(os.path.join(CFG2CMD, "**", "*.conf"), recursive=True))
-    if not found:
-        if os.environ.get("CI"):
-            pytest.fail(f"Proxmox's cfg2cmd cases are missing ({CFG2CMD}): CI must have ../shared/pve")
-        pytest.skip(f"Proxmox's cfg2cmd cases are not here ({CFG2CMD})")
-    return found
-
-
 def test_every_proxmox_test_config_reads_and_writes_back_byte_for_byte():
-    configs = proxmox_configs()
+    configs = proxmox_configs(recursive=True)
     assert len(configs) > 50
     for path in configs:
         text = open(path, encoding="utf-8").read()
