@@ -184,18 +184,7 @@ class Daemons:
             return
         PIDFILES[name].unlink(missing_ok=True)
         _run(which(name) or name, "-d")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                pid = int(PIDFILES[name].read_text())
-                if _comm(pid) == name:
-                    self.started[name] = pid
-                    return
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} -d did not come up within {timeout}s")
-            time.sleep(0.1)
+        self.started[name] = wait_for_pidfile(PIDFILES[name], name, timeout)
 
     def _close(self) -> None:
         if self._conn is not None:
@@ -204,6 +193,22 @@ class Daemons:
             except libvirt.libvirtError:
                 pass
             self._conn = None
+
+
+def wait_for_pidfile(pidfile: Path, name: str, timeout: float, where: str = "") -> int:
+    """The pid a daemon just started with -d wrote, once a live process of
+    that name has it; RuntimeError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pid = int(pidfile.read_text())
+            if _comm(pid) == name:
+                return pid
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{where}{name} -d did not come up within {timeout:.0f}s")
+        time.sleep(0.1)
 
 
 def take_session_lock(wait: float):

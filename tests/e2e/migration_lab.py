@@ -52,7 +52,7 @@ import pytest
 from lxml import etree
 
 from .guest import Guest, domain_xml
-from .libvirtd import KVM, share_kvm, take_session_lock, which
+from .libvirtd import KVM, _comm, share_kvm, take_session_lock, wait_for_pidfile, which
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "https://vstor.dev/xmlns/domain/1"
@@ -356,18 +356,7 @@ class Lab:
         pidfile = h.dir / f"{name}.pid"
         pidfile.unlink(missing_ok=True)
         h.run(which(name) or name, "-d", "-p", str(pidfile))
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                pid = int(pidfile.read_text())
-                if _comm(pid) == name:
-                    h.pids[name] = pid
-                    return
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"host {h.key}: {name} -d did not come up within {timeout:.0f}s")
-            time.sleep(0.1)
+        h.pids[name] = wait_for_pidfile(pidfile, name, timeout, f"host {h.key}: ")
 
     def _take_lock(self) -> None:
         self._lock = take_session_lock(self.lock_wait)
@@ -545,15 +534,6 @@ def _cmdline(pid: int) -> list[str] | None:
     except OSError:
         return None
     return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def _comm(pid: int) -> str | None:
-    try:
-        line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    comm, state = line[line.index("(") + 1:line.rindex(")")], line[line.rindex(")") + 2]
-    return None if state in "ZX" else comm
 
 
 def _readlink(path: str) -> str | None:

@@ -143,12 +143,8 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
             reasons += list(verdict.problems)
             raise DoesNotFit(f"domain '{dom.name}' cannot move to {peer.host}: {reasons[0]}",
                              reasons=tuple(reasons), hint="see vstor migrate check")
-        answer = peer.call("prepare", xml=dom.to_string(), cold=True, **{"from": socket.gethostname()})
-        xml = expect(answer, "xml", str, None)
-        if not xml:
-            from vstor.errors import Unavailable
-            raise Unavailable(f"vstor on {peer.host} reserved {dom.name} but sent no XML",
-                              hint=f"vstor migrate abort {dom.name} --to {peer.host}")
+        xml = _arriving(peer, dom, peer.call("prepare", xml=dom.to_string(), cold=True,
+                                             **{"from": socket.gethostname()}))
         _remember(state, dom, {"role": "outgoing", "to": peer.host, "uri": dest_uri, "cold": "yes"})
         return verdict, xml
     if not verdict.live:
@@ -169,18 +165,23 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
         exports = exports_for(cfg, dom, plan_of(dom), hostnqn)
     added = _export(state, dom, rt, [step for step, _ in exports.values()]) if exports else []
     try:
-        answer = peer.call("prepare", xml=dom.to_string(), imports={t: x for t, (_, x) in exports.items()},
-                           **{"from": socket.gethostname()})
-        xml = expect(answer, "xml", str, None)
-        if not xml:
-            from vstor.errors import Unavailable
-            raise Unavailable(f"vstor on {peer.host} prepared {dom.name} but sent no XML",
-                              hint=f"vstor migrate abort {dom.name} --to {peer.host}")
+        xml = _arriving(peer, dom, peer.call("prepare", xml=dom.to_string(), **{"from": socket.gethostname()},
+                                             imports={t: x for t, (_, x) in exports.items()}))
     except BaseException:
         _unexport(state, dom.safe_name, rt, added)
         raise
     _remember(state, dom, {"role": "outgoing", "to": peer.host, "uri": dest_uri})
     return verdict, xml
+
+
+def _arriving(peer: Peer, dom: Domain, answer: dict) -> str:
+    """The XML the destination's prepare answered with (it holds something now)."""
+    xml = expect(answer, "xml", str, None)
+    if not xml:
+        from vstor.errors import Unavailable
+        raise Unavailable(f"vstor on {peer.host} prepared {dom.name} but sent no XML",
+                          hint=f"vstor migrate abort {dom.name} --to {peer.host}")
+    return xml
 
 
 def _export(state, dom: Domain, rt, steps) -> list[str]:

@@ -110,7 +110,9 @@ def arriving_xml(state: StateDir, dom: Domain) -> str:
     planned = Domain.parse(rec.migration.get("xml", ""), f"state record {rec.key}").recorded_plan()
     fit.check_made_for(planned, Request.from_domain(dom))
     arriving = _placed(dom, planned, rec.migration.get("cold") == "yes").to_string()
-    with state.lock():      # only a domain let in here takes the held backends over
+    # Read first: a refusal takes no lock and creates nothing; then, under
+    # the lock, only a domain let in here takes the held backends over.
+    with state.lock():
         rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
         if rec is not None and rec.status == INCOMING:
             rec.migration = {**rec.migration, "arriving": "yes"}

@@ -189,33 +189,34 @@ def _refuse_taken_paths(a: SpdkAttach, controllers: list[dict]) -> None:
     for ctrl in controllers:
         if ctrl.get("name") == a.name:
             continue
-        for c in ctrl.get("ctrlrs", ()):
-            host = (c.get("host") or {}).get("nqn")
-            for t in [c.get("trid") or {}, *c.get("alternate_trids", ())]:
-                theirs = nvme_path(t.get("trtype"), t.get("traddr"), t.get("trsvcid"), t.get("subnqn"))
-                for p in a.paths:
-                    if (nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn) == theirs
-                            and (p.trtype == "PCIe" or not (p.hostnqn and host) or p.hostnqn == host)):
-                        raise DoesNotFit(
-                            f"SPDK's NVMe controller {ctrl.get('name')} already has the path "
-                            f"{nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, host)} that {a.name} "
-                            "needs, and SPDK keeps one controller per path and host NQN",
-                            hint="give the disk the same paths and reconnect settings as the disks "
-                                 "using it, or another hostnqn; or detach it (rpc.py "
-                                 f"bdev_nvme_detach_controller {ctrl.get('name')}) if nothing uses it")
+        for theirs, host in _paths_of(ctrl):
+            for p in a.paths:
+                if (nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn) == theirs
+                        and (p.trtype == "PCIe" or not (p.hostnqn and host) or p.hostnqn == host)):
+                    raise DoesNotFit(
+                        f"SPDK's NVMe controller {ctrl.get('name')} already has the path "
+                        f"{nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, host)} that {a.name} "
+                        "needs, and SPDK keeps one controller per path and host NQN",
+                        hint="give the disk the same paths and reconnect settings as the disks "
+                             "using it, or another hostnqn; or detach it (rpc.py "
+                             f"bdev_nvme_detach_controller {ctrl.get('name')}) if nothing uses it")
+
+
+def _paths_of(ctrl: dict) -> list[tuple[str, str | None]]:
+    """(path, host NQN) of each path of one bdev_nvme_get_controllers entry
+    (a failover controller lists its other paths as alternate_trids)."""
+    out = []
+    for c in ctrl.get("ctrlrs", ()):
+        host = (c.get("host") or {}).get("nqn")
+        for t in [c.get("trid") or {}, *c.get("alternate_trids", ())]:
+            out.append((nvme_path(t.get("trtype"), t.get("traddr"), t.get("trsvcid"), t.get("subnqn")), host))
+    return out
 
 
 def _path_difference(a: SpdkAttach, found: list[dict]):
     """(paths of the plan SPDK lacks, paths SPDK has that the plan does not),
-    from bdev_nvme_get_controllers: each path's trid and host NQN (a
-    failover controller lists its other paths as alternate_trids)."""
-    have = {}
-    for ctrl in found:
-        for c in ctrl.get("ctrlrs", ()):
-            host = (c.get("host") or {}).get("nqn")
-            for t in [c.get("trid") or {}, *c.get("alternate_trids", ())]:
-                key = nvme_path(t.get("trtype"), t.get("traddr"), t.get("trsvcid"), t.get("subnqn"), None)
-                have[key] = host
+    from bdev_nvme_get_controllers: each path's trid and host NQN."""
+    have = {key: host for ctrl in found for key, host in _paths_of(ctrl)}
     missing, mine = [], set()
     for p in a.paths:
         key = nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, None)
