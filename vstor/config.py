@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 from dataclasses import dataclass, field
 
 from vstor.errors import BadInput
@@ -28,6 +29,7 @@ _KEYS = {
              "fast_io_fail_timeout_sec"},
     "migrate": {"shared", "peer_command", "timeout", "export_address", "export_transport",
                 "export_port", "local_peers"},
+    "pve": {"etc", "storage", "run_dir", "lock_dir", "qemu"},
 }
 
 @dataclass(frozen=True)
@@ -73,6 +75,14 @@ class Config:
     # only then may a destination's qemu-storage-daemon share a file with
     # the source's (another mount namespace, a socket of the same name).
     local_peers: bool = False
+    # Proxmox VE: the cluster filesystem, the storage whose snippets hold the
+    # hookscript and the VMs' vstor intents, qemu-server's pid and lock
+    # directories, and the QEMU it starts (whose version the args follow).
+    pve_etc: str = "/etc/pve"
+    pve_storage: str = "local"
+    pve_run_dir: str = "/var/run/qemu-server"
+    pve_lock_dir: str = "/var/lock/qemu-server"
+    pve_qemu: str = "/usr/bin/kvm"
     source: str = field(default="(defaults)", compare=False)
 
     @property
@@ -171,6 +181,9 @@ def _build(v: dict, path: str) -> Config:
         kw["export_transport"] = transport
     if ("migrate", "export_port") in v:
         kw["export_port"] = _int(v[("migrate", "export_port")], "[migrate] export_port", path, "port")
+        if not 1 <= kw["export_port"] <= 65535:
+            raise BadInput(f"{path}: [migrate] export_port {kw['export_port']} is not a port",
+                           hint="a number from 1 to 65535")
     if ("migrate", "local_peers") in v:
         flag = v[("migrate", "local_peers")].lower()
         if flag not in ("yes", "no"):
@@ -178,6 +191,15 @@ def _build(v: dict, path: str) -> Config:
         kw["local_peers"] = flag == "yes"
     if ("migrate", "timeout") in v:
         kw["migrate_timeout"] = _int(v[("migrate", "timeout")], "[migrate] timeout", path)
+    for key in ("etc", "run_dir", "lock_dir", "qemu"):
+        if ("pve", key) in v:
+            kw["pve_" + key] = _abs_dir(v[("pve", key)], f"[pve] {key}", path)
+    if ("pve", "storage") in v:
+        sid = v[("pve", "storage")]
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]{0,63}", sid):
+            raise BadInput(f"{path}: [pve] storage '{sid[:40]}' is not a Proxmox storage ID",
+                           hint="like local or cephfs")
+        kw["pve_storage"] = sid
     if ("memory", "reserved") in v:
         kw["memory_reserved_mib"] = _int(v[("memory", "reserved")], "[memory] reserved", path, "MiB")
     return Config(**kw)

@@ -170,18 +170,18 @@ def cmd_gc(ctx, args) -> int:
 
 # -- hooks ------------------------------------------------------------------------------
 
-def hook_source() -> str:
-    """hooks/vstor from a checkout, or the copy pip installs under share/."""
+def hook_source(name: str = "vstor") -> str:
+    """hooks/<name> from a checkout, or the copy pip installs under share/."""
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for path in (os.path.join(here, "hooks", "vstor"),
-                 os.path.join(sys.prefix, "share", "vstor", "hooks", "vstor")):
+    for path in (os.path.join(here, "hooks", name),
+                 os.path.join(sys.prefix, "share", "vstor", "hooks", name)):
         if os.path.exists(path):
             return path
-    raise BadInput("cannot find vstor's hook script (hooks/vstor)", hint="reinstall vstor")
+    raise BadInput(f"cannot find vstor's hook script (hooks/{name})", hint="reinstall vstor")
 
 
-def render_hook(config_path: str | None) -> str:
-    with open(hook_source()) as f:
+def render_hook(config_path: str | None, name: str = "vstor") -> str:
+    with open(hook_source(name)) as f:
         lines = f.read().splitlines(keepends=True)
     # The interpreter that has vstor installed: libvirt runs the hook with a
     # bare PATH, where `python3` may be another Python.

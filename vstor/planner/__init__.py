@@ -39,6 +39,17 @@ class Request:
     # NVMe-oF namespaces that stand in for disks' sources on this host: on a
     # live migration's destination, the source's local NVMe exported to it.
     imports: tuple[tuple[str, NvmfSource], ...] = ()
+    # How a vhost-user disk's guest memory is shared: libvirt can use memfd;
+    # Proxmox only shares hugepage-backed memory (memory-backend-file,share=on).
+    vhost_memory: str = "memfd"
+    # The platform raises the hugepage pool itself at the start (Proxmox).
+    grows_hugepages: bool = False
+    # The command that plans the domain again (named in every "re-plan" hint).
+    replan: str = ""
+
+    @property
+    def fix(self) -> str:
+        return self.replan or f"vstor apply {self.name}"
 
     @classmethod
     def from_domain(cls, dom: Domain, imports=()) -> "Request":
@@ -70,6 +81,12 @@ def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
                      reasons=tuple(failures))
 
 
+def grow_pool(cfg: Config, req: Request) -> Config | None:
+    """Proxmox raises the hugepage pool itself at a VM's start (after the
+    hookscript's pre-start): a plan may count on free memory becoming pages."""
+    return cfg if req.grows_hugepages else None
+
+
 def _check_config(cfg: Config) -> None:
     both = set(cfg.reactors) & set(cfg.housekeeping or ())
     if both:
@@ -80,11 +97,16 @@ def _check_config(cfg: Config) -> None:
 def page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
     wanted = req.intent.vm.hugepages
     spdk = any(c.backend == "spdk" for c in choices)
+    shared = req.vhost_memory == "hugepages" and any(c.mode == "vhost" for c in choices)
     if wanted == "none" and spdk:
         raise BadInput(f"domain '{req.name}': hugepages='none' with an SPDK disk; SPDK maps guest "
                        "memory in 2 MiB units and needs it hugepage-backed",
                        hint="use hugepages='2M', '1G' or 'auto'")
-    size = _PAGE_KIB.get(wanted) or (2048 if wanted == "auto" and spdk else None)
+    if wanted == "none" and shared:
+        raise BadInput(f"domain '{req.name}': hugepages='none' with a vhost-user disk; here only "
+                       "hugepages give the shared guest memory vhost-user needs",
+                       hint="use hugepages='2M', '1G' or 'auto'")
+    size = _PAGE_KIB.get(wanted) or (2048 if wanted == "auto" and (spdk or shared) else None)
     if size and req.memory_kib % size:
         raise BadInput(f"domain '{req.name}': memory {req.memory_kib} KiB is not a whole number "
                        f"of {size} KiB hugepages", hint="round <memory> to the page size")
@@ -120,7 +142,7 @@ def _place_on(host, cfg, req, choices, ledger, node_id, page_kib):
         return cpus
     pages = 0
     if page_kib:
-        pages = place_hugepages(node, page_kib, req.memory_kib, ledger)
+        pages = place_hugepages(node, page_kib, req.memory_kib, ledger, grow_pool(cfg, req))
         if isinstance(pages, NoFit):
             return pages
     elif req.intent.vm.numa != "none":
@@ -150,7 +172,11 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
     if vm.numa != "none":
         reasons.append(f"guest memory {vm.numa} on node {node_id}")
     if page_kib:
-        reasons.append(f"{pages} x {page_kib} KiB hugepages from node {node_id}'s pool")
+        reasons.append(f"{pages} x {page_kib} KiB hugepages from node {node_id}'s pool"
+                       + (" (qemu-server raises it at the start)" if req.grows_hugepages else ""))
+        if req.vhost_memory == "hugepages" and any(c.mode == "vhost" for c in choices):
+            reasons.append("hugepages also share the guest memory with the vhost-user backend "
+                           "(memory-backend-file,share=on: the only shared memory Proxmox gives)")
     elif any(c.mode == "vhost" for c in choices):
         reasons.append("memfd-backed shared memory, which vhost-user needs")
     disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target)) for c in choices)

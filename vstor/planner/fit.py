@@ -20,7 +20,7 @@ from vstor.errors import BadInput
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
 from vstor.meta.plan import Plan
-from vstor.planner import Request, candidate_nodes, page_size, disk_plan
+from vstor.planner import Request, candidate_nodes, disk_plan, grow_pool, page_size
 from vstor.planner.disks import NoFit, choose_all
 from vstor.planner.ledger import Ledger
 from vstor.planner.placement import (cpu_problems, place_cpus, place_hugepages, place_memory,
@@ -31,7 +31,7 @@ _MODES = {("passthrough", "vfio"), ("vhost", "spdk"), ("vhost", "qsd")}
 
 def check_made_for(plan: Plan, req: Request) -> None:
     """BadInput unless `plan` was made for this domain's metadata and size."""
-    fix = f"run vstor apply {req.name}"
+    fix = f"run {req.fix}"
     if plan.digest != digest(req.intent):
         raise BadInput(f"domain '{req.name}': the vstor metadata changed since the plan was made",
                        hint=fix)
@@ -157,7 +157,7 @@ def _memory(cfg: Config, req: Request, plan: Plan, node, choices, running: Ledge
             return [f"the plan holds {plan.hugepages} hugepages without a size"]
         short = place_memory(cfg, node, req.memory_kib, running) if plan.numa != "none" else None
         return [short.reason] if short else []
-    pages = place_hugepages(node, page_kib, req.memory_kib, running)
+    pages = place_hugepages(node, page_kib, req.memory_kib, running, grow_pool(cfg, req))
     if isinstance(pages, NoFit):
         return [pages.reason]
     if pages != plan.hugepages:

@@ -119,8 +119,11 @@ def _whole_cores(host: Host, pool: tuple[int, ...], vcpus: int):
 
 
 def place_hugepages(node: NumaNode, size_kib: int, memory_kib: int,
-                    ledger: Ledger) -> int | NoFit:
-    """The number of pages to take from the node's pool, or what is short."""
+                    ledger: Ledger, grow: Config | None = None) -> int | NoFit:
+    """The number of pages to take from the node's pool, or what is short.
+    grow: the platform raises the pool at the VM's start (Proxmox does, on
+    the VM's host node): free pages plus what the node's free memory can
+    still be made into count."""
     count = memory_kib // size_kib
     pool = node.pool(size_kib)
     path = f"/sys/devices/system/node/node{node.id}/hugepages/hugepages-{size_kib}kB/nr_hugepages"
@@ -129,11 +132,25 @@ def place_hugepages(node: NumaNode, size_kib: int, memory_kib: int,
                      "supported and hugetlbfs set up?)")
     promised = ledger.promised_hugepages(node.id, size_kib)
     free = pool.free - promised
-    if free < count:
-        extra = f", {promised} of them promised to defined domains" if promised else ""
-        return NoFit(f"node {node.id} has {pool.free} free {size_kib} KiB hugepages{extra}; "
-                     f"the VM needs {count} (raise {path} to {pool.total + count - free})")
-    return count
+    if free >= count:
+        return count
+    if grow is not None:
+        room = _room_kib(grow, node, ledger) - max(-free, 0) * size_kib
+        if free + room // size_kib >= count:
+            return count
+        return NoFit(f"node {node.id} cannot give {count} {size_kib} KiB hugepages: {max(free, 0)} "
+                     f"are free and its memory outside the pools holds {max(room, 0) // size_kib} more "
+                     "(free memory on the node, or lower [memory] reserved)")
+    extra = f", {promised} of them promised to defined domains" if promised else ""
+    return NoFit(f"node {node.id} has {pool.free} free {size_kib} KiB hugepages{extra}; "
+                 f"the VM needs {count} (raise {path} to {pool.total + count - free})")
+
+
+def _room_kib(cfg: Config, node: NumaNode, ledger: Ledger) -> int:
+    """The node's memory outside its hugepage pools, less what the host keeps
+    ([memory] reserved) and what the ledger's domains hold bound to it."""
+    pools = sum(p.total * p.size_kib for p in node.hugepages)
+    return node.memory_kib - pools - cfg.memory_reserved_mib * 1024 - ledger.bound_memory_kib(node.id)
 
 
 def place_memory(cfg: Config, node: NumaNode, memory_kib: int, ledger: Ledger) -> None | NoFit:

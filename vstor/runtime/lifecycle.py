@@ -75,18 +75,24 @@ def holding_of(rec: Record):
 
 def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
             progress: Callable[[str], None] | None = None, incoming: dict | None = None) -> Record:
-    """Carry out the domain's recorded plan.  Everything that can fail before
-    the first host change (reading the plan, building the steps, checking the
-    host, reaching SPDK, reading what undo will need) happens before the state
+    """Carry out the domain's recorded plan (see carry_out)."""
+    req, plan = plan_of(dom)
+    return carry_out(rt, state, host, req, plan, progress, incoming)
+
+
+def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan,
+              progress: Callable[[str], None] | None = None, incoming: dict | None = None) -> Record:
+    """Carry out a plan checked to be made for `req`.  Everything that can
+    fail before the first host change (building the steps, checking the host,
+    reaching SPDK, reading what undo will need) happens before the state
     record is written; a failure after it leaves no record holding anything.
     `incoming`: made ahead of a live migration (the record's `migration`)."""
     say = progress or print
-    req, plan = plan_of(dom)
-    key = dom.safe_name
-    rec = Record(key=key, domain=dom.name, uuid=dom.uuid, migration=dict(incoming or {}),
+    key = req.safe_name
+    rec = Record(key=key, domain=req.name, uuid=req.uuid, migration=dict(incoming or {}),
                  holding=holding_to_json(Holding.from_plan(plan, active=True)))
     with state.lock(dry_run=rt.dry_run):
-        leftover = own_record(state.load(key), dom.name, dom.uuid)
+        leftover = own_record(state.load(key), req.name, req.uuid)
         if leftover is not None and leftover.status == INCOMING and not incoming:
             if leftover.migration.get("cold") != "yes":
                 return _arrive(rt, state, leftover, plan, say)
@@ -105,8 +111,8 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
         problems = fit.problems(host, rt.cfg, req, plan, running_ledger(others))
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise DoesNotFit(f"domain '{dom.name}' cannot start: {problems[0]}{more}",
-                             reasons=tuple(problems), hint=f"if the host changed for good: vstor apply {dom.name}")
+            raise DoesNotFit(f"domain '{req.name}' cannot start: {problems[0]}{more}",
+                             reasons=tuple(problems), hint=f"if the host changed for good: {req.fix}")
         steps = actions.build(plan, rt.cfg)     # from a plan that passed the check
         for step in steps:
             executor.preflight(step, rt)

@@ -1,0 +1,192 @@
+"""vstor pve: Proxmox VE VMs, planned like libvirt domains, their plan
+written into the VM config; the hookscript; doctor for a Proxmox node."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import sys
+
+from vstor.errors import BadInput, DoesNotFit
+
+
+def register(sub) -> None:
+    p = sub.add_parser("pve", help="Proxmox VE: plan and apply VMs, the hookscript, doctor")
+    psub = p.add_subparsers(dest="pve_command", metavar="COMMAND")
+    psub.required = True
+    for name, helptext in (("plan", "show what vstor would do for a VM, and why"),
+                           ("apply", "plan a VM and write the plan into its config")):
+        q = psub.add_parser(name, help=helptext)
+        q.add_argument("vmid", metavar="VMID")
+        q.add_argument("--conf", metavar="FILE",
+                       help="the VM config (default: /etc/pve/qemu-server/VMID.conf)")
+        q.add_argument("--intent", metavar="FILE",
+                       help="the vstor intent (default: <snippets storage>/snippets/vstor-VMID.xml)")
+        q.add_argument("--qemu-version", metavar="X.Y",
+                       help="the QEMU the VM will run under (default: ask [pve] qemu)")
+        if name == "plan":
+            q.add_argument("--json", action="store_true", help="machine-readable output")
+            q.set_defaults(func=cmd_plan)
+        else:
+            q.add_argument("--dry-run", action="store_true", help="print the config diff, write nothing")
+            q.set_defaults(func=cmd_apply)
+    q = psub.add_parser("hooks", help="install the hookscript into the snippets storage")
+    hsub = q.add_subparsers(dest="hooks_command", metavar="COMMAND")
+    hsub.required = True
+    h = hsub.add_parser("install", help="write <storage>/snippets/vstor and print the qm set lines")
+    h.set_defaults(func=cmd_hooks_install)
+    h = hsub.add_parser("uninstall", help="remove the hookscript")
+    h.set_defaults(func=cmd_hooks_uninstall)
+    q = psub.add_parser("doctor", help="check this Proxmox node for vstor")
+    q.set_defaults(func=cmd_doctor)
+
+
+def _node(ctx):
+    from vstor.pve.node import Node
+    return Node(ctx.config)
+
+
+def _qemu(node, args) -> tuple[int, int]:
+    if args.qemu_version:
+        m = re.fullmatch(r"(\d{1,3})\.(\d{1,3})", args.qemu_version)
+        if not m:
+            raise BadInput(f"--qemu-version '{args.qemu_version[:20]}' is not X.Y", hint="like 9.2")
+        return int(m.group(1)), int(m.group(2))
+    return node.qemu_version()
+
+
+def _records(ctx):
+    from vstor.cli.context import warn
+    from vstor.runtime.state import StateDir
+    try:
+        return StateDir(ctx.config.state_dir).records()
+    except OSError as e:
+        warn(f"cannot read {ctx.config.state_dir} ({e.strerror}); planning without what "
+             "running VMs hold")
+        return []
+
+
+def _planned(ctx, args):
+    from vstor.pve import manage
+    from vstor.pve.vm import vmid
+    node = _node(ctx)
+    vm = vmid(args.vmid)
+    vmo = manage.load(node, vm, args.conf, args.intent, tolerant=True)
+    plan = manage.make_plan(ctx.host, ctx.config, vmo, manage.ledger(node, _records(ctx), skip=vm))
+    return node, vmo, plan
+
+
+def cmd_plan(ctx, args) -> int:
+    from vstor.cli.domains import format_plan, plan_to_json
+    from vstor.pve import manage
+    node, vmo, plan = _planned(ctx, args)
+    old = vmo.conf.to_text()
+    new, _ = manage.new_config(vmo, plan, _qemu(node, args))
+    if args.json:
+        json.dump({"plan": plan_to_json(plan), "config": new}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(format_plan(plan).replace(f"Domain {plan.domain}", f"VM {vmo.vmid} ({plan.domain})", 1))
+    _diff(old, new, vmo.conf_path)
+    return 0
+
+
+def cmd_apply(ctx, args) -> int:
+    from vstor.pve.vm import vmid
+    node = _node(ctx)
+    vm = vmid(args.vmid)
+    if args.conf:       # offline: a copy of a config, not this node's VM
+        return _apply(ctx, args, node)
+    with _nothing() if args.dry_run else node.lock(vm):     # as `qm set` does
+        if node.running(vm):
+            raise DoesNotFit(f"VM {vm} is running; its backends are in use and its config was read "
+                             "at its start", hint=f"stop it first (qm shutdown {vm}), then apply")
+        return _apply(ctx, args, node)
+
+
+def _apply(ctx, args, node) -> int:
+    from vstor.pve import manage, snippet
+    _, vmo, plan = _planned(ctx, args)
+    if vmo.conf.get("lock"):
+        raise DoesNotFit(f"VM {vmo.vmid} is locked ({vmo.conf.get('lock')[:20]})",
+                         hint=f"wait for it, or: qm unlock {vmo.vmid}")
+    old = vmo.conf.to_text()
+    new, changed = manage.new_config(vmo, plan, _qemu(node, args))
+    data = snippet.with_plan(vmo.root, plan)
+    if args.dry_run:
+        _diff(old, new, vmo.conf_path)
+        print(f"would record the plan in {vmo.intent_path}")
+        return 0
+    snippet.write(vmo.intent_path, data)
+    if new != old:
+        node.write_config(vmo.conf_path, new)
+    print(f"VM {vmo.vmid}: " + ", ".join(f"{d.target} {d.mode}/{d.backend}" for d in plan.disks)
+          + f", node {plan.node}; " + (f"wrote {', '.join(changed)}" if changed else "config unchanged"))
+    hook = f"{ctx.config.pve_storage}:snippets/vstor"
+    if vmo.conf.get("hookscript") != hook:
+        print(f"Set the hookscript, or vstor makes no backends at its start: "
+              f"qm set {vmo.vmid} --hookscript {hook}")
+    return 0
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _diff(old: str, new: str, path: str) -> None:
+    lines = list(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                      fromfile=path, tofile=f"{path} (vstor)"))
+    sys.stdout.write("".join(lines) if lines else f"{path}: no change\n")
+
+
+def cmd_hooks_install(ctx, args) -> int:
+    from vstor.cli.runtime import render_hook
+    from vstor.pve import manage
+    node = _node(ctx)
+    store = node.snippets()
+    target = os.path.join(store.snippets, "vstor")
+    config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
+    try:
+        os.makedirs(store.snippets, mode=0o755, exist_ok=True)
+        tmp = f"{target}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(render_hook(config_path, "proxmox/vstor"))
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise BadInput(f"cannot install the hookscript into {store.snippets}: {e.strerror}",
+                       hint="run as root") from None
+    print(f"Installed {target}" + ("" if store.shared else
+                                   f" (storage '{store.id}' is not shared: install it on every node "
+                                   "a vstor VM may start or migrate to)"))
+    for vm in manage.vstor_vms(node):
+        conf, _ = node.read_config(vm)
+        if conf.get("hookscript") != f"{store.id}:snippets/vstor":
+            print(f"qm set {vm} --hookscript {store.id}:snippets/vstor")
+    return 0
+
+
+def cmd_hooks_uninstall(ctx, args) -> int:
+    store = _node(ctx).snippets()
+    target = os.path.join(store.snippets, "vstor")
+    if not os.path.exists(target):
+        print(f"No vstor hookscript at {target}")
+        return 0
+    os.unlink(target)
+    print(f"Removed {target}; VMs that name it no longer start (qm set VMID --delete hookscript)")
+    return 0
+
+
+def cmd_doctor(ctx, args) -> int:
+    from vstor.pve.doctor import checks
+    problems = 0
+    for ok, line in checks(_node(ctx), ctx.config):
+        print(f"{'ok' if ok else 'PROBLEM'}: {line}")
+        problems += not ok
+    return 3 if problems else 0

@@ -1,0 +1,83 @@
+"""`vstor pve doctor`: what a Proxmox node needs for vstor VMs to start as
+planned.  Each check is (ok, one line saying what was found and the fix)."""
+
+from __future__ import annotations
+
+import os
+
+from vstor.config import Config
+from vstor.errors import VstorError
+from vstor.pve.node import Node
+
+HUGEPAGES = "/run/hugepages/kvm"        # qemu-server's mount points: <dir>/<kB>kB
+_PAGE_KB = (2048, 1048576)
+
+
+def checks(node: Node, cfg: Config, hugepages: str = HUGEPAGES,
+           mounts: str = "/proc/self/mounts") -> list[tuple[bool, str]]:
+    out: list[tuple[bool, str]] = []
+    if not node.is_proxmox():
+        return [(False, f"{node.etc}/qemu-server does not exist: not a Proxmox VE node "
+                        "(or set [pve] etc in vstor.conf)")]
+    out += _hugepage_mounts(hugepages, mounts)
+    try:
+        store = node.snippets()
+    except VstorError as e:
+        return out + [(False, f"snippets storage: {e}")]
+    out.append((True, f"snippets storage '{store.id}' at {store.snippets}"
+                + (" (shared)" if store.shared else " (this node only: copy the hookscript and "
+                   "intents to every node a vstor VM may run on)")))
+    script = os.path.join(store.snippets, "vstor")
+    installed = os.path.isfile(script) and os.access(script, os.X_OK)
+    out.append((installed, f"hookscript {script} " + ("installed" if installed else
+                                                      "missing: run vstor pve hooks install")))
+    out += _vms(node, f"{store.id}:snippets/vstor")
+    return out
+
+
+def _hugepage_mounts(base: str, mounts: str) -> list[tuple[bool, str]]:
+    """qemu-server mounts hugetlbfs at <base>/<kB>kB when it is missing; a
+    directory there that is not that mount makes QEMU map ordinary memory
+    from it, and the VM starts without hugepages."""
+    try:
+        with open(mounts) as f:
+            table = {line.split()[1]: line.split() for line in f if len(line.split()) > 3}
+    except OSError as e:
+        return [(False, f"cannot read {mounts}: {e.strerror}")]
+    out = []
+    for kb in _PAGE_KB:
+        path = f"{base}/{kb}kB"
+        entry = table.get(path)
+        if entry is None and not os.path.exists(path):
+            out.append((True, f"{path}: not mounted yet (qemu-server mounts it at the first start)"))
+        elif entry is None or entry[2] != "hugetlbfs":
+            out.append((False, f"{path} exists but is not a hugetlbfs mount: guests would get "
+                               f"ordinary memory (umount it or remove the directory)"))
+        elif f"pagesize={kb // 1024}M" not in entry[3] and f"pagesize={kb // 1048576}G" not in entry[3]:
+            out.append((False, f"{path} is hugetlbfs of another page size ({entry[3]})"))
+        else:
+            out.append((True, f"{path}: hugetlbfs"))
+    return out
+
+
+def _vms(node: Node, hook: str) -> list[tuple[bool, str]]:
+    from vstor.pve import manage
+    out = []
+    for vm in manage.vstor_vms(node):
+        try:
+            vmo = manage.load(node, vm)
+            conf = vmo.conf
+        except VstorError as e:
+            out.append((False, f"VM {vm}: {e}"))
+            continue
+        if conf.get("hookscript") != hook:
+            out.append((False, f"VM {vm}: hookscript is {conf.get('hookscript') or 'not set'}; "
+                               f"vstor makes no backends at its start: qm set {vm} --hookscript {hook}"))
+            continue
+        try:
+            manage.check_config(vmo, manage.recorded_plan(vmo), node.qemu_version())
+        except VstorError as e:
+            out.append((False, f"VM {vm}: {e}"))
+            continue
+        out.append((True, f"VM {vm}: hookscript set, config carries its plan"))
+    return out

@@ -1,0 +1,108 @@
+"""The Proxmox hookscript, past its file (hooks/proxmox/vstor): called as
+`<script> <VMID> <phase>` by qemu-server.
+
+- pre-start (the only phase whose failure aborts the start; it runs under
+  the VM's config lock, with the config already read): check the recorded
+  plan against the intent, the config and the host now, then create the
+  backends.  A refusal is one line on stderr, which Proxmox shows in the
+  task log, and a distinct exit code.  On a migration's target
+  PVE_MIGRATED_FROM names the source node, whose directory holds the config.
+- post-stop: release what pre-start made.  Proxmox does not call it on a
+  migration's source, nor when QEMU failed to start: `vstor gc` releases
+  the first, the next pre-start undoes the second.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import syslog
+
+from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, BadInput, DoesNotFit, VstorError, one_line
+
+PHASES = ("pre-start", "post-start", "pre-stop", "post-stop")
+
+
+def log(vmid: str, message: str, priority=syslog.LOG_INFO) -> None:
+    syslog.openlog("vstor", syslog.LOG_PID, syslog.LOG_DAEMON)
+    syslog.syslog(priority, one_line(f"VM {vmid}: {message}"))
+
+
+def run(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[1] not in PHASES:
+        print("vstor hookscript: expected <VMID> <pre-start|post-start|pre-stop|post-stop>",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    vmid, phase = argv
+    if phase not in ("pre-start", "post-stop"):
+        return 0
+    try:
+        from vstor.pve.vm import vmid as parse_vmid
+        vm = parse_vmid(vmid)
+        if phase == "pre-start":
+            pre_start(vm, os.environ.get("PVE_MIGRATED_FROM") or None)
+        else:
+            post_stop(vm)
+        return 0
+    except VstorError as e:
+        log(vmid, f"{phase} failed: {e}", syslog.LOG_ERR)
+        print(f"vstor: {e}", file=sys.stderr)
+        return e.exit_code
+    except Exception as e:      # never a traceback into the task log
+        log(vmid, f"{phase} failed: {type(e).__name__}: {e}", syslog.LOG_ERR)
+        print(one_line(f"vstor: internal error in {phase}: {type(e).__name__}: {e}"), file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _runtime():
+    from vstor import config as config_mod
+    from vstor.host.sysfs import SysFS
+    from vstor.runtime.lifecycle import Runtime
+    from vstor.runtime.state import StateDir
+    cfg = config_mod.load()
+    root = os.environ.get("VSTOR_HOST_ROOT", "/")
+    return cfg, Runtime(cfg, SysFS(root)), StateDir(cfg.state_dir), root
+
+
+def pre_start(vm: int, migrated_from: str | None) -> None:
+    from vstor.host.read import read_host
+    from vstor.host.sysfs import SysFS
+    from vstor.pve import manage, snippet
+    from vstor.pve.node import Node
+    from vstor.runtime.lifecycle import carry_out
+    cfg, rt, state, root = _runtime()
+    node = Node(cfg)
+    path = node.config_path(vm, migrated_from)
+    conf, _ = node.read_config(vm, path)
+    if not os.path.exists(snippet.path_of(manage.intent_dir(node), vm)):
+        if manage.carries_vstor(conf):
+            raise BadInput(f"VM {vm}'s args hold vstor's vhost-user disks, but vstor has no intent "
+                           "for it (a clone or a restore of another VM?)",
+                           hint=f"write its intent and run vstor pve apply {vm}, or remove "
+                                "vstor's -chardev/-device pairs from args")
+        return          # the hookscript on a VM without vstor disks: nothing to do
+    vmo = manage.load(node, vm, conf_path=path)
+    plan = manage.recorded_plan(vmo)
+    manage.check_config(vmo, plan, node.qemu_version())
+    if migrated_from and any(d.source.kind == "nvme" or d.mode == "passthrough" for d in plan.disks):
+        raise DoesNotFit(f"VM {vm} has local NVMe on {migrated_from}; Proxmox's migration cannot "
+                         "move it", hint="migrate VMs whose vstor disks are NVMe-oF namespaces, "
+                                         "or shared files")
+    rec = carry_out(rt, state, read_host(SysFS(root)), vmo.req, plan,
+                    progress=lambda m: log(str(vm), m))
+    log(str(vm), f"pre-start: {len(rec.steps)} host changes recorded"
+        + (f" (incoming migration from {migrated_from})" if migrated_from else ""))
+
+
+def post_stop(vm: int) -> None:
+    from vstor.pve.vm import name_of
+    from vstor.runtime.lifecycle import release
+    _, rt, state, _ = _runtime()
+    name = name_of(vm)
+    rec = state.load(name)
+    if rec is None:
+        return
+    if rec.domain != name:
+        raise DoesNotFit(f"state record {name} belongs to '{rec.domain}', not VM {vm}")
+    release(rt, state, name, progress=lambda m: log(str(vm), m))
+    log(str(vm), "post-stop: released")

@@ -1,0 +1,148 @@
+"""A Proxmox VM's plan, made and checked with the same planner as a libvirt
+domain's: load the VM (config + vstor intent), plan it against this node and
+what the other VMs hold, and say which config lines carry the plan."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from lxml import etree
+
+from vstor.config import Config
+from vstor.errors import BadInput, VstorError
+from vstor.host.model import Host
+from vstor.meta.plan import Plan
+from vstor.planner import Request, fit, plan_domain
+from vstor.planner.ledger import Holding, Ledger
+from vstor.pve import snippet
+from vstor.pve.config import PveConfig
+from vstor.pve.node import Node
+from vstor.pve.vm import name_of, request_of
+from vstor.render import pve as render
+
+
+@dataclass
+class Vm:
+    vmid: int
+    conf: PveConfig
+    conf_path: str
+    intent_path: str
+    root: etree._Element         # the intent file's <vstor:vstor>
+    req: Request
+    recorded: Plan | None        # the plan `vstor pve apply` last wrote
+
+    @property
+    def fix(self) -> str:
+        return self.req.fix
+
+
+def intent_dir(node: Node) -> str:
+    return node.snippets().snippets
+
+
+def load(node: Node, vmid: int, conf_path: str | None = None, intent_path: str | None = None,
+         migrated_from: str | None = None, tolerant: bool = False) -> Vm:
+    """tolerant: a damaged plan record reads as none (apply re-plans); a
+    start must refuse it."""
+    path = conf_path or node.config_path(vmid, migrated_from)
+    conf, path = node.read_config(vmid, path)
+    ipath = intent_path or snippet.path_of(intent_dir(node), vmid)
+    root = snippet.read(ipath, vmid)
+    req = request_of(vmid, conf, snippet.intent_of(root))
+    try:
+        recorded = snippet.plan_of(root, req.name, req.uuid, f"run: {req.fix}")
+    except BadInput:
+        if not tolerant:
+            raise
+        recorded = None
+    return Vm(vmid, conf, path, ipath, root, req, recorded)
+
+
+def make_plan(host: Host, cfg: Config, vm: Vm, ledger: Ledger) -> Plan:
+    return plan_domain(host, cfg, vm.req, ledger)
+
+
+def recorded_plan(vm: Vm) -> Plan:
+    """The plan to start with: made for this intent and size, or refused."""
+    if vm.recorded is None:
+        raise BadInput(f"VM {vm.vmid} has a vstor intent but no plan", hint=f"run: {vm.fix}")
+    fit.check_made_for(vm.recorded, vm.req)
+    return vm.recorded
+
+
+def new_config(vm: Vm, plan: Plan, qemu: tuple[int, int]) -> tuple[str, list[str]]:
+    """The config text with every vstor key as `plan` says; the keys changed."""
+    want = render.render(vm.conf, plan, vm.recorded, qemu, vm.vmid)
+    changed = []
+    for key, value in want.items():
+        if vm.conf.get(key) == value:
+            continue
+        changed.append(key)
+        if value is None:
+            vm.conf.delete(key)
+        else:
+            vm.conf.set(key, value)
+    return vm.conf.to_text(), changed
+
+
+def check_config(vm: Vm, plan: Plan, qemu: tuple[int, int]) -> None:
+    """The config still carries the plan (a user with VM.Config rights can
+    change numaN, hostpci or memory; root can change anything)."""
+    if vm.conf.get("lock"):
+        raise BadInput(f"VM {vm.vmid} is locked ({vm.conf.get('lock')[:20]})",
+                       hint=f"wait for it, or: qm unlock {vm.vmid}")
+    drift = render.drift(vm.conf, plan, qemu, vm.vmid)
+    if drift:
+        raise BadInput(f"VM {vm.vmid}'s config does not carry its vstor plan ({', '.join(drift)} "
+                       "changed since vstor pve apply)", hint=f"run: {vm.fix}")
+
+
+def holdings(node: Node, skip: int | None = None) -> list[Holding]:
+    """What every other vstor VM whose config is on this node was planned
+    to hold, running or not (a stopped VM keeps its cores for its next start)."""
+    out = []
+    try:
+        where = intent_dir(node)
+    except BadInput:
+        return out
+    for path in sorted(glob.glob(os.path.join(glob.escape(where), "vstor-*.xml"))):
+        m = re.fullmatch(r"vstor-([1-9][0-9]{2,8})\.xml", os.path.basename(path))
+        if not m or int(m.group(1)) == skip:
+            continue
+        vmid = int(m.group(1))
+        if not os.path.exists(node.config_path(vmid)):
+            continue        # another node's VM (a shared storage holds every node's)
+        try:
+            plan = snippet.plan_of(snippet.read(path, vmid), name_of(vmid), None, "")
+        except VstorError as e:
+            print(f"vstor: warning: ledger skips VM {vmid}: {e}", file=sys.stderr)
+            continue
+        if plan is not None:
+            out.append(Holding.from_plan(plan, active=node.running(vmid)))
+    return out
+
+
+def ledger(node: Node, records, skip: int | None = None) -> Ledger:
+    from vstor.runtime.inventory import load_ledger
+    base = load_ledger(None, records)
+    known = {h.domain for h in base.holdings}
+    return Ledger(list(base.holdings) + [h for h in holdings(node, skip) if h.domain not in known])
+
+
+def vstor_vms(node: Node) -> list[int]:
+    """The VMs on this node with a vstor intent."""
+    out = []
+    for path in glob.glob(os.path.join(glob.escape(intent_dir(node)), "vstor-*.xml")):
+        m = re.fullmatch(r"vstor-([1-9][0-9]{2,8})\.xml", os.path.basename(path))
+        if m and os.path.exists(node.config_path(int(m.group(1)))):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def carries_vstor(conf: PveConfig) -> bool:
+    """The config has vstor's args (a clone or restore of a vstor VM, say)."""
+    return bool(render._START.search(conf.get("args") or ""))

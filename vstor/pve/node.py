@@ -1,0 +1,162 @@
+"""This Proxmox node as vstor needs it: VM configs, which VMs run here,
+qemu-server's per-VM lock, the snippets storage, the QEMU version.
+
+Paths come from [pve] in vstor.conf (tests point them at a directory).
+A read that fails is a refusal, never "no VM" or "not running".
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import os
+import re
+import subprocess
+from contextlib import contextmanager
+
+from vstor.config import Config
+from vstor.errors import BadInput, DoesNotFit, Unavailable
+from vstor.pve import storage as storage_mod
+from vstor.pve.config import MAX_BYTES, PveConfig
+
+_NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", re.ASCII)
+
+
+class Node:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.etc = cfg.pve_etc
+
+    def is_proxmox(self) -> bool:
+        return os.path.isdir(os.path.join(self.etc, "qemu-server"))
+
+    # -- configs ------------------------------------------------------------------
+
+    def config_path(self, vm: int, migrated_from: str | None = None) -> str:
+        """This node's config of the VM, or, on a migration's target before
+        the config moves, the source node's."""
+        if migrated_from:
+            if not _NODE.fullmatch(migrated_from):
+                raise BadInput(f"PVE_MIGRATED_FROM '{migrated_from[:40]}' is not a node name")
+            return os.path.join(self.etc, "nodes", migrated_from, "qemu-server", f"{vm}.conf")
+        return os.path.join(self.etc, "qemu-server", f"{vm}.conf")
+
+    def read_config(self, vm: int, path: str | None = None) -> tuple[PveConfig, str]:
+        path = path or self.config_path(vm)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(MAX_BYTES + 1)
+        except FileNotFoundError:
+            raise BadInput(f"VM {vm} does not exist on this node (no {path})",
+                           hint="check the VMID (qm list), or pass --conf FILE") from None
+        except OSError as e:
+            raise BadInput(f"cannot read {path}: {e.strerror}", hint="run as root") from None
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise BadInput(f"{path} is not UTF-8 text") from None
+        return PveConfig.parse(text, path), path
+
+    def write_config(self, path: str, text: str) -> None:
+        """As qemu-server writes it: a temporary file renamed over the config
+        (the cluster filesystem makes the rename atomic cluster-wide)."""
+        tmp = f"{path}.tmp.{os.getpid()}"
+        try:
+            with open(tmp, "x") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise BadInput(f"cannot write {path}: {e.strerror}", hint="run as root") from None
+
+    @contextmanager
+    def lock(self, vm: int, wait: bool = True):
+        """qemu-server's lock of the VM's config (flock on
+        lock-<VMID>.conf): held by every start, stop, migration and `qm set`.
+        wait=False: DoesNotFit at once when somebody holds it."""
+        path = os.path.join(self.cfg.pve_lock_dir, f"lock-{vm}.conf")
+        try:
+            os.makedirs(self.cfg.pve_lock_dir, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise Unavailable(f"cannot open {path}: {e.strerror}", hint="run as root") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise DoesNotFit(f"VM {vm}'s config is locked: a start, stop, migration or "
+                                     "config change is under way", hint="try again when it is done") from None
+                raise
+            yield
+        finally:
+            os.close(fd)
+
+    # -- running VMs ------------------------------------------------------------------
+
+    def pidfile(self, vm: int) -> str:
+        return os.path.join(self.cfg.pve_run_dir, f"{vm}.pid")
+
+    def running(self, vm: int) -> bool:
+        """qemu-server's own test: the pidfile names a live process started
+        with `-pidfile <that file>`."""
+        path = self.pidfile(vm)
+        try:
+            with open(path) as f:
+                text = f.read(32).strip()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise Unavailable(f"cannot read {path}: {e.strerror}") from None
+        if not text.isdigit():
+            return False
+        try:
+            with open(f"/proc/{int(text)}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        except OSError as e:
+            raise Unavailable(f"cannot read /proc/{text}/cmdline: {e.strerror}") from None
+        want = path.encode()
+        return any(a == b"-pidfile" and b == want for a, b in zip(argv, argv[1:]))
+
+    def running_vms(self) -> set[int]:
+        out = set()
+        for path in glob.glob(os.path.join(glob.escape(self.cfg.pve_run_dir), "*.pid")):
+            name = os.path.basename(path)[:-4]
+            if re.fullmatch(r"[1-9][0-9]{2,8}", name, re.ASCII) and self.running(int(name)):
+                out.add(int(name))
+        return out
+
+    # -- storage, QEMU ----------------------------------------------------------------------
+
+    def snippets(self) -> storage_mod.Storage:
+        path = os.path.join(self.etc, "storage.cfg")
+        try:
+            with open(path) as f:
+                text = f.read(MAX_BYTES)
+        except OSError as e:
+            raise BadInput(f"cannot read {path}: {e.strerror}",
+                           hint="is this a Proxmox VE node? ([pve] etc in vstor.conf)") from None
+        return storage_mod.snippets_storage(storage_mod.parse(text), self.cfg.pve_storage, path)
+
+    def qemu_version(self) -> tuple[int, int]:
+        """The version of the QEMU qemu-server starts (`kvm --version`)."""
+        try:
+            out = subprocess.run([self.cfg.pve_qemu, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise Unavailable(f"cannot run {self.cfg.pve_qemu} --version ({e})",
+                              hint="set [pve] qemu, or pass --qemu-version 9.2") from None
+        return parse_version(out, self.cfg.pve_qemu)
+
+
+def parse_version(text: str, origin: str) -> tuple[int, int]:
+    m = re.search(r"version (\d{1,3})\.(\d{1,3})", text)
+    if not m:
+        raise Unavailable(f"{origin} did not say its version", hint="pass --qemu-version 9.2")
+    return int(m.group(1)), int(m.group(2))

@@ -1,0 +1,112 @@
+"""A Proxmox VM as the planner sees it: its VMID, and the request its config
+and vstor intent make.  Pure.
+
+The config is written by anyone with VM.Config rights (threats.md): every
+value read here is checked, and what does not fit vstor's model is refused
+with the `qm set` that fixes it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from vstor.errors import BadInput
+from vstor.meta.intent import Intent
+from vstor.planner import Request
+from vstor.pve.config import PveConfig
+
+_VMID = re.compile(r"[1-9][0-9]{2,8}", re.ASCII)        # Proxmox: 100 .. 999999999
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_COUNT = re.compile(r"[1-9][0-9]{0,3}", re.ASCII)
+
+
+def vmid(text: str) -> int:
+    text = str(text).strip()
+    if not _VMID.fullmatch(text):
+        raise BadInput(f"'{text[:40]}' is not a Proxmox VMID", hint="a number from 100 to 999999999")
+    return int(text)
+
+
+def name_of(vm: int) -> str:
+    """The name vstor knows the VM by (state records, sockets, daemons)."""
+    return f"pve-{vm}"
+
+
+def vmid_of(name: str) -> int | None:
+    """The VMID of a name made by name_of, else None."""
+    m = re.fullmatch(r"pve-([1-9][0-9]{2,8})", name or "", re.ASCII)
+    return int(m.group(1)) if m else None
+
+
+def request_of(vm: int, conf: PveConfig, intent: Intent) -> Request:
+    where = f"VM {vm}"
+    sockets, cores = _count(conf, "sockets", where), _count(conf, "cores", where)
+    vcpus = sockets * cores
+    if conf.get("vcpus") is not None and conf.get("vcpus") != str(vcpus):
+        raise BadInput(f"{where}: vcpus is {conf.get('vcpus')[:20]} of {vcpus}; vstor pins every "
+                       "vCPU and needs them all present", hint=f"qm set {vm} --delete vcpus")
+    if "memory" in (conf.get("hotplug") or "").split(","):
+        raise BadInput(f"{where}: memory hotplug is on; Proxmox then refuses the numa0 and "
+                       "hugepages layout vstor writes", hint=f"qm set {vm} --hotplug network,disk,usb")
+    return Request(name=name_of(vm), safe_name=name_of(vm), uuid=uuid_of(conf, where),
+                   vcpus=vcpus, memory_kib=memory_mib(conf, where) * 1024,
+                   machine=machine_of(conf, where), intent=intent,
+                   vhost_memory="hugepages", grows_hugepages=True, replan=f"vstor pve apply {vm}")
+
+
+def memory_mib(conf: PveConfig, where: str) -> int:
+    raw = conf.get("memory") or "512"
+    props = _props(raw, "memory", where, bare="current")
+    text = props.get("current", "")
+    if not re.fullmatch(r"[0-9]{1,9}", text, re.ASCII) or int(text) < 16:
+        raise BadInput(f"{where}: memory '{raw[:40]}' is not a size in MiB (16 or more)",
+                       hint="qm set VMID --memory 4096")
+    return int(text)
+
+
+def machine_of(conf: PveConfig, where: str = "the VM") -> str:
+    """'q35' or 'pc' (with the version Proxmox pins, if any): the type only."""
+    raw = conf.get("machine") or "pc"
+    kind = _props(raw, "machine", where, bare="type").get("type", "pc")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.+-]{0,63}", kind, re.ASCII):
+        raise BadInput(f"{where}: machine '{raw[:40]}' is not a machine type",
+                       hint="qm set VMID --machine q35")
+    return kind
+
+
+def viommu_of(conf: PveConfig) -> str | None:
+    raw = conf.get("machine") or ""
+    return _props(raw, "machine", "the VM", bare="type").get("viommu") if raw else None
+
+
+def uuid_of(conf: PveConfig, where: str) -> str | None:
+    raw = conf.get("smbios1")
+    if raw is None:
+        return None
+    value = dict(p.split("=", 1) for p in raw.split(",") if "=" in p).get("uuid")
+    if value is None:
+        return None
+    if not _UUID.fullmatch(value.lower()):
+        raise BadInput(f"{where}: smbios1 uuid '{value[:40]}' is not a UUID",
+                       hint="qm set VMID --smbios1 uuid=$(uuidgen)")
+    return value.lower()
+
+
+def _count(conf: PveConfig, key: str, where: str) -> int:
+    raw = conf.get(key) or "1"
+    if not _COUNT.fullmatch(raw):
+        raise BadInput(f"{where}: {key} '{raw[:20]}' is not a count", hint=f"qm set VMID --{key} 2")
+    return int(raw)
+
+
+def _props(raw: str, key: str, where: str, bare: str) -> dict[str, str]:
+    """Proxmox's property strings: `[bare=]value,key=value,...`."""
+    out: dict[str, str] = {}
+    for i, part in enumerate(raw.split(",")):
+        k, sep, v = part.partition("=")
+        if not sep and i == 0:
+            k, v = bare, part
+        elif not sep:
+            raise BadInput(f"{where}: {key} '{raw[:40]}' is not a Proxmox property string")
+        out[k.strip()] = v.strip()
+    return out

@@ -1,0 +1,180 @@
+"""plan + a Proxmox VM config -> the config keys that carry the plan.  Pure;
+decides nothing the plan does not say.
+
+vstor owns, in the main section only:
+- `numa`, `numa0`..`numa7`: one guest node on the plan's host node, every
+  vCPU, all memory, policy bind (strict) or preferred;
+- `hugepages`: the plan's page size (2 or 1024 MiB);
+- `affinity`: the plan's vCPU and emulator cores (Proxmox runs every QEMU
+  thread on the set: it pins no single vCPU);
+- the `hostpciN` lines that pass a planned controller through (recognised by
+  the controller, so a user's own GPU or NIC line is never touched);
+- in `args`, a suffix of `-chardev socket,id=vstor-<disk>,...` and
+  `-device vhost-user-blk-pci,id=vstor-<disk>,...` pairs; the user's own
+  arguments before it are kept byte for byte.
+Every other key is the user's.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from vstor.errors import BadInput
+from vstor.host.model import format_cpulist
+from vstor.meta.names import normalise_bdf
+from vstor.meta.plan import Plan
+from vstor.pve.config import PveConfig
+from vstor.pve.vm import machine_of, viommu_of
+
+ID = "vstor-"
+PAGES = {2048: "2", 1048576: "1024"}
+NUMA_KEYS = ("numa",) + tuple(f"numa{i}" for i in range(8))
+HOSTPCI_KEYS = tuple(f"hostpci{i}" for i in range(16))
+RECONNECT_SECONDS = 10
+# QEMU options that decide guest memory, NUMA or vCPUs: vstor's numa0 and
+# hugepages say those, and a second say in args would override or break them.
+_CONFLICTS = ("-m", "-numa", "-smp", "-mem-path", "-mem-prealloc")
+_START = re.compile(r"(?:^|\s)-chardev\s+['\"]?socket,id=" + ID)
+
+
+def render(conf: PveConfig, plan: Plan, previous: Plan | None, qemu: tuple[int, int],
+           vm: int) -> dict[str, str | None]:
+    """Every key vstor owns -> its value under `plan` (None: no such line).
+    `previous`: the plan vstor last wrote, whose hostpci lines are vstor's."""
+    out = placement(plan)
+    out.update(_hostpci(conf, plan, previous, vm))
+    out["args"] = merge_args(conf.get("args"), vhost_args(plan, qemu), vm)
+    return out
+
+
+def drift(conf: PveConfig, plan: Plan, qemu: tuple[int, int], vm: int) -> list[str]:
+    """The keys whose line is not what `plan` writes: the config was edited
+    (or written for another QEMU) since `vstor pve apply`."""
+    try:
+        want = render(conf, plan, plan, qemu, vm)
+    except BadInput as e:
+        return [e.message]
+    return [k for k, v in want.items() if conf.get(k) != v]
+
+
+def placement(plan: Plan) -> dict[str, str | None]:
+    out: dict[str, str | None] = dict.fromkeys(NUMA_KEYS)
+    mib = plan.memory_kib // 1024
+    if plan.node is not None and (plan.hugepage_kib or plan.numa != "none"):
+        cpus = "0" if plan.vcpus == 1 else f"0-{plan.vcpus - 1}"
+        policy = "bind" if plan.numa == "strict" else "preferred"
+        out["numa"] = "1"
+        out["numa0"] = f"cpus={cpus},hostnodes={plan.node},memory={mib},policy={policy}"
+    out["hugepages"] = PAGES.get(plan.hugepage_kib) if plan.hugepage_kib else None
+    cores = set(plan.vcpu_pins) | set(plan.emulator) if plan.cpus == "dedicated" else \
+        set(plan.shared_cpus) | set(plan.emulator)
+    out["affinity"] = format_cpulist(sorted(cores)) if cores else None
+    return out
+
+
+def vhost_args(plan: Plan, qemu: tuple[int, int]) -> list[str]:
+    """The -chardev/-device pairs of the plan's vhost disks, in plan order.
+    QEMU 9.2 replaced `reconnect` (seconds) with `reconnect-ms` and later
+    removed the old one."""
+    reconnect = (f"reconnect-ms={RECONNECT_SECONDS * 1000}" if qemu >= (9, 2)
+                 else f"reconnect={RECONNECT_SECONDS}")
+    out: list[str] = []
+    for d in plan.disks:
+        if d.mode != "vhost":
+            continue
+        if not re.fullmatch(r"/[A-Za-z0-9_./+-]+", d.socket or ""):
+            raise BadInput(f"vhost socket {d.socket!r} cannot go into a QEMU option",
+                           hint="use letters, digits and _./+- in [paths] vhost_dir")
+        name = f"{ID}{d.target}"
+        out += ["-chardev", f"socket,id={name},path={d.socket},{reconnect}",
+                "-device", f"vhost-user-blk-pci,id={name},chardev={name},num-queues={d.queues}"]
+    return out
+
+
+def merge_args(current: str | None, ours: list[str], vm: int) -> str | None:
+    """The user's part of `args` (before vstor's suffix) kept as written,
+    `ours` appended; refused when the user's part says what vstor says."""
+    text = current or ""
+    m = _START.search(text)
+    user, theirs = (text[:m.start()].rstrip(), text[m.start():]) if m else (text.rstrip(), "")
+    for part, what in ((user, "args"), (theirs, "vstor's part of args")):
+        try:
+            shlex.split(part)
+        except ValueError as e:
+            raise BadInput(f"VM {vm}: {what} cannot be split into arguments ({e})",
+                           hint=f"fix its quoting: qm set {vm} --args '...'") from None
+    _check_vstor_part(shlex.split(theirs), vm)
+    _check_user_part(shlex.split(user), vm)
+    merged = " ".join(p for p in (user, shlex.join(ours)) if p)
+    return merged or None
+
+
+def _check_vstor_part(tokens: list[str], vm: int) -> None:
+    pairs = list(zip(tokens[::2], tokens[1::2]))
+    ok = len(tokens) % 2 == 0 and all(
+        (opt == "-chardev" and val.startswith(f"socket,id={ID}"))
+        or (opt == "-device" and val.startswith("vhost-user-blk-pci,") and f"chardev={ID}" in val)
+        for opt, val in pairs)
+    if not ok:
+        raise BadInput(f"VM {vm}: args has arguments after vstor's -chardev/-device pairs, or "
+                       "vstor's pairs were edited", hint="move your own arguments before "
+                                                         f"'-chardev socket,id={ID}...', then apply again")
+
+
+def _check_user_part(tokens: list[str], vm: int) -> None:
+    for i, opt in enumerate(tokens):
+        value = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if re.search(r"(^|,)(id|chardev)=" + ID, opt):
+            raise BadInput(f"VM {vm}: args uses the id prefix '{ID}', which is vstor's "
+                           f"('{opt[:60]}')", hint="rename your device or chardev")
+        if (opt in _CONFLICTS or (opt == "-object" and value.startswith("memory-backend"))
+                or (opt in ("-machine", "-M") and "memory-backend" in value)):
+            said = f"{opt} {value}".strip()[:60]
+            raise BadInput(f"VM {vm}: args has '{said}', which decides guest memory, "
+                           "NUMA or vCPUs, as vstor's numa0 and hugepages do",
+                           hint=f"remove it from args (qm set {vm} --args '...'), then apply again")
+
+
+def _hostpci(conf: PveConfig, plan: Plan, previous: Plan | None, vm: int) -> dict[str, str | None]:
+    wanted = [d.controller for d in plan.disks if d.mode == "passthrough"]
+    ours_before = {d.controller for d in (previous.disks if previous else ()) if d.mode == "passthrough"}
+    machine = machine_of(conf)
+    if any(d.guest == "spdk" for d in plan.disks if d.mode == "passthrough") and not viommu_of(conf):
+        raise BadInput(f"VM {vm}: a disk with guest='spdk' needs a vIOMMU in the guest",
+                       hint=f"qm set {vm} --machine q35,viommu=intel")
+    pcie = ",pcie=1" if machine.startswith(("q35", "pc-q35")) else ""
+    out: dict[str, str | None] = {}
+    placed: dict[str, str] = {}
+    for key in HOSTPCI_KEYS:
+        value = conf.get(key)
+        if value is None:
+            continue
+        host = _host_of(value)
+        if host in ours_before:
+            out[key] = None             # vstor's line: kept below if still planned
+            if host in wanted and host not in placed:
+                placed[host] = key
+        elif host in wanted:
+            raise BadInput(f"VM {vm}: {key} already passes {host} through",
+                           hint=f"qm set {vm} --delete {key} (vstor writes its own line for it)")
+    free = [k for k in HOSTPCI_KEYS if conf.get(k) is None or out.get(k, "") is None]
+    for bdf in wanted:
+        key = placed.get(bdf)
+        if key is None:
+            spare = [k for k in free if k not in placed.values()]
+            if not spare:
+                raise BadInput(f"VM {vm}: all 16 hostpci slots are taken", hint="free one")
+            key = spare[0]
+            placed[bdf] = key
+        out[key] = f"{bdf}{pcie}"
+    return out
+
+
+def _host_of(value: str) -> str | None:
+    first = value.split(",")[0]
+    first = first.removeprefix("host=")
+    try:
+        return normalise_bdf(first)
+    except BadInput:
+        return None             # a mapping, several functions, or a whole slot: not vstor's
