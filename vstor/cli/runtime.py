@@ -72,7 +72,9 @@ def cmd_status(ctx, args) -> int:
             raise BadInput(f"vstor holds nothing for domain '{args.domain}'",
                            hint="see: vstor status")
     rt = _runtime(ctx)
+    elsewhere = _pve_elsewhere(ctx, records)
     rows = [{"domain": r.domain, "status": r.status, "holding": r.holding,
+             "elsewhere": elsewhere.get(r.domain),
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
              "steps": [{"step": s, "state": st, "problem": p} for s, st, p in health(rt, r)]}
             for r in records]
@@ -95,10 +97,24 @@ def cmd_status(ctx, args) -> int:
             print(f"  held for an incoming migration from {m.get('from') or 'another host'}")
         elif m.get("role") == "outgoing":
             print(f"  migrating to {m.get('to')} (vstor migrate finish or abort {row['domain']})")
+        elif row.get("elsewhere"):
+            print(f"  {row['elsewhere']}")
         for s in row["steps"]:
             mark = "ok" if s["problem"] is None else f"PROBLEM: {s['problem']}"
             print(f"  {s['step']}: {mark}")
     return 0
+
+
+def _pve_elsewhere(ctx, records) -> dict[str, str]:
+    """Proxmox VMs vstor holds for that do not run on this node (stopped
+    without post-stop, or migrated away: the source gets no stop phases)."""
+    from vstor.pve.node import Node
+    from vstor.pve.vm import vmid_of
+    node = Node(ctx.config)
+    if not node.is_proxmox():
+        return {}
+    return {r.domain: f"VM {vmid_of(r.domain)} does not run on this node (vstor gc releases it)"
+            for r in records if vmid_of(r.domain) and not node.running(vmid_of(r.domain))}
 
 
 # -- prepare / release / gc -------------------------------------------------------------
@@ -115,9 +131,15 @@ def cmd_prepare(ctx, args) -> int:
 
 
 def _is_running(ctx, name: str) -> bool | None:
-    """True or False as libvirt says; None when vstor cannot tell."""
+    """True or False as libvirt (or, for a Proxmox VM, qemu-server's pid
+    file) says; None when vstor cannot tell."""
     import libvirt
     from vstor.errors import Unavailable
+    from vstor.pve.node import Node
+    from vstor.pve.vm import vmid_of
+    node = Node(ctx.config)
+    if vmid_of(name) and node.is_proxmox():
+        return node.running(vmid_of(name))
     try:
         conn = ctx.conn
     except Unavailable:
@@ -160,12 +182,41 @@ def _key_of(ctx, name: str) -> str:
 
 
 def cmd_gc(ctx, args) -> int:
-    from vstor.runtime import gc, virt
-    conn = ctx.conn    # gc must know what runs: without libvirt it would remove live backends
-    running = {d.name() for d in virt.all_domains(conn) if d.isActive()}
-    if not gc.collect(_runtime(ctx, args.dry_run), _state(ctx), running, say=print, step=_say):
-        print("Nothing to collect")
+    from contextlib import ExitStack
+    from vstor.runtime import gc
+    state = _state(ctx)
+    with ExitStack() as held:
+        running = _running(ctx, state.records(), held)
+        if not gc.collect(_runtime(ctx, args.dry_run), state, running, say=print, step=_say):
+            print("Nothing to collect")
     return 0
+
+
+def _running(ctx, records, held) -> set[str]:
+    """The names of the domains and Proxmox VMs that run here.  gc must know
+    what runs: without libvirt it would remove live backends.  A Proxmox VM
+    whose config lock is held (a start, a stop, a migration) counts as
+    running, and each stopped one's lock is held until gc is done, so no
+    start begins on what gc releases."""
+    from vstor.pve.node import Node
+    from vstor.pve.vm import name_of, vmid_of
+    from vstor.errors import DoesNotFit
+    node = Node(ctx.config)
+    pve = {vmid_of(r.domain) for r in records if vmid_of(r.domain)} if node.is_proxmox() else set()
+    running: set[str] = set()
+    if not pve or any(vmid_of(r.domain) not in pve for r in records):
+        from vstor.runtime import virt
+        running |= {d.name() for d in virt.all_domains(ctx.conn) if d.isActive()}
+    for vm in sorted(pve):
+        try:
+            held.enter_context(node.lock(vm, wait=False))
+        except DoesNotFit:
+            print(f"Leaving {name_of(vm)}: its config is locked (a start, stop or migration is under way)")
+            running.add(name_of(vm))
+            continue
+        if node.running(vm):
+            running.add(name_of(vm))
+    return running
 
 
 # -- hooks ------------------------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""vstor pve plan/apply and the hookscript, as an operator and Proxmox use
+them, on a Proxmox tree in a temporary directory (/etc/pve, the snippets
+storage, qemu-server's pid and lock directories).
+
+The oracle for what the written keys mean is the test model of qemu-server
+(tests/pve/qemu_server.py), itself held to Proxmox's cfg2cmd cases; the real
+QEMU runs such a VM in tests/e2e/test_pve.py."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from lxml import etree
+
+from tests.pve.qemu_server import extra_args, hostpci_args, memory_args, prefix, refusal
+from vstor.cli.main import main
+from vstor.pve.config import PveConfig
+
+NS = "https://vstor.dev/xmlns/domain/1"
+TEMPLATES = os.path.join(os.path.dirname(__file__), "..", "xml-templates")
+
+CONF = """# web server
+#  notes: %C3%A9t%C3%A9
+boot: order=scsi0
+cores: 2
+memory: 1024
+name: web1
+args: -msg timestamp=on -set 'device.x.y=a b'
+net0: virtio=BC:24:11:00:00:01,bridge=vmbr0
+ostype: l26
+scsi0: local-lvm:vm-100-disk-0,size=8G
+smbios1: uuid=6ad6b5f0-3b36-4a8e-9e1c-1f0d2d5e8c11
+hostpci0: 0000:17:00.0,pcie=1
+
+[PENDING]
+memory: 2048
+
+[before-upgrade]
+cores: 1
+memory: 1024
+numa: 0
+snaptime: 1700000000
+"""
+
+
+class Pve:
+    def __init__(self, root, host_root=None):
+        self.root = str(root)
+        self.etc = f"{root}/etc/pve"
+        self.snippets = f"{root}/vz/snippets"
+        for d in (f"{self.etc}/qemu-server", self.snippets, f"{root}/run", f"{root}/lock",
+                  f"{self.etc}/nodes/other/qemu-server"):
+            os.makedirs(d, exist_ok=True)
+        with open(f"{self.etc}/storage.cfg", "w") as f:
+            f.write(f"dir: local\n\tpath {root}/vz\n\tcontent iso,vztmpl,backup,snippets\n\n"
+                    "lvmthin: local-lvm\n\tthinpool data\n\tvgname pve\n\tcontent rootdir,images\n")
+        self.conf = f"{root}/vstor.conf"
+        self.write_config()
+        self.host_root = host_root
+        os.chmod(self.root, 0o755)
+
+    def write_config(self, extra: str = "") -> None:
+        r = self.root
+        with open(self.conf, "w") as f:
+            f.write(f"[paths]\nstate_dir = {r}/state\nvhost_dir = {r}/vhost\nqsd_dir = {r}/qsd\n"
+                    f"images = {r}\n[qemu]\nuser = root\ngroup = root\n[cpu]\nreactors = 2,18\n"
+                    f"[pve]\netc = {self.etc}\nrun_dir = {r}/run\nlock_dir = {r}/lock\n{extra}")
+
+    def vm(self, text: str = CONF, vmid: int = 100) -> str:
+        path = f"{self.etc}/qemu-server/{vmid}.conf"
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def intent(self, body: str, vmid: int = 100, vm: str = "<vstor:vm cpus='shared'/>") -> str:
+        path = f"{self.snippets}/vstor-{vmid}.xml"
+        with open(path, "w") as f:
+            f.write(f"<vstor:vstor xmlns:vstor='{NS}'>\n  <!-- kept -->\n  {vm}\n  {body}\n</vstor:vstor>\n")
+        return path
+
+    def file_disk(self, name: str = "d0.raw") -> str:
+        path = f"{self.root}/{name}"
+        with open(path, "wb") as f:
+            f.truncate(16 << 20)
+        return f"<vstor:disk target='vdb'><vstor:file path='{path}'/></vstor:disk>"
+
+    def vstor(self, *args) -> int:
+        host = ["--host-root", self.host_root] if self.host_root else []
+        return main(["--config", self.conf, *host, *args])
+
+    def config(self, vmid: int = 100) -> str:
+        return open(f"{self.etc}/qemu-server/{vmid}.conf").read()
+
+    def hook(self, vmid: int, phase: str, env=None) -> subprocess.CompletedProcess:
+        script = f"{self.snippets}/vstor"
+        if not os.path.exists(script):
+            assert self.vstor("pve", "hooks", "install") == 0
+        run_env = {**os.environ, "PVE_MIGRATED_FROM": "", **(env or {})}
+        if self.host_root:
+            run_env["VSTOR_HOST_ROOT"] = self.host_root
+        return subprocess.run([script, str(vmid), phase], capture_output=True, text=True,
+                              env=run_env, timeout=120)
+
+
+@pytest.fixture
+def pve(tmp_path):
+    p = Pve(tmp_path)
+    yield p
+    p.vstor("release", "--force", "pve-100")
+
+
+@pytest.fixture
+def pve_nvme(tmp_path, host_layout):
+    return Pve(tmp_path, host_layout("two-socket"))
+
+
+def _owned(key: str) -> bool:
+    return bool(re.fullmatch(r"numa\d?|hugepages|affinity|args|hostpci\d+", key))
+
+
+# -- apply: only vstor's lines, byte for byte, and twice is once --------------------------
+
+def test_apply_writes_only_vstors_lines_and_twice_is_once(pve, capsys):
+    pve.vm()
+    pve.intent(pve.file_disk())
+    before = pve.config()
+    assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    after = pve.config()
+    old, new = before.splitlines(), after.splitlines()
+    gone = [line for line in old if line not in new]
+    added = [line for line in new if line not in old]
+    assert all(_owned(line.split(":")[0]) for line in gone + added), (gone, added)
+    # Every line the user wrote is still there, in order; the sections after
+    # the main one (pending changes, a snapshot) are the same bytes.
+    assert after[after.index("[PENDING]"):] == before[before.index("[PENDING]"):]
+    assert [line for line in new if line in old] == [line for line in old if line not in gone]
+    conf = PveConfig.parse(after)
+    assert conf.get("args").startswith("-msg timestamp=on -set 'device.x.y=a b' -chardev socket,id=vstor-vdb,")
+    assert "reconnect-ms=10000" in conf.get("args")
+    assert conf.get("hostpci0") == "0000:17:00.0,pcie=1"        # the user's device, untouched
+    assert refusal(conf) is None
+
+    assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    assert pve.config() == after
+    assert "config unchanged" in capsys.readouterr().out
+    assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2", "--dry-run") == 0
+    assert "no change" in capsys.readouterr().out
+    plan = open(f"{pve.snippets}/vstor-100.xml").read()
+    assert "<!-- kept -->" in plan and plan.count("<vstor:plan ") == 1
+
+
+def test_dry_run_prints_the_diff_and_writes_nothing(pve, capsys):
+    pve.vm()
+    intent = pve.intent(pve.file_disk())
+    before, before_intent = pve.config(), open(intent).read()
+    assert pve.vstor("pve", "apply", "100", "--dry-run", "--qemu-version", "7.2") == 0
+    out = capsys.readouterr().out
+    assert "+numa: 1" in out and "+hugepages: 2" in out and "reconnect=10 " in out
+    assert "-args: -msg" in out and "would record the plan" in out
+    assert pve.config() == before and open(intent).read() == before_intent
+
+
+def test_plan_says_why_hugepages(pve, capsys):
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "plan", "100", "--qemu-version", "9.2") == 0
+    out = capsys.readouterr().out
+    assert "VM 100 (pve-100)" in out and "vhost-user backend" in out and "qemu-server raises" in out
+
+
+# -- every template shape, read back by Proxmox's model -------------------------------
+
+def _template(name: str):
+    dom = etree.parse(os.path.join(TEMPLATES, name)).getroot()
+    vs = dom.find(f"metadata/{{{NS}}}vstor")
+    mem = int(dom.findtext("memory"))
+    unit = dom.find("memory").get("unit", "KiB")
+    mib = mem * {"GiB": 1024, "MiB": 1, "KiB": 1 / 1024}[unit]
+    machine = dom.find("os/type").get("machine", "pc")
+    return etree.tostring(vs).decode(), int(mib), int(dom.findtext("vcpu")), machine
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(TEMPLATES)))
+def test_every_template_shape_gives_a_config_qemu_server_starts_as_planned(pve_nvme, name, capsys):
+    intent, mib, vcpus, machine = _template(name)
+    machine = "q35,viommu=intel" if 'guest="spdk"' in intent else machine
+    pve_nvme.vm(f"cores: {vcpus}\nmemory: {mib}\nmachine: {machine}\nname: t\n")
+    if "<vstor:file " in intent:       # the file where this test's image root is
+        pve_nvme.file_disk("data.raw")
+        intent = re.sub(r'(<vstor:file path=)"[^"]+"', rf'\1"{pve_nvme.root}/data.raw"', intent)
+    with open(f"{pve_nvme.snippets}/vstor-100.xml", "w") as f:
+        f.write(intent)
+    assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0, capsys.readouterr().err
+    conf = PveConfig.parse(pve_nvme.config())
+    plan = etree.parse(f"{pve_nvme.snippets}/vstor-100.xml").getroot().find(f"{{{NS}}}plan")
+    assert refusal(conf) is None
+    argv = prefix(conf) + memory_args(conf) + hostpci_args(conf) + extra_args(conf)
+    node, kb = plan.get("node"), plan.get("hugepage_kib")
+    # The guest's memory: hugepages from the plan's node, shared (vhost-user).
+    assert (f"memory-backend-file,id=ram-node0,size={mib}M,mem-path=/run/hugepages/kvm/{kb}kB,"
+            f"share=on,prealloc=yes,host-nodes={node},policy=bind") in argv
+    cpus = "0" if vcpus == 1 else f"0-{vcpus - 1}"
+    assert f"node,nodeid=0,cpus={cpus},memdev=ram-node0" in argv
+    # Every QEMU thread on the plan's cores, none of them a reactor.
+    cores = set(map(int, plan.get("pins", "").split(","))) | _cpus(plan.get("emulator"))
+    assert _cpus(argv[3]) == cores and not cores & {2, 18}
+    for disk in plan.findall(f"{{{NS}}}disk"):
+        t = disk.get("target")
+        if disk.get("mode") == "vhost":
+            assert f"socket,id=vstor-{t},path={disk.get('socket')},reconnect-ms=10000" in argv
+            assert (f"vhost-user-blk-pci,id=vstor-{t},chardev=vstor-{t},"
+                    f"num-queues={disk.get('queues', '1')}") in argv
+        else:
+            assert any(a.startswith(f"vfio-pci,host={disk.get('controller')},id=hostpci0,"
+                                    "bus=ich9-pcie-port-1,") for a in argv)
+
+
+def _cpus(text) -> set:
+    out = set()
+    for part in (text or "").split(","):
+        if part:
+            a, _, b = part.partition("-")
+            out |= set(range(int(a), int(b or a) + 1))
+    return out
