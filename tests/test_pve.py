@@ -148,8 +148,8 @@ def test_apply_writes_only_vstors_lines_and_twice_is_once(pve, capsys):
     assert "config unchanged" in capsys.readouterr().out
     assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2", "--dry-run") == 0
     assert "no change" in capsys.readouterr().out
-    plan = open(f"{pve.snippets}/vstor-100.xml").read()
-    assert "<!-- kept -->" in plan and plan.count("<vstor:plan ") == 1
+    assert "<!-- kept -->" in open(f"{pve.snippets}/vstor-100.xml").read()    # the operator's file
+    assert open(f"{pve.snippets}/vstor-100.plan.xml").read().startswith("<vstor:plan ")
 
 
 def test_dry_run_prints_the_diff_and_writes_nothing(pve, capsys):
@@ -195,7 +195,7 @@ def test_every_template_shape_gives_a_config_qemu_server_starts_as_planned(pve_n
         f.write(intent)
     assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0, capsys.readouterr().err
     conf = PveConfig.parse(pve_nvme.config())
-    plan = etree.parse(f"{pve_nvme.snippets}/vstor-100.xml").getroot().find(f"{{{NS}}}plan")
+    plan = etree.parse(f"{pve_nvme.snippets}/vstor-100.plan.xml").getroot()
     assert refusal(conf) is None
     argv = prefix(conf) + memory_args(conf) + hostpci_args(conf) + extra_args(conf)
     node, kb = plan.get("node"), plan.get("hugepage_kib")
@@ -225,3 +225,132 @@ def _cpus(text) -> set:
             a, _, b = part.partition("-")
             out |= set(range(int(a), int(b or a) + 1))
     return out
+
+
+# -- args: the user's kept, or a clear refusal -----------------------------------------
+
+@pytest.mark.parametrize("args, why", [
+    ("-numa node,nodeid=0", "decides guest memory, NUMA or vCPUs"),
+    ("-object memory-backend-ram,id=m,size=1G", "decides guest memory"),
+    ("-m 4096", "decides guest memory"),
+    ("-machine memory-backend=m", "decides guest memory"),
+    ("-chardev socket,id=vstor-mine,path=/x", "id prefix 'vstor-'"),
+    ("-msg 'timestamp=on", "cannot be split into arguments"),
+    ("-msg timestamp=on -chardev socket,id=vstor-vdb,path=/x,reconnect=10 -usb",
+     "which vstor did not write"),
+])
+def test_conflicting_args_are_refused_and_nothing_changes(pve, capsys, args, why):
+    pve.vm(CONF.replace("args: -msg timestamp=on -set 'device.x.y=a b'", f"args: {args}"))
+    intent = pve.intent(pve.file_disk())
+    before, before_intent = pve.config(), open(intent).read()
+    assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 2
+    err = capsys.readouterr().err
+    assert why in err and err.count("\n") == 1 and "Traceback" not in err
+    assert pve.config() == before and open(intent).read() == before_intent
+
+
+def test_vstors_args_are_replaced_and_removed_with_its_disks(pve, capsys):
+    pve.vm()
+    disk = pve.file_disk()
+    second = pve.file_disk("d1.raw").replace("vdb", "vdc").replace("d0.raw", "d1.raw")
+    pve.intent(disk + second)
+    assert pve.vstor("pve", "apply", "100", "--qemu-version", "7.2") == 0
+    args = PveConfig.parse(pve.config()).get("args")
+    assert args.count("-chardev") == 2 and args.count("reconnect=10 ") == 2
+    pve.intent(disk)
+    assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    args = PveConfig.parse(pve.config()).get("args")
+    assert args == ("-msg timestamp=on -set 'device.x.y=a b' -chardev socket,id=vstor-vdb,"
+                    f"path={pve.root}/vhost/pve-100-vdb,reconnect-ms=10000 -device vhost-user-blk-pci,"
+                    "id=vstor-vdb,chardev=vstor-vdb,num-queues=2")
+
+
+def test_an_args_line_that_was_all_vstors_goes_with_its_disks(pve_nvme, capsys):
+    conf = CONF.replace("args: -msg timestamp=on -set 'device.x.y=a b'\n", "").replace("hostpci0: 0000:17:00.0,pcie=1\n", "")
+    pve_nvme.vm(conf.replace("memory: 1024", "memory: 2048"))
+    pve_nvme.intent("<vstor:disk target='vdb'><vstor:nvme controller='0000:5e:00.0'/></vstor:disk>",
+                    vm="<vstor:vm/>")
+    assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    assert "vhost-user-blk-pci" in PveConfig.parse(pve_nvme.config()).get("args")
+    pve_nvme.intent("<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:5e:00.0'/>"
+                    "</vstor:disk>", vm="<vstor:vm/>")
+    assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    conf = PveConfig.parse(pve_nvme.config())
+    assert conf.get("args") is None and conf.get("hostpci0") == "0000:5e:00.0"    # i440fx: no pcie=1
+
+
+# -- hostpci: vstor's lines recognised by their controller --------------------------------
+
+def test_passthrough_lines_are_vstors_only_for_its_controllers(pve_nvme, capsys):
+    pve_nvme.vm(CONF.replace("memory: 1024", "memory: 2048") + "machine: q35\n".join(("", "")))
+    text = pve_nvme.config().replace("ostype: l26\n", "ostype: l26\nmachine: q35\n")
+    pve_nvme.vm(text)
+    passthrough = ("<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:5e:00.0'/>"
+                   "</vstor:disk>")
+    pve_nvme.intent(passthrough, vm="<vstor:vm/>")
+    assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    conf = PveConfig.parse(pve_nvme.config())
+    assert conf.get("hostpci0") == "0000:17:00.0,pcie=1"            # the user's NIC
+    assert conf.get("hostpci1") == "0000:5e:00.0,pcie=1"            # vstor's, next free slot
+    assert hostpci_args(conf)[-1].startswith("vfio-pci,host=0000:5e:00.0,id=hostpci1,bus=ich9-pcie-port-2")
+    pve_nvme.intent(pve_nvme.file_disk(), vm="<vstor:vm/>")
+    assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    conf = PveConfig.parse(pve_nvme.config())
+    assert conf.get("hostpci0") == "0000:17:00.0,pcie=1" and conf.get("hostpci1") is None
+
+    # A line of the user's that passes vstor's controller: refused, not taken over.
+    pve_nvme.vm(text.replace("hostpci0: 0000:17:00.0,pcie=1", "hostpci0: 5e:00.0,pcie=1"))
+    pve_nvme.intent(passthrough, vm="<vstor:vm/>")
+    before = pve_nvme.config()
+    assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 2
+    assert "hostpci0 already passes 0000:5e:00.0 through" in capsys.readouterr().err
+    assert pve_nvme.config() == before
+
+
+# -- bad input: one line, a distinct exit code, nothing changed -------------------------
+
+def _running_qemu(pve, vmid=100):
+    """A process qemu-server's check takes for the VM's QEMU."""
+    pidfile = f"{pve.root}/run/{vmid}.pid"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-pidfile", pidfile])
+    with open(pidfile, "w") as f:
+        f.write(str(proc.pid))
+    return proc
+
+
+@pytest.mark.parametrize("case, code, message", [
+    ("unknown", 2, "VM 101 does not exist on this node"),
+    ("not-a-vmid", 2, "is not a Proxmox VMID"),
+    ("running", 3, "VM 100 is running"),
+    ("locked", 3, "VM 100 is locked (backup)"),
+    ("no-storage", 2, "snippets storage 'nope' does not exist"),
+    ("no-intent", 2, "VM 100 has no vstor intent"),
+    ("memory-hotplug", 2, "memory hotplug is on"),
+    ("bad-intent", 2, "unknown attribute"),
+])
+def test_bad_input_is_one_line_and_changes_nothing(pve, capsys, case, code, message):
+    pve.vm(CONF + ("lock: backup\n" if case == "locked" else "")
+           if case != "locked" else CONF.replace("boot:", "lock: backup\nboot:"))
+    intent = pve.intent(pve.file_disk())
+    vmid = {"unknown": "101", "not-a-vmid": "10x"}.get(case, "100")
+    proc = _running_qemu(pve) if case == "running" else None
+    if case == "no-storage":
+        pve.write_config("storage = nope\n")
+    if case == "no-intent":
+        os.unlink(intent)
+    if case == "memory-hotplug":
+        pve.vm(CONF.replace("boot:", "hotplug: disk,memory\nboot:"))
+    if case == "bad-intent":
+        pve.intent(pve.file_disk(), vm="<vstor:vm cpus='shared' colour='red'/>")
+    snapshot = {p: open(p, "rb").read() for p in glob.glob(f"{pve.root}/**/*", recursive=True)
+                if os.path.isfile(p)}
+    try:
+        assert pve.vstor("pve", "apply", vmid, "--qemu-version", "9.2") == code
+    finally:
+        if proc:
+            proc.kill()
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    after = {p: open(p, "rb").read() for p in glob.glob(f"{pve.root}/**/*", recursive=True)
+             if os.path.isfile(p) and not p.endswith((".pid",)) and "/lock/" not in p}
+    assert {p: v for p, v in snapshot.items() if p in after} == after

@@ -54,7 +54,7 @@ def load(node: Node, vmid: int, conf_path: str | None = None, intent_path: str |
     root = snippet.read(ipath, vmid)
     req = request_of(vmid, conf, snippet.intent_of(root))
     try:
-        recorded = snippet.plan_of(root, req.name, req.uuid, f"run: {req.fix}")
+        recorded = snippet.read_plan(ipath, req.name, req.uuid, f"run: {req.fix}")
     except BadInput:
         if not tolerant:
             raise
@@ -109,15 +109,15 @@ def holdings(node: Node, skip: int | None = None) -> list[Holding]:
         where = intent_dir(node)
     except BadInput:
         return out
-    for path in sorted(glob.glob(os.path.join(glob.escape(where), "vstor-*.xml"))):
-        m = re.fullmatch(r"vstor-([1-9][0-9]{2,8})\.xml", os.path.basename(path))
+    for path in sorted(glob.glob(os.path.join(glob.escape(where), "vstor-*.plan.xml"))):
+        m = re.fullmatch(r"vstor-([1-9][0-9]{2,8})\.plan\.xml", os.path.basename(path))
         if not m or int(m.group(1)) == skip:
             continue
         vmid = int(m.group(1))
         if not os.path.exists(node.config_path(vmid)):
             continue        # another node's VM (a shared storage holds every node's)
         try:
-            plan = snippet.plan_of(snippet.read(path, vmid), name_of(vmid), None, "")
+            plan = snippet.read_plan(snippet.path_of(where, vmid), name_of(vmid), None, "")
         except VstorError as e:
             print(f"vstor: warning: ledger skips VM {vmid}: {e}", file=sys.stderr)
             continue

@@ -1,17 +1,21 @@
-"""Where a Proxmox VM's vstor intent and plan live: a file in the snippets
-storage, `<storage>/snippets/vstor-<VMID>.xml`, next to the hookscript.
+"""Where a Proxmox VM's vstor intent and plan live: files in the snippets
+storage, next to the hookscript:
 
-It holds exactly what a libvirt domain's <metadata> holds, the same
-<vstor:vstor> element (one declaration per format): the operator's
-<vstor:vm> and <vstor:disk> elements, and the <vstor:plan> record
-`vstor pve apply` adds.  Why there and not in the VM's description:
+    <storage>/snippets/vstor-<VMID>.xml       the operator's intent: the same
+                                               <vstor:vstor> element a libvirt
+                                               domain's <metadata> holds
+    <storage>/snippets/vstor-<VMID>.plan.xml  the <vstor:plan> record that
+                                               `vstor pve apply` wrote (vstor's
+                                               alone: an operator who rewrites
+                                               the intent loses nothing of it)
 
+Why there and not in the VM's description:
 - only root writes a snippets directory (Proxmox has no upload for
   snippets), while any user with VM.Config.Options rewrites a description;
   the intent decides which host device a VM gets, so it is root's;
-- Proxmox never rewrites the file, whatever it does to the config;
+- Proxmox never rewrites the files, whatever it does to the config;
 - the hookscript must be on every node the VM starts on, so the storage
-  that holds it (shared, or copied to every node) holds the intent too;
+  that holds it (shared, or copied to every node) holds these too;
 - a clone or a restore under a new VMID has no intent: its pre-start
   refuses vstor's leftovers in the config instead of stealing the sockets.
 """
@@ -19,6 +23,7 @@ It holds exactly what a libvirt domain's <metadata> holds, the same
 from __future__ import annotations
 
 import os
+import stat
 
 from lxml import etree
 
@@ -37,30 +42,42 @@ def path_of(snippets_dir: str, vmid: int) -> str:
     return os.path.join(snippets_dir, f"vstor-{vmid}.xml")
 
 
+def plan_path(intent_path: str) -> str:
+    return intent_path.removesuffix(".xml") + ".plan.xml"
+
+
 def read(path: str, vmid: int) -> etree._Element:
-    """The <vstor:vstor> element of the file; a missing file is a refusal
-    naming what to write."""
+    """The intent file's <vstor:vstor>; a missing file is a refusal naming
+    what to write."""
+    data = _read(path)
+    if data is None:
+        raise BadInput(f"VM {vmid} has no vstor intent ({path})",
+                       hint="write one (see xml-templates/pve-intent.xml), or pass --intent FILE")
+    return parse(data, path)
+
+
+def _read(path: str) -> bytes | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise BadInput(f"VM {vmid} has no vstor intent ({path})",
-                       hint="write one (see xml-templates/pve-intent.xml), or pass --intent FILE") from None
+        return None
     except OSError as e:
         raise BadInput(f"cannot read {path}: {e.strerror}") from None
     with os.fdopen(fd, "rb") as f:
-        if not os.path.isfile(path) or os.fstat(f.fileno()).st_size > MAX_BYTES:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
             raise BadInput(f"{path} is not a regular file of at most 1 MiB")
-        return parse(f.read(), path)
+        return f.read(MAX_BYTES + 1)
 
 
-def parse(data: bytes, origin: str) -> etree._Element:
+def parse(data: bytes, origin: str, root_tag: str = "vstor") -> etree._Element:
     try:
         root = etree.fromstring(data, _parser())
     except etree.XMLSyntaxError as e:
         raise BadInput(f"{origin}: malformed XML: {e.msg}") from None
-    if root.tag != Q + "vstor":
+    if root.tag != Q + root_tag:
         raise BadInput(f"{origin}: the root element is <{etree.QName(root).localname}>, "
-                       f"not <{PREFIX}:vstor xmlns:{PREFIX}='{NS}'>")
+                       f"not <{PREFIX}:{root_tag} xmlns:{PREFIX}='{NS}'>")
     return root
 
 
@@ -68,23 +85,22 @@ def intent_of(root: etree._Element) -> Intent:
     return metadata.load_intent(root)
 
 
-def plan_of(root: etree._Element, name: str, uuid: str | None, fix: str) -> Plan | None:
+def read_plan(intent_path: str, name: str, uuid: str | None, fix: str) -> Plan | None:
+    """The plan `vstor pve apply` recorded, or None if it never did."""
+    path = plan_path(intent_path)
+    data = _read(path)
+    if data is None:
+        return None
+    holder = etree.Element(Q + "vstor", nsmap={PREFIX: NS})
+    holder.append(parse(data, path, "plan"))
     try:
-        return metadata.load_plan(root, name, uuid)
+        return metadata.load_plan(holder, name, uuid)
     except BadInput as e:
-        raise BadInput(e.message, hint=fix) from None
+        raise BadInput(f"{path}: {e.message}", hint=fix) from None
 
 
-def with_plan(root: etree._Element, plan: Plan) -> bytes:
-    """The file with `plan` as its record; the operator's elements (and
-    comments) kept as they are."""
-    out = etree.Element(Q + "vstor", nsmap={PREFIX: NS})
-    for kid in root:
-        if kid.tag != Q + "plan":
-            out.append(_copy(kid))
-    out.append(build(plan))
-    etree.cleanup_namespaces(out)
-    return etree.tostring(out, pretty_print=True, xml_declaration=False, encoding="utf-8")
+def plan_bytes(plan: Plan) -> bytes:
+    return etree.tostring(build(plan), pretty_print=True, encoding="utf-8")
 
 
 def write(path: str, data: bytes) -> None:
@@ -103,8 +119,3 @@ def write(path: str, data: bytes) -> None:
         except OSError:
             pass
         raise BadInput(f"cannot write {path}: {e.strerror}", hint="run as root") from None
-
-
-def _copy(e):
-    import copy
-    return copy.deepcopy(e)

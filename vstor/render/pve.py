@@ -110,16 +110,22 @@ def merge_args(current: str | None, ours: list[str], vm: int) -> str | None:
     return merged or None
 
 
+_CHARDEV = re.compile(r"socket,id=vstor-(vd[a-z]{1,3}),path=/[A-Za-z0-9_./+-]+,reconnect(-ms)?=[0-9]{1,9}")
+_DEVICE = re.compile(r"vhost-user-blk-pci,id=vstor-(vd[a-z]{1,3}),chardev=vstor-\1,num-queues=[0-9]{1,2}")
+
+
 def _check_vstor_part(tokens: list[str], vm: int) -> None:
-    pairs = list(zip(tokens[::2], tokens[1::2]))
-    ok = len(tokens) % 2 == 0 and all(
-        (opt == "-chardev" and val.startswith(f"socket,id={ID}"))
-        or (opt == "-device" and val.startswith("vhost-user-blk-pci,") and f"chardev={ID}" in val)
-        for opt, val in pairs)
-    if not ok:
-        raise BadInput(f"VM {vm}: args has arguments after vstor's -chardev/-device pairs, or "
-                       "vstor's pairs were edited", hint="move your own arguments before "
-                                                         f"'-chardev socket,id={ID}...', then apply again")
+    """vstor's suffix: only pairs exactly as vstor writes them."""
+    for i in range(0, len(tokens), 4):
+        group = tokens[i:i + 4]
+        chardev = len(group) > 1 and group[0] == "-chardev" and _CHARDEV.fullmatch(group[1])
+        device = len(group) > 3 and group[2] == "-device" and _DEVICE.fullmatch(group[3])
+        if not (chardev and device and chardev.group(1) == device.group(1)):
+            said = " ".join(group)[:60]
+            raise BadInput(f"VM {vm}: args has '{said}' among the arguments with vstor's id prefix "
+                           f"'{ID}', which vstor did not write",
+                           hint="vstor's -chardev/-device pairs come last: put your own arguments "
+                                "before them, with ids of your own, then apply again")
 
 
 def _check_user_part(tokens: list[str], vm: int) -> None:
