@@ -354,3 +354,156 @@ def test_bad_input_is_one_line_and_changes_nothing(pve, capsys, case, code, mess
     after = {p: open(p, "rb").read() for p in glob.glob(f"{pve.root}/**/*", recursive=True)
              if os.path.isfile(p) and not p.endswith((".pid",)) and "/lock/" not in p}
     assert {p: v for p, v in snapshot.items() if p in after} == after
+
+
+# -- the hookscript, called as qemu-server calls it ---------------------------------------
+
+def _applied(pve, conf=CONF, vmid=100):
+    pve.vm(conf, vmid)
+    pve.intent(pve.file_disk(f"d{vmid}.raw").replace("d0.raw", f"d{vmid}.raw"), vmid)
+    assert pve.vstor("pve", "apply", str(vmid), "--qemu-version",
+                     ".".join(map(str, _local_qemu()))) == 0
+    text = pve.config(vmid).replace("boot:", "hookscript: local:snippets/vstor\nboot:", 1)
+    pve.vm(text, vmid)
+    return text
+
+
+def _local_qemu():
+    from vstor.config import Config
+    from vstor.pve.node import Node
+    return Node(Config()).qemu_version()
+
+
+def _left(pve) -> list[str]:
+    return sorted(glob.glob(f"{pve.root}/vhost/*") + glob.glob(f"{pve.root}/qsd/*")
+                  + glob.glob(f"{pve.root}/state/*.json"))
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
+                                reason="starts qemu-storage-daemons (needs root)")
+
+
+@needs_root
+def test_pre_start_makes_the_backends_and_post_stop_removes_them(pve, capsys):
+    _applied(pve)
+    done = pve.hook(100, "pre-start")
+    assert done.returncode == 0, done.stderr
+    assert os.path.exists(f"{pve.root}/vhost/pve-100-vdb")
+    for phase in ("post-start", "pre-stop"):
+        assert pve.hook(100, phase).returncode == 0
+    assert pve.vstor("status") == 0
+    assert "pve-100: prepared" in capsys.readouterr().out
+    done = pve.hook(100, "post-stop")
+    assert done.returncode == 0, done.stderr
+    assert _left(pve) == []
+    assert pve.hook(100, "post-stop").returncode == 0        # twice: nothing to do
+
+
+@needs_root
+def test_a_start_that_failed_without_post_stop_is_undone_by_the_next_pre_start(pve):
+    _applied(pve)
+    assert pve.hook(100, "pre-start").returncode == 0
+    pid = open(f"{pve.root}/qsd/pve-100-vdb.pid").read()
+    # QEMU failed to start: Proxmox calls no post-stop.  The next start:
+    assert pve.hook(100, "pre-start").returncode == 0
+    assert open(f"{pve.root}/qsd/pve-100-vdb.pid").read() != pid
+    assert not os.path.exists(f"/proc/{pid}")
+    assert pve.hook(100, "post-stop").returncode == 0 and _left(pve) == []
+
+
+@needs_root
+def test_a_migration_source_gets_no_stop_phase_and_gc_releases_what_it_held(pve, capsys):
+    """The target node runs pre-start with PVE_MIGRATED_FROM and the config
+    still in the source node's directory; the source gets no stop phase."""
+    text = _applied(pve)
+    assert pve.hook(100, "pre-start").returncode == 0
+    assert pve.vstor("status") == 0
+    assert "VM 100 does not run on this node (vstor gc releases it)" in capsys.readouterr().out
+    qemu = _running_qemu(pve)
+    try:
+        assert pve.vstor("gc") == 0
+        assert "Nothing to collect" in capsys.readouterr().out      # it runs: kept
+    finally:
+        qemu.kill()
+        qemu.wait()
+    assert pve.vstor("gc") == 0                                     # migrated away: released
+    assert "Releasing pve-100 (not running)" in capsys.readouterr().out and _left(pve) == []
+
+    # This node as the target: the config is still the source's.
+    os.rename(f"{pve.etc}/qemu-server/100.conf", f"{pve.etc}/nodes/other/qemu-server/100.conf")
+    done = pve.hook(100, "pre-start", env={"PVE_MIGRATED_FROM": "other"})
+    assert done.returncode == 0, done.stderr
+    assert os.path.exists(f"{pve.root}/vhost/pve-100-vdb")
+    assert pve.hook(100, "post-stop").returncode == 0 and _left(pve) == []
+    bad = pve.hook(100, "pre-start", env={"PVE_MIGRATED_FROM": "../../x"})
+    assert bad.returncode == 2 and "is not a node name" in bad.stderr
+    assert text
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: re.sub(r"policy=\w+", "policy=interleave", t), "numa0"),
+    (lambda t: t.replace("cores: 2", "cores: 4"), "4 vCPUs"),
+    (lambda t: t.replace("affinity: ", "affinity: 1,"), "affinity"),
+    (lambda t: t.replace(" -device vhost-user-blk-pci", " -usb -device vhost-user-blk-pci"), "args"),
+    (lambda t: t.replace("boot:", "lock: migrate\nboot:"), "locked"),
+])
+def test_pre_start_refuses_a_config_that_no_longer_carries_the_plan(pve, edit, message):
+    text = _applied(pve)
+    pve.vm(edit(text))
+    done = pve.hook(100, "pre-start")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("vstor: ") and done.stderr.count("\n") == 1
+    assert message in done.stderr and ("vstor pve apply 100" in done.stderr or "qm unlock" in done.stderr)
+    assert _left(pve) == []
+
+
+def test_a_clone_with_vstors_args_but_no_intent_is_refused(pve):
+    text = _applied(pve)
+    pve.vm(text.replace("smbios1: uuid=6ad6b5f0", "smbios1: uuid=7ad6b5f0"), 101)
+    done = pve.hook(101, "pre-start")
+    assert done.returncode == 2 and "a clone or a restore of another VM" in done.stderr
+    assert _left(pve) == []
+
+
+def test_the_hookscript_leaves_vms_without_vstor_alone(pve):
+    pve.vm("cores: 1\nmemory: 512\nhookscript: local:snippets/vstor\n", 102)
+    assert pve.vstor("pve", "hooks", "install") == 0
+    for phase in ("pre-start", "post-start", "pre-stop", "post-stop"):
+        done = pve.hook(102, phase)
+        assert done.returncode == 0 and done.stderr == ""
+    done = subprocess.run([f"{pve.snippets}/vstor", "102"], capture_output=True, text=True)
+    assert done.returncode == 0         # not a phase it acts on
+    done = subprocess.run([f"{pve.snippets}/vstor", "1x", "pre-start"], capture_output=True, text=True,
+                          env={**os.environ, "VSTOR_CONFIG": pve.conf})
+    assert done.returncode == 2 and "is not a Proxmox VMID" in done.stderr
+
+
+def test_doctor_names_what_a_node_lacks(pve, tmp_path, capsys):
+    from vstor.config import load
+    from vstor.pve.doctor import checks
+    from vstor.pve.node import Node
+    text = _applied(pve)
+    pve.vm(text.replace("hookscript: local:snippets/vstor\n", ""))
+    mounts = tmp_path / "mounts"
+    os.makedirs(tmp_path / "hp" / "2048kB")
+    mounts.write_text(f"hugetlbfs {tmp_path}/hp/1048576kB hugetlbfs rw,pagesize=1024M 0 0\n")
+    os.makedirs(tmp_path / "hp" / "1048576kB")
+    found = checks(Node(load(pve.conf)), load(pve.conf), str(tmp_path / "hp"), str(mounts))
+    bad = [line for ok, line in found if not ok]
+    assert any("2048kB exists but is not a hugetlbfs mount" in b for b in bad)
+    assert any("hookscript" in b and "missing: run vstor pve hooks install" in b for b in bad)
+    assert any(b.startswith("VM 100: hookscript is not set") for b in bad)
+    assert any(ok and "1048576kB: hugetlbfs" in line for ok, line in found)
+
+    assert pve.vstor("pve", "hooks", "install") == 0
+    assert "qm set 100 --hookscript local:snippets/vstor" in capsys.readouterr().out
+    pve.vm(text)
+    assert pve.vstor("pve", "doctor") == 0
+    out = capsys.readouterr().out
+    assert "ok: VM 100: hookscript set, config carries its plan" in out
+    pve.vm(text.replace("cores: 2", "cores: 3"))
+    assert pve.vstor("pve", "doctor") == 3
+    assert "PROBLEM: VM 100:" in capsys.readouterr().out
+    pve.write_config("storage = nope\n")
+    assert pve.vstor("pve", "doctor") == 3
+    assert "snippets storage 'nope' does not exist" in capsys.readouterr().out
