@@ -183,7 +183,7 @@ def _template(name: str):
     return etree.tostring(vs).decode(), int(mib), int(dom.findtext("vcpu")), machine
 
 
-@pytest.mark.parametrize("name", sorted(os.listdir(TEMPLATES)))
+@pytest.mark.parametrize("name", sorted(n for n in os.listdir(TEMPLATES) if n.endswith(".xml")))
 def test_every_template_shape_gives_a_config_qemu_server_starts_as_planned(pve_nvme, name, capsys):
     intent, mib, vcpus, machine = _template(name)
     machine = "q35,viommu=intel" if 'guest="spdk"' in intent else machine
@@ -507,3 +507,14 @@ def test_doctor_names_what_a_node_lacks(pve, tmp_path, capsys):
     pve.write_config("storage = nope\n")
     assert pve.vstor("pve", "doctor") == 3
     assert "snippets storage 'nope' does not exist" in capsys.readouterr().out
+
+
+def test_the_proxmox_template_applies(pve_nvme, capsys):
+    pve_nvme.vm("cores: 4\nmemory: 8192\nmachine: q35\nname: db1\n")
+    with open(os.path.join(TEMPLATES, "proxmox", "vstor-100.xml")) as src:
+        with open(f"{pve_nvme.snippets}/vstor-100.xml", "w") as f:
+            f.write(src.read())
+    assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "10.1") == 0
+    conf = PveConfig.parse(pve_nvme.config())
+    assert refusal(conf) is None and conf.get("hostpci0") == "0000:5f:00.0,pcie=1"
+    assert "policy=bind" in conf.get("numa0") and "vstor-vdb" in conf.get("args")

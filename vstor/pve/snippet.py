@@ -52,7 +52,7 @@ def read(path: str, vmid: int) -> etree._Element:
     data = _read(path)
     if data is None:
         raise BadInput(f"VM {vmid} has no vstor intent ({path})",
-                       hint="write one (see xml-templates/pve-intent.xml), or pass --intent FILE")
+                       hint="write one (see xml-templates/proxmox/vstor-100.xml), or pass --intent FILE")
     return parse(data, path)
 
 
