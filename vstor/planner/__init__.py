@@ -46,10 +46,16 @@ class Request:
     grows_hugepages: bool = False
     # The command that plans the domain again (named in every "re-plan" hint).
     replan: str = ""
+    # How messages name it ("VM 100" on Proxmox).
+    title: str = ""
 
     @property
     def fix(self) -> str:
         return self.replan or f"vstor apply {self.name}"
+
+    @property
+    def who(self) -> str:
+        return self.title or f"domain '{self.name}'"
 
     @classmethod
     def from_domain(cls, dom: Domain, imports=()) -> "Request":
@@ -68,7 +74,7 @@ def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
     ledger = ledger.without(req.name, req.uuid)
     choices = choose_all(host, cfg, req.intent.vm, req.disks(), ledger)
     if isinstance(choices, NoFit):
-        raise DoesNotFit(f"domain '{req.name}' does not fit: {choices.reason}")
+        raise DoesNotFit(f"{req.who} does not fit: {choices.reason}")
     page_kib = page_size(req, choices)
     failures: list[str] = []
     for node_id, why in candidate_nodes(host, cfg, req, choices, ledger):
@@ -77,7 +83,7 @@ def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
             failures.append(placed.reason)
             continue
         return _assemble(host, cfg, req, choices, node_id, why, page_kib, *placed)
-    raise DoesNotFit(f"domain '{req.name}' does not fit: {failures[0]}",
+    raise DoesNotFit(f"{req.who} does not fit: {failures[0]}",
                      reasons=tuple(failures))
 
 
@@ -99,16 +105,16 @@ def page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
     spdk = any(c.backend == "spdk" for c in choices)
     shared = req.vhost_memory == "hugepages" and any(c.mode == "vhost" for c in choices)
     if wanted == "none" and spdk:
-        raise BadInput(f"domain '{req.name}': hugepages='none' with an SPDK disk; SPDK maps guest "
+        raise BadInput(f"{req.who}: hugepages='none' with an SPDK disk; SPDK maps guest "
                        "memory in 2 MiB units and needs it hugepage-backed",
                        hint="use hugepages='2M', '1G' or 'auto'")
     if wanted == "none" and shared:
-        raise BadInput(f"domain '{req.name}': hugepages='none' with a vhost-user disk; here only "
+        raise BadInput(f"{req.who}: hugepages='none' with a vhost-user disk; here only "
                        "hugepages give the shared guest memory vhost-user needs",
                        hint="use hugepages='2M', '1G' or 'auto'")
     size = _PAGE_KIB.get(wanted) or (2048 if wanted == "auto" and (spdk or shared) else None)
     if size and req.memory_kib % size:
-        raise BadInput(f"domain '{req.name}': memory {req.memory_kib} KiB is not a whole number "
+        raise BadInput(f"{req.who}: memory {req.memory_kib} KiB is not a whole number "
                        f"of {size} KiB hugepages", hint="round <memory> to the page size")
     return size
 
@@ -182,7 +188,7 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
     disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target)) for c in choices)
     viommu = any(d.mode == "passthrough" and d.guest == "spdk" for d in disks)
     if viommu and "q35" not in req.machine:
-        raise BadInput(f"domain '{req.name}': guest='spdk' needs a vIOMMU, which needs the q35 "
+        raise BadInput(f"{req.who}: guest='spdk' needs a vIOMMU, which needs the q35 "
                        f"machine (this domain has '{req.machine or 'the default'}')",
                        hint="set <os><type machine='q35'>hvm</type>")
     return Plan(

@@ -33,14 +33,14 @@ def check_made_for(plan: Plan, req: Request) -> None:
     """BadInput unless `plan` was made for this domain's metadata and size."""
     fix = f"run {req.fix}"
     if plan.digest != digest(req.intent):
-        raise BadInput(f"domain '{req.name}': the vstor metadata changed since the plan was made",
+        raise BadInput(f"{req.who}: the vstor metadata changed since the plan was made",
                        hint=fix)
     if (plan.vcpus, plan.memory_kib) != (req.vcpus, req.memory_kib):
-        raise BadInput(f"domain '{req.name}' has {req.vcpus} vCPUs and {req.memory_kib} KiB now; "
+        raise BadInput(f"{req.who} has {req.vcpus} vCPUs and {req.memory_kib} KiB now; "
                        f"the plan was made for {plan.vcpus} and {plan.memory_kib} KiB", hint=fix)
     vm = req.intent.vm
     if (plan.numa, plan.cpus, plan.migratable) != (vm.numa, vm.cpus, vm.migratable):
-        raise BadInput(f"domain '{req.name}': the plan's numa/cpus/migratable "
+        raise BadInput(f"{req.who}: the plan's numa/cpus/migratable "
                        f"({plan.numa}/{plan.cpus}/{plan.migratable}) are not the metadata's", hint=fix)
 
 

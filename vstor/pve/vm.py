@@ -51,7 +51,8 @@ def request_of(vm: int, conf: PveConfig, intent: Intent) -> Request:
     return Request(name=name_of(vm), safe_name=name_of(vm), uuid=uuid_of(conf, where),
                    vcpus=vcpus, memory_kib=memory_mib(conf, where) * 1024,
                    machine=machine_of(conf, where), intent=intent,
-                   vhost_memory="hugepages", grows_hugepages=True, replan=f"vstor pve apply {vm}")
+                   vhost_memory="hugepages", grows_hugepages=True, replan=f"vstor pve apply {vm}",
+                   title=f"VM {vm}")
 
 
 def memory_mib(conf: PveConfig, where: str) -> int:

@@ -111,7 +111,7 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
         problems = fit.problems(host, rt.cfg, req, plan, running_ledger(others))
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise DoesNotFit(f"domain '{req.name}' cannot start: {problems[0]}{more}",
+            raise DoesNotFit(f"{req.who} cannot start: {problems[0]}{more}",
                              reasons=tuple(problems), hint=f"if the host changed for good: {req.fix}")
         steps = actions.build(plan, rt.cfg)     # from a plan that passed the check
         for step in steps:
