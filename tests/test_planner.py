@@ -409,3 +409,22 @@ def test_a_path_another_controller_has_is_refused_unless_every_setting_matches(h
     assert "another disk of this domain reaches" in refused(host, SPDK_CFG, request(two), Ledger())
     again = holding_from_json(holding_to_json(Holding.from_plan(a)))
     assert again.connections == Holding.from_plan(a).connections != frozenset()
+
+
+def test_a_pool_qemu_server_grows_counts_free_node_memory_once():
+    """Proxmox raises the hugepage pool at the VM's start: the plan may count
+    on the node's memory outside the pools, less what the host keeps and
+    less pages promised to stopped VMs (each counted once)."""
+    from vstor.config import Config
+    from vstor.host.model import HugepagePool, NumaNode
+    from vstor.planner.ledger import Holding, Ledger
+    from vstor.planner.placement import place_hugepages
+    from vstor.planner.disks import NoFit
+    cfg = Config(memory_reserved_mib=1024)
+    node = NumaNode(0, (0, 1), memory_kib=8 << 20, hugepages=(HugepagePool(2048, 0, 0),))
+    stopped = Holding("pve-101", None, False, 0, frozenset(), (), (0, 2048, 1024), None,
+                      frozenset(), frozenset(), frozenset(), frozenset())
+    ledger = Ledger([stopped])              # 2 GiB promised; 7 GiB of room: 5 GiB left
+    assert place_hugepages(node, 2048, 5 << 20, ledger, cfg) == 2560
+    assert isinstance(place_hugepages(node, 2048, (5 << 20) + 2048, ledger, cfg), NoFit)
+    assert isinstance(place_hugepages(node, 2048, 2048, Ledger(), None), NoFit)   # libvirt: no growing

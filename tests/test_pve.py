@@ -236,6 +236,13 @@ def _cpus(text) -> set:
     ("-machine memory-backend=m", "decides guest memory"),
     ("-chardev socket,id=vstor-mine,path=/x", "id prefix 'vstor-'"),
     ("-msg 'timestamp=on", "cannot be split into arguments"),
+    ("-msg 'timestamp=on\\'", "cannot be split into arguments"),     # Perl: no words at all
+    ("--numa node", "decides guest memory"),                          # QEMU takes --x as -x
+    ("-object '{\"qom-type\":\"memory-backend-ram\",\"id\":\"m\",\"size\":1}'", "decides guest memory"),
+    ("-device '{\"driver\":\"virtio-blk-pci\",\"id\":\"vstor-vdb\"}'", "id prefix 'vstor-'"),
+    ("-set chardev.vstor-vdb.path=/tmp/x", "changes vstor's vhost-user devices"),
+    ("-global vhost-user-blk-pci.num-queues=1", "changes vstor's vhost-user devices"),
+    ("-readconfig /tmp/q.cfg", "vstor cannot check it"),
     ("-msg timestamp=on -chardev socket,id=vstor-vdb,path=/x,reconnect=10 -usb",
      "which vstor did not write"),
 ])
@@ -303,7 +310,7 @@ def test_passthrough_lines_are_vstors_only_for_its_controllers(pve_nvme, capsys)
     pve_nvme.intent(passthrough, vm="<vstor:vm/>")
     before = pve_nvme.config()
     assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 2
-    assert "hostpci0 already passes 0000:5e:00.0 through" in capsys.readouterr().err
+    assert "hostpci0 passes 0000:5e:00.0 through, which vstor serves as vdb" in capsys.readouterr().err
     assert pve_nvme.config() == before
 
 
@@ -429,8 +436,13 @@ def test_a_migration_source_gets_no_stop_phase_and_gc_releases_what_it_held(pve,
     assert pve.vstor("gc") == 0                                     # migrated away: released
     assert "Releasing pve-100 (not running)" in capsys.readouterr().out and _left(pve) == []
 
-    # This node as the target: the config is still the source's.
-    os.rename(f"{pve.etc}/qemu-server/100.conf", f"{pve.etc}/nodes/other/qemu-server/100.conf")
+    # This node as the target: the config is still the source's, locked
+    # for the migration (qemu-server starts it all the same).
+    os.unlink(f"{pve.etc}/qemu-server/100.conf")
+    pve.vm(text.replace("boot:", "lock: migrate\nboot:"), vmid="../nodes/other/qemu-server/100")
+    done = pve.hook(100, "pre-start", env={"PVE_MIGRATED_FROM": "other"})
+    assert done.returncode == 3 and "not on storage declared shared between nodes" in done.stderr
+    pve.write_config(f"\n[migrate]\nshared = {pve.root}\n")
     done = pve.hook(100, "pre-start", env={"PVE_MIGRATED_FROM": "other"})
     assert done.returncode == 0, done.stderr
     assert os.path.exists(f"{pve.root}/vhost/pve-100-vdb")
@@ -445,7 +457,6 @@ def test_a_migration_source_gets_no_stop_phase_and_gc_releases_what_it_held(pve,
     (lambda t: t.replace("cores: 2", "cores: 4"), "4 vCPUs"),
     (lambda t: t.replace("affinity: ", "affinity: 1,"), "affinity"),
     (lambda t: t.replace(" -device vhost-user-blk-pci", " -usb -device vhost-user-blk-pci"), "args"),
-    (lambda t: t.replace("boot:", "lock: migrate\nboot:"), "locked"),
 ])
 def test_pre_start_refuses_a_config_that_no_longer_carries_the_plan(pve, edit, message):
     text = _applied(pve)
@@ -462,7 +473,22 @@ def test_a_clone_with_vstors_args_but_no_intent_is_refused(pve):
     pve.vm(text.replace("smbios1: uuid=6ad6b5f0", "smbios1: uuid=7ad6b5f0"), 101)
     done = pve.hook(101, "pre-start")
     assert done.returncode == 2 and "a clone or a restore of another VM" in done.stderr
-    assert _left(pve) == []
+    assert "args hold vstor's vhost-user disks" in done.stderr and _left(pve) == []
+
+
+def test_a_clone_of_a_passthrough_vm_is_refused(pve_nvme):
+    pve_nvme.vm(CONF.replace("memory: 1024", "memory: 2048"))
+    pve_nvme.intent("<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:5e:00.0'/>"
+                    "</vstor:disk>", vm="<vstor:vm/>")
+    assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    clone = PveConfig.parse(pve_nvme.config())
+    assert clone.get("hostpci1") == "0000:5e:00.0" and clone.get("args") == (
+        "-msg timestamp=on -set 'device.x.y=a b'")
+    clone.set("hostpci1", "5e:00")                  # the whole slot: the same controller
+    pve_nvme.vm(clone.to_text(), 101)
+    done = pve_nvme.hook(101, "pre-start")
+    assert done.returncode == 2, done.stderr
+    assert "hostpci1 passes 0000:5e:00.0 through, which vstor holds for a VM" in done.stderr
 
 
 def test_the_hookscript_leaves_vms_without_vstor_alone(pve):
@@ -518,3 +544,45 @@ def test_the_proxmox_template_applies(pve_nvme, capsys):
     conf = PveConfig.parse(pve_nvme.config())
     assert refusal(conf) is None and conf.get("hostpci0") == "0000:5f:00.0,pcie=1"
     assert "policy=bind" in conf.get("numa0") and "vstor-vdb" in conf.get("args")
+
+
+@needs_root
+def test_gc_leaves_a_vm_whose_config_lock_is_held(pve, capsys):
+    import fcntl
+    _applied(pve)
+    assert pve.hook(100, "pre-start").returncode == 0
+    with open(f"{pve.root}/lock/lock-100.conf", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)            # a start (or migration) under way
+        assert pve.vstor("gc") == 0
+        assert "Leaving pve-100: its config is locked" in capsys.readouterr().out
+        assert pve.vstor("release", "pve-100") == 3
+        assert "its config is locked" in capsys.readouterr().err
+        assert os.path.exists(f"{pve.root}/vhost/pve-100-vdb")
+    assert pve.vstor("gc") == 0 and _left(pve) == []
+
+
+def test_offline_apply_writes_only_the_files_it_was_given(pve, tmp_path, capsys):
+    pve.vm()
+    live_intent = pve.intent(pve.file_disk())
+    conf, intent = tmp_path / "copy.conf", tmp_path / "copy.xml"
+    conf.write_text(CONF)
+    intent.write_text(open(live_intent).read())
+    assert pve.vstor("pve", "apply", "100", "--conf", str(conf), "--qemu-version", "9.2") == 2
+    assert "--conf and --intent go together" in capsys.readouterr().err
+    assert pve.vstor("pve", "apply", "100", "--conf", str(conf), "--intent", str(intent),
+                     "--qemu-version", "9.2") == 0
+    assert "numa0:" in conf.read_text() and (tmp_path / "copy.plan.xml").exists()
+    assert pve.config() == CONF and not os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")
+
+
+def test_a_key_written_twice_counts_as_qemu_server_reads_it(pve, capsys):
+    pve.vm(CONF.replace("cores: 2", "cores: 2\nnuma0: cpus=0,memory=1") + "")
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
+    text = pve.config()
+    assert text.count("numa0:") == 1 and "numa0: cpus=0-1,hostnodes=0,memory=1024" in text
+    doubled = text.replace("boot:", "numa0: cpus=0,hostnodes=0,memory=1024,policy=bind\nboot:", 1)
+    pve.vm(doubled.replace("numa0: cpus=0-1", "numa0: cpus=0-1", 1))
+    # The last numa0 is vstor's, so qemu-server reads vstor's: pre-start must
+    # judge the same line (the first, a user's, is dead text to Proxmox).
+    assert PveConfig.parse(pve.config()).get("numa0").startswith("cpus=0-1")

@@ -97,7 +97,11 @@ def cmd_apply(ctx, args) -> int:
     from vstor.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
-    if args.conf:       # offline: a copy of a config, not this node's VM
+    if bool(args.conf) != bool(args.intent) and not args.dry_run:
+        raise BadInput("--conf and --intent go together: offline, apply writes the config and the "
+                       "plan beside the intent it was given, never this node's VM",
+                       hint="give both, or neither (this node's VM), or add --dry-run")
+    if args.conf:       # offline: copies of a config and an intent, not this node's VM
         return _apply(ctx, args, node)
     with _nothing() if args.dry_run else node.lock(vm):     # as `qm set` does
         if node.running(vm):

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from vstor.errors import BadInput
+from vstor.errors import BadInput, DoesNotFit
 
 
 def register(sub) -> None:
@@ -151,6 +151,20 @@ def _is_running(ctx, name: str) -> bool | None:
 
 
 def cmd_release(ctx, args) -> int:
+    from vstor.pve.node import Node, RunGuard
+    from vstor.pve.vm import vmid_of
+    node = Node(ctx.config)
+    if vmid_of(args.domain) and node.is_proxmox() and not args.force:
+        # Under the VM's config lock: no start between the check and the release.
+        with RunGuard(node, args.domain) as why:
+            if why:
+                raise DoesNotFit(f"VM {vmid_of(args.domain)}: {why}; its backends are in use",
+                                 hint="stop it first (post-stop then releases), or --force")
+            return _release(ctx, args)
+    return _release(ctx, args)
+
+
+def _release(ctx, args) -> int:
     from vstor.errors import Unavailable
     from vstor.runtime.lifecycle import release
     if not args.force:
@@ -182,40 +196,34 @@ def _key_of(ctx, name: str) -> str:
 
 
 def cmd_gc(ctx, args) -> int:
-    from contextlib import ExitStack
     from vstor.runtime import gc
+    from vstor.pve.node import Node, RunGuard
     state = _state(ctx)
-    with ExitStack() as held:
-        running = _running(ctx, state.records(), held)
-        if not gc.collect(_runtime(ctx, args.dry_run), state, running, say=print, step=_say):
-            print("Nothing to collect")
+    node = Node(ctx.config)
+    running = _running(ctx, state.records(), node)
+    if not gc.collect(_runtime(ctx, args.dry_run), state, running, say=print, step=_say,
+                      guard=lambda rec: RunGuard(node, rec.domain)):
+        print("Nothing to collect")
     return 0
 
 
-def _running(ctx, records, held) -> set[str]:
+def _running(ctx, records, node) -> set[str]:
     """The names of the domains and Proxmox VMs that run here.  gc must know
-    what runs: without libvirt it would remove live backends.  A Proxmox VM
-    whose config lock is held (a start, a stop, a migration) counts as
-    running, and each stopped one's lock is held until gc is done, so no
-    start begins on what gc releases."""
-    from vstor.pve.node import Node
-    from vstor.pve.vm import name_of, vmid_of
-    from vstor.errors import DoesNotFit
-    node = Node(ctx.config)
-    pve = {vmid_of(r.domain) for r in records if vmid_of(r.domain)} if node.is_proxmox() else set()
-    running: set[str] = set()
-    if not pve or any(vmid_of(r.domain) not in pve for r in records):
+    what runs: without libvirt it would remove live backends.  Proxmox VMs
+    (records named pve-VMID) are judged by qemu-server's pid files, the rest
+    by libvirt; each release is checked again under the VM's config lock
+    (RunGuard), so no start begins on what gc releases."""
+    from vstor.errors import Unavailable
+    from vstor.pve.vm import vmid_of
+    pve = {vmid_of(r.domain) for r in records if vmid_of(r.domain)}
+    if pve and not node.is_proxmox():
+        raise Unavailable(f"vstor holds Proxmox VMs here but {node.etc}/qemu-server is missing "
+                          "(is pmxcfs running?): cannot tell which run",
+                          hint="start pve-cluster, then run vstor gc again")
+    running = {f"pve-{vm}" for vm in pve if node.running(vm)}
+    if any(not vmid_of(r.domain) for r in records):
         from vstor.runtime import virt
         running |= {d.name() for d in virt.all_domains(ctx.conn) if d.isActive()}
-    for vm in sorted(pve):
-        try:
-            held.enter_context(node.lock(vm, wait=False))
-        except DoesNotFit:
-            print(f"Leaving {name_of(vm)}: its config is locked (a start, stop or migration is under way)")
-            running.add(name_of(vm))
-            continue
-        if node.running(vm):
-            running.add(name_of(vm))
     return running
 
 

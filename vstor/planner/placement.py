@@ -135,8 +135,8 @@ def place_hugepages(node: NumaNode, size_kib: int, memory_kib: int,
     if free >= count:
         return count
     if grow is not None:
-        room = _room_kib(grow, node, ledger) - max(-free, 0) * size_kib
-        if free + room // size_kib >= count:
+        room = _room_kib(grow, node, ledger)
+        if free + room // size_kib >= count:       # promises beyond the free pages come from room too
             return count
         return NoFit(f"node {node.id} cannot give {count} {size_kib} KiB hugepages: {max(free, 0)} "
                      f"are free and its memory outside the pools holds {max(room, 0) // size_kib} more "

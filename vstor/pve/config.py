@@ -40,7 +40,8 @@ class Section:
     lines: list[Line] = field(default_factory=list)
 
     def get(self, key: str) -> str | None:
-        for line in self.lines:
+        """The key's value; of a key written twice, the last, as qemu-server reads it."""
+        for line in reversed(self.lines):
             if line.key == key:
                 return line.value
         return None
@@ -103,10 +104,11 @@ class PveConfig:
         """Replace the key's line where it is, or add it at the end of the
         main section (before its trailing blank lines)."""
         _check_value(key, value)
-        for line in self.main.lines:
-            if line.key == key:
-                line.raw, line.value = f"{key}: {value}", value
-                return
+        mine = [line for line in self.main.lines if line.key == key]
+        if mine:        # a key written twice: the last one counts; the others go
+            self.main.lines = [line for line in self.main.lines if line.key != key or line is mine[-1]]
+            mine[-1].raw, mine[-1].value = f"{key}: {value}", value
+            return
         at = len(self.main.lines)
         while at > 0 and not self.main.lines[at - 1].raw.strip():
             at -= 1

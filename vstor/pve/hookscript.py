@@ -74,24 +74,49 @@ def pre_start(vm: int, migrated_from: str | None) -> None:
     node = Node(cfg)
     path = node.config_path(vm, migrated_from)
     conf, _ = node.read_config(vm, path)
-    if not os.path.exists(snippet.path_of(manage.intent_dir(node), vm)):
-        if manage.carries_vstor(conf):
-            raise BadInput(f"VM {vm}'s args hold vstor's vhost-user disks, but vstor has no intent "
-                           "for it (a clone or a restore of another VM?)",
-                           hint=f"write its intent and run vstor pve apply {vm}, or remove "
-                                "vstor's -chardev/-device pairs from args")
+    if not _exists(snippet.path_of(manage.intent_dir(node), vm)):
+        theirs = manage.carries_vstor(conf, manage.claimed_controllers(node, state.records()))
+        if theirs:
+            raise BadInput(f"VM {vm} has no vstor intent but its {theirs} (a clone or a restore "
+                           "of another VM?)", hint=f"write its intent and run vstor pve apply {vm}, "
+                                                   "or remove what is vstor's from its config")
         return          # the hookscript on a VM without vstor disks: nothing to do
     vmo = manage.load(node, vm, conf_path=path)
     plan = manage.recorded_plan(vmo)
-    manage.check_config(vmo, plan, node.qemu_version())
-    if migrated_from and any(d.source.kind == "nvme" or d.mode == "passthrough" for d in plan.disks):
-        raise DoesNotFit(f"VM {vm} has local NVMe on {migrated_from}; Proxmox's migration cannot "
-                         "move it", hint="migrate VMs whose vstor disks are NVMe-oF namespaces, "
-                                         "or shared files")
+    manage.check_config(vmo, plan, node.qemu_version(), starting=True)
+    if migrated_from:
+        _check_movable(cfg, vm, plan, migrated_from)
     rec = carry_out(rt, state, read_host(SysFS(root)), vmo.req, plan,
                     progress=lambda m: log(str(vm), m))
     log(str(vm), f"pre-start: {len(rec.steps)} host changes recorded"
         + (f" (incoming migration from {migrated_from})" if migrated_from else ""))
+
+
+def _exists(path: str) -> bool:
+    """A file that cannot be looked at is not 'no file' (an unmounted or
+    unreadable storage would let a VM start without its backends)."""
+    try:
+        os.stat(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        from vstor.errors import Unavailable
+        raise Unavailable(f"cannot look at {path}: {e.strerror}") from None
+
+
+def _check_movable(cfg, vm: int, plan, source: str) -> None:
+    """On a migration's target: Proxmox moved the config, not the disks."""
+    from vstor.meta.names import inside
+    for d in plan.disks:
+        if d.source.kind == "nvme" or d.mode == "passthrough":
+            raise DoesNotFit(f"VM {vm}'s disk {d.target} is local NVMe on {source}; Proxmox's "
+                             "migration cannot move it", hint="migrate VMs whose vstor disks are "
+                                                              "NVMe-oF namespaces or shared files")
+        if d.source.kind in ("file", "block") and not inside(d.source.path, cfg.migrate_shared):
+            raise DoesNotFit(f"VM {vm}'s disk {d.target} ({d.source.path}) is not on storage "
+                             "declared shared between nodes: here it would be another disk",
+                             hint="declare the shared mount in [migrate] shared on every node")
 
 
 def post_stop(vm: int) -> None:

@@ -89,10 +89,13 @@ def new_config(vm: Vm, plan: Plan, qemu: tuple[int, int]) -> tuple[str, list[str
     return vm.conf.to_text(), changed
 
 
-def check_config(vm: Vm, plan: Plan, qemu: tuple[int, int]) -> None:
+def check_config(vm: Vm, plan: Plan, qemu: tuple[int, int], starting: bool = False) -> None:
     """The config still carries the plan (a user with VM.Config rights can
-    change numaN, hostpci or memory; root can change anything)."""
-    if vm.conf.get("lock"):
+    change numaN, hostpci or memory; root can change anything).  starting:
+    qemu-server has already decided to start the VM, which it does under
+    `lock: migrate` (a migration's target), `backup` (vzdump of a stopped
+    VM), `suspended` (a resume): the lock is not vstor's to judge then."""
+    if vm.conf.get("lock") and not starting:
         raise BadInput(f"VM {vm.vmid} is locked ({vm.conf.get('lock')[:20]})",
                        hint=f"wait for it, or: qm unlock {vm.vmid}")
     drift = render.drift(vm.conf, plan, qemu, vm.vmid)
@@ -143,6 +146,25 @@ def vstor_vms(node: Node) -> list[int]:
     return sorted(out)
 
 
-def carries_vstor(conf: PveConfig) -> bool:
-    """The config has vstor's args (a clone or restore of a vstor VM, say)."""
-    return bool(render._START.search(conf.get("args") or ""))
+def carries_vstor(conf: PveConfig, claimed: set[str]) -> str | None:
+    """What in a config without a vstor intent is vstor's (a clone or a
+    restore of a vstor VM, say): its args pairs, or a hostpci line passing a
+    controller a vstor plan or record holds (`claimed`)."""
+    if render._START.search(conf.get("args") or ""):
+        return "args hold vstor's vhost-user disks"
+    for key, hosts in render.hostpci_hosts(conf):
+        taken = sorted(c for c in claimed if any(render.names(h, c) for h in hosts))
+        if taken:
+            return f"{key} passes {taken[0]} through, which vstor holds for a VM"
+    return None
+
+
+def claimed_controllers(node: Node, records) -> set[str]:
+    """Every local controller a vstor plan on this node or a state record holds."""
+    from vstor.runtime.lifecycle import holding_of
+    held = holdings(node) + [holding_of(r) for r in records if r.holding]
+    out = set()
+    for h in held:
+        out |= h.passthrough | h.spdk_controllers
+        out |= {key[5:].split("/")[0] for key, _ in h.volumes if key.startswith("nvme:")}
+    return out

@@ -13,6 +13,7 @@ import glob
 import os
 import re
 import subprocess
+import time
 from contextlib import contextmanager
 
 from vstor.config import Config
@@ -21,6 +22,7 @@ from vstor.pve import storage as storage_mod
 from vstor.pve.config import MAX_BYTES, PveConfig
 
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", re.ASCII)
+LOCK_SECONDS = 10           # how long qemu-server waits for a VM's config lock
 
 
 class Node:
@@ -74,10 +76,11 @@ class Node:
             raise BadInput(f"cannot write {path}: {e.strerror}", hint="run as root") from None
 
     @contextmanager
-    def lock(self, vm: int, wait: bool = True):
+    def lock(self, vm: int, wait: bool = True, timeout: float = LOCK_SECONDS):
         """qemu-server's lock of the VM's config (flock on
         lock-<VMID>.conf): held by every start, stop, migration and `qm set`.
-        wait=False: DoesNotFit at once when somebody holds it."""
+        DoesNotFit when somebody holds it longer than `timeout` seconds (as
+        qemu-server gives up), or at once with wait=False."""
         path = os.path.join(self.cfg.pve_lock_dir, f"lock-{vm}.conf")
         try:
             os.makedirs(self.cfg.pve_lock_dir, exist_ok=True)
@@ -85,13 +88,18 @@ class Node:
         except OSError as e:
             raise Unavailable(f"cannot open {path}: {e.strerror}", hint="run as root") from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except OSError as e:
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            deadline = time.monotonic() + (timeout if wait else 0)
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                if time.monotonic() >= deadline:
                     raise DoesNotFit(f"VM {vm}'s config is locked: a start, stop, migration or "
-                                     "config change is under way", hint="try again when it is done") from None
-                raise
+                                     "config change is under way", hint="try again when it is done")
+                time.sleep(0.1)
             yield
         finally:
             os.close(fd)
@@ -121,8 +129,9 @@ class Node:
             return False
         except OSError as e:
             raise Unavailable(f"cannot read /proc/{text}/cmdline: {e.strerror}") from None
-        want = path.encode()
-        return any(a == b"-pidfile" and b == want for a, b in zip(argv, argv[1:]))
+        want = os.path.realpath(path)
+        return any(a == b"-pidfile" and os.path.realpath(os.fsdecode(b)) == want
+                   for a, b in zip(argv, argv[1:]))
 
     def running_vms(self) -> set[int]:
         out = set()
@@ -160,3 +169,35 @@ def parse_version(text: str, origin: str) -> tuple[int, int]:
     if not m:
         raise Unavailable(f"{origin} did not say its version", hint="pass --qemu-version 9.2")
     return int(m.group(1)), int(m.group(2))
+
+
+class RunGuard:
+    """Around a release of what vstor holds for `name`: for a Proxmox VM,
+    its config lock taken (no start, stop or migration under way or
+    beginning) and the VM checked not to run; entering gives the reason to
+    leave it, or None.  Anything else passes (None)."""
+
+    def __init__(self, node: Node, name: str):
+        from vstor.pve.vm import vmid_of
+        self.node, self.vm, self._lock = node, vmid_of(name), None
+
+    def __enter__(self) -> str | None:
+        if self.vm is None or not self.node.is_proxmox():
+            return None
+        lock = self.node.lock(self.vm, wait=False)
+        try:
+            lock.__enter__()
+        except DoesNotFit:
+            return "its config is locked (a start, stop or migration is under way)"
+        self._lock = lock
+        try:
+            return "it runs on this node" if self.node.running(self.vm) else None
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> bool:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.__exit__(None, None, None)
+        return False

@@ -52,8 +52,8 @@ def parse(text: str) -> dict[str, Storage]:
                                props.get("disable") == "1")
 
     for raw in text.splitlines():
-        line = raw.split("#", 1)[0].rstrip()
-        if not line.strip():
+        line = raw.rstrip()
+        if not line.strip() or line.lstrip().startswith("#"):     # no comments after a value
             continue
         header = _HEADER.match(line)
         if header:

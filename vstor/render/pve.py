@@ -17,6 +17,7 @@ Every other key is the user's.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 
@@ -26,6 +27,7 @@ from vstor.meta.names import normalise_bdf
 from vstor.meta.plan import Plan
 from vstor.pve.config import PveConfig
 from vstor.pve.vm import machine_of, viommu_of
+from vstor.pve.words import shellwords
 
 ID = "vstor-"
 PAGES = {2048: "2", 1048576: "1024"}
@@ -94,24 +96,35 @@ def vhost_args(plan: Plan, qemu: tuple[int, int]) -> list[str]:
 
 def merge_args(current: str | None, ours: list[str], vm: int) -> str | None:
     """The user's part of `args` (before vstor's suffix) kept as written,
-    `ours` appended; refused when the user's part says what vstor says."""
+    `ours` appended; refused when the user's part says what vstor says, or
+    when the line would not split (as qemu-server splits it) into the
+    user's words followed by exactly `ours`."""
     text = current or ""
     m = _START.search(text)
     user, theirs = (text[:m.start()].rstrip(), text[m.start():]) if m else (text.rstrip(), "")
-    for part, what in ((user, "args"), (theirs, "vstor's part of args")):
-        try:
-            shlex.split(part)
-        except ValueError as e:
-            raise BadInput(f"VM {vm}: {what} cannot be split into arguments ({e})",
-                           hint=f"fix its quoting: qm set {vm} --args '...'") from None
-    _check_vstor_part(shlex.split(theirs), vm)
-    _check_user_part(shlex.split(user), vm)
+    _check_vstor_part(_split(theirs, "vstor's part of args", vm), vm)
+    _check_user_part(_split(user, "args", vm), vm)
     merged = " ".join(p for p in (user, shlex.join(ours)) if p)
+    words = shellwords(merged) or []
+    if words[len(words) - len(ours):] != ours:
+        raise BadInput(f"VM {vm}: args would not end in vstor's arguments as Proxmox splits it "
+                       "(a trailing backslash or an open quote in your part?)",
+                       hint=f"fix its quoting: qm set {vm} --args '...'")
     return merged or None
+
+
+def _split(text: str, what: str, vm: int) -> list[str]:
+    words = shellwords(text)
+    if words is None:
+        raise BadInput(f"VM {vm}: {what} cannot be split into arguments (an unbalanced quote: "
+                       "Proxmox would pass no args to QEMU at all)",
+                       hint=f"fix its quoting: qm set {vm} --args '...'")
+    return words
 
 
 _CHARDEV = re.compile(r"socket,id=vstor-(vd[a-z]{1,3}),path=/[A-Za-z0-9_./+-]+,reconnect(-ms)?=[0-9]{1,9}")
 _DEVICE = re.compile(r"vhost-user-blk-pci,id=vstor-(vd[a-z]{1,3}),chardev=vstor-\1,num-queues=[0-9]{1,2}")
+_OUR_ID = re.compile(r"(^|,)(id|chardev)=" + ID + r"|\"(id|chardev)\"\s*:\s*\"" + ID)
 
 
 def _check_vstor_part(tokens: list[str], vm: int) -> None:
@@ -129,21 +142,37 @@ def _check_vstor_part(tokens: list[str], vm: int) -> None:
 
 
 def _check_user_part(tokens: list[str], vm: int) -> None:
-    for i, opt in enumerate(tokens):
+    for i, word in enumerate(tokens):
         value = tokens[i + 1] if i + 1 < len(tokens) else ""
-        if re.search(r"(^|,)(id|chardev)=" + ID, opt):
-            raise BadInput(f"VM {vm}: args uses the id prefix '{ID}', which is vstor's "
-                           f"('{opt[:60]}')", hint="rename your device or chardev")
-        if (opt in _CONFLICTS or (opt == "-object" and value.startswith("memory-backend"))
-                or (opt in ("-machine", "-M") and "memory-backend" in value)):
-            said = f"{opt} {value}".strip()[:60]
-            raise BadInput(f"VM {vm}: args has '{said}', which decides guest memory, "
-                           "NUMA or vCPUs, as vstor's numa0 and hugepages do",
+        opt = word[1:] if word.startswith("--") else word       # QEMU takes --opt as -opt
+        why = None
+        if _OUR_ID.search(word):
+            why = f"uses the id prefix '{ID}', which is vstor's"
+        elif opt in _CONFLICTS or (opt in ("-machine", "-M") and "memory-backend" in value) \
+                or (opt == "-object" and _memory_backend(value)):
+            why = "decides guest memory, NUMA or vCPUs, as vstor's numa0 and hugepages do"
+        elif opt in ("-set", "-global") and (ID in value or "vhost-user-blk" in value):
+            why = "changes vstor's vhost-user devices"
+        elif opt in ("-readconfig", "-add-fd"):
+            why = "can define anything vstor writes; vstor cannot check it"
+        if why:
+            said = f"{word} {value}".strip()[:60]
+            raise BadInput(f"VM {vm}: args has '{said}', which {why}",
                            hint=f"remove it from args (qm set {vm} --args '...'), then apply again")
+
+
+def _memory_backend(value: str) -> bool:
+    if value.lstrip().startswith("{"):
+        try:
+            return str(json.loads(value).get("qom-type", "")).startswith("memory-backend")
+        except (ValueError, AttributeError):
+            return False
+    return value.startswith("memory-backend")
 
 
 def _hostpci(conf: PveConfig, plan: Plan, previous: Plan | None, vm: int) -> dict[str, str | None]:
     wanted = [d.controller for d in plan.disks if d.mode == "passthrough"]
+    served = {d.controller: d.target for d in plan.disks if d.controller}
     ours_before = {d.controller for d in (previous.disks if previous else ()) if d.mode == "passthrough"}
     machine = machine_of(conf)
     if any(d.guest == "spdk" for d in plan.disks if d.mode == "passthrough") and not viommu_of(conf):
@@ -152,18 +181,18 @@ def _hostpci(conf: PveConfig, plan: Plan, previous: Plan | None, vm: int) -> dic
     pcie = ",pcie=1" if machine.startswith(("q35", "pc-q35")) else ""
     out: dict[str, str | None] = {}
     placed: dict[str, str] = {}
-    for key in HOSTPCI_KEYS:
-        value = conf.get(key)
-        if value is None:
-            continue
-        host = _host_of(value)
-        if host in ours_before:
+    for key, hosts in hostpci_hosts(conf):
+        host = _host_of(conf.get(key))
+        if host in ours_before and host not in placed.values():
             out[key] = None             # vstor's line: kept below if still planned
             if host in wanted and host not in placed:
                 placed[host] = key
-        elif host in wanted:
-            raise BadInput(f"VM {vm}: {key} already passes {host} through",
-                           hint=f"qm set {vm} --delete {key} (vstor writes its own line for it)")
+            continue
+        for ctrl, target in served.items():
+            if any(names(h, ctrl) for h in hosts):
+                raise BadInput(f"VM {vm}: {key} passes {ctrl} through, which vstor serves as {target}",
+                               hint=f"qm set {vm} --delete {key} (vstor writes its own line for a "
+                                    "passthrough disk)")
     free = [k for k in HOSTPCI_KEYS if conf.get(k) is None or out.get(k, "") is None]
     for bdf in wanted:
         key = placed.get(bdf)
@@ -175,6 +204,35 @@ def _hostpci(conf: PveConfig, plan: Plan, previous: Plan | None, vm: int) -> dic
             placed[bdf] = key
         out[key] = f"{bdf}{pcie}"
     return out
+
+
+def hostpci_hosts(conf: PveConfig) -> list[tuple[str, list[str]]]:
+    """Each hostpciN line with the host functions it passes: full addresses,
+    or a slot ('0000:5e:00.') for a line that passes every function of one.
+    A mapping names no address in the config: []."""
+    out = []
+    for key in HOSTPCI_KEYS:
+        value = conf.get(key)
+        if value is None:
+            continue
+        first = value.split(",")[0].removeprefix("host=")
+        hosts = []
+        for part in first.split(";") if "=" not in first else ():
+            part = part.strip().lower()
+            if re.fullmatch(r"([0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}", part):
+                hosts.append(("0000:" if part.count(":") == 1 else "") + part + ".")
+            else:
+                try:
+                    hosts.append(normalise_bdf(part))
+                except BadInput:
+                    pass
+        out.append((key, hosts))
+    return out
+
+
+def names(host: str, controller: str) -> bool:
+    """Does a hostpci host (a function, or a whole slot) include `controller`?"""
+    return controller == host or (host.endswith(".") and controller.startswith(host))
 
 
 def _host_of(value: str) -> str | None:

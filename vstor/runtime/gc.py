@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+from contextlib import nullcontext
 from typing import Callable
 
 from vstor.config import Config
@@ -18,10 +19,12 @@ from vstor.runtime.state import EXPORTING, INCOMING, StateDir
 
 
 def collect(rt: Runtime, state: StateDir, running: set[str],
-            say: Callable[[str], None], step: Callable[[str], None]) -> bool:
+            say: Callable[[str], None], step: Callable[[str], None], guard=None) -> bool:
     """Release stale records and remove orphans (dry run: only say so); name
     what is in vstor's directories but not provably vstor's, and leave it.
-    True when there was anything to collect."""
+    guard(rec): a context manager entered around each release, giving a
+    reason to leave the record after all (checked again under its lock), or
+    None.  True when there was anything to collect."""
     damaged: list[str] = []
     stale = [r for r in state.records(damaged) if r.domain not in running]
     for problem in damaged:
@@ -38,8 +41,12 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
             say(f"Leaving the NVMe-oF export of {rec.domain}: {why}")
             stale.remove(rec)
     for rec in stale:
-        say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
-        release(rt, state, rec.key, progress=step, drop_exports=True)    # still needed: left above
+        with guard(rec) if guard else nullcontext() as why:
+            if why:
+                say(f"Leaving {rec.domain}: {why}")
+                continue
+            say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
+            release(rt, state, rec.key, progress=step, drop_exports=True)    # still needed: left above
     orphans, foreign = orphan_files(rt.cfg, state)
     for path in orphans:
         say(f"{'Would remove' if rt.dry_run else 'Removing'} orphan {path}")
