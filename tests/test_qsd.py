@@ -809,3 +809,14 @@ def test_the_second_writer_check_refuses_when_it_cannot_look():
                                "Permission denied (run vstor as root)")
     assert files.same_file(mine, os.path.join(work, "gone")) is False
     shutil.rmtree(work)
+
+
+def test_under_systemd_a_daemon_gets_a_scope_of_its_own(tmp_path, monkeypatch):
+    """It must outlive the service that started it (pvedaemon on Proxmox):
+    systemd-run --scope in vstor.slice, the daemon's own argv after '--'."""
+    from vstor.backends.qsd.daemon import scope
+    assert scope("vm1-vdb", booted=str(tmp_path / "absent")) == []
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    argv = scope("vm1-vdb", booted=str(tmp_path))
+    assert argv[:2] == ["/usr/bin/systemd-run", "--scope"] and argv[-1] == "--"
+    assert "--slice=vstor.slice" in argv and "--collect" in argv

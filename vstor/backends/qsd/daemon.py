@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import shutil
 import subprocess
 import tempfile
 import time
@@ -125,7 +126,7 @@ def _spawn(export: QsdExport, timeout: float) -> None:
     # not a pipe, so a daemon that kept stderr open could never hang us.
     with tempfile.TemporaryFile() as err:
         try:
-            done = subprocess.run(export.argv(), stdin=subprocess.DEVNULL,
+            done = subprocess.run(scope(export.name) + export.argv(), stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=err, timeout=timeout)
         except subprocess.TimeoutExpired:
             raise ActionFailed(f"qemu-storage-daemon {export.name} did not finish starting "
@@ -136,6 +137,20 @@ def _spawn(export: QsdExport, timeout: float) -> None:
             err.seek(0)
             raise ActionFailed(f"qemu-storage-daemon {export.name} failed to start: "
                                f"{_last_line(err.read(), done.returncode)}")
+
+
+def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:
+    """Under systemd (sd_booted: /run/systemd/system exists), the daemon
+    starts in a transient scope of its own in vstor.slice: it must outlive
+    whoever started it, whose cgroup a restart kills (on Proxmox the
+    pvedaemon or pve-ha-lrm task that ran the hookscript; libvirtd's unit
+    kills only its main process).  systemd-run --scope runs the command
+    itself, so the daemon's command line is unchanged."""
+    tool = shutil.which("systemd-run") if os.path.isdir(booted) else None
+    if not tool:
+        return []
+    return [tool, "--scope", "--quiet", "--collect", "--slice=vstor.slice",
+            f"--description=vstor qemu-storage-daemon {name}", "--"]
 
 
 def _settle(export: QsdExport, timeout: float) -> int:
