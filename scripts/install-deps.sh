@@ -28,3 +28,15 @@ if [ "$PY" = ".venv/bin/python3" ] && [ ! -x .venv/bin/python3 ]; then
 fi
 echo "vstor: installing the vstor package ($PY)"
 $PY -m pip install -q --disable-pip-version-check -e ".[test]"
+
+# Nova's own code judges vstor's Nova support in the tests (its PCI and
+# extra-spec parsers, its libvirt config classes): nova from PyPI in a
+# virtual environment of its own, with vstor beside it.
+NOVA_VERSION=34.0.0
+if ! .nova-venv/bin/python3 -c "import nova, sys; sys.exit(0 if __import__('importlib.metadata').metadata.version('nova') == '$NOVA_VERSION' else 1)" 2>/dev/null; then
+    echo "vstor: installing nova $NOVA_VERSION into .nova-venv (about a minute)"
+    rm -rf .nova-venv
+    ${PYTHON:-python3} -m venv .nova-venv
+    .nova-venv/bin/python3 -m pip install -q --disable-pip-version-check "nova==$NOVA_VERSION"
+fi
+.nova-venv/bin/python3 -m pip install -q --disable-pip-version-check --no-deps -e .

@@ -37,6 +37,7 @@ only `node.cores` and `nvme.address` are required:
     port = "0000:5d:00.0"        # upstream bridge (default: a root port made up for the bus)
     irqs = 9                     # MSI-X vectors (default: 1 admin + min(CPUs, 32))
     multipath = false            # true: nvme0c0n1 path devices under head nvme0n1
+    sriov = 0                    # sriov_totalvfs (> 0: SR-IOV capable, a PF to libvirt and Nova)
     [[nvme.namespace]]           # default: one namespace of 1TB
     size = "4TB"                 # KB/MB/GB/TB decimal; K/M/G/T and KiB/MiB/GiB/TiB binary
     scheduler = "none"

@@ -25,7 +25,7 @@ KEYS = {
     "pci": {"address", "class", "vendor", "device", "driver", "node", "iommu_group", "port",
             "irqs", "netdevs"},
     "nvme": {"address", "vendor", "device", "driver", "node", "iommu_group", "port", "irqs",
-             "name", "model", "serial", "multipath", "namespace"},
+             "name", "model", "serial", "multipath", "namespace", "sriov"},
     "rdma": {"name", "address", "class", "vendor", "device", "driver", "node", "iommu_group",
              "port", "netdevs"},
     "namespace": {"size", "nsid", "scheduler", "partitions"} | USE_KEYS,
@@ -97,6 +97,7 @@ class Pci:
     irqs: int = 0
     netdevs: dict = field(default_factory=dict)
     path: str = ""
+    sriov: int = 0              # sriov_totalvfs: an SR-IOV capable function
 
     @property
     def is_bridge(self) -> bool:

@@ -50,7 +50,7 @@ def _add_pci(b: Build, spec: dict, kind: str, defaults: tuple[str, str, str, str
               spec.get("device", device), spec.get("driver", driver) or None,
               spec.get("node", 0 if b.numa else -1), spec.get("iommu_group"),
               pci_address(spec["port"]) if "port" in spec else None,
-              spec.get("irqs", 0), spec.get("netdevs", {}))
+              spec.get("irqs", 0), spec.get("netdevs", {}), sriov=spec.get("sriov", 0))
     b.pci[address] = dev
     return dev
 
@@ -122,6 +122,9 @@ def _write_function(b: Build, dev: Pci) -> None:
     t.write(f"{p}/uevent", f"DRIVER={dev.driver}\n" * bool(dev.driver) +
             f"PCI_CLASS={int(dev.pci_class, 16):X}\nPCI_SLOT_NAME={dev.address}")
     t.link(f"/sys/bus/pci/devices/{dev.address}", p)
+    if dev.sriov:
+        t.write(f"{p}/sriov_totalvfs", dev.sriov)
+        t.write(f"{p}/sriov_numvfs", 0)
     if dev.driver:
         driver = write_driver(b, dev.driver)
         t.link(f"{p}/driver", driver)

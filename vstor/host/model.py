@@ -120,6 +120,7 @@ class NvmeController:
     # (irq number, cpus it may run on) for each MSI-X vector.
     irqs: tuple[tuple[int, tuple[int, ...]], ...] = ()
     backs_root: bool = False    # the root filesystem lives on it
+    sriov_vfs: int = 0          # sriov_totalvfs: SR-IOV capable (libvirt, and Nova, call it a PF)
 
     @property
     def in_use(self) -> tuple[str, ...]:

@@ -146,6 +146,7 @@ def read_controller(sysfs: SysFS, address: str, usage: BlockUsage) -> NvmeContro
         local_cpus=parse_cpulist(sysfs.read(f"{dev}/local_cpulist", "")),
         irqs=read_msi_irqs(sysfs, dev),
         backs_root=any(backs_root for _, backs_root in namespaces),
+        sriov_vfs=sysfs.read_int(f"{dev}/sriov_totalvfs", 0, optional=True) or 0,
     )
 
 

@@ -1,0 +1,113 @@
+"""vstor nova config, judged by Nova's own code (nova 34.0.0 from PyPI, run
+by tests/nova/oracle.py): nova.conf read by oslo.config as nova-compute
+reads it, the device specs by Nova's PCI whitelist, the aliases by its
+alias parser, the CPU sets by nova.virt.hardware, the flavor extra specs
+by Nova's extra-spec validators."""
+
+import json
+import os
+import re
+
+import pytest
+
+from tests.nova import ask
+from vstor.cli.main import main
+
+
+def _conf(tmp_path, text=""):
+    path = tmp_path / "vstor.conf"
+    path.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n{text}")
+    return str(path)
+
+
+def _run(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("layout, offered, refused", [
+    ("two-socket", {"0000:3b:00.0", "0000:5e:00.0", "0000:5f:00.0", "0000:60:00.0", "0000:61:00.0"}, {}),
+    ("nvme-root", {"0000:02:00.0"}, {"0000:01:00.0": "holds the host's root filesystem"}),
+    ("no-iommu", set(), None),
+])
+def test_nova_reads_the_config_as_vstor_meant_it(tmp_path, capsys, host_layout, layout, offered, refused):
+    cfg = _conf(tmp_path, "[cpu]\nreactors = 2\n[pci]\nblocked = 0000:5f:00.0\n"
+                if layout == "two-socket" else "")
+    code, text, err = _run(capsys, "--config", cfg, "--host-root", host_layout(layout), "nova", "config")
+    assert code == 0, err
+    if layout == "two-socket":
+        offered = offered - {"0000:5f:00.0"}
+        refused = {"0000:5f:00.0": "PCI_BLOCKED"}
+    got = ask({"conf": text})
+    addresses = {"{domain}:{bus}:{slot}.{func}".format(**eval(s["address"])) for s in got["whitelist"]}
+    assert addresses == offered
+    assert all(s["live_migratable"] == "false" for s in got["whitelist"])
+    for address, why in (refused or {}).items():
+        assert re.search(rf"# not offered: {re.escape(address)}: .*{why}", text)
+    for name, (policy, specs) in got["aliases"].items():
+        assert policy == "required" and len(specs) == 1
+        assert specs[0]["dev_type"] == ("type-PF" if name.endswith("-pf") else "type-PCI")
+    if layout == "two-socket":
+        assert set(got["aliases"]) == {"vstor-nvme-8086-0a54", "vstor-nvme-144d-a824",
+                                       "vstor-nvme-144d-a824-pf"}      # 61:00.0 is SR-IOV capable
+        assert 2 not in got["dedicated"] and 2 not in got["shared"]        # the SPDK reactor
+        assert set(got["dedicated"]) | set(got["shared"]) | {2} == set(range(64))
+        assert got["shared"] == [0, 16, 32, 48]                            # housekeeping: core 0 of each node
+    if layout == "no-iommu":
+        assert "IOMMU is off" in text and got["aliases"] == {}
+
+
+def test_the_flavor_extra_specs_pass_novas_validators(tmp_path, capsys, host_layout):
+    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+                          "nova", "config", "--flavors", "--flavor", "nvme.large", "--page-size", "1G")
+    assert code == 0, err
+    commands = [line for line in out.splitlines() if line.startswith("openstack flavor set nvme.large ")]
+    assert len(commands) == 3
+    specs = dict(p.split("=", 1) for p in re.findall(r"--property (\S+)", commands[0]))
+    assert specs["hw:mem_page_size"] == "1GB" and specs["hw:cpu_policy"] == "dedicated"
+    got = ask({"extra_specs": specs})
+    assert got["extra_specs"] == {k: None for k in specs}
+    # The oracle is no rubber stamp: Nova refuses what is wrong.
+    bad = ask({"extra_specs": {"hw:cpu_policy": "pinned", "hw:pci_numa_affinity_policy": "near"}})
+    assert all(bad["extra_specs"].values())
+
+
+def test_the_generated_specs_and_aliases_parse_one_by_one(tmp_path, host_layout):
+    from vstor.config import Config
+    from vstor.host.read import read_host
+    from vstor.host.sysfs import SysFS
+    from vstor.nova import config as nova
+    from vstor.planner.ledger import Ledger
+    s = nova.setup(read_host(SysFS(host_layout("two-socket"))), Config(), Ledger())
+    got = ask({"device_specs": nova.device_specs(s), "aliases": [json.dumps(a) for a in nova.aliases(s)]})
+    assert got["device_specs"] == [None] * 5 and got["alias_error"] is None
+    bad = ask({"device_specs": [{"address": "0000:zz:00.0"}],
+               "aliases": [json.dumps({"name": "x", "numa_policy": "near"})]})
+    assert bad["device_specs"][0] and bad["alias_error"]
+
+
+def test_a_controller_vstor_passes_through_is_not_offered(tmp_path, capsys, host_layout):
+    from vstor.config import Config
+    from vstor.host.read import read_host
+    from vstor.host.sysfs import SysFS
+    from vstor.nova import config as nova
+    from vstor.planner.ledger import Holding, Ledger
+    held = Holding("db1", None, False, 1, frozenset(), (), None, None,
+                   frozenset({"0000:5e:00.0"}), frozenset(), frozenset(), frozenset())
+    s = nova.setup(read_host(SysFS(host_layout("two-socket"))), Config(), Ledger([held]))
+    assert "0000:5e:00.0" not in {o.address for o in s.offers}
+    assert dict(s.excluded)["0000:5e:00.0"].endswith("vstor passes it through to domain 'db1'")
+
+
+def test_bad_flavor_names_and_no_offers_are_refused(tmp_path, capsys, host_layout):
+    code, _, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+                        "nova", "config", "--flavors", "--flavor", "x; rm -rf /")
+    assert code == 2 and "is not a flavor name" in err and err.count("\n") == 1
+    code, _, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("no-iommu"),
+                        "nova", "config", "--flavors")
+    assert code == 2 and "no NVMe controller here can be offered" in err
+    out = tmp_path / "nova-pci.conf"
+    code, _, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+                        "nova", "config", "-o", str(out))
+    assert code == 0 and out.read_text().startswith("# Written by `vstor nova config`")

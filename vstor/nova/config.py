@@ -1,0 +1,152 @@
+"""Nova's own PCI passthrough, configured from vstor's host model: which
+NVMe controllers Nova may hand out (`[pci] device_spec`), how flavors ask
+for them (`[pci] alias`), which cores instances get (`[compute]
+cpu_dedicated_set` / `cpu_shared_set`, never an SPDK reactor), and the
+flavor extra specs that keep an instance's vCPUs and memory on its
+device's node.  Pure: the same decisions as vstor's planner (the same
+passthrough check, the same housekeeping and reactor cores).
+
+Nova's facts, checked against nova 34.0.0: device_spec and alias are
+multi-valued JSON options (nova/conf/pci.py); an alias needs vendor_id and
+product_id unless it names a resource class, and takes device_type
+(type-PCI, type-PF, type-VF), numa_policy (required, legacy, preferred,
+socket) and live_migratable (nova/pci/request.py _ALIAS_SCHEMA); a device
+spec's live_migratable tag is normalised like managed (nova/pci/devspec.py);
+libvirt reports an SR-IOV capable function as a PF, and Nova types it
+type-PF (nova/virt/libvirt/driver.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from vstor.config import Config
+from vstor.host.model import Host, NvmeController, format_cpulist
+from vstor.planner.ledger import Ledger
+from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
+from vstor.planner.placement import all_housekeeping
+
+ALIAS_PREFIX = "vstor-nvme"
+PAGE_SIZES = {None: "large", 2048: "2MB", 1048576: "1GB"}
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A controller Nova may pass through."""
+    address: str
+    vendor_id: str          # '8086', as Nova writes PCI ids
+    product_id: str
+    node: int | None
+    device_type: str        # type-PCI, or type-PF for an SR-IOV capable function
+    model: str
+
+    @property
+    def alias(self) -> str:
+        """One alias per model and Nova device type (an alias has one type)."""
+        pf = "-pf" if self.device_type == "type-PF" else ""
+        return f"{ALIAS_PREFIX}-{self.vendor_id}-{self.product_id}{pf}"
+
+
+@dataclass(frozen=True)
+class NovaSetup:
+    offers: tuple[Offer, ...]
+    excluded: tuple[tuple[str, str], ...]       # (address, why, with the fix)
+    dedicated: tuple[int, ...]
+    shared: tuple[int, ...]
+    reactors: tuple[int, ...]
+
+
+def setup(host: Host, cfg: Config, ledger: Ledger) -> NovaSetup:
+    offers, excluded = [], []
+    for ctrl in sorted(host.controllers, key=lambda c: c.address):
+        why = _refusals(host, cfg, ledger, ctrl)
+        if why:
+            excluded.append((ctrl.address, why[0]))
+        else:
+            offers.append(Offer(ctrl.address, _id(ctrl.vendor), _id(ctrl.device),
+                                ctrl.numa_node if ctrl.numa_node >= 0 else None,
+                                "type-PF" if ctrl.sriov_vfs else "type-PCI", ctrl.model))
+    reactors = tuple(sorted(cfg.reactors))
+    shared = tuple(sorted(all_housekeeping(host, cfg) - set(reactors)))
+    dedicated = tuple(sorted(c.id for c in host.cpus if c.id not in shared and c.id not in reactors))
+    return NovaSetup(tuple(offers), tuple(excluded), dedicated, shared, reactors)
+
+
+def _refusals(host: Host, cfg: Config, ledger: Ledger, ctrl: NvmeController) -> tuple[str, ...]:
+    why = check_passthrough(ctrl, iommu_enabled=host.iommu_enabled,
+                            vfio_available=host.vfio_available, pci_allowed=cfg.pci_allowed,
+                            pci_blocked=cfg.pci_blocked,
+                            spdk_owned=bool(ledger.spdk_users.get(ctrl.address)))
+    if ctrl.driver in USERSPACE_DRIVERS:
+        # SPDK's setup.sh (or another VM's passthrough) took it from the kernel:
+        # whose it is cannot be told from here, so it is nobody's to offer.
+        why += (f"it is on {ctrl.driver} already (SPDK's or another VM's): give it back to the "
+                "nvme driver to offer it",)
+    owner = ledger.passthrough.get(ctrl.address)
+    if owner:
+        why += (f"vstor passes it through to domain '{owner}'",)
+    return why
+
+
+def _id(text: str) -> str:
+    return text.lower().removeprefix("0x").rjust(4, "0")
+
+
+def device_specs(s: NovaSetup) -> list[dict]:
+    """One per controller, by address (so a controller of the same model
+    that the host uses is never matched)."""
+    return [{"address": o.address, "vendor_id": o.vendor_id, "product_id": o.product_id,
+             "live_migratable": "no"} for o in s.offers]
+
+
+def aliases(s: NovaSetup) -> list[dict]:
+    """One per model; numa_policy required: Nova places the instance on the
+    device's node or not at all."""
+    out: dict[str, dict] = {}
+    for o in s.offers:
+        out.setdefault(o.alias, {"name": o.alias, "vendor_id": o.vendor_id,
+                                 "product_id": o.product_id, "device_type": o.device_type,
+                                 "numa_policy": "required", "live_migratable": "no"})
+    return list(out.values())
+
+
+def flavor_specs(alias: str, count: int = 1, page_kib: int | None = None) -> dict[str, str]:
+    """Passthrough with the instance's vCPUs (dedicated) and memory on the
+    device's node; emulator threads on cpu_shared_set, off the vCPUs."""
+    return {"pci_passthrough:alias": f"{alias}:{count}",
+            "hw:pci_numa_affinity_policy": "required",
+            "hw:cpu_policy": "dedicated",
+            "hw:numa_nodes": "1",
+            "hw:mem_page_size": PAGE_SIZES.get(page_kib, "large"),
+            "hw:emulator_threads_policy": "share"}
+
+
+def nova_conf(s: NovaSetup, source: str) -> str:
+    """A nova.conf fragment (oslo.config: repeated keys make a list)."""
+    lines = [f"# Written by `vstor nova config` from {source}.",
+             "# Merge into nova.conf on this compute host; restart nova-compute.", "", "[pci]"]
+    for address, why in s.excluded:
+        lines.append(f"# not offered: {address}: {why}")
+    lines += [f"device_spec = {json.dumps(spec, separators=(', ', ': '))}" for spec in device_specs(s)]
+    lines += [f"alias = {json.dumps(a, separators=(', ', ': '))}" for a in aliases(s)]
+    lines += ["", "[compute]"]
+    if s.reactors:
+        lines.append(f"# SPDK reactor cores {format_cpulist(s.reactors)} are in neither set: "
+                     "no instance runs on them")
+    lines.append(f"cpu_dedicated_set = {format_cpulist(s.dedicated)}")
+    lines.append(f"cpu_shared_set = {format_cpulist(s.shared)}")
+    return "\n".join(lines) + "\n"
+
+
+def flavor_commands(s: NovaSetup, flavor: str | None, page_kib: int | None = None) -> list[str]:
+    """`openstack flavor set` per alias, for FLAVOR (or one named after the alias)."""
+    out = []
+    for a in aliases(s):
+        name = flavor or a["name"]
+        props = " ".join(f"--property {k}={v}" for k, v in flavor_specs(a["name"], 1, page_kib).items())
+        nodes = sorted({o.node for o in s.offers if o.alias == a["name"] and o.node is not None})
+        out.append(f"# {a['name']}: {sum(o.alias == a['name'] for o in s.offers)} controller(s)"
+                   + (f" on node(s) {','.join(map(str, nodes))}" if nodes else ""))
+        out.append(f"openstack flavor set {name} {props}")
+    return out
