@@ -46,6 +46,8 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
     cfg = config_mod.load()
     dom = Domain.parse(xml, f"domain '{name}'")
     if not dom.has_vstor():
+        if op == "prepare":
+            _nova_prepare(cfg, dom, name)
         return 0        # the marker was only mentioned, e.g. in a description
     root = os.environ.get("VSTOR_HOST_ROOT", "/")
     rt = Runtime(cfg, SysFS(root))
@@ -69,3 +71,23 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
         for finding in reconnect(rt, state, dom.safe_name, dom.name, dom.uuid):
             log(name, f"reconnect: {finding}", syslog.LOG_WARNING)
     return 0
+
+
+def _nova_prepare(cfg, dom: Domain, name: str) -> None:
+    """A Nova instance whose flavor has vstor: extra specs: vstor's checks
+    of the passthrough and placement Nova chose (vstor.nova.instance)."""
+    from vstor.errors import DoesNotFit
+    from vstor.nova import instance as nova
+    inst = nova.find(dom.root)
+    if inst is None:
+        return
+    from vstor.host.read import read_host
+    from vstor.host.sysfs import SysFS
+    found = nova.problems(read_host(SysFS(os.environ.get("VSTOR_HOST_ROOT", "/"))), cfg, inst)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise DoesNotFit(f"Nova instance '{inst.name}' (flavor {inst.flavor}) cannot start: "
+                         f"{found[0]}{more}", reasons=tuple(found),
+                         hint="check the flavor's hw: extra specs and [pci] device_spec "
+                              "(vstor nova config)")
+    log(name, f"Nova instance (flavor {inst.flavor}): passthrough and placement checked")

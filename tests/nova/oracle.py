@@ -61,7 +61,54 @@ def main() -> None:
             out["alias_error"] = None
         except exception.NovaException as e:
             out["alias_error"] = f"{type(e).__name__}: {e}"
+    if "guest" in req:
+        out["xml"] = guest(req["guest"])
+    if "guests" in req:
+        out["xmls"] = {k: guest(v) for k, v in req["guests"].items()}
     json.dump(out, sys.stdout)
+
+
+def guest(spec: dict) -> str:
+    """A domain as Nova's libvirt driver builds it, with Nova's own config
+    classes: its metadata (instance, flavor, extra specs), vCPU pinning,
+    memory binding and PCI passthrough as given."""
+    from nova.virt.libvirt import config as vconfig
+    g = vconfig.LibvirtConfigGuest()
+    g.virt_type, g.name, g.uuid = spec.get("virt_type", "qemu"), spec["name"], spec["uuid"]
+    g.memory, g.vcpus = spec.get("memory_kib", 262144), spec["vcpus"]
+    g.os_type = "hvm"
+    g.os_kernel, g.os_initrd, g.os_cmdline = spec.get("kernel"), spec.get("initrd"), spec.get("cmdline")
+    meta = vconfig.LibvirtConfigGuestMetaNovaInstance()
+    meta.package, meta.name, meta.creationTime = "34.0.0", spec.get("display", "web1"), 1764000000
+    flavor = vconfig.LibvirtConfigGuestMetaNovaFlavor()
+    flavor.name, flavor.id = spec.get("flavor", "nvme.large"), "f1"
+    flavor.memory, flavor.vcpus, flavor.disk, flavor.swap, flavor.ephemeral = (
+        spec.get("memory_kib", 262144) // 1024, spec["vcpus"], 1, 0, 0)
+    flavor.extra_specs = spec.get("extra_specs", {})
+    meta.flavor = flavor
+    owner = vconfig.LibvirtConfigGuestMetaNovaOwner()
+    owner.userid, owner.username, owner.projectid, owner.projectname = "u1", "alice", "p1", "demo"
+    meta.owner = owner
+    g.metadata.append(meta)
+    if spec.get("pins") is not None:
+        tune = vconfig.LibvirtConfigGuestCPUTune()
+        for vcpu, cpu in enumerate(spec["pins"]):
+            pin = vconfig.LibvirtConfigGuestCPUTuneVCPUPin()
+            pin.id, pin.cpuset = vcpu, {cpu}
+            tune.vcpupin.append(pin)
+        g.cputune = tune
+    if spec.get("memory_nodes") is not None:
+        nt = vconfig.LibvirtConfigGuestNUMATune()
+        nt.memory = vconfig.LibvirtConfigGuestNUMATuneMemory()
+        nt.memory.mode, nt.memory.nodeset = "strict", spec["memory_nodes"]
+        g.numatune = nt
+    for address in spec.get("hostdevs", []):
+        hd = vconfig.LibvirtConfigGuestHostdevPCI()
+        dom, bus, rest = address.split(":")
+        slot, fn = rest.split(".")
+        hd.domain, hd.bus, hd.slot, hd.function = dom, bus, slot, fn
+        g.add_device(hd)
+    return g.to_xml()
 
 
 if __name__ == "__main__":

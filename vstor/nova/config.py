@@ -119,7 +119,10 @@ def flavor_specs(alias: str, count: int = 1, page_kib: int | None = None) -> dic
             "hw:cpu_policy": "dedicated",
             "hw:numa_nodes": "1",
             "hw:mem_page_size": PAGE_SIZES.get(page_kib, "large"),
-            "hw:emulator_threads_policy": "share"}
+            "hw:emulator_threads_policy": "share",
+            # vstor's hook checks at every start that Nova kept it so
+            # (vstor.nova.instance): a start that slipped off the node is refused.
+            "vstor:numa": "strict"}
 
 
 def nova_conf(s: NovaSetup, source: str) -> str:

@@ -1,0 +1,124 @@
+"""A Nova instance as the hook sees it: the domain Nova generated, with its
+`<nova:instance>` metadata (flavor name; since Nova 2025.2 the flavor's
+extra specs as `<nova:extraSpecs><nova:extraSpec name=...>`), the PCI
+devices Nova passes through, and the pinning Nova chose.  Pure.
+
+vstor acts on an instance only when its flavor carries `vstor:` extra
+specs (Nova's validators pass keys in an unknown namespace):
+
+    vstor:numa = strict    every vCPU pinned, and memory bound, to the node of
+                           the NVMe controllers passed through (Nova's own
+                           hw:pci_numa_affinity_policy=required decides the
+                           node; this makes a start that slipped refuse)
+
+Every NVMe controller an instance passes through is checked as vstor checks
+its own passthrough: never one the host uses or `[pci] blocked` lists.
+Nova and libvirt bind it (managed hostdevs); vstor creates and keeps
+nothing for such an instance, so release has nothing to undo.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from vstor.config import Config
+from vstor.errors import BadInput
+from vstor.host.model import Host, parse_cpulist
+from vstor.planner.passthrough import check_passthrough
+
+NOVA_NS = "http://openstack.org/xmlns/libvirt/nova/1.1"
+N = "{%s}" % NOVA_NS
+SPECS = {"vstor:numa": ("strict",)}
+_VALUE = re.compile(r"[A-Za-z0-9_.:/,=-]{0,255}")
+
+
+@dataclass(frozen=True)
+class NovaInstance:
+    name: str                       # Nova's display name (a tenant's)
+    flavor: str
+    specs: dict[str, str]           # the vstor: extra specs
+    hostdevs: tuple[str, ...]       # PCI addresses passed through
+    pins: tuple[int, ...]           # host CPUs of the vCPU pins
+    unpinned: bool                  # some vCPU has no pin
+    memory_nodes: tuple[int, ...] | None
+
+
+def find(root) -> NovaInstance | None:
+    """The instance, if the domain is Nova's and its flavor has vstor: specs."""
+    inst = root.find(f"metadata/{N}instance")
+    if inst is None:
+        return None
+    flavor = inst.find(f"{N}flavor")
+    specs = {}
+    for e in (flavor.findall(f"{N}extraSpecs/{N}extraSpec") if flavor is not None else ()):
+        key = e.get("name") or ""
+        if key.startswith("vstor:"):
+            specs[key] = (e.text or "").strip()
+    if not specs:
+        return None
+    for key, value in specs.items():
+        if key not in SPECS:
+            raise BadInput(f"flavor '{flavor.get('name')}': unknown extra spec '{key[:40]}'",
+                           hint="known: " + ", ".join(sorted(SPECS)))
+        if value not in SPECS[key]:
+            raise BadInput(f"flavor '{flavor.get('name')}': {key}='{value[:40]}' is not one of "
+                           + ", ".join(SPECS[key]), hint=f"openstack flavor set --property {key}=...")
+    vcpus = _int(root.findtext("vcpu") or "1", "vcpu")
+    pins = root.findall("cputune/vcpupin")
+    cpus: set[int] = set()
+    for p in pins:
+        cpus.update(parse_cpulist(p.get("cpuset", "")))
+    mem = root.find("numatune/memory")
+    return NovaInstance(
+        name=(inst.findtext(f"{N}name") or "").strip()[:80], flavor=flavor.get("name") or "",
+        specs=specs, hostdevs=tuple(_hostdevs(root)), pins=tuple(sorted(cpus)),
+        unpinned=len({p.get("vcpu") for p in pins}) < vcpus,
+        memory_nodes=tuple(parse_cpulist(mem.get("nodeset", ""))) if mem is not None else None)
+
+
+def problems(host: Host, cfg: Config, inst: NovaInstance) -> list[str]:
+    """Why the instance must not start as Nova placed it; [] when it may."""
+    out = []
+    nodes = set()
+    for address in inst.hostdevs:
+        ctrl = host.controller(address)
+        if ctrl is None:
+            continue        # not an NVMe controller: Nova's business alone
+        nodes.add(ctrl.numa_node)
+        why = check_passthrough(ctrl, iommu_enabled=True, vfio_available=True,
+                                pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
+                                spdk_owned=False)
+        out += [f"{address}: {w}" for w in why]
+    if inst.specs.get("vstor:numa") == "strict" and nodes:
+        if len(nodes) > 1:
+            out.append(f"its NVMe controllers sit on nodes {sorted(nodes)}: no placement keeps "
+                       "every vCPU next to all of them")
+        node = min(nodes)
+        cpu_node = {c.id: c.node for c in host.cpus}
+        off = [c for c in inst.pins if cpu_node.get(c) != node]
+        if inst.unpinned:
+            out.append("some vCPUs are not pinned (the flavor needs hw:cpu_policy=dedicated)")
+        elif off:
+            out.append(f"vCPUs are pinned to CPUs {off[:8]} off node {node}, where its NVMe is")
+        if inst.memory_nodes is not None and set(inst.memory_nodes) != {node}:
+            out.append(f"its memory is bound to nodes {list(inst.memory_nodes)}, not node {node}")
+    return out
+
+
+def _hostdevs(root):
+    for hd in root.findall("devices/hostdev"):
+        a = hd.find("source/address")
+        if hd.get("type") != "pci" or a is None:
+            continue
+        try:
+            yield "%04x:%02x:%02x.%x" % tuple(int(a.get(k, "0"), 0)
+                                            for k in ("domain", "bus", "slot", "function"))
+        except ValueError:
+            raise BadInput("a <hostdev> PCI address is not a number") from None
+
+
+def _int(text: str, what: str) -> int:
+    if not re.fullmatch(r"[0-9]{1,4}", text.strip()):
+        raise BadInput(f"<{what}> is '{text[:20]}', not a number")
+    return int(text)
