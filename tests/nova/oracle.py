@@ -63,15 +63,41 @@ def main() -> None:
             out["alias_error"] = f"{type(e).__name__}: {e}"
     if "guest" in req:
         out["xml"] = guest(req["guest"])
+    if "augment" in req:
+        out["augmented"] = augmented(req["augment"])
     if "guests" in req:
         out["xmls"] = {k: guest(v) for k, v in req["guests"].items()}
     json.dump(out, sys.stdout)
 
 
 def guest(spec: dict) -> str:
+    return make_guest(spec).to_xml()
+
+
+def augmented(req: dict) -> dict:
+    """vstor's driver step (vstor.nova.guest.augment) on a guest Nova's
+    classes built: the XML, or vstor's refusal."""
+    from vstor import config as config_mod
+    from vstor.errors import VstorError
+    from vstor.host.read import read_host
+    from vstor.host.sysfs import SysFS
+    from vstor.nova.guest import augment
+    from vstor.planner.ledger import Ledger
+    g = make_guest(req["spec"])
+    try:
+        plan = augment(g, req["spec"].get("extra_specs", {}), req["spec"].get("flavor", "nvme.large"),
+                       read_host(SysFS(req.get("host_root", "/"))), config_mod.load(req["config"]),
+                       Ledger())
+    except VstorError as e:
+        return {"error": str(e), "code": e.exit_code}
+    return {"xml": g.to_xml(), "disks": [d.target for d in plan.disks] if plan else None}
+
+
+def make_guest(spec: dict):
     """A domain as Nova's libvirt driver builds it, with Nova's own config
     classes: its metadata (instance, flavor, extra specs), vCPU pinning,
-    memory binding and PCI passthrough as given."""
+    memory binding, PCI passthrough, a kernel to boot, a serial console
+    to a file, as given."""
     from nova.virt.libvirt import config as vconfig
     g = vconfig.LibvirtConfigGuest()
     g.virt_type, g.name, g.uuid = spec.get("virt_type", "qemu"), spec["name"], spec["uuid"]
@@ -108,7 +134,18 @@ def guest(spec: dict) -> str:
         slot, fn = rest.split(".")
         hd.domain, hd.bus, hd.slot, hd.function = dom, bus, slot, fn
         g.add_device(hd)
-    return g.to_xml()
+    if spec.get("console"):
+        serial = vconfig.LibvirtConfigGuestSerial()
+        serial.type, serial.source_path = "file", spec["console"]
+        g.add_device(serial)
+    if spec.get("memballoon") is False:
+        balloon = vconfig.LibvirtConfigMemoryBalloon()
+        balloon.model = "none"
+        g.add_device(balloon)
+    g.os_mach_type = spec.get("machine")
+    if spec.get("acpi"):
+        g.features.append(vconfig.LibvirtConfigGuestFeatureACPI())
+    return g
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ def register(sub) -> None:
                                                     "named after it)")
     q.add_argument("--page-size", choices=("2M", "1G"), help="hw:mem_page_size (default: large)")
     q.set_defaults(func=cmd_config)
+    q = nsub.add_parser("install-driver", help="make vstor's compute driver loadable by Nova "
+                                               "(writes nova/virt/vstor.py into Nova's package)")
+    q.set_defaults(func=cmd_install_driver)
 
 
 def cmd_config(ctx, args) -> int:
@@ -44,4 +47,30 @@ def cmd_config(ctx, args) -> int:
               file=sys.stderr)
     else:
         sys.stdout.write(text)
+    return 0
+
+
+SHIM = ('"""Written by `vstor nova install-driver`: Nova loads compute drivers from\n'
+        'nova.virt only.  compute_driver = vstor.VstorLibvirtDriver"""\n'
+        "from vstor.nova.driver import VstorLibvirtDriver  # noqa: F401\n")
+
+
+def cmd_install_driver(ctx, args) -> int:
+    import os
+    try:
+        import nova.virt
+        from vstor.nova import driver  # noqa: F401  (Nova's libvirt driver imports here)
+    except ImportError as e:
+        raise BadInput(f"Nova is not importable by this vstor ({e})",
+                       hint="install vstor into nova-compute's environment: pip install vstor[nova]") from None
+    target = os.path.join(os.path.dirname(nova.virt.__file__), "vstor.py")
+    tmp = f"{target}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(SHIM)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise BadInput(f"cannot write {target}: {e.strerror}", hint="run as root") from None
+    print(f"Wrote {target}; set [DEFAULT] compute_driver = vstor.VstorLibvirtDriver in nova.conf "
+          "and restart nova-compute")
     return 0

@@ -105,7 +105,7 @@ class DiskIntent:
 @dataclass(frozen=True)
 class VmIntent:
     numa: str = attr(Enum(("strict", "preferred", "none")), default="strict")
-    cpus: str = attr(Enum(("dedicated", "shared")), default="dedicated")
+    cpus: str = attr(Enum(("dedicated", "shared", "external")), default="dedicated")
     hugepages: str = attr(Enum(("auto", "none", "2M", "1G")), default="auto")
     migratable: bool = attr(YesNo(), default=False)
     latency: str = attr(Enum(("normal", "critical")), default="normal")

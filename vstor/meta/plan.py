@@ -114,7 +114,7 @@ class Plan:
     host: str = attr(HOSTNAME, default="")
     node: int | None = attr(Int(0, 1023))              # NUMA node the VM lives on
     numa: str = attr(Enum(("strict", "preferred", "none")), default="strict")
-    cpus: str = attr(Enum(("dedicated", "shared")), default="dedicated")
+    cpus: str = attr(Enum(("dedicated", "shared", "external")), default="dedicated")
     vcpus: int = attr(Int(1, 4096), required=True, default=1)
     memory_kib: int = attr(Int(1, 2**50), required=True, default=1)
     vcpu_pins: tuple[int, ...] = attr(PINS, default=(), name="pins")

@@ -58,6 +58,8 @@ def find(root) -> NovaInstance | None:
     if not specs:
         return None
     for key, value in specs.items():
+        if key.startswith("vstor:disk."):
+            continue        # vstor's compute driver turns these into disks (vstor.nova.disks)
         if key not in SPECS:
             raise BadInput(f"flavor '{flavor.get('name')}': unknown extra spec '{key[:40]}'",
                            hint="known: " + ", ".join(sorted(SPECS)))
@@ -80,6 +82,9 @@ def find(root) -> NovaInstance | None:
 def problems(host: Host, cfg: Config, inst: NovaInstance) -> list[str]:
     """Why the instance must not start as Nova placed it; [] when it may."""
     out = []
+    if any(k.startswith("vstor:disk.") for k in inst.specs):
+        out.append("its flavor asks for vstor disks, but its domain has none: nova-compute does "
+                   "not run vstor's driver (compute_driver = vstor.VstorLibvirtDriver)")
     nodes = set()
     for address in inst.hostdevs:
         ctrl = host.controller(address)

@@ -40,7 +40,8 @@ class Request:
     # live migration's destination, the source's local NVMe exported to it.
     imports: tuple[tuple[str, NvmfSource], ...] = ()
     # How a vhost-user disk's guest memory is shared: libvirt can use memfd;
-    # Proxmox only shares hugepage-backed memory (memory-backend-file,share=on).
+    # Proxmox only shares hugepage-backed memory (memory-backend-file,share=on);
+    # Nova's config classes give file-backed memory ("file").
     vhost_memory: str = "memfd"
     # The platform raises the hugepage pool itself at the start (Proxmox).
     grows_hugepages: bool = False
@@ -184,7 +185,7 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
             reasons.append("hugepages also share the guest memory with the vhost-user backend "
                            "(memory-backend-file,share=on: the only shared memory Proxmox gives)")
     elif any(c.mode == "vhost" for c in choices):
-        reasons.append("memfd-backed shared memory, which vhost-user needs")
+        reasons.append(f"{req.vhost_memory}-backed shared memory, which vhost-user needs")
     disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target)) for c in choices)
     viommu = any(d.mode == "passthrough" and d.guest == "spdk" for d in disks)
     if viommu and "q35" not in req.machine:

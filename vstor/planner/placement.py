@@ -61,6 +61,9 @@ def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
                ledger: Ledger, only: frozenset[int] | None = None) -> CpuPlacement | NoFit:
     """`only`: take from these CPUs alone (the start check asks whether a
     recorded placement is the one this function makes from its own CPUs)."""
+    if policy == "external":
+        return CpuPlacement((), (), (), (), ("the vCPUs are the platform's to place (Nova pins "
+                                             "them, by the flavor's hw:cpu_policy): vstor places none",))
     hk = tuple(c for c in housekeeping(host, cfg, node) if c not in cfg.reactors)
     if policy == "shared":
         if not hk:

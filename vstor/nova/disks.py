@@ -1,0 +1,78 @@
+"""A Nova flavor's vstor disks: extra specs that spell the same elements a
+domain's <vstor:disk> holds, one attribute per key.  Pure.
+
+    vstor:disk.vdb.file.path = /var/lib/vstor/images/db.raw
+    vstor:disk.vdb.nvme.controller = 0000:5e:00.0
+    vstor:disk.vdb.nvme.namespace = 2
+    vstor:disk.vdb.queues = 4
+    vstor:disk.vdb.readonly = yes
+
+`vstor:disk.<target>.<attribute>` is an attribute of the disk,
+`vstor:disk.<target>.<source>.<attribute>` one of its source.  The element
+is built and parsed with the declaration every intent goes through
+(vstor.meta.intent), so a flavor is checked exactly as domain metadata is.
+Nova owns the instance's cores and memory: the VM part of the intent is
+fixed (cpus='external': Nova pins them; no NUMA binding, no hugepages of
+vstor's).
+"""
+
+from __future__ import annotations
+
+import re
+
+from lxml import etree
+
+from vstor import NS, PREFIX
+from vstor.errors import BadInput
+from vstor.meta import metadata
+from vstor.meta.intent import Intent
+from vstor.meta.xmlmodel import Q
+
+PREFIX_KEY = "vstor:disk."
+SOURCES = ("nvme", "nvmf", "file", "block")
+_KEY = re.compile(r"vstor:disk\.([a-z0-9]{1,8})\.(?:(nvme|nvmf|file|block)\.)?([a-z_]{1,32})")
+
+
+def has_disks(specs: dict[str, str]) -> bool:
+    return any(k.startswith(PREFIX_KEY) for k in specs)
+
+
+def element(specs: dict[str, str], flavor: str = "the flavor") -> etree._Element:
+    """<vstor:vstor> with a <vstor:vm> and a <vstor:disk> per target."""
+    root = etree.Element(Q + "vstor", nsmap={PREFIX: NS})
+    etree.SubElement(root, Q + "vm", cpus="external", numa="none", hugepages="none")
+    disks: dict[str, etree._Element] = {}
+    for key in sorted(k for k in specs if k.startswith(PREFIX_KEY)):
+        m = _KEY.fullmatch(key)
+        if not m:
+            raise BadInput(f"{flavor}: extra spec '{key[:60]}' is not vstor:disk.<target>.<attribute> "
+                           "or vstor:disk.<target>.<source>.<attribute>",
+                           hint="like vstor:disk.vdb.file.path=/var/lib/vstor/images/db.raw")
+        target, kind, attr = m.groups()
+        disk = disks.get(target)
+        if disk is None:
+            disk = disks[target] = etree.SubElement(root, Q + "disk", target=target)
+        value = str(specs[key])
+        if kind is None:
+            if attr == "target":
+                raise BadInput(f"{flavor}: {key} names the target twice")
+            disk.set(attr, value)
+            continue
+        src = disk.find(Q + kind)
+        others = [c for c in disk if c.tag != Q + kind]
+        if others:
+            raise BadInput(f"{flavor}: disk {target} has two sources "
+                           f"({etree.QName(others[0]).localname} and {kind})")
+        if src is None:
+            src = etree.SubElement(disk, Q + kind)
+        src.set(attr, value)
+    return root
+
+
+def intent_of(specs: dict[str, str], flavor: str = "the flavor") -> Intent:
+    try:
+        return metadata.load_intent(element(specs, flavor))
+    except BadInput as e:
+        if e.message.startswith(flavor):
+            raise
+        raise BadInput(f"{flavor}: {e.message}", hint=e.hint) from None

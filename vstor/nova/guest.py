@@ -1,0 +1,93 @@
+"""vstor's vhost-user-blk disks in the guest config Nova builds (needs nova:
+the optional extra, `pip install vstor[nova]`).
+
+Nova's libvirt config classes have no vhost-user disk (its volume drivers
+are a fixed list), so vstor brings its own device class.  `augment` plans
+the flavor's vstor disks with vstor's planner and adds, to the
+LibvirtConfigGuest Nova made: a `<disk type='vhostuser'>` per disk on the
+planned socket, shared guest memory (vhost-user needs it: hugepages Nova
+chose, or a file-backed memory), and vstor's metadata (the intent and the
+plan), from which vstor's hook creates the backends at the start.  Nova
+keeps its own pinning and NUMA placement: vstor decides the disks only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from lxml import etree
+
+from nova.virt.libvirt import config as vconfig
+
+from vstor.config import Config
+from vstor.errors import BadInput
+from vstor.host.model import Host
+from vstor.meta.plan import Plan
+from vstor.meta.xmlmodel import build
+from vstor.nova import disks
+from vstor.planner import Request, plan_domain
+from vstor.planner.ledger import Ledger
+
+
+class VhostUserDisk(vconfig.LibvirtConfigGuestDevice):
+    """<disk type='vhostuser' device='disk'> on a vhost-user-blk socket."""
+
+    def __init__(self, target: str, socket: str, queues: int, readonly: bool = False):
+        super().__init__(root_name="disk")
+        self.target, self.socket, self.queues, self.readonly = target, socket, queues, readonly
+
+    def format_dom(self):
+        dev = super().format_dom()
+        dev.set("type", "vhostuser")
+        dev.set("device", "disk")
+        dev.append(etree.Element("driver", name="qemu", type="raw", queues=str(self.queues)))
+        src = etree.SubElement(dev, "source", type="unix", path=self.socket)
+        # QEMU reconnects when the backend restarts instead of failing the disk.
+        etree.SubElement(src, "reconnect", enabled="yes", timeout="10")
+        etree.SubElement(dev, "target", dev=self.target, bus="virtio")
+        if self.readonly:
+            etree.SubElement(dev, "readonly")
+        return dev
+
+
+class VstorMetadata(vconfig.LibvirtConfigObject):
+    """vstor's element in <metadata>, as the hook reads it."""
+
+    def __init__(self, elem):
+        super().__init__(root_name="vstor")
+        self.elem = elem
+
+    def format_dom(self):
+        return copy.deepcopy(self.elem)
+
+
+def augment(guest: vconfig.LibvirtConfigGuest, specs: dict[str, str], flavor: str,
+            host: Host, cfg: Config, ledger: Ledger) -> Plan | None:
+    """Add the flavor's vstor disks to `guest`; None when it has none."""
+    if not disks.has_disks(specs):
+        return None
+    where = f"flavor '{flavor}'"
+    root = disks.element(specs, where)
+    intent = disks.intent_of(specs, where)
+    req = Request(name=guest.name, safe_name=guest.name, uuid=guest.uuid, vcpus=int(guest.vcpus),
+                  memory_kib=int(guest.memory), machine=guest.os_mach_type or "pc", intent=intent,
+                  vhost_memory="hugepages" if guest.membacking and guest.membacking.hugepages else "file",
+                  replan="re-create the instance (or resize it to a flavor with the right disks)",
+                  title=f"instance {guest.name}")
+    plan = plan_domain(host, cfg, req, ledger)
+    if any(d.mode != "vhost" for d in plan.disks):
+        raise BadInput(f"{where}: vstor disks in a flavor are vhost-user disks; a whole controller "
+                       "goes through Nova's own PCI passthrough", hint="see: vstor nova config")
+    if any(d.target in {getattr(dev, "target_dev", None) for dev in guest.devices} for d in plan.disks):
+        raise BadInput(f"{where}: a vstor disk's target is already one of the instance's disks",
+                       hint="use targets after Nova's own (vdb, vdc, ...)")
+    for d in plan.disks:
+        guest.add_device(VhostUserDisk(d.target, d.socket, d.queues, d.readonly))
+    mb = guest.membacking or vconfig.LibvirtConfigGuestMemoryBacking()
+    mb.sharedaccess = True
+    if not mb.hugepages:
+        mb.filesource = True        # libvirt's memory_backing_dir: shared, and not hugepages
+    guest.membacking = mb
+    root.append(build(plan))
+    guest.metadata.append(VstorMetadata(root))
+    return plan
