@@ -63,6 +63,8 @@ def main() -> None:
             out["alias_error"] = f"{type(e).__name__}: {e}"
     if "guest" in req:
         out["xml"] = guest(req["guest"])
+    if "driver" in req:
+        out["driver"] = driver_step(req["driver"])
     if "augment" in req:
         out["augmented"] = augmented(req["augment"])
     if "guests" in req:
@@ -91,6 +93,31 @@ def augmented(req: dict) -> dict:
     except VstorError as e:
         return {"error": str(e), "code": e.exit_code}
     return {"xml": g.to_xml(), "disks": [d.target for d in plan.disks] if plan else None}
+
+
+def driver_step(req: dict) -> dict:
+    """VstorLibvirtDriver._get_guest_config as nova-compute calls it, loaded
+    the way Nova loads a compute driver (nova.virt.<compute_driver>, after
+    `vstor nova install-driver`), with Nova's own guest config standing in
+    for what LibvirtDriver built (the parent's method is replaced: it needs
+    a whole compute host) and vstor's ledger empty."""
+    from types import SimpleNamespace
+    from unittest import mock
+    from oslo_utils import importutils
+    from nova.virt.libvirt import driver as libvirt_driver
+    cls = importutils.import_class("nova.virt." + req["compute_driver"])
+    drv = cls.__new__(cls)
+    drv._host = SimpleNamespace(get_connection=lambda: None)
+    flavor = SimpleNamespace(name=req["spec"].get("flavor", "nvme.large"),
+                             extra_specs=req["spec"].get("extra_specs", {}))
+    os_env = {"VSTOR_CONFIG": req["config"]}
+    with mock.patch.object(libvirt_driver.LibvirtDriver, "_get_guest_config",
+                           lambda self, instance, *a, **k: make_guest(req["spec"])), \
+            mock.patch("vstor.runtime.inventory.load_ledger", lambda *a, **k: __import__(
+                "vstor.planner.ledger", fromlist=["Ledger"]).Ledger()), \
+            mock.patch.dict(os.environ, os_env):
+        g = drv._get_guest_config(SimpleNamespace(flavor=flavor), None, None, None)
+    return {"subclass": issubclass(cls, libvirt_driver.LibvirtDriver), "xml": g.to_xml()}
 
 
 def make_guest(spec: dict):

@@ -1,0 +1,86 @@
+"""vstor's Nova compute driver and its disks, with Nova's own code (nova
+34.0.0 in .nova-venv, tests/nova/oracle.py): the flavor's vstor:disk
+extra specs pass Nova's validators and are checked by vstor's declaration;
+the driver, loaded as Nova loads compute drivers, adds vstor's disks to the
+guest config Nova's classes build, and the result passes libvirt's schema
+(the boot itself: tests/e2e/test_nova.py)."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from tests.nova import ROOT, ask, nova_python
+from vstor.errors import BadInput
+from vstor.nova.disks import intent_of
+
+SPEC = {"name": "instance-0000002a", "uuid": "9f6f1a40-2a35-4a6f-8b0b-5a3c1e2d4f10", "vcpus": 2,
+        "memory_kib": 1 << 20, "machine": "q35"}
+
+
+@pytest.fixture
+def conf(tmp_path):
+    path = tmp_path / "vstor.conf"
+    path.write_text(f"[paths]\nstate_dir = {tmp_path}/state\nvhost_dir = {tmp_path}/vhost\n"
+                    f"images = {tmp_path}\n")
+    (tmp_path / "db.raw").write_bytes(b"\0" * 4096)
+    return path
+
+
+@pytest.mark.parametrize("specs, message", [
+    ({"vstor:disk.vdb.file.path": "db.raw"}, "is not a clean absolute path"),
+    ({"vstor:disk.vdb.colour": "red"}, "unknown attribute 'colour'"),
+    ({"vstor:disk.vdb.file.path": "/a", "vstor:disk.vdb.nvme.controller": "0000:5e:00.0"}, "two sources"),
+    ({"vstor:disk.vdb.queues": "4"}, "vdb"),
+    ({"vstor:disk.sda.file.path": "/a"}, "sda"),
+    ({"vstor:disk.vdb.file.path": "/a", "vstor:disk.vdb.queues": "4096"}, "queues"),
+])
+def test_bad_disk_specs_are_refused_by_the_declaration(specs, message):
+    with pytest.raises(BadInput) as e:
+        intent_of(specs, "flavor 'x'")
+    assert message in e.value.message and e.value.message.startswith("flavor 'x'")
+
+
+def test_the_disk_specs_pass_novas_validators():
+    specs = {"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw", "vstor:disk.vdb.queues": "4",
+             "vstor:disk.vdc.nvme.controller": "0000:5e:00.0", "vstor:disk.vdc.nvme.namespace": "2",
+             "vstor:disk.vdc.backend": "qsd", "vstor:numa": "strict"}
+    intent_of(specs)
+    assert ask({"extra_specs": specs})["extra_specs"] == dict.fromkeys(specs)
+
+
+def test_the_driver_loaded_as_nova_loads_it_adds_vstors_disk(conf, tmp_path):
+    done = subprocess.run([nova_python(), "-m", "vstor.cli.main", "nova", "install-driver"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "compute_driver = vstor.VstorLibvirtDriver" in done.stdout
+    spec = {**SPEC, "extra_specs": {"vstor:disk.vdb.file.path": f"{tmp_path}/db.raw",
+                                    "hw:cpu_policy": "dedicated"}}
+    got = ask({"driver": {"compute_driver": "vstor.VstorLibvirtDriver", "spec": spec,
+                          "config": str(conf)}})["driver"]
+    assert got["subclass"]
+    xml = got["xml"]
+    assert f'<source type="unix" path="{tmp_path}/vhost/instance-0000002a-vdb">' in xml
+    assert '<access mode="shared"/>' in xml and 'cpus="external"' in xml
+    path = tmp_path / "d.xml"
+    path.write_text(xml)
+    if not shutil.which("virt-xml-validate"):
+        pytest.fail("virt-xml-validate is missing (libvirt-clients): libvirt's schema is the judge")
+    valid = subprocess.run(["virt-xml-validate", str(path), "domain"], capture_output=True, text=True)
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    # A flavor without vstor disks: Nova's guest config, untouched.
+    plain = ask({"driver": {"compute_driver": "vstor.VstorLibvirtDriver", "config": str(conf),
+                            "spec": {**SPEC, "extra_specs": {"hw:cpu_policy": "dedicated"}}}})["driver"]
+    assert "vstor" not in plain["xml"] and "vhostuser" not in plain["xml"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"vstor:disk.vdb.mode": "passthrough", "vstor:disk.vdb.nvme.controller": "0000:5e:00.0"},
+     "Nova's own PCI passthrough"),
+    ({"vstor:disk.vdb.file.path": "/etc/shadow"}, "outside the image roots"),
+])
+def test_the_driver_refuses_what_vstor_refuses(conf, tmp_path, host_layout, extra, message):
+    got = ask({"augment": {"spec": {**SPEC, "extra_specs": extra}, "config": str(conf),
+                           "host_root": host_layout("two-socket")}})["augmented"]
+    assert "error" in got and message in got["error"], got
