@@ -111,3 +111,24 @@ def test_bad_flavor_names_and_no_offers_are_refused(tmp_path, capsys, host_layou
     code, _, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
                         "nova", "config", "-o", str(out))
     assert code == 0 and out.read_text().startswith("# Written by `vstor nova config`")
+
+
+def test_a_controller_on_no_node_gets_a_legacy_alias(tmp_path, capsys):
+    """Nova's `required` policy never matches a device whose NUMA node is
+    unknown (numa_node -1, common on one-socket hosts): such a controller is
+    offered under an alias of its own, with the legacy policy."""
+    from tests.hostlayout import build_tree
+    layout = tmp_path / "flat.toml"
+    layout.write_text('hostname = "flat"\nnuma = false\n[[node]]\ncores = 4\nmemory = "16GiB"\n'
+                      '[[nvme]]\naddress = "0000:03:00.0"\n')
+    root = build_tree(str(layout), str(tmp_path / "root"))
+    code, text, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", root, "nova", "config")
+    assert code == 0, err
+    got = ask({"conf": text})
+    (name, (policy, _)), = got["aliases"].items()
+    assert name.endswith("-anynode") and policy == "legacy"
+    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", root,
+                          "nova", "config", "--flavors")
+    specs = dict(p.split("=", 1) for p in re.findall(r"--property (\S+)", out))
+    assert specs["hw:pci_numa_affinity_policy"] == "legacy" and "vstor:numa" not in specs
+    assert ask({"extra_specs": specs})["extra_specs"] == dict.fromkeys(specs)

@@ -56,13 +56,13 @@ def test_the_driver_loaded_as_nova_loads_it_adds_vstors_disk(conf, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "compute_driver = vstor.VstorLibvirtDriver" in done.stdout
     spec = {**SPEC, "extra_specs": {"vstor:disk.vdb.file.path": f"{tmp_path}/db.raw",
-                                    "hw:cpu_policy": "dedicated"}}
+                                    "vstor:disk.vdb.project": "p1", "hw:cpu_policy": "dedicated"}}
     got = ask({"driver": {"compute_driver": "vstor.VstorLibvirtDriver", "spec": spec,
                           "config": str(conf)}})["driver"]
     assert got["subclass"]
     xml = got["xml"]
     assert f'<source type="unix" path="{tmp_path}/vhost/instance-0000002a-vdb">' in xml
-    assert '<access mode="shared"/>' in xml and 'cpus="external"' in xml
+    assert '<source type="memfd"/>\n    <access mode="shared"/>' in xml and 'cpus="external"' in xml
     path = tmp_path / "d.xml"
     path.write_text(xml)
     if not shutil.which("virt-xml-validate"):
@@ -76,11 +76,27 @@ def test_the_driver_loaded_as_nova_loads_it_adds_vstors_disk(conf, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"vstor:disk.vdb.mode": "passthrough", "vstor:disk.vdb.nvme.controller": "0000:5e:00.0"},
-     "Nova's own PCI passthrough"),
-    ({"vstor:disk.vdb.file.path": "/etc/shadow"}, "outside the image roots"),
+    ({"vstor:disk.vdb.mode": "passthrough", "vstor:disk.vdb.nvme.controller": "0000:5e:00.0",
+      "vstor:disk.vdb.project": "p1"}, "Nova's own PCI passthrough"),
+    ({"vstor:disk.vdb.file.path": "/etc/shadow", "vstor:disk.vdb.project": "p1"},
+     "outside the image roots"),
+    ({"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw"}, "writable and names no project"),
+    ({"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw", "vstor:disk.vdb.project": "p2"},
+     "belongs to project p2, not this instance's"),
+    ({"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw", "vstor:disk.vdb.project": "p 1"},
+     "is not a project id"),
 ])
 def test_the_driver_refuses_what_vstor_refuses(conf, tmp_path, host_layout, extra, message):
     got = ask({"augment": {"spec": {**SPEC, "extra_specs": extra}, "config": str(conf),
                            "host_root": host_layout("two-socket")}})["augmented"]
     assert "error" in got and message in got["error"], got
+
+
+def test_a_flavor_with_hugepages_shares_novas_hugepages(conf, tmp_path):
+    spec = {**SPEC, "page_kb": 2048, "extra_specs": {"vstor:disk.vdb.file.path": f"{tmp_path}/db.raw",
+                                                     "vstor:disk.vdb.readonly": "yes"}}
+    got = ask({"augment": {"spec": spec, "config": str(conf)}})["augmented"]
+    assert "xml" in got, got
+    xml = got["xml"]
+    assert '<page size="2048" nodeset="0" unit="KiB"/>' in xml and '<access mode="shared"/>' in xml
+    assert "memfd" not in xml and "<readonly/>" in xml

@@ -51,6 +51,8 @@ def domains():
         "plain": spec(extra_specs={k: v for k, v in SPECS.items() if not k.startswith("vstor:")},
                       pins=[1, 2, 3, 4], hostdevs=["0000:5f:00.0"]),
         "root": spec(hostdevs=["0000:01:00.0"], pins=[1, 2, 3, 4], memory_nodes=None),
+        "stranger": spec(extra_specs={**SPECS, "vstor:disk.vdb.file.path": "/x.raw",
+                                      "vstor:disk.vdb.project": "p2"}),
     }})["xmls"]
 
 
@@ -72,6 +74,7 @@ def test_a_vstor_instance_placed_next_to_its_nvme_starts(domains, host_layout, t
     ("two-nodes", 3, "its NVMe controllers sit on nodes [0, 1]"),
     ("typo", 2, "vstor:numa='tight' is not one of strict"),
     ("unknown", 2, "unknown extra spec 'vstor:colour'"),
+    ("stranger", 3, "disk vdb belongs to project p2, not this instance's (p1)"),
 ])
 def test_a_vstor_instance_placed_wrong_is_refused_in_one_line(domains, host_layout, tmp_path,
                                                               case, code, message):

@@ -45,9 +45,9 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
     from vstor.host.sysfs import SysFS
     cfg = config_mod.load()
     dom = Domain.parse(xml, f"domain '{name}'")
+    if op == "prepare" and dom.is_nova():
+        _nova_prepare(cfg, dom, name)       # before vstor's own prepare, disks or not
     if not dom.has_vstor():
-        if op == "prepare":
-            _nova_prepare(cfg, dom, name)
         return 0        # the marker was only mentioned, e.g. in a description
     root = os.environ.get("VSTOR_HOST_ROOT", "/")
     rt = Runtime(cfg, SysFS(root))
@@ -83,7 +83,8 @@ def _nova_prepare(cfg, dom: Domain, name: str) -> None:
         return
     from vstor.host.read import read_host
     from vstor.host.sysfs import SysFS
-    found = nova.problems(read_host(SysFS(os.environ.get("VSTOR_HOST_ROOT", "/"))), cfg, inst)
+    found = nova.problems(read_host(SysFS(os.environ.get("VSTOR_HOST_ROOT", "/"))), cfg, inst,
+                          has_disks=dom.has_vstor())
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise DoesNotFit(f"Nova instance '{inst.name}' (flavor {inst.flavor}) cannot start: "

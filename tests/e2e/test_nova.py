@@ -32,7 +32,8 @@ def test_a_nova_instance_writes_through_its_vstor_disk(vstor_env, libvirt_conn, 
             "cmdline": f"console=ttyS0 panic=-1 quiet printk.devkmsg=on "
                        f"{job('write-verify', 'vda', 777, SIZE)}",
             "console": str(console), "flavor": "vstor.file",
-            "extra_specs": {"vstor:disk.vdb.file.path": disk, "hw:cpu_policy": "shared"}}
+            "extra_specs": {"vstor:disk.vdb.file.path": disk, "vstor:disk.vdb.project": "p1",
+                            "hw:cpu_policy": "shared"}}
     got = ask({"augment": {"spec": spec, "config": str(vstor_env)}})["augmented"]
     assert "xml" in got, got
     xml = got["xml"]

@@ -88,8 +88,8 @@ def augmented(req: dict) -> dict:
     g = make_guest(req["spec"])
     try:
         plan = augment(g, req["spec"].get("extra_specs", {}), req["spec"].get("flavor", "nvme.large"),
-                       read_host(SysFS(req.get("host_root", "/"))), config_mod.load(req["config"]),
-                       Ledger())
+                       req["spec"].get("project", "p1"), read_host(SysFS(req.get("host_root", "/"))),
+                       config_mod.load(req["config"]), Ledger())
     except VstorError as e:
         return {"error": str(e), "code": e.exit_code}
     return {"xml": g.to_xml(), "disks": [d.target for d in plan.disks] if plan else None}
@@ -110,13 +110,14 @@ def driver_step(req: dict) -> dict:
     drv._host = SimpleNamespace(get_connection=lambda: None)
     flavor = SimpleNamespace(name=req["spec"].get("flavor", "nvme.large"),
                              extra_specs=req["spec"].get("extra_specs", {}))
+    project = req["spec"].get("project", "p1")
     os_env = {"VSTOR_CONFIG": req["config"]}
     with mock.patch.object(libvirt_driver.LibvirtDriver, "_get_guest_config",
                            lambda self, instance, *a, **k: make_guest(req["spec"])), \
             mock.patch("vstor.runtime.inventory.load_ledger", lambda *a, **k: __import__(
                 "vstor.planner.ledger", fromlist=["Ledger"]).Ledger()), \
             mock.patch.dict(os.environ, os_env):
-        g = drv._get_guest_config(SimpleNamespace(flavor=flavor), None, None, None)
+        g = drv._get_guest_config(SimpleNamespace(flavor=flavor, project_id=project), None, None, None)
     return {"subclass": issubclass(cls, libvirt_driver.LibvirtDriver), "xml": g.to_xml()}
 
 
@@ -170,6 +171,12 @@ def make_guest(spec: dict):
         balloon.model = "none"
         g.add_device(balloon)
     g.os_mach_type = spec.get("machine")
+    if spec.get("page_kb"):
+        mb = vconfig.LibvirtConfigGuestMemoryBacking()
+        page = vconfig.LibvirtConfigGuestMemoryBackingPage()
+        page.size_kb, page.nodeset = spec["page_kb"], [0]
+        mb.hugepages.append(page)
+        g.membacking = mb
     if spec.get("acpi"):
         g.features.append(vconfig.LibvirtConfigGuestFeatureACPI())
     return g

@@ -113,6 +113,13 @@ class Domain:
         return e.get("machine", "") if e is not None else ""
 
     # -- vstor metadata (read through vstor.meta.metadata only) --------------
+    def is_nova(self) -> bool:
+        """Nova generated it: <nova:instance> in <metadata> (any version)."""
+        meta = self.root.find("metadata")
+        return meta is not None and any(
+            isinstance(e.tag, str) and e.tag.startswith("{http://openstack.org/xmlns/libvirt/nova/")
+            and e.tag.endswith("}instance") for e in meta)
+
     def has_vstor(self) -> bool:
         return metadata.find(self.root) is not None
 

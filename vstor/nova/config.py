@@ -43,9 +43,16 @@ class Offer:
 
     @property
     def alias(self) -> str:
-        """One alias per model and Nova device type (an alias has one type)."""
+        """One alias per model, Nova device type (an alias has one type) and
+        NUMA policy: a controller the firmware puts on no node (numa_node -1)
+        can never satisfy `required`, so it gets an alias of its own."""
         pf = "-pf" if self.device_type == "type-PF" else ""
-        return f"{ALIAS_PREFIX}-{self.vendor_id}-{self.product_id}{pf}"
+        anywhere = "-anynode" if self.node is None else ""
+        return f"{ALIAS_PREFIX}-{self.vendor_id}-{self.product_id}{pf}{anywhere}"
+
+    @property
+    def numa_policy(self) -> str:
+        return "required" if self.node is not None else "legacy"
 
 
 @dataclass(frozen=True)
@@ -107,28 +114,35 @@ def aliases(s: NovaSetup) -> list[dict]:
     for o in s.offers:
         out.setdefault(o.alias, {"name": o.alias, "vendor_id": o.vendor_id,
                                  "product_id": o.product_id, "device_type": o.device_type,
-                                 "numa_policy": "required", "live_migratable": "no"})
+                                 "numa_policy": o.numa_policy, "live_migratable": "no"})
     return list(out.values())
 
 
-def flavor_specs(alias: str, count: int = 1, page_kib: int | None = None) -> dict[str, str]:
+def flavor_specs(alias: str, count: int = 1, page_kib: int | None = None,
+                 local: bool = True) -> dict[str, str]:
     """Passthrough with the instance's vCPUs (dedicated) and memory on the
-    device's node; emulator threads on cpu_shared_set, off the vCPUs."""
-    return {"pci_passthrough:alias": f"{alias}:{count}",
-            "hw:pci_numa_affinity_policy": "required",
-            "hw:cpu_policy": "dedicated",
-            "hw:numa_nodes": "1",
-            "hw:mem_page_size": PAGE_SIZES.get(page_kib, "large"),
-            "hw:emulator_threads_policy": "share",
-            # vstor's hook checks at every start that Nova kept it so
-            # (vstor.nova.instance): a start that slipped off the node is refused.
-            "vstor:numa": "strict"}
+    device's node; emulator threads on cpu_shared_set, off the vCPUs.
+    local=False: the device is on no node, so nothing can be next to it."""
+    out = {"pci_passthrough:alias": f"{alias}:{count}",
+           "hw:pci_numa_affinity_policy": "required" if local else "legacy",
+           "hw:cpu_policy": "dedicated",
+           "hw:numa_nodes": "1",
+           "hw:mem_page_size": PAGE_SIZES.get(page_kib, "large"),
+           "hw:emulator_threads_policy": "share"}
+    if local:
+        # vstor's hook checks at every start that Nova kept it so
+        # (vstor.nova.instance): a start that slipped off the node is refused.
+        out["vstor:numa"] = "strict"
+    return out
 
 
 def nova_conf(s: NovaSetup, source: str) -> str:
     """A nova.conf fragment (oslo.config: repeated keys make a list)."""
-    lines = [f"# Written by `vstor nova config` from {source}.",
-             "# Merge into nova.conf on this compute host; restart nova-compute.", "", "[pci]"]
+    lines = [f"# Written by `vstor nova config` from {source} (Nova 2025.1 or later: aliases",
+             "# with live_migratable).  Merge into nova.conf on this compute host; restart",
+             "# nova-compute.  The [pci] alias lines must also be in nova.conf on every",
+             "# nova-api and scheduler host, the same everywhere (the union of all hosts').",
+             "", "[pci]"]
     for address, why in s.excluded:
         lines.append(f"# not offered: {address}: {why}")
     lines += [f"device_spec = {json.dumps(spec, separators=(', ', ': '))}" for spec in device_specs(s)]
@@ -147,7 +161,8 @@ def flavor_commands(s: NovaSetup, flavor: str | None, page_kib: int | None = Non
     out = []
     for a in aliases(s):
         name = flavor or a["name"]
-        props = " ".join(f"--property {k}={v}" for k, v in flavor_specs(a["name"], 1, page_kib).items())
+        specs = flavor_specs(a["name"], 1, page_kib, local=a["numa_policy"] == "required")
+        props = " ".join(f"--property {k}={v}" for k, v in specs.items())
         nodes = sorted({o.node for o in s.offers if o.alias == a["name"] and o.node is not None})
         out.append(f"# {a['name']}: {sum(o.alias == a['name'] for o in s.offers)} controller(s)"
                    + (f" on node(s) {','.join(map(str, nodes))}" if nodes else ""))

@@ -31,6 +31,7 @@ from vstor.meta.xmlmodel import Q
 PREFIX_KEY = "vstor:disk."
 SOURCES = ("nvme", "nvmf", "file", "block")
 _KEY = re.compile(r"vstor:disk\.([a-z0-9]{1,8})\.(?:(nvme|nvmf|file|block)\.)?([a-z_]{1,32})")
+_PROJECT = re.compile(r"[0-9a-f]{32}|[0-9a-f-]{36}|[A-Za-z0-9_-]{1,64}")
 
 
 def has_disks(specs: dict[str, str]) -> bool:
@@ -49,6 +50,8 @@ def element(specs: dict[str, str], flavor: str = "the flavor") -> etree._Element
                            "or vstor:disk.<target>.<source>.<attribute>",
                            hint="like vstor:disk.vdb.file.path=/var/lib/vstor/images/db.raw")
         target, kind, attr = m.groups()
+        if kind is None and attr == "project":
+            continue        # who may use the disk (projects_of), not part of the element
         disk = disks.get(target)
         if disk is None:
             disk = disks[target] = etree.SubElement(root, Q + "disk", target=target)
@@ -76,3 +79,27 @@ def intent_of(specs: dict[str, str], flavor: str = "the flavor") -> Intent:
         if e.message.startswith(flavor):
             raise
         raise BadInput(f"{flavor}: {e.message}", hint=e.hint) from None
+
+
+def projects_of(specs: dict[str, str], flavor: str = "the flavor") -> dict[str, str]:
+    """target -> the one project whose instances may use the disk.
+
+    A flavor's disk source is fixed: every instance of the flavor would get
+    the same file or namespace, and what one tenant wrote another would
+    read.  So a writable disk names its project (vstor:disk.<t>.project),
+    and only that project's instances get it; a readonly one may be shared."""
+    intent = intent_of(specs, flavor)
+    out = {}
+    for d in intent.disks:
+        project = specs.get(f"{PREFIX_KEY}{d.target}.project")
+        if project is not None and not _PROJECT.fullmatch(project):
+            raise BadInput(f"{flavor}: {PREFIX_KEY}{d.target}.project '{project[:40]}' is not a "
+                           "project id")
+        if project is None and not d.readonly:
+            raise BadInput(f"{flavor}: disk {d.target} is writable and names no project: every "
+                           "instance of the flavor would get the same disk, and read what another "
+                           "tenant wrote", hint=f"set {PREFIX_KEY}{d.target}.project=<project id>, "
+                                                "or readonly=yes")
+        if project is not None:
+            out[d.target] = project
+    return out

@@ -28,6 +28,11 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
             from vstor.runtime.inventory import load_ledger
             from vstor.runtime.state import StateDir
             cfg = config_mod.load()
-            ledger = load_ledger(self._host.get_connection(), StateDir(cfg.state_dir).records())
-            augment(guest, specs, instance.flavor.name, read_host(SysFS("/")), cfg, ledger)
+            try:
+                records = StateDir(cfg.state_dir).records()
+            except OSError:
+                records = []    # nova-compute runs as nova; the hook checks again as root
+            ledger = load_ledger(self._host.get_connection(), records)
+            augment(guest, specs, instance.flavor.name, instance.project_id,
+                    read_host(SysFS("/")), cfg, ledger)
         return guest

@@ -22,6 +22,7 @@ from nova.virt.libvirt import config as vconfig
 from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host
+from vstor.meta.names import is_safe_name
 from vstor.meta.plan import Plan
 from vstor.meta.xmlmodel import build
 from vstor.nova import disks
@@ -50,6 +51,28 @@ class VhostUserDisk(vconfig.LibvirtConfigGuestDevice):
         return dev
 
 
+class SharedMemoryBacking(vconfig.LibvirtConfigGuestMemoryBacking):
+    """Nova's memory backing, shared with the vhost-user backend: Nova's
+    hugepages when the flavor has them, else memfd (Nova's class knows only
+    a file source, which puts guest RAM in a file on the host's disk)."""
+
+    @classmethod
+    def of(cls, nova_mb):
+        mb = cls()
+        if nova_mb is not None:
+            mb.__dict__.update({k: v for k, v in nova_mb.__dict__.items() if k != "root_name"})
+        mb.sharedaccess = True
+        return mb
+
+    def format_dom(self):
+        root = super().format_dom()
+        if not self.hugepages and not self.filesource:
+            src = etree.Element("source", type="memfd")
+            access = root.find("access")
+            access.addprevious(src)         # libvirt's order: ..., locked, source, access, ...
+        return root
+
+
 class VstorMetadata(vconfig.LibvirtConfigObject):
     """vstor's element in <metadata>, as the hook reads it."""
 
@@ -61,19 +84,29 @@ class VstorMetadata(vconfig.LibvirtConfigObject):
         return copy.deepcopy(self.elem)
 
 
-def augment(guest: vconfig.LibvirtConfigGuest, specs: dict[str, str], flavor: str,
+def augment(guest: vconfig.LibvirtConfigGuest, specs: dict[str, str], flavor: str, project: str,
             host: Host, cfg: Config, ledger: Ledger) -> Plan | None:
-    """Add the flavor's vstor disks to `guest`; None when it has none."""
+    """Add the flavor's vstor disks to `guest` (an instance of `project`);
+    None when it has none."""
     if not disks.has_disks(specs):
         return None
     where = f"flavor '{flavor}'"
+    for target, owner in disks.projects_of(specs, where).items():
+        if owner != project:
+            raise BadInput(f"{where}: disk {target} belongs to project {owner}, not this instance's",
+                           hint="give the flavor only to that project (openstack flavor set "
+                                "--no-public --project)")
+    if not is_safe_name(guest.name):
+        raise BadInput(f"instance name '{guest.name[:40]}' cannot name a socket",
+                       hint="keep nova.conf's instance_name_template to letters, digits and _.+-")
     root = disks.element(specs, where)
     intent = disks.intent_of(specs, where)
     req = Request(name=guest.name, safe_name=guest.name, uuid=guest.uuid, vcpus=int(guest.vcpus),
                   memory_kib=int(guest.memory), machine=guest.os_mach_type or "pc", intent=intent,
-                  vhost_memory="hugepages" if guest.membacking and guest.membacking.hugepages else "file",
+                  vhost_memory="platform-hugepages" if guest.membacking and guest.membacking.hugepages
+                  else "memfd",
                   replan="re-create the instance (or resize it to a flavor with the right disks)",
-                  title=f"instance {guest.name}")
+                  title=f"instance {guest.name}", external_cpus=True)
     plan = plan_domain(host, cfg, req, ledger)
     if any(d.mode != "vhost" for d in plan.disks):
         raise BadInput(f"{where}: vstor disks in a flavor are vhost-user disks; a whole controller "
@@ -83,11 +116,7 @@ def augment(guest: vconfig.LibvirtConfigGuest, specs: dict[str, str], flavor: st
                        hint="use targets after Nova's own (vdb, vdc, ...)")
     for d in plan.disks:
         guest.add_device(VhostUserDisk(d.target, d.socket, d.queues, d.readonly))
-    mb = guest.membacking or vconfig.LibvirtConfigGuestMemoryBacking()
-    mb.sharedaccess = True
-    if not mb.hugepages:
-        mb.filesource = True        # libvirt's memory_backing_dir: shared, and not hugepages
-    guest.membacking = mb
+    guest.membacking = SharedMemoryBacking.of(guest.membacking)
     root.append(build(plan))
     guest.metadata.append(VstorMetadata(root))
     return plan

@@ -22,15 +22,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from lxml import etree
+
 from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host, parse_cpulist
-from vstor.planner.passthrough import check_passthrough
+from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 
 NOVA_NS = "http://openstack.org/xmlns/libvirt/nova/1.1"
 N = "{%s}" % NOVA_NS
 SPECS = {"vstor:numa": ("strict",)}
-_VALUE = re.compile(r"[A-Za-z0-9_.:/,=-]{0,255}")
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,19 @@ class NovaInstance:
     pins: tuple[int, ...]           # host CPUs of the vCPU pins
     unpinned: bool                  # some vCPU has no pin
     memory_nodes: tuple[int, ...] | None
+    project: str = ""               # nova:owner's project uuid
 
 
 def find(root) -> NovaInstance | None:
     """The instance, if the domain is Nova's and its flavor has vstor: specs."""
     inst = root.find(f"metadata/{N}instance")
     if inst is None:
+        other = [e for e in root.findall("metadata/*") if isinstance(e.tag, str)
+                 and e.tag.startswith("{http://openstack.org/xmlns/libvirt/nova/")]
+        if other and any(x.get("name", "").startswith("vstor:") for x in other[0].iter()):
+            raise BadInput(f"Nova's metadata is in {etree.QName(other[0]).namespace}, which this vstor "
+                           f"does not know ({NOVA_NS} only), and its flavor has vstor: specs",
+                           hint="upgrade vstor")
         return None
     flavor = inst.find(f"{N}flavor")
     specs = {}
@@ -76,13 +84,19 @@ def find(root) -> NovaInstance | None:
         name=(inst.findtext(f"{N}name") or "").strip()[:80], flavor=flavor.get("name") or "",
         specs=specs, hostdevs=tuple(_hostdevs(root)), pins=tuple(sorted(cpus)),
         unpinned=len({p.get("vcpu") for p in pins}) < vcpus,
-        memory_nodes=tuple(parse_cpulist(mem.get("nodeset", ""))) if mem is not None else None)
+        memory_nodes=tuple(parse_cpulist(mem.get("nodeset", ""))) if mem is not None else None,
+        project=(inst.find(f"{N}owner/{N}project").get("uuid", "")
+                 if inst.find(f"{N}owner/{N}project") is not None else ""))
 
 
-def problems(host: Host, cfg: Config, inst: NovaInstance) -> list[str]:
+def problems(host: Host, cfg: Config, inst: NovaInstance, has_disks: bool = False) -> list[str]:
     """Why the instance must not start as Nova placed it; [] when it may."""
     out = []
-    if any(k.startswith("vstor:disk.") for k in inst.specs):
+    for key, owner in sorted(inst.specs.items()):
+        if key.startswith("vstor:disk.") and key.endswith(".project") and owner != inst.project:
+            out.append(f"its flavor's disk {key.split('.')[1]} belongs to project {owner}, "
+                       f"not this instance's ({inst.project or 'none'})")
+    if any(k.startswith("vstor:disk.") for k in inst.specs) and not has_disks:
         out.append("its flavor asks for vstor disks, but its domain has none: nova-compute does "
                    "not run vstor's driver (compute_driver = vstor.VstorLibvirtDriver)")
     nodes = set()
@@ -93,7 +107,7 @@ def problems(host: Host, cfg: Config, inst: NovaInstance) -> list[str]:
         nodes.add(ctrl.numa_node)
         why = check_passthrough(ctrl, iommu_enabled=True, vfio_available=True,
                                 pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
-                                spdk_owned=False)
+                                spdk_owned=ctrl.driver in USERSPACE_DRIVERS and ctrl.driver != "vfio-pci")
         out += [f"{address}: {w}" for w in why]
     if inst.specs.get("vstor:numa") == "strict" and nodes:
         if len(nodes) > 1:

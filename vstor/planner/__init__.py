@@ -24,6 +24,8 @@ from vstor.planner.placement import (CpuPlacement, dedicated_pool, place_cpus, p
                                      place_memory, place_reactor)
 
 _PAGE_KIB = {"2M": 2048, "1G": 1048576}
+_SHARED = {"memfd": "memfd-backed shared memory",
+           "platform-hugepages": "the platform's hugepages (Nova's), shared"}
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Request:
     imports: tuple[tuple[str, NvmfSource], ...] = ()
     # How a vhost-user disk's guest memory is shared: libvirt can use memfd;
     # Proxmox only shares hugepage-backed memory (memory-backend-file,share=on);
-    # Nova's config classes give file-backed memory ("file").
+    # a Nova flavor's hugepages are Nova's ("platform-hugepages").
     vhost_memory: str = "memfd"
     # The platform raises the hugepage pool itself at the start (Proxmox).
     grows_hugepages: bool = False
@@ -49,6 +51,8 @@ class Request:
     replan: str = ""
     # How messages name it ("VM 100" on Proxmox).
     title: str = ""
+    # The platform pins the vCPUs (a Nova instance): cpus='external' allowed.
+    external_cpus: bool = False
 
     @property
     def fix(self) -> str:
@@ -61,7 +65,7 @@ class Request:
     @classmethod
     def from_domain(cls, dom: Domain, imports=()) -> "Request":
         return cls(dom.name, dom.safe_name, dom.uuid, dom.vcpus, dom.memory_kib,
-                   dom.machine, dom.intent(), tuple(imports))
+                   dom.machine, dom.intent(), tuple(imports), external_cpus=dom.is_nova())
 
     def disks(self) -> tuple:
         """The intent's disks, imported ones served by SPDK from their namespace."""
@@ -72,6 +76,7 @@ class Request:
 
 def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
     _check_config(cfg)
+    check_request(req)
     ledger = ledger.without(req.name, req.uuid)
     choices = choose_all(host, cfg, req.intent.vm, req.disks(), ledger)
     if isinstance(choices, NoFit):
@@ -92,6 +97,12 @@ def grow_pool(cfg: Config, req: Request) -> Config | None:
     """Proxmox raises the hugepage pool itself at a VM's start (after the
     hookscript's pre-start): a plan may count on free memory becoming pages."""
     return cfg if req.grows_hugepages else None
+
+
+def check_request(req: Request) -> None:
+    if req.intent.vm.cpus == "external" and not req.external_cpus:
+        raise BadInput(f"{req.who}: cpus='external' is for Nova instances (Nova pins their vCPUs); "
+                       "vstor places every other domain's", hint="use cpus='dedicated' or 'shared'")
 
 
 def _check_config(cfg: Config) -> None:
@@ -185,7 +196,8 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
             reasons.append("hugepages also share the guest memory with the vhost-user backend "
                            "(memory-backend-file,share=on: the only shared memory Proxmox gives)")
     elif any(c.mode == "vhost" for c in choices):
-        reasons.append(f"{req.vhost_memory}-backed shared memory, which vhost-user needs")
+        reasons.append(_SHARED.get(req.vhost_memory, f"{req.vhost_memory}-backed shared memory")
+                       + ", which vhost-user needs")
     disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target)) for c in choices)
     viommu = any(d.mode == "passthrough" and d.guest == "spdk" for d in disks)
     if viommu and "q35" not in req.machine:

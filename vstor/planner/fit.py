@@ -20,7 +20,7 @@ from vstor.errors import BadInput
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
 from vstor.meta.plan import Plan
-from vstor.planner import Request, candidate_nodes, disk_plan, grow_pool, page_size
+from vstor.planner import Request, candidate_nodes, check_request, disk_plan, grow_pool, page_size
 from vstor.planner.disks import NoFit, choose_all
 from vstor.planner.ledger import Ledger
 from vstor.planner.placement import (cpu_problems, place_cpus, place_hugepages, place_memory,
@@ -31,6 +31,7 @@ _MODES = {("passthrough", "vfio"), ("vhost", "spdk"), ("vhost", "qsd")}
 
 def check_made_for(plan: Plan, req: Request) -> None:
     """BadInput unless `plan` was made for this domain's metadata and size."""
+    check_request(req)
     fix = f"run {req.fix}"
     if plan.digest != digest(req.intent):
         raise BadInput(f"{req.who}: the vstor metadata changed since the plan was made",

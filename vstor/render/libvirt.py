@@ -47,6 +47,10 @@ def place(root, plan: Plan) -> None:
     """The host side of the domain as the plan places it: memory backing,
     vCPUs and their pinning, numatune, the guest's NUMA cell, and the plan
     itself; what a migration may change (libvirt's ABI check allows it)."""
+    if plan.cpus == "external":
+        # Nova's: its pinning, NUMA cells, memory backing stay as Nova made them.
+        _record(root, plan)
+        return
     _memory_backing(root, plan)
     _vcpu(root, plan)
     _cputune(root, plan)
