@@ -396,6 +396,12 @@ def test_pre_start_makes_the_backends_and_post_stop_removes_them(pve, capsys):
     done = pve.hook(100, "pre-start")
     assert done.returncode == 0, done.stderr
     assert os.path.exists(f"{pve.root}/vhost/pve-100-vdb")
+    # The daemon runs on the VM's emulator cores (here the housekeeping core
+    # 0, as `affinity` says), never on a dedicated vCPU's or a reactor.
+    pid = open(f"{pve.root}/qsd/pve-100-vdb.pid").read().strip()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        status = open(f"/proc/{pid}/task/{task}/status").read()
+        assert re.search(r"Cpus_allowed_list:\s+0\n", status), status
     for phase in ("post-start", "pre-stop"):
         assert pve.hook(100, phase).returncode == 0
     assert pve.vstor("status") == 0

@@ -223,7 +223,8 @@ def build(plan: Plan, cfg: Config) -> list[Action]:
             out.append(QsdExport(QsdSpec(
                 run_dir=cfg.qsd_dir, name=disk.vhost_name, source=path, kind=kind,
                 socket_path=disk.socket, readonly=disk.readonly, queues=disk.queues,
-                qemu_user=cfg.qemu_user, qemu_group=cfg.qemu_group)))
+                qemu_user=cfg.qemu_user, qemu_group=cfg.qemu_group,
+                cpus=tuple(plan.emulator))))
     return out
 
 

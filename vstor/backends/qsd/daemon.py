@@ -127,16 +127,27 @@ def _spawn(export: QsdExport, timeout: float) -> None:
     with tempfile.TemporaryFile() as err:
         try:
             done = subprocess.run(scope(export.name) + export.argv(), stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=err, timeout=timeout)
+                                  stdout=subprocess.DEVNULL, stderr=err, timeout=timeout,
+                                  preexec_fn=_pin(export.cpus))
         except subprocess.TimeoutExpired:
             raise ActionFailed(f"qemu-storage-daemon {export.name} did not finish starting "
                                f"within {timeout:g}s") from None
         except OSError as e:
             raise Unavailable(f"cannot run {export.binary}: {e.strerror}") from None
+        except subprocess.SubprocessError as e:       # the CPUs could not be set (offline?)
+            raise ActionFailed(f"qemu-storage-daemon {export.name} could not be pinned to CPUs "
+                               f"{','.join(map(str, export.cpus))}: {e}") from None
         if done.returncode != 0:
             err.seek(0)
             raise ActionFailed(f"qemu-storage-daemon {export.name} failed to start: "
                                f"{_last_line(err.read(), done.returncode)}")
+
+
+def _pin(cpus: tuple[int, ...]):
+    """In the child before exec: every thread the daemon starts inherits it."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:

@@ -44,6 +44,10 @@ class QsdExport:
     # O_DIRECT for the source; None = decide at start (block devices: yes;
     # files: only where the filesystem accepts O_DIRECT, see files.direct_works).
     direct: bool | None = None
+    # The CPUs the daemon's threads run on: the VM's emulator (housekeeping)
+    # cores, never a dedicated vCPU core or a reactor; () = not pinned
+    # (the platform places the VM, as Nova does).
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self):
         _validate(self)
@@ -88,8 +92,9 @@ class QsdExport:
         g = self.qemu_group
         note = ([f"# at start: cache.direct=on,aio=native instead, if {self.source}'s filesystem "
                  "takes O_DIRECT"] if self.direct is None and self.kind == "file" else [])
+        pin = ["taskset", "--cpu-list", ",".join(map(str, self.cpus))] if self.cpus else []
         return [f"install -d -o root -g {g} -m 0750 {shlex.quote(self.run_dir)}",
-                shlex.join(self.argv()), *note,
+                shlex.join(pin + self.argv()), *note,
                 f"chown root:{g} {shlex.quote(self.socket_path)}",
                 f"chmod 0660 {shlex.quote(self.socket_path)}"]
 
@@ -111,7 +116,10 @@ class QsdExport:
         missing = sorted(required - rec.keys())
         if missing:
             raise BadInput(f"qemu-storage-daemon record lacks {', '.join(missing)}")
-        return cls(**{k: v for k, v in rec.items() if k in names})
+        fields = {k: v for k, v in rec.items() if k in names}
+        if isinstance(fields.get("cpus"), list):
+            fields["cpus"] = tuple(fields["cpus"])
+        return cls(**fields)
 
 
 def _validate(e: QsdExport) -> None:
@@ -141,6 +149,9 @@ def _validate(e: QsdExport) -> None:
         bad(f"queues {e.queues!r} must be an integer from 1 to 1024")
     if not isinstance(e.readonly, bool) or e.direct not in (None, True, False):
         bad("readonly and direct must be true or false")
+    if not isinstance(e.cpus, tuple) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 65536 for c in e.cpus):
+        bad(f"cpus {e.cpus!r} must be a list of CPU numbers")
     if e.socket_path in (e.pidfile, e.qmp_path):
         bad(f"socket path {e.socket_path} collides with the daemon's own files")
 
