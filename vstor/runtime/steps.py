@@ -75,7 +75,7 @@ def do(a, rt) -> None:
         _spdk_vhost(a, rt)
     elif isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
-        daemon.start(a.export, handover=rt.handover)
+        daemon.start(_on_this_machine(a.export, rt), handover=rt.handover)
     elif isinstance(a, NvmfExport):
         _nvmf_export(a, rt)
     else:
@@ -156,11 +156,19 @@ def check(a, rt) -> str | None:
     return None
 
 
+def _on_this_machine(export, rt):
+    """The export's CPUs are the planned host's; when vstor reads another
+    host's tree (VSTOR_HOST_ROOT: a capture, a test layout) they need not
+    exist here, and the daemon is not pinned."""
+    from dataclasses import replace
+    return export if rt.sysfs.root == "/" or not export.cpus else replace(export, cpus=())
+
+
 def repair(a, rt) -> None:
     """Bring back what check() found missing."""
     if isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
-        daemon.restart_if_dead(a.export)
+        daemon.restart_if_dead(_on_this_machine(a.export, rt))
     else:
         do(a, rt)
 
