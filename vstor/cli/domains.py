@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from vstor.atomic import write_file
 from vstor.meta.document import Domain
 from vstor.errors import BadInput
 from vstor.host.model import format_cpulist
@@ -83,7 +84,7 @@ def cmd_render(ctx, args) -> int:
     _, out = rendered(ctx, load_source(ctx, args.source))
     text = out.to_string()
     if args.output:
-        _write_atomically(args.output, text)
+        write_file(args.output, text)
     else:
         sys.stdout.write(text)
     return 0
@@ -116,16 +117,6 @@ def _define(ctx, dom: Domain, dry_run: bool) -> int:
     print(f"Domain '{plan.domain}' defined: " + ", ".join(
         f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", node {plan.node}")
     return 0
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise BadInput(f"cannot write {path}: {e.strerror}") from None
 
 
 # -- output ---------------------------------------------------------------------------

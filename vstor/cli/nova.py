@@ -41,8 +41,8 @@ def cmd_config(ctx, args) -> int:
         return 0
     text = nova.nova_conf(s, ctx.host.hostname or "this host")
     if args.output:
-        from vstor.cli.domains import _write_atomically
-        _write_atomically(args.output, text)
+        from vstor.atomic import write_file
+        write_file(args.output, text)
         print(f"Wrote {args.output}: {len(s.offers)} controllers offered, {len(s.excluded)} not",
               file=sys.stderr)
     else:
@@ -63,14 +63,9 @@ def cmd_install_driver(ctx, args) -> int:
     except ImportError as e:
         raise BadInput(f"Nova is not importable by this vstor ({e})",
                        hint="install vstor into nova-compute's environment: pip install vstor[nova]") from None
+    from vstor.atomic import write_file
     target = os.path.join(os.path.dirname(nova.virt.__file__), "vstor.py")
-    tmp = f"{target}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(SHIM)
-        os.replace(tmp, target)
-    except OSError as e:
-        raise BadInput(f"cannot write {target}: {e.strerror}", hint="run as root") from None
+    write_file(target, SHIM, hint="run as root")
     print(f"Wrote {target}; set [DEFAULT] compute_driver = vstor.VstorLibvirtDriver in nova.conf "
           "and restart nova-compute")
     return 0

@@ -150,22 +150,15 @@ def _diff(old: str, new: str, path: str) -> None:
 
 
 def cmd_hooks_install(ctx, args) -> int:
+    from vstor.atomic import write_file
     from vstor.cli.runtime import render_hook
     from vstor.pve import manage
     node = _node(ctx)
     store = node.snippets()
     target = os.path.join(store.snippets, "vstor")
     config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
-    try:
-        os.makedirs(store.snippets, mode=0o755, exist_ok=True)
-        tmp = f"{target}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(render_hook(config_path, "proxmox/vstor"))
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
-    except OSError as e:
-        raise BadInput(f"cannot install the hookscript into {store.snippets}: {e.strerror}",
-                       hint="run as root") from None
+    write_file(target, render_hook(config_path, "proxmox/vstor"), mode=0o755, makedirs=True,
+               failure=f"cannot install the hookscript into {store.snippets}", hint="run as root")
     print(f"Installed {target}" + ("" if store.shared else
                                    f" (storage '{store.id}' is not shared: install it on every node "
                                    "a vstor VM may start or migrate to)"))

@@ -254,16 +254,9 @@ def render_hook(config_path: str | None, name: str = "vstor") -> str:
 def cmd_hooks_install(ctx, args) -> int:
     target = os.path.join(args.dir, "vstor")
     config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
-    try:
-        os.makedirs(args.dir, mode=0o755, exist_ok=True)
-        tmp = target + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(render_hook(config_path))
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)
-    except OSError as e:
-        raise BadInput(f"cannot install the hook into {args.dir}: {e.strerror}",
-                       hint="run as root") from None
+    from vstor.atomic import write_file
+    write_file(target, render_hook(config_path), mode=0o755, makedirs=True,
+               failure=f"cannot install the hook into {args.dir}", hint="run as root")
     print(f"Installed {target}; restart libvirtd (or virtqemud) so it picks the hook up")
     return 0
 

@@ -16,6 +16,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 
+from vstor.atomic import write_file
 from vstor.config import Config
 from vstor.errors import BadInput, DoesNotFit, Unavailable
 from vstor.pve import storage as storage_mod
@@ -63,17 +64,7 @@ class Node:
     def write_config(self, path: str, text: str) -> None:
         """As qemu-server writes it: a temporary file renamed over the config
         (the cluster filesystem makes the rename atomic cluster-wide)."""
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            with open(tmp, "x") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise BadInput(f"cannot write {path}: {e.strerror}", hint="run as root") from None
+        write_file(path, text, mode=None, hint="run as root")
 
     @contextmanager
     def lock(self, vm: int, wait: bool = True, timeout: float = LOCK_SECONDS):

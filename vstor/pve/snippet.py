@@ -28,6 +28,7 @@ import stat
 from lxml import etree
 
 from vstor import NS, PREFIX
+from vstor.atomic import write_file
 from vstor.errors import BadInput
 from vstor.meta import metadata
 from vstor.meta.document import _parser
@@ -105,17 +106,4 @@ def plan_bytes(plan: Plan) -> bytes:
 
 def write(path: str, data: bytes) -> None:
     """Atomically, root's: a reader sees the old file or the new one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise BadInput(f"cannot write {path}: {e.strerror}", hint="run as root") from None
+    write_file(path, data, hint="run as root")
