@@ -187,12 +187,17 @@ class Daemons:
         self.started[name] = wait_for_pidfile(PIDFILES[name], name, timeout)
 
     def _close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except libvirt.libvirtError:
-                pass
-            self._conn = None
+        close_quietly(self._conn)
+        self._conn = None
+
+
+def close_quietly(conn) -> None:
+    """Close a libvirt connection that may already be dead."""
+    if conn is not None:
+        try:
+            conn.close()
+        except libvirt.libvirtError:
+            pass
 
 
 def wait_for_pidfile(pidfile: Path, name: str, timeout: float, where: str = "") -> int:

@@ -52,7 +52,8 @@ import pytest
 from lxml import etree
 
 from .guest import Guest, domain_xml
-from .libvirtd import KVM, _comm, share_kvm, take_session_lock, wait_for_pidfile, which
+from .libvirtd import (KVM, _comm, close_quietly, share_kvm, take_session_lock, wait_for_pidfile,
+                       which)
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "https://vstor.dev/xmlns/domain/1"
@@ -205,12 +206,8 @@ class Host:
         return out
 
     def close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            except libvirt.libvirtError:
-                pass
-            self._conn = None
+        close_quietly(self._conn)
+        self._conn = None
 
 
 class Lab:

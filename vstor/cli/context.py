@@ -46,18 +46,24 @@ class Context:
         if self.host_root != "/" and not self.args.connect:
             warn("planning against a host capture: other domains' holdings are not known")
             return load_ledger(None)
-        from vstor.runtime.state import StateDir
-        try:
-            records = StateDir(self.config.state_dir).records()
-        except OSError as e:     # not root: the start checks them again, as root
-            warn(f"cannot read {self.config.state_dir} ({e.strerror}); planning without what "
-                 "domains prepared outside libvirt hold")
-            records = []
+        records = self.records()
         try:
             return load_ledger(self.conn, records)
         except Unavailable as e:
             warn(f"{e}; planning without the ledger of other defined domains")
             return load_ledger(None, records)
+
+
+    def records(self) -> list:
+        """The state records, for planning: unreadable (not root) is a
+        warning, as the start checks them again, as root."""
+        from vstor.runtime.state import StateDir
+        try:
+            return StateDir(self.config.state_dir).records()
+        except OSError as e:
+            warn(f"cannot read {self.config.state_dir} ({e.strerror}); planning without what "
+                 "domains prepared outside libvirt hold")
+            return []
 
 
 def warn(message: str) -> None:

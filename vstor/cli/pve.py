@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+from contextlib import nullcontext
 
 from vstor.errors import BadInput, DoesNotFit
 
@@ -57,24 +58,13 @@ def _qemu(node, args) -> tuple[int, int]:
     return node.qemu_version()
 
 
-def _records(ctx):
-    from vstor.cli.context import warn
-    from vstor.runtime.state import StateDir
-    try:
-        return StateDir(ctx.config.state_dir).records()
-    except OSError as e:
-        warn(f"cannot read {ctx.config.state_dir} ({e.strerror}); planning without what "
-             "running VMs hold")
-        return []
-
-
 def _planned(ctx, args):
     from vstor.pve import manage
     from vstor.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
     vmo = manage.load(node, vm, args.conf, args.intent, tolerant=True)
-    plan = manage.make_plan(ctx.host, ctx.config, vmo, manage.ledger(node, _records(ctx), skip=vm))
+    plan = manage.make_plan(ctx.host, ctx.config, vmo, manage.ledger(node, ctx.records(), skip=vm))
     return node, vmo, plan
 
 
@@ -103,7 +93,7 @@ def cmd_apply(ctx, args) -> int:
                        hint="give both, or neither (this node's VM), or add --dry-run")
     if args.conf:       # offline: copies of a config and an intent, not this node's VM
         return _apply(ctx, args, node)
-    with _nothing() if args.dry_run else node.lock(vm):     # as `qm set` does
+    with nullcontext() if args.dry_run else node.lock(vm):     # as `qm set` does
         if node.running(vm):
             raise DoesNotFit(f"VM {vm} is running; its backends are in use and its config was read "
                              "at its start", hint=f"stop it first (qm shutdown {vm}), then apply")
@@ -133,14 +123,6 @@ def _apply(ctx, args, node) -> int:
         print(f"Set the hookscript, or vstor makes no backends at its start: "
               f"qm set {vmo.vmid} --hookscript {hook}")
     return 0
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _diff(old: str, new: str, path: str) -> None:

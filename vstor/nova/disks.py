@@ -72,23 +72,26 @@ def element(specs: dict[str, str], flavor: str = "the flavor") -> etree._Element
     return root
 
 
-def intent_of(specs: dict[str, str], flavor: str = "the flavor") -> Intent:
+def parse(specs: dict[str, str], flavor: str = "the flavor") -> tuple[etree._Element, Intent]:
+    """The <vstor:vstor> element and the intent it declares."""
+    root = element(specs, flavor)
     try:
-        return metadata.load_intent(element(specs, flavor))
+        return root, metadata.load_intent(root)
     except BadInput as e:
-        if e.message.startswith(flavor):
-            raise
         raise BadInput(f"{flavor}: {e.message}", hint=e.hint) from None
 
 
-def projects_of(specs: dict[str, str], flavor: str = "the flavor") -> dict[str, str]:
+def intent_of(specs: dict[str, str], flavor: str = "the flavor") -> Intent:
+    return parse(specs, flavor)[1]
+
+
+def projects_of(specs: dict[str, str], intent: Intent, flavor: str = "the flavor") -> dict[str, str]:
     """target -> the one project whose instances may use the disk.
 
     A flavor's disk source is fixed: every instance of the flavor would get
     the same file or namespace, and what one tenant wrote another would
     read.  So a writable disk names its project (vstor:disk.<t>.project),
     and only that project's instances get it; a readonly one may be shared."""
-    intent = intent_of(specs, flavor)
     out = {}
     for d in intent.disks:
         project = specs.get(f"{PREFIX_KEY}{d.target}.project")

@@ -91,7 +91,8 @@ def augment(guest: vconfig.LibvirtConfigGuest, specs: dict[str, str], flavor: st
     if not disks.has_disks(specs):
         return None
     where = f"flavor '{flavor}'"
-    for target, owner in disks.projects_of(specs, where).items():
+    root, intent = disks.parse(specs, where)
+    for target, owner in disks.projects_of(specs, intent, where).items():
         if owner != project:
             raise BadInput(f"{where}: disk {target} belongs to project {owner}, not this instance's",
                            hint="give the flavor only to that project (openstack flavor set "
@@ -99,8 +100,6 @@ def augment(guest: vconfig.LibvirtConfigGuest, specs: dict[str, str], flavor: st
     if not is_safe_name(guest.name):
         raise BadInput(f"instance name '{guest.name[:40]}' cannot name a socket",
                        hint="keep nova.conf's instance_name_template to letters, digits and _.+-")
-    root = disks.element(specs, where)
-    intent = disks.intent_of(specs, where)
     req = Request(name=guest.name, safe_name=guest.name, uuid=guest.uuid, vcpus=int(guest.vcpus),
                   memory_kib=int(guest.memory), machine=guest.os_mach_type or "pc", intent=intent,
                   vhost_memory="platform-hugepages" if guest.membacking and guest.membacking.hugepages

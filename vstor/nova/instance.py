@@ -27,6 +27,7 @@ from lxml import etree
 from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host, parse_cpulist
+from vstor.render.libvirt import hostdev_address
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 
 NOVA_NS = "http://openstack.org/xmlns/libvirt/nova/1.1"
@@ -127,14 +128,12 @@ def problems(host: Host, cfg: Config, inst: NovaInstance, has_disks: bool = Fals
 
 def _hostdevs(root):
     for hd in root.findall("devices/hostdev"):
-        a = hd.find("source/address")
-        if hd.get("type") != "pci" or a is None:
+        if hd.get("type") != "pci" or hd.find("source/address") is None:
             continue
-        try:
-            yield "%04x:%02x:%02x.%x" % tuple(int(a.get(k, "0"), 0)
-                                            for k in ("domain", "bus", "slot", "function"))
-        except ValueError:
-            raise BadInput("a <hostdev> PCI address is not a number") from None
+        address = hostdev_address(hd)
+        if address is None:
+            raise BadInput("a <hostdev> PCI address is not a number")
+        yield address
 
 
 def _int(text: str, what: str) -> int:

@@ -63,6 +63,7 @@ def _hugepage_mounts(base: str, mounts: str) -> list[tuple[bool, str]]:
 def _vms(node: Node, hook: str) -> list[tuple[bool, str]]:
     from vstor.pve import manage
     out = []
+    qemu = None
     for vm in manage.vstor_vms(node):
         try:
             vmo = manage.load(node, vm)
@@ -75,7 +76,8 @@ def _vms(node: Node, hook: str) -> list[tuple[bool, str]]:
                                f"vstor makes no backends at its start: qm set {vm} --hookscript {hook}"))
             continue
         try:
-            manage.check_config(vmo, manage.recorded_plan(vmo), node.qemu_version())
+            qemu = qemu or node.qemu_version()
+            manage.check_config(vmo, manage.recorded_plan(vmo), qemu)
         except VstorError as e:
             out.append((False, f"VM {vm}: {e}"))
             continue

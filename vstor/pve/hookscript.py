@@ -81,7 +81,7 @@ def pre_start(vm: int, migrated_from: str | None) -> None:
                            "of another VM?)", hint=f"write its intent and run vstor pve apply {vm}, "
                                                    "or remove what is vstor's from its config")
         return          # the hookscript on a VM without vstor disks: nothing to do
-    vmo = manage.load(node, vm, conf_path=path)
+    vmo = manage.load(node, vm, conf_path=path, conf=conf)
     plan = manage.recorded_plan(vmo)
     manage.check_config(vmo, plan, node.qemu_version(), starting=True)
     if migrated_from:

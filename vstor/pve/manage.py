@@ -10,8 +10,6 @@ import re
 import sys
 from dataclasses import dataclass
 
-from lxml import etree
-
 from vstor.config import Config
 from vstor.errors import BadInput, VstorError
 from vstor.host.model import Host
@@ -31,7 +29,6 @@ class Vm:
     conf: PveConfig
     conf_path: str
     intent_path: str
-    root: etree._Element         # the intent file's <vstor:vstor>
     req: Request
     recorded: Plan | None        # the plan `vstor pve apply` last wrote
 
@@ -45,21 +42,21 @@ def intent_dir(node: Node) -> str:
 
 
 def load(node: Node, vmid: int, conf_path: str | None = None, intent_path: str | None = None,
-         migrated_from: str | None = None, tolerant: bool = False) -> Vm:
+         tolerant: bool = False, conf: PveConfig | None = None) -> Vm:
     """tolerant: a damaged plan record reads as none (apply re-plans); a
-    start must refuse it."""
-    path = conf_path or node.config_path(vmid, migrated_from)
-    conf, path = node.read_config(vmid, path)
+    start must refuse it.  conf: the config, already read from conf_path."""
+    path = conf_path or node.config_path(vmid)
+    if conf is None:
+        conf, path = node.read_config(vmid, path)
     ipath = intent_path or snippet.path_of(intent_dir(node), vmid)
-    root = snippet.read(ipath, vmid)
-    req = request_of(vmid, conf, snippet.intent_of(root))
+    req = request_of(vmid, conf, snippet.intent_of(snippet.read(ipath, vmid)))
     try:
         recorded = snippet.read_plan(ipath, req.name, req.uuid, f"run: {req.fix}")
     except BadInput:
         if not tolerant:
             raise
         recorded = None
-    return Vm(vmid, conf, path, ipath, root, req, recorded)
+    return Vm(vmid, conf, path, ipath, req, recorded)
 
 
 def make_plan(host: Host, cfg: Config, vm: Vm, ledger: Ledger) -> Plan:
@@ -150,7 +147,7 @@ def carries_vstor(conf: PveConfig, claimed: set[str]) -> str | None:
     """What in a config without a vstor intent is vstor's (a clone or a
     restore of a vstor VM, say): its args pairs, or a hostpci line passing a
     controller a vstor plan or record holds (`claimed`)."""
-    if render._START.search(conf.get("args") or ""):
+    if render.has_vstor_args(conf.get("args")):
         return "args hold vstor's vhost-user disks"
     for key, hosts in render.hostpci_hosts(conf):
         taken = sorted(c for c in claimed if any(render.names(h, c) for h in hosts))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import glob
 import os
 import re
 import subprocess
@@ -123,14 +122,6 @@ class Node:
         want = os.path.realpath(path)
         return any(a == b"-pidfile" and os.path.realpath(os.fsdecode(b)) == want
                    for a, b in zip(argv, argv[1:]))
-
-    def running_vms(self) -> set[int]:
-        out = set()
-        for path in glob.glob(os.path.join(glob.escape(self.cfg.pve_run_dir), "*.pid")):
-            name = os.path.basename(path)[:-4]
-            if re.fullmatch(r"[1-9][0-9]{2,8}", name, re.ASCII) and self.running(int(name)):
-                out.add(int(name))
-        return out
 
     # -- storage, QEMU ----------------------------------------------------------------------
 

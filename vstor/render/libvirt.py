@@ -73,14 +73,16 @@ def _drop_owned(root, plan: Plan, previous: Plan | None) -> None:
         if target is not None and target.get("dev") in targets:
             devices.remove(disk)
     for hd in devices.findall("hostdev"):
-        if _hostdev_address(hd) in hostdevs:
+        if hostdev_address(hd) in hostdevs:
             devices.remove(hd)
     if previous is not None and previous.viommu or plan.viommu:
         for iommu in devices.findall("iommu"):
             devices.remove(iommu)
 
 
-def _hostdev_address(hd) -> str | None:
+def hostdev_address(hd) -> str | None:
+    """A PCI <hostdev>'s source address as '0000:5e:00.0'; None for another
+    kind of hostdev or an address that is not numbers."""
     a = hd.find("source/address")
     if a is None or hd.get("type") != "pci":
         return None

@@ -94,6 +94,11 @@ def vhost_args(plan: Plan, qemu: tuple[int, int]) -> list[str]:
     return out
 
 
+def has_vstor_args(args: str | None) -> bool:
+    """Does an args line hold vstor's -chardev/-device pairs?"""
+    return bool(_START.search(args or ""))
+
+
 def merge_args(current: str | None, ours: list[str], vm: int) -> str | None:
     """The user's part of `args` (before vstor's suffix) kept as written,
     `ours` appended; refused when the user's part says what vstor says, or
