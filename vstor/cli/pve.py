@@ -3,6 +3,7 @@ written into the VM config; the hookscript; doctor for a Proxmox node."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import os
@@ -25,7 +26,7 @@ def register(sub) -> None:
                        help="the VM config (default: /etc/pve/qemu-server/VMID.conf)")
         q.add_argument("--intent", metavar="FILE",
                        help="the vstor intent (default: <snippets storage>/snippets/vstor-VMID.xml)")
-        q.add_argument("--qemu-version", metavar="X.Y",
+        q.add_argument("--qemu-version", metavar="X.Y", type=_version,
                        help="the QEMU the VM will run under (default: ask [pve] qemu)")
         if name == "plan":
             q.add_argument("--json", action="store_true", help="machine-readable output")
@@ -49,13 +50,16 @@ def _node(ctx):
     return Node(ctx.config)
 
 
+def _version(text: str) -> tuple[int, int]:
+    """--qemu-version, checked as the arguments are read (before anything else)."""
+    m = re.fullmatch(r"(\d{1,3})\.(\d{1,3})", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"'{text[:20]}' is not X.Y, like 9.2")
+    return int(m.group(1)), int(m.group(2))
+
+
 def _qemu(node, args) -> tuple[int, int]:
-    if args.qemu_version:
-        m = re.fullmatch(r"(\d{1,3})\.(\d{1,3})", args.qemu_version)
-        if not m:
-            raise BadInput(f"--qemu-version '{args.qemu_version[:20]}' is not X.Y", hint="like 9.2")
-        return int(m.group(1)), int(m.group(2))
-    return node.qemu_version()
+    return args.qemu_version or node.qemu_version()
 
 
 def _planned(ctx, args):
