@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import pytest
+from lxml import etree
 
 from tests.nova import ROOT, ask, nova_python
 from vstor.errors import BadInput
@@ -100,3 +101,90 @@ def test_a_flavor_with_hugepages_shares_novas_hugepages(conf, tmp_path):
     xml = got["xml"]
     assert '<page size="2048" nodeset="0" unit="KiB"/>' in xml and '<access mode="shared"/>' in xml
     assert "memfd" not in xml and "<readonly/>" in xml
+
+
+# -- live migration ------------------------------------------------------------
+
+def _command_double(tmp_path, code: int = 0, said: str = "") -> tuple:
+    """A test double of `sudo -n vstor` for [nova] migrate_command: it notes
+    its arguments in the log the oracle keeps and answers with `code`."""
+    log = tmp_path / "calls.log"
+    double = tmp_path / "sudo-vstor"
+    double.write_text(f"#!/bin/sh\necho \"vstor $*\" >> {log}\n"
+                      f"[ {code} = 0 ] || {{ echo 'vstor: {said}' >&2; exit {code}; }}\n"
+                      "echo 'held'\n")
+    double.chmod(0o755)
+    return double, log
+
+
+@pytest.mark.parametrize("code, fails, expected", [
+    # prepare, then Nova migrates; Nova calls post_live_migration_at_source
+    # after a success and rollback_live_migration_at_source after a failure
+    # (both are called here in turn: the driver's half of each).
+    (0, False, ["vstor nova migrate prepare instance-0000002a --to compute-8", "nova live_migration",
+                "nova post_live_migration_at_source",
+                "vstor nova migrate finish instance-0000002a --to compute-8",
+                "nova rollback_live_migration_at_source", "vstor nova migrate abort instance-0000002a"]),
+    # vstor refuses: Nova's recover method (its rollback), no migration.
+    (3, False, ["vstor nova migrate prepare instance-0000002a --to compute-8", "recover"]),
+    # Nova's driver raises (Nova then errors the instance without rollback):
+    # the destination's backends are given up all the same.
+    (0, True, ["vstor nova migrate prepare instance-0000002a --to compute-8", "nova live_migration",
+               "vstor nova migrate abort instance-0000002a --to compute-8"]),
+])
+def test_the_driver_carries_a_live_migration_through_vstor(tmp_path, conf, code, fails, expected):
+    double, log = _command_double(tmp_path, code, "compute-8: domain cannot live-migrate")
+    with open(conf, "a") as f:
+        f.write(f"[nova]\nmigrate_command = {double}\n")
+    got = ask({"driver_migration": {"compute_driver": "vstor.VstorLibvirtDriver", "config": str(conf),
+                                    "name": "instance-0000002a", "dest": "compute-8", "log": str(log),
+                                    "extra_specs": {"vstor:disk.vdb.file.path": "/x", "vstor:disk.vdb.project": "p1"},
+                                    "migration_fails": fails}})["driver_migration"]
+    assert all(got["signatures"].values()), got["signatures"]     # Nova's own signatures
+    assert got["calls"][:len(expected)] == expected, got["calls"]
+    assert got["raised"] == ("libvirt said no" if fails else None)
+
+
+def test_the_driver_leaves_other_instances_migrations_to_nova(tmp_path, conf):
+    double, log = _command_double(tmp_path)
+    with open(conf, "a") as f:
+        f.write(f"[nova]\nmigrate_command = {double}\n")
+    got = ask({"driver_migration": {"compute_driver": "vstor.VstorLibvirtDriver", "config": str(conf),
+                                    "name": "instance-0000002b", "dest": "compute-8", "log": str(log),
+                                    "extra_specs": {"hw:cpu_policy": "dedicated"}}})["driver_migration"]
+    assert got["calls"] == ["nova live_migration", "nova post_live_migration_at_source",
+                            "nova rollback_live_migration_at_source"]
+
+
+def test_an_instance_arrives_shared_on_the_destinations_socket_as_nova_placed_it(conf, tmp_path):
+    """Nova's source sends the domain through its own get_updated_guest_xml,
+    which strips the memory backing's sharing (and would leave the
+    vhost-user backend without the guest's memory); the destination's
+    hook (render_incoming) shares it again, moves the socket to its own,
+    and keeps Nova's pinning."""
+    from vstor.config import load
+    from vstor.host.read import read_host
+    from vstor.host.sysfs import SysFS
+    from vstor.meta.document import Domain
+    from vstor.planner import Request, plan_domain
+    from vstor.planner.ledger import Ledger
+    from vstor.render.migration import render_incoming
+    spec = {**SPEC, "pins": [0, 1], "extra_specs": {"vstor:disk.vdb.file.path": f"{tmp_path}/db.raw",
+                                                     "vstor:disk.vdb.project": "p1"}}
+    xml = ask({"augment": {"spec": spec, "config": str(conf)}})["augmented"]["xml"]
+    sent = ask({"migration_xml": {"xml": xml}})["migration_xml"]
+    assert [c.tag for c in etree.fromstring(sent).find("memoryBacking")] == []   # Nova's own doing
+    other = tmp_path / "b.conf"
+    other.write_text(conf.read_text().replace(f"{tmp_path}/vhost", f"{tmp_path}/b-vhost"))
+    dom = Domain.parse(sent, "the arriving domain")
+    arriving = render_incoming(dom, plan_domain(read_host(SysFS("/")), load(str(other)),
+                                                Request.from_domain(dom), Ledger())).to_string()
+    assert f"{tmp_path}/b-vhost/instance-0000002a-vdb" in arriving and f"{tmp_path}/vhost/" not in arriving
+    mb = etree.fromstring(arriving).find("memoryBacking")
+    assert [(c.tag, dict(c.attrib)) for c in mb] == [("source", {"type": "memfd"}),
+                                                     ("access", {"mode": "shared"})]
+    assert '<vcpupin vcpu="0" cpuset="0"/>' in arriving and '<vcpupin vcpu="1" cpuset="1"/>' in arriving
+    path = tmp_path / "arriving.xml"
+    path.write_text(arriving)
+    valid = subprocess.run(["virt-xml-validate", str(path), "domain"], capture_output=True, text=True)
+    assert valid.returncode == 0, valid.stdout + valid.stderr

@@ -30,6 +30,7 @@ _KEYS = {
     "migrate": {"shared", "peer_command", "timeout", "export_address", "export_transport",
                 "export_port", "local_peers"},
     "pve": {"etc", "storage", "run_dir", "lock_dir", "qemu"},
+    "nova": {"migrate_command"},
 }
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class Config:
     pve_run_dir: str = "/var/run/qemu-server"
     pve_lock_dir: str = "/var/lock/qemu-server"
     pve_qemu: str = "/usr/bin/kvm"
+    # How vstor's Nova driver (nova-compute, as the nova user) runs
+    # `vstor nova migrate` as root: a command prefix, run as argv.
+    nova_migrate_command: str = "sudo -n vstor"
     source: str = field(default="(defaults)", compare=False)
 
     @property
@@ -200,6 +204,8 @@ def _build(v: dict, path: str) -> Config:
             raise BadInput(f"{path}: [pve] storage '{sid[:40]}' is not a Proxmox storage ID",
                            hint="like local or cephfs")
         kw["pve_storage"] = sid
+    if v.get(("nova", "migrate_command")):
+        kw["nova_migrate_command"] = v[("nova", "migrate_command")]
     if ("memory", "reserved") in v:
         kw["memory_reserved_mib"] = _int(v[("memory", "reserved")], "[memory] reserved", path, "MiB")
     return Config(**kw)

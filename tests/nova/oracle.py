@@ -69,6 +69,10 @@ def main() -> None:
         out["augmented"] = augmented(req["augment"])
     if "guests" in req:
         out["xmls"] = {k: guest(v) for k, v in req["guests"].items()}
+    if "migration_xml" in req:
+        out["migration_xml"] = migration_xml(req["migration_xml"])
+    if "driver_migration" in req:
+        out["driver_migration"] = driver_migration(req["driver_migration"])
     json.dump(out, sys.stdout)
 
 
@@ -119,6 +123,96 @@ def driver_step(req: dict) -> dict:
             mock.patch.dict(os.environ, os_env):
         g = drv._get_guest_config(SimpleNamespace(flavor=flavor, project_id=project), None, None, None)
     return {"subclass": issubclass(cls, libvirt_driver.LibvirtDriver), "xml": g.to_xml()}
+
+
+def migration_xml(req: dict) -> str:
+    """The XML Nova's source sends a live migration with
+    (nova.virt.libvirt.migration.get_updated_guest_xml) from the domain's
+    migratable XML, with the LibvirtLiveMigrateData a destination without
+    file-backed memory, graphics, serial ports or volumes fills in, and
+    `numa` (cpu_pins, cell_pins, emulator_pins) when Nova re-pins it."""
+    from types import SimpleNamespace
+    from nova import objects
+    from nova.virt.libvirt import migration
+    objects.register_all()
+    data = objects.LibvirtLiveMigrateData(
+        graphics_listen_addr_vnc="127.0.0.1", graphics_listen_addr_spice="127.0.0.1",
+        serial_listen_addr=None, serial_listen_ports=[], target_connect_addr=None,
+        supported_perf_events=[], bdms=[], dst_wants_file_backed_memory=False,
+        block_migration=False, is_shared_instance_path=True)
+    if req.get("numa"):
+        n = req["numa"]
+        data.dst_numa_info = objects.LibvirtLiveMigrateNUMAInfo(
+            cpu_pins={k: set(v) for k, v in n["cpu_pins"].items()},
+            cell_pins={k: set(v) for k, v in n["cell_pins"].items()},
+            emulator_pins=set(n["emulator_pins"]))
+    guest = SimpleNamespace(get_xml_desc=lambda dump_migratable=False: req["xml"],
+                            migrate=lambda *a, destination_xml=None, **k: sent.append(destination_xml))
+    if req.get("compute_driver"):
+        # As _live_migration_operation of the driver hands it to Nova's code.
+        from oslo_utils import importutils
+        cls = importutils.import_class("nova.virt." + req["compute_driver"])
+        guest = importutils.import_module(cls.__module__).SharedMemoryGuest(guest)
+    sent = []
+    instance = SimpleNamespace(flavor=SimpleNamespace(extra_specs=req.get("extra_specs", {})))
+    xml = migration.get_updated_guest_xml(instance, guest, data, get_volume_config=None)
+    guest.migrate("qemu+tcp://dest/system", destination_xml=xml)     # as Nova's migrate call does
+    return sent[0]
+
+
+def driver_migration(req: dict) -> dict:
+    """vstor's driver in a live migration, loaded as Nova loads compute
+    drivers, called as Nova's compute manager calls it
+    (nova.compute.manager: driver.live_migration with its post and
+    recover methods, then post_live_migration_at_source or
+    rollback_live_migration_at_source), with Nova's own LibvirtDriver
+    methods replaced by recorders (they need a whole compute host).
+    What the driver ran is recorded by `[nova] migrate_command` (the test's
+    double of sudo + vstor)."""
+    import inspect
+    from types import SimpleNamespace
+    from unittest import mock
+    from oslo_utils import importutils
+    from nova.virt.libvirt import driver as libvirt_driver
+    cls = importutils.import_class("nova.virt." + req["compute_driver"])
+    drv = cls.__new__(cls)
+    def note(line):
+        with open(req["log"], "a") as f:
+            f.write(line + "\n")
+    signatures = {}
+    for name in ("live_migration", "rollback_live_migration_at_source",
+                 "post_live_migration_at_source", "_live_migration_operation"):
+        ours, novas = getattr(cls, name), getattr(libvirt_driver.LibvirtDriver, name)
+        signatures[name] = str(inspect.signature(ours)) == str(inspect.signature(novas))
+    flavor = SimpleNamespace(name="f", extra_specs=req.get("extra_specs", {}))
+    instance = SimpleNamespace(name=req["name"], flavor=flavor, uuid="u")
+
+    def parent(name):
+        def record(self, *args, **kwargs):
+            note("nova " + name)
+            if name == "live_migration" and req.get("migration_fails"):
+                raise RuntimeError("libvirt said no")
+        return record
+    patches = [mock.patch.object(libvirt_driver.LibvirtDriver, n, parent(n))
+               for n in ("live_migration", "rollback_live_migration_at_source",
+                         "post_live_migration_at_source")]
+    for p in patches:
+        p.start()
+    raised = None
+    with mock.patch.dict(os.environ, {"VSTOR_CONFIG": req["config"]}):
+        try:
+            drv.live_migration("ctx", instance, req["dest"],
+                               lambda *a, **k: note("post"), lambda *a, **k: note("recover"),
+                               False, SimpleNamespace())
+        except RuntimeError as e:
+            raised = str(e)
+        drv.post_live_migration_at_source("ctx", instance, [])
+        drv.rollback_live_migration_at_source("ctx", instance, SimpleNamespace())
+    for p in patches:
+        p.stop()
+    with open(req["log"]) as f:
+        calls = f.read().splitlines()
+    return {"calls": calls, "raised": raised, "signatures": signatures}
 
 
 def make_guest(spec: dict):

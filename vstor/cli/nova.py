@@ -24,6 +24,13 @@ def register(sub) -> None:
     q = nsub.add_parser("install-driver", help="make vstor's compute driver loadable by Nova "
                                                "(writes nova/virt/vstor.py into Nova's package)")
     q.set_defaults(func=cmd_install_driver)
+    q = nsub.add_parser("migrate", help="(run as root by vstor's Nova driver) a Nova instance's "
+                                        "live migration: prepare the destination, finish, abort")
+    q.add_argument("step", choices=("prepare", "finish", "abort"))
+    q.add_argument("instance", metavar="INSTANCE", help="the libvirt domain name (instance-0000002a)")
+    q.add_argument("--to", metavar="DEST", help="the destination compute host (prepare; finish "
+                                                "and abort default to the one prepare recorded)")
+    q.set_defaults(func=cmd_migrate)
 
 
 def cmd_config(ctx, args) -> int:
@@ -69,3 +76,47 @@ def cmd_install_driver(ctx, args) -> int:
     print(f"Wrote {target}; set [DEFAULT] compute_driver = vstor.VstorLibvirtDriver in nova.conf "
           "and restart nova-compute")
     return 0
+
+
+def cmd_migrate(ctx, args) -> int:
+    """`vstor migrate` for a Nova instance with vstor disks, and nothing
+    else: the one command a sudoers line gives nova-compute."""
+    import argparse
+    from vstor.cli import migrate
+    from vstor.cli.runtime import _runtime, _state
+    from vstor.meta.names import is_safe_name
+    from vstor.migration import source
+    name = args.instance
+    if not is_safe_name(name):
+        raise BadInput(f"'{name[:40]}' is not a Nova instance's domain name",
+                       hint="like instance-0000002a")
+    if args.step == "prepare":
+        if not args.to:
+            raise BadInput("prepare needs the destination", hint="--to DEST")
+        dom = _instance(ctx, name)
+        peer, uri = migrate._peer(ctx, args.to)
+        verdict, _ = source.prepare(ctx.config, _state(ctx), dom, peer, uri, _runtime(ctx))
+        print(f"{peer.host} holds {name}'s vstor backends; Nova's migration may go ahead:")
+        for d in verdict.disks:
+            print(f"  {d.target}: {d.reason}")
+        return 0
+    if args.step == "abort" and not args.to and source.recorded_destination(_state(ctx), name) is None:
+        print(f"no vstor migration of {name} is recorded here; nothing to abort")
+        return 0
+    step = migrate.cmd_finish if args.step == "finish" else migrate.cmd_abort
+    return step(ctx, argparse.Namespace(domain=name, to=args.to))
+
+
+def _instance(ctx, name: str):
+    """The running instance as libvirt migrates it, if it is a Nova
+    instance with vstor disks."""
+    import libvirt
+    from vstor.meta.document import Domain
+    from vstor.runtime import virt
+    vdom = virt.lookup(ctx.conn, name)
+    flags = libvirt.VIR_DOMAIN_XML_MIGRATABLE if vdom.isActive() else 0
+    dom = Domain.parse(vdom.XMLDesc(flags), f"domain '{name}'")
+    if not (dom.is_nova() and dom.has_vstor()):
+        raise BadInput(f"domain '{name}' is not a Nova instance with vstor disks",
+                       hint="vstor migrate prepare is the command for other domains")
+    return dom

@@ -7,11 +7,31 @@ Nova loads `compute_driver` from its own `nova.virt` package only, so
 
     [DEFAULT]
     compute_driver = vstor.VstorLibvirtDriver
+
+A live migration of an instance with vstor disks goes through vstor's
+migration (vstor.nova.migrate): the destination makes the backends before
+Nova migrates, the source lets go after, and a rollback gives the
+destination's up; the destination's hook places the arriving domain.
 """
 
 from __future__ import annotations
 
+from oslo_log import log as logging
+
 from nova.virt.libvirt import driver as libvirt_driver
+
+LOG = logging.getLogger(__name__)
+
+
+def _has_vstor_disks(instance) -> bool:
+    from vstor.nova import disks
+    return disks.has_disks(dict(instance.flavor.extra_specs or {}))
+
+
+def _vstor_migrate(step: str, instance, dest: str | None = None) -> str:
+    from vstor import config as config_mod
+    from vstor.nova import migrate
+    return migrate.run(config_mod.load(), step, instance.name, dest)
 
 
 class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
@@ -36,3 +56,89 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
             augment(guest, specs, instance.flavor.name, instance.project_id,
                     read_host(SysFS("/")), cfg, ledger)
         return guest
+
+    def live_migration(self, context, instance, dest, post_method, recover_method,
+                       block_migration=False, migrate_data=None):
+        if not _has_vstor_disks(instance):
+            return super().live_migration(context, instance, dest, post_method, recover_method,
+                                          block_migration, migrate_data)
+        from vstor.errors import VstorError
+        try:
+            said = _vstor_migrate("prepare", instance, dest)
+        except VstorError as e:
+            # As Nova's own driver does when the migration fails: its
+            # rollback, the instance runs on here.
+            LOG.error("vstor refuses to migrate the instance's vstor disks to %s: %s", dest, e,
+                      instance=instance)
+            recover_method(context, instance, dest, migrate_data)
+            return None
+        LOG.info("vstor: %s", " ".join(said.split()), instance=instance)
+        # The source's record (which names the destination) goes with the
+        # domain; finish and abort are told where it went.
+        self._vstor_destinations()[instance.uuid] = dest
+        try:
+            return super().live_migration(context, instance, dest, post_method, recover_method,
+                                          block_migration, migrate_data)
+        except Exception:
+            # Nova puts the instance in error without a rollback: still give
+            # the destination's backends up (refused if it arrived there).
+            self._vstor_abort(instance)
+            raise
+
+    def _vstor_destinations(self) -> dict:
+        """instance uuid -> the destination vstor prepared, in this nova-compute."""
+        if "_vstor_dest" not in self.__dict__:
+            self._vstor_dest = {}
+        return self._vstor_dest
+
+    def _live_migration_operation(self, context, instance, dest, block_migration, migrate_data,
+                                  guest, device_names):
+        if _has_vstor_disks(instance):
+            guest = SharedMemoryGuest(guest)
+        return super()._live_migration_operation(context, instance, dest, block_migration,
+                                                 migrate_data, guest, device_names)
+
+    def rollback_live_migration_at_source(self, context, instance, migrate_data):
+        super().rollback_live_migration_at_source(context, instance, migrate_data)
+        if _has_vstor_disks(instance):
+            self._vstor_abort(instance)
+
+    def post_live_migration_at_source(self, context, instance, network_info):
+        super().post_live_migration_at_source(context, instance, network_info)
+        if _has_vstor_disks(instance):
+            from vstor.errors import VstorError
+            try:
+                dest = self._vstor_destinations().pop(instance.uuid, None)
+                LOG.info("vstor: %s", " ".join(_vstor_migrate("finish", instance, dest).split()),
+                         instance=instance)
+            except VstorError as e:
+                LOG.warning("vstor could not finish the migration here (vstor gc cleans up): %s", e,
+                            instance=instance)
+
+    def _vstor_abort(self, instance) -> None:
+        from vstor.errors import VstorError
+        dest = self._vstor_destinations().pop(instance.uuid, None)
+        try:
+            LOG.info("vstor: %s", " ".join(_vstor_migrate("abort", instance, dest).split()),
+                     instance=instance)
+        except VstorError as e:
+            LOG.warning("vstor could not give the destination's backends up (vstor migrate abort "
+                        "%s, or vstor gc there): %s", instance.name, e, instance=instance)
+
+
+class SharedMemoryGuest:
+    """Nova's Guest, whose migrate sends the instance's memory shared, as
+    vhost-user needs and as it runs (vstor.render.migration.reshare_memory:
+    Nova's own XML update strips it, and libvirt refuses that)."""
+
+    def __init__(self, guest):
+        self._guest = guest
+
+    def __getattr__(self, name):
+        return getattr(self._guest, name)
+
+    def migrate(self, *args, destination_xml=None, **kwargs):
+        if destination_xml:
+            from vstor.render.migration import reshare_memory
+            destination_xml = reshare_memory(destination_xml)
+        return self._guest.migrate(*args, destination_xml=destination_xml, **kwargs)

@@ -28,6 +28,7 @@ from vstor.meta.xmlmodel import build
 from vstor.nova import disks
 from vstor.planner import Request, plan_domain
 from vstor.planner.ledger import Ledger
+from vstor.render.libvirt import share_memory
 
 
 class VhostUserDisk(vconfig.LibvirtConfigGuestDevice):
@@ -66,10 +67,7 @@ class SharedMemoryBacking(vconfig.LibvirtConfigGuestMemoryBacking):
 
     def format_dom(self):
         root = super().format_dom()
-        if not self.hugepages and not self.filesource:
-            src = etree.Element("source", type="memfd")
-            access = root.find("access")
-            access.addprevious(src)         # libvirt's order: ..., locked, source, access, ...
+        share_memory(root)
         return root
 
 

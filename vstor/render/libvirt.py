@@ -48,7 +48,10 @@ def place(root, plan: Plan) -> None:
     vCPUs and their pinning, numatune, the guest's NUMA cell, and the plan
     itself; what a migration may change (libvirt's ABI check allows it)."""
     if plan.cpus == "external":
-        # Nova's: its pinning, NUMA cells, memory backing stay as Nova made them.
+        # Nova's: its pinning, NUMA cells and memory backing stay as Nova made
+        # them, shared for vhost-user (Nova's migration strips the sharing).
+        if any(d.mode == "vhost" for d in plan.disks):
+            share_memory(_child(root, "memoryBacking"))
         _record(root, plan)
         return
     _memory_backing(root, plan)
@@ -111,6 +114,28 @@ def _memory_backing(root, plan: Plan) -> None:
         etree.SubElement(mb, "access", mode="shared")
     if len(mb) == 0:
         root.remove(mb)
+
+
+_MEMORY_BACKING = ("hugepages", "nosharepages", "locked", "source", "access", "allocation", "discard")
+
+
+def share_memory(mb) -> None:
+    """A <memoryBacking> whose guest memory a vhost-user backend can map:
+    shared access, and memfd when it has neither hugepages nor a source."""
+    def put(e):
+        rank = _MEMORY_BACKING.index(e.tag)
+        later = [c for c in mb if c.tag in _MEMORY_BACKING and _MEMORY_BACKING.index(c.tag) > rank]
+        if later:
+            later[0].addprevious(e)
+        else:
+            mb.append(e)
+    if mb.find("hugepages") is None and mb.find("source") is None:
+        put(etree.Element("source", type="memfd"))
+    access = mb.find("access")
+    if access is None:
+        put(etree.Element("access", mode="shared"))
+    else:
+        access.set("mode", "shared")
 
 
 def _vcpu(root, plan: Plan) -> None:

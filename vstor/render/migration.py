@@ -33,3 +33,18 @@ def render_incoming(dom: Domain, plan: Plan) -> Domain:
         source.set("path", d.socket)
     place(root, plan)
     return Domain(root, dom.origin)
+
+
+def reshare_memory(xml: str) -> str:
+    """The XML Nova's source sends a live migration with, its memory shared
+    again: Nova's get_updated_guest_xml strips <source> and <access> from
+    <memoryBacking>, and the source's libvirt refuses a target whose memory
+    source is not the running domain's (memfd); vhost-user needs it shared."""
+    from lxml import etree
+    from vstor.render.libvirt import share_memory
+    root = etree.fromstring(xml.encode())
+    mb = root.find("memoryBacking")
+    if mb is None:
+        mb = etree.SubElement(root, "memoryBacking")
+    share_memory(mb)
+    return etree.tostring(root, encoding="unicode")
