@@ -132,3 +132,22 @@ def test_a_controller_on_no_node_gets_a_legacy_alias(tmp_path, capsys):
     specs = dict(p.split("=", 1) for p in re.findall(r"--property (\S+)", out))
     assert specs["hw:pci_numa_affinity_policy"] == "legacy" and "vstor:numa" not in specs
     assert ask({"extra_specs": specs})["extra_specs"] == dict.fromkeys(specs)
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["prepare", "instance-1;reboot", "--to", "compute-8"], 2, "is not a Nova instance's domain name"),
+    (["prepare", "instance-1", "--to", "a b"], 2, "'a b' is not a host name"),
+    (["prepare", "instance-1"], 2, "prepare needs the destination"),
+    (["abort", "instance-1", "--config", "/tmp/x.conf"], 2, "unrecognized arguments: --config"),
+    # libvirt's test driver: a domain that is not a Nova instance with vstor disks
+    (["prepare", "test", "--to", "compute-8"], 2, "is not a Nova instance with vstor disks"),
+    (["abort", "instance-1"], 0, "no vstor migration of instance-1 is recorded here"),
+])
+def test_vstor_nova_migrate_takes_only_nova_instances_and_host_names(tmp_path, capsys, args, code, message):
+    """What sudo lets nova-compute run as root: checked before anything is read."""
+    try:
+        got, out, err = _run(capsys, "--config", _conf(tmp_path), "-c", "test:///default", "nova", "migrate", *args)
+    except SystemExit as e:     # argparse's own refusal
+        got, out, err = e.code, *capsys.readouterr()
+    assert got == code and message in (err if code else out), (out, err)
+    assert err.count("\n") == (1 if code else 0)

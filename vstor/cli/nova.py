@@ -93,8 +93,8 @@ def cmd_migrate(ctx, args) -> int:
     if args.step == "prepare":
         if not args.to:
             raise BadInput("prepare needs the destination", hint="--to DEST")
-        dom = _instance(ctx, name)
         peer, uri = migrate._peer(ctx, args.to)
+        dom = _instance(ctx, name)
         verdict, _ = source.prepare(ctx.config, _state(ctx), dom, peer, uri, _runtime(ctx))
         print(f"{peer.host} holds {name}'s vstor backends; Nova's migration may go ahead:")
         for d in verdict.disks:
