@@ -1,9 +1,14 @@
-"""The hook's cost, in one run:
+"""The hook's cost, in one run, each case as a ratio to its yardstick:
 
-1. pass-through: the hook for a domain WITHOUT vstor metadata, divided by
-   `python3 -c pass` (target: at most 1.5);
-2. `prepare` + `release` for a domain with four qemu-storage-daemon disks
-   (real daemons; needs root and qemu-storage-daemon).
+1. pass-through: the installed hook (as `vstor hooks install` writes it,
+   executed as libvirt does) for a domain WITHOUT vstor metadata, divided by
+   `python3 -c pass` (target: at most 0.1);
+2. `prepare begin` + `release end` through the installed hook for a domain
+   with four qemu-storage-daemon file disks, divided by the yardstick: a
+   minimal Python hook that only starts the four daemons (daemonized, with
+   a pidfile) and stops them again (target: at most 1.5; real daemons:
+   needs root and qemu-storage-daemon);
+3. the same `prepare` and `release` in-process (no interpreter start).
 
     python3 bench/bench_hook.py [--runs N]
 
@@ -49,12 +54,22 @@ NOVA_DOMAIN = b"""<domain type="kvm"><uuid>9f6f1a40-2a35-4a6f-8b0b-5a3c1e2d4f10<
 </nova:instance></metadata><devices/></domain>""" + b"<!-- padding -->" * 500
 
 
+def installed_hook(where: str, config: str | None = None) -> str:
+    """hooks/vstor as `vstor hooks install` writes it."""
+    from vstor.cli.runtime import render_hook
+    path = os.path.join(where, "vstor-hook")
+    with open(path, "w") as f:
+        f.write(render_hook(config))
+    os.chmod(path, 0o755)
+    return path
+
+
 def pass_through(runs: int) -> None:
-    hook = os.path.join(ROOT, "hooks", "vstor")
+    hook = installed_hook(tempfile.mkdtemp(prefix="vstor-bench-"))
     for what, xml in (("plain", PLAIN_DOMAIN), ("Nova instance", NOVA_DOMAIN)):
         for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
             python = _time([sys.executable, "-c", "pass"], b"", runs)
-            hooked = _time([sys.executable, hook, "plain", *op], xml, runs)
+            hooked = _time([hook, "plain", *op], xml, runs)
             print(f"hook pass-through, {what} ({op[0]}): {hooked * 1000:.1f} ms vs python3 -c pass "
                   f"{python * 1000:.1f} ms: ratio {hooked / python:.2f}")
 
@@ -62,6 +77,65 @@ def pass_through(runs: int) -> None:
 FOUR_DISKS = """<domain type='kvm'><name>bench4</name><memory unit='MiB'>512</memory><vcpu>1</vcpu>
 <metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'><vstor:vm cpus='shared'/>{disks}
 </vstor:vstor></metadata><devices/></domain>"""
+
+
+YARDSTICK = """#!{python}
+# The yardstick: a minimal hook that starts four qemu-storage-daemons
+# (daemonized, with a pidfile) at prepare and stops them at release.
+import os, signal, subprocess, sys, time
+sys.stdin.buffer.read()
+DISKS = {disks!r}
+if sys.argv[2] == "prepare":
+    for i, (path, sock, pidfile) in enumerate(DISKS):
+        subprocess.run(["qemu-storage-daemon", "--blockdev",
+                        f"driver=file,node-name=f{{i}},filename={{path}},aio=threads,cache.direct=on",
+                        "--export", f"type=vhost-user-blk,id=e{{i}},node-name=f{{i}},"
+                        f"addr.type=unix,addr.path={{sock}},writable=on",
+                        "--daemonize", "--pidfile", pidfile], check=True)
+elif sys.argv[2] == "release":
+    pids = [int(open(p).read()) for _, _, p in DISKS]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    for pid in pids:     # gone, or a zombie its new parent has not reaped yet
+        while True:
+            try:
+                with open(f"/proc/{{pid}}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.002)
+"""
+
+
+def through_hook(runs: int, work: str, dom, cfg_text: str) -> None:
+    """prepare begin + release end as libvirt runs them, vs the yardstick."""
+    conf = os.path.join(work, "vstor.conf")
+    with open(conf, "w") as f:
+        f.write(cfg_text)
+    hook = installed_hook(work, conf)
+    xml = dom.to_string().encode()
+    disks = [(os.path.join(work, f"d{i}.raw"), os.path.join(work, f"y{i}.sock"),
+              os.path.join(work, f"y{i}.pid")) for i in range(4)]
+    stick = os.path.join(work, "yardstick")
+    with open(stick, "w") as f:
+        f.write(YARDSTICK.format(python=sys.executable, disks=disks))
+    os.chmod(stick, 0o755)
+
+    def cycle(argv0: str) -> float:
+        t0 = time.perf_counter()
+        for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
+            done = subprocess.run([argv0, dom.name, *op], input=xml, capture_output=True)
+            if done.returncode:
+                raise SystemExit(f"{argv0} {op[0]}: {done.stderr.decode().strip()}")
+        return time.perf_counter() - t0
+    ours, theirs = [], []
+    for _ in range(runs):
+        ours.append(cycle(hook))
+        theirs.append(cycle(stick))
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"hook prepare begin + release end, 4 qsd disks: {a * 1000:.0f} ms vs yardstick "
+          f"{b * 1000:.0f} ms: ratio {a / b:.2f} (median of {runs})")
 
 
 def prepare_release(runs: int) -> None:
@@ -92,6 +166,8 @@ def prepare_release(runs: int) -> None:
     dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))
     state = StateDir(cfg.state_dir)
     rt = Runtime(cfg, SysFS("/"))
+    through_hook(runs, work, dom, f"[paths]\nstate_dir = {work}/state\nvhost_dir = {work}/vhost\n"
+                                  f"qsd_dir = {work}/qsd\nimages = {work}\n")
     prep, rel = [], []
     for _ in range(runs):
         t0 = time.perf_counter()

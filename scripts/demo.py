@@ -3,9 +3,12 @@
 1. start virtlogd and libvirtd if they are not running (with vstor's hook),
 2. `vstor define` an annotated domain (xml-templates/qsd-file.xml, made
    bootable here with a tiny guest built from Debian's kernel and busybox),
+   and show the <disk type='vhostuser'> vstor rendered (target vdb in the XML;
+   the guest's kernel calls its first virtio disk vda),
 3. start it: the hook starts a qemu-storage-daemon for its vhost-user-blk disk,
 4. the guest writes a known pattern to the disk and reads it back,
-5. `vstor status` while it runs, then the host checks the bytes in the file,
+5. `vstor status` and the daemon's pid and socket while it runs, then the
+   host checks the bytes in the file,
 6. destroy: the hook releases; everything is cleaned up.
 """
 from __future__ import annotations
@@ -38,6 +41,23 @@ def vstor(*args: str) -> None:
     print("$ vstor " + " ".join(args), flush=True)
     subprocess.run([sys.executable, "-m", "vstor.cli.main", "--config", str(WORK / "vstor.conf"), *args],
                    check=True, cwd=ROOT)
+
+
+def show_disk(domain_xml: str) -> None:
+    from lxml import etree
+    for disk in etree.fromstring(domain_xml).iterfind("devices/disk[@type='vhostuser']"):
+        disk.tail = None
+        etree.indent(disk, "  ")
+        for line in etree.tostring(disk, encoding="unicode").splitlines():
+            print(f"  {line}")
+
+
+def show_daemon(pidfile: Path) -> None:
+    pid = pidfile.read_text().strip()
+    args = (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")
+    export = next((a.decode() for a in args if a.startswith(b"type=vhost-user-blk")), "?")
+    socket = next((p[len("addr.path="):] for p in export.split(",") if p.startswith("addr.path=")), "?")
+    print(f"  pid {pid}: {args[0].decode()} serving {socket}")
 
 
 def wait_for(console: Path, ready, timeout: float = 180) -> dict:
@@ -78,6 +98,8 @@ def main() -> int:
         vstor("plan", str(xml))
         say("rendering and defining it")
         vstor("define", str(xml))
+        say("the disk vstor rendered into the domain (a vhost-user-blk socket, no image path)")
+        show_disk(conn.lookupByName(NAME).XMLDesc(0))
         say("starting it (the hook starts a qemu-storage-daemon first)")
         dom = conn.lookupByName(NAME)
         dom.create()
@@ -85,8 +107,11 @@ def main() -> int:
         wait_for(console, lambda p: any(m.startswith("HOLD") for m in p["markers"]))
         say("vstor status while the domain runs (the guest sees its disk and waits)")
         vstor("status")
+        say("the qemu-storage-daemon serving that socket")
+        show_daemon(WORK / "qsd" / f"{NAME}-vdb.pid")
         parsed = wait_for(console, lambda p: p["done"])
-        say("the guest's console")
+        say("the guest's console (vstor's target vdb is a name in the domain XML; the guest's "
+            "kernel names its first virtio disk vda)")
         for marker in parsed["markers"]:
             print(f"  guest: {marker}")
         if not parsed["done"] or parsed["wrote"] != parsed["read"]:

@@ -1,2 +1,25 @@
 """vstor's tests; a package so that `python3 -m tests.hostlayout` and
 `from tests.doubles ...` resolve here, not to some other installed `tests`."""
+
+
+def installed_hook() -> str:
+    """hooks/vstor as `vstor hooks install` writes it (this Python on its
+    PYTHON line), to run as libvirt does: the file itself, executed."""
+    import atexit
+    import shutil
+    import tempfile
+    global _HOOK
+    if _HOOK is None:
+        from vstor.cli.runtime import render_hook
+        where = tempfile.mkdtemp(prefix="vstor-hook-")
+        atexit.register(shutil.rmtree, where, True)
+        path = f"{where}/vstor"
+        with open(path, "w") as f:
+            f.write(render_hook(None))
+        import os
+        os.chmod(path, 0o755)
+        _HOOK = path
+    return _HOOK
+
+
+_HOOK = None

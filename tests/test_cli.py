@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import libvirt
 import pytest
@@ -52,7 +53,8 @@ def test_plan_json_is_machine_readable(host_layout, cfg):
 
 
 @pytest.mark.parametrize("args, code, words", [
-    (["plan", "/nonexistent/vm.xml"], 2, "cannot read /nonexistent/vm.xml"),
+    (["plan", "/nonexistent/vm.xml"], 2, "cannot read /nonexistent/vm.xml: the file does not exist"),
+    (["render", "newvm.xml"], 2, "cannot read newvm.xml: the file does not exist"),
     (["frobnicate"], 2, "invalid choice"),
     (["plan"], 2, "required"),
     (["--host-root", "/nonexistent", "host", "show"], 2, "/nonexistent holds no sysfs tree"),
@@ -168,6 +170,59 @@ def test_doctor_reports_each_check_with_a_fix(host_layout, cfg):
     by_name = {c["name"]: c for c in data}
     assert by_name["iommu"]["status"] == "ok" and by_name["rdma mlx5_0"]["status"] == "ok"
     assert by_name["spdk"]["status"] == "warn" and "SPDK" in by_name["spdk"]["detail"]
+
+
+def test_doctor_says_whether_the_libvirt_hook_is_installed_current_and_read(host_layout, cfg, tmp_path):
+    from vstor.host import doctor
+    root = host_layout("two-socket")
+    data = json.loads(vstor("-c", URI, "--config", cfg, "--host-root", root, "doctor", "--json").stdout)
+    hook = {c["name"]: c for c in data}["libvirt hook"]
+    assert hook["detail"].startswith(f"no vstor hook at {root}/etc/libvirt/hooks/qemu.d/vstor")
+    assert hook["fix"].startswith("vstor hooks install, then restart libvirtd")
+
+    from vstor.cli.runtime import render_hook
+    path, now = tmp_path / "vstor", render_hook(None)
+    daemon = [(4242, "libvirtd", os.stat(tmp_path).st_mtime - 100)]   # started before the install
+    check = doctor.check_hook(str(path), now, daemon)
+    assert (check.status, check.fix.split(" (")[0]) == ("fail", "vstor hooks install, then restart libvirtd")
+    assert "without systemd: stop the running libvirtd, then libvirtd -d" in check.fix
+    path.write_text(now)
+    path.chmod(0o755)
+    check = doctor.check_hook(str(path), now, daemon)
+    assert check.status == "warn" and "installed after libvirtd pid 4242 started" in check.detail
+    later = [(4242, "libvirtd", os.stat(path).st_mtime + 0.5)]
+    assert doctor.check_hook(str(path), now, later).status == "ok"
+    assert "no libvirtd runs" in doctor.check_hook(str(path), now, []).detail
+    path.write_text(now.replace(sys.executable, "/opt/gone/bin/python3"))
+    check = doctor.check_hook(str(path), now, later)
+    assert check.status == "fail" and "runs /opt/gone/bin/python3, which does not exist" in check.detail
+    path.write_text(render_hook("/etc/vstor/other.conf"))
+    check = doctor.check_hook(str(path), now, later)
+    assert check.status == "warn" and "reads config /etc/vstor/other.conf" in check.detail
+    path.write_text(now + "# an older hook\n")
+    check = doctor.check_hook(str(path), now, later)
+    assert check.status == "warn" and "another version" in check.detail
+    path.write_text("#!/bin/sh\nexec logger started\n")
+    assert doctor.check_hook(str(path), now, later).detail == f"{path} is not vstor's hook"
+
+
+def test_libvirt_daemons_are_read_from_proc_with_their_start_time():
+    from vstor.host import doctor
+    for pid, name, started in doctor.libvirt_daemons():
+        assert name in ("libvirtd", "virtqemud") and 0 < started <= time.time()
+    assert doctor.libvirt_daemons("/nonexistent") == []
+
+
+@pytest.mark.parametrize("euid, words", [(0, "does not exist and cannot be made: create it"),
+                                         (1000, "(run as root)")])
+def test_hooks_install_into_a_directory_it_cannot_make(tmp_path, capsys, monkeypatch, euid, words):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setattr(os, "geteuid", lambda: euid)
+    assert main(["hooks", "install", "--dir", str(afile / "qemu.d")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot install the hook into {afile}/qemu.d" in err and words in err
+    assert euid != 0 or "run as root" not in err
 
 
 def test_host_show_and_capture_round_trip(host_layout, cfg, tmp_path):

@@ -77,13 +77,18 @@ def test_image_roots_are_a_list_of_absolute_directories(tmp_path):
         config.load(str(p))
 
 
-def test_the_readme_sample_config_loads_as_written(tmp_path):
-    """README's /etc/vstor/vstor.conf block, inline comments and all."""
+def test_the_readme_sample_config_loads_as_written(tmp_path, host_model):
+    """README's /etc/vstor/vstor.conf block, inline comments and all; its
+    [cpu] fits the templates' host (tests/hosts/two-socket.toml): a reactor
+    and housekeeping cores on each node."""
     readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
     block = readme[readme.index("## Configuration: /etc/vstor/vstor.conf"):]
     start = block.index("```ini") + len("```ini")
     path = tmp_path / "vstor.conf"
     path.write_text(block[start:block.index("```", start)])
     cfg = config.load(str(path))
-    assert cfg.reactors == (2, 34) and cfg.export_address == "192.168.100.7"
+    assert cfg.reactors == (2, 18) and cfg.export_address == "192.168.100.7"
     assert cfg.peer_command == "ssh -o BatchMode=yes -- {host} vstor migrate agent"
+    host = host_model("two-socket")
+    for node in host.nodes:
+        assert set(cfg.reactors) & set(node.cpus) and set(cfg.housekeeping) & set(node.cpus)

@@ -10,6 +10,7 @@ operator would: through the `vstor` CLI and through the libvirt hook script.
    before anything on the host is touched.
 """
 
+from tests import installed_hook  # noqa: E402
 import os
 import re
 import shutil
@@ -73,7 +74,7 @@ def hook(w, op: str, xml_path: str, name="ct1"):
         xml = f.read()
     env = {**os.environ, "PYTHONPATH": ROOT, "VSTOR_CONFIG": w.conf, "VSTOR_HOST_ROOT": w.host}
     sub = "begin" if op == "prepare" else "end"
-    return subprocess.run([sys.executable, HOOK, name, op, sub, "-"], input=xml,
+    return subprocess.run([installed_hook(), name, op, sub, "-"], input=xml,
                           capture_output=True, env=env)
 
 

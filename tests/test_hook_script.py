@@ -1,8 +1,11 @@
-"""hooks/vstor as libvirt calls it: arguments, XML on stdin, exit code, stderr."""
+"""hooks/vstor as `vstor hooks install` writes it and libvirt calls it:
+executed directly, arguments, XML on stdin, exit code, stderr."""
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 HOOK = os.path.join(ROOT, "hooks", "vstor")
@@ -11,18 +14,30 @@ VSTOR_XML = (f"<domain><name>h1</name><memory>1024</memory><metadata><vstor:vsto
              "<vstor:disk target='vdb'><vstor:file path='/a.raw'/></vstor:disk></vstor:vstor></metadata></domain>")
 
 
-def hook(*args, xml: str, env=None):
-    return subprocess.run([sys.executable, HOOK, *args], input=xml.encode(), capture_output=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    from vstor.cli.runtime import render_hook
+    path = tmp_path_factory.mktemp("hooks") / "vstor"
+    path.write_text(render_hook(None))
+    path.chmod(0o755)
+    return str(path)
 
 
-def test_a_domain_without_vstor_metadata_passes_untouched():
+@pytest.fixture
+def hook(installed):
+    def run(*args, xml: str, env=None):
+        return subprocess.run([installed, *args], input=xml.encode(), capture_output=True,
+                              env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+    return run
+
+
+def test_a_domain_without_vstor_metadata_passes_untouched(hook):
     for op in (("prepare", "begin", "-"), ("migrate", "begin", "-"), ("release", "end", "-")):
         out = hook("plain", *op, xml="<domain><name>plain</name></domain>")
         assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
 
 
-def test_restore_keeps_the_xml_and_an_unprepared_migration_is_refused(tmp_path):
+def test_restore_keeps_the_xml_and_an_unprepared_migration_is_refused(hook, tmp_path):
     out = hook("h1", "restore", "begin", "-", xml=VSTOR_XML)
     assert (out.returncode, out.stdout) == (0, b"")     # empty stdout: unchanged
     conf = tmp_path / "c.conf"
@@ -34,7 +49,7 @@ def test_restore_keeps_the_xml_and_an_unprepared_migration_is_refused(tmp_path):
     assert "vstor migrate prepare h1 --to" in lines[0]
 
 
-def test_a_refused_prepare_is_one_line_with_vstors_exit_code(tmp_path):
+def test_a_refused_prepare_is_one_line_with_vstors_exit_code(hook, tmp_path):
     conf = tmp_path / "c.conf"
     conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n")
     out = hook("h1", "prepare", "begin", "-", xml=VSTOR_XML, env={"VSTOR_CONFIG": str(conf)})
@@ -44,7 +59,7 @@ def test_a_refused_prepare_is_one_line_with_vstors_exit_code(tmp_path):
     assert not (tmp_path / "state" / "domains").exists() or not os.listdir(tmp_path / "state" / "domains")
 
 
-def test_malformed_xml_that_names_vstor_is_refused_cleanly():
+def test_malformed_xml_that_names_vstor_is_refused_cleanly(hook):
     out = hook("h1", "prepare", "begin", "-", xml=f"<domain xmlns:v='{NS}'><name>h1")
     assert out.returncode == 2 and b"malformed XML" in out.stderr and b"Traceback" not in out.stderr
 
@@ -52,14 +67,39 @@ def test_malformed_xml_that_names_vstor_is_refused_cleanly():
 def test_restore_passes_even_when_vstor_cannot_be_imported(tmp_path):
     """A moved or broken install must not break a restore; a start or an
     incoming migration it cannot serve fails with one line, not a traceback."""
-    hook_copy = tmp_path / "vstor"
-    hook_copy.write_text(open(HOOK).read())
-    env = {"PYTHONPATH": str(tmp_path / "nothing-here"), "PATH": os.environ.get("PATH", "")}
-    run = lambda *a: subprocess.run([sys.executable, "-S", str(hook_copy), *a],  # noqa: E731
-                                    input=VSTOR_XML.encode(), capture_output=True, env=env)
-    out = run("h1", "restore", "begin", "-")
+    from vstor.cli.runtime import render_hook
+    bare = tmp_path / "python-without-site"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    gone = tmp_path / "no-such-python"
+    for python, message in ((bare, "cannot load vstor"), (gone, "the hook's Python")):
+        hook_copy = tmp_path / "vstor"
+        hook_copy.write_text(render_hook(None).replace(f"\nPYTHON={sys.executable}\n", f"\nPYTHON={python}\n"))
+        hook_copy.chmod(0o755)
+        env = {"PYTHONPATH": str(tmp_path / "nothing-here"), "PATH": os.environ.get("PATH", "")}
+        run = lambda *a: subprocess.run([str(hook_copy), *a],  # noqa: E731
+                                        input=VSTOR_XML.encode(), capture_output=True, env=env)
+        out = run("h1", "restore", "begin", "-")
+        assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
+        for op in ("prepare", "migrate"):
+            out = run("h1", op, "begin", "-")
+            assert out.returncode == 1 and b"Traceback" not in out.stderr and out.stdout == b""
+            assert out.stderr.decode().count("\n") == 1 and message in out.stderr.decode()
+
+
+def test_a_nova_instance_with_vstor_specs_reaches_python_and_others_do_not(hook, tmp_path):
+    """The shell's decision, both quotings of Nova's marker; a tenant's text
+    that merely names it (escaped, as XML escapes '<') does not count."""
+    conf = tmp_path / "c.conf"
+    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n")
+    env = {"VSTOR_CONFIG": str(conf)}
+    for marker in ('<nova:extraSpec name="vstor:disk.vdb.file.path">/a</nova:extraSpec>',
+                   "<nova:extraSpec name='vstor:disk.vdb.file.path'>/a</nova:extraSpec>"):
+        xml = ("<domain><name>instance-1</name><metadata><nova:instance xmlns:nova="
+               f"'http://openstack.org/xmlns/libvirt/nova/1.1'><nova:flavor name='f'><nova:extraSpecs>{marker}"
+               "</nova:extraSpecs></nova:flavor></nova:instance></metadata></domain>")
+        out = hook("instance-1", "prepare", "begin", "-", xml=xml, env=env)
+        assert out.returncode != 0 and out.stderr.startswith(b"vstor: "), out    # Python answered
+    escaped = "<domain><name>x</name><description>&lt;nova:extraSpec name=\"vstor:</description></domain>"
+    out = hook("x", "prepare", "begin", "-", xml=escaped, env=env)
     assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
-    for op in ("prepare", "migrate"):
-        out = run("h1", op, "begin", "-")
-        assert out.returncode == 1 and b"Traceback" not in out.stderr and out.stdout == b""
-        assert out.stderr.decode().count("\n") == 1 and "cannot load vstor" in out.stderr.decode()

@@ -36,6 +36,7 @@ reason='BUG: ...'), so the suite is green and the bug cannot silently vanish.
 
 from __future__ import annotations
 
+from tests import installed_hook  # noqa: E402
 import atexit
 import contextlib
 import copy
@@ -220,7 +221,7 @@ def hook(w: World, name: str, xml: bytes, op: str = "prepare") -> tuple[int, str
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": ROOT,
            "VSTOR_CONFIG": w.conf, "VSTOR_HOST_ROOT": w.host}
     sub = "begin" if op in ("prepare", "reconnect") else "end"
-    r = subprocess.run([sys.executable, HOOK, name.replace("\0", ""), op, sub, "-"], input=xml,
+    r = subprocess.run([installed_hook(), name.replace("\0", ""), op, sub, "-"], input=xml,
                        capture_output=True, env=env, timeout=120)
     return r.returncode, r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
 

@@ -100,6 +100,37 @@ def test_malformed_xml_is_one_line_with_the_line_number():
     assert str(e.value).startswith("vm.xml: malformed XML") and "line" in str(e.value)
 
 
+@pytest.mark.parametrize("text, words", [
+    ("<domain><name>x</name>", "vm.xml: malformed XML at line 1, column 23: Premature end of data "
+                               "in tag domain"),
+    ("<domain>\n<name>x</nam>\n</domain>", "vm.xml: malformed XML at line 2, column 14: Opening "
+                                          "and ending tag mismatch: name and nam"),
+    ("<domain>\n\n<name>x\n</nam>\n</domain>", "at line 4, column 7: Opening and ending tag "
+                                               "mismatch: name line 3 and nam"),
+])
+def test_malformed_xml_names_each_line_once(text, words):
+    with pytest.raises(BadInput) as e:
+        Domain.parse(text, "vm.xml")
+    assert words in str(e.value) and str(e.value).count(", column") == 1
+
+
+def test_a_metadata_refusal_starts_with_the_file_or_domain_it_came_from():
+    body = "<vstor:disk target='vdb' queues='99'><vstor:file path='/a'/></vstor:disk>"
+    text = domain(body).to_string()
+    with pytest.raises(BadInput) as e:
+        Domain.parse(text, "db1.xml").intent()
+    assert str(e.value).startswith("db1.xml: <vstor:disk queues='99'> is out of range")
+    with pytest.raises(BadInput) as e:
+        Domain.parse(text.replace("<vstor:disk", "<vstor:vm/><vstor:vm/><vstor:disk", 1),
+                     "domain 'db1'").intent()
+    assert str(e.value).startswith("domain 'db1': ")
+    two = text.replace("</metadata>", "<vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'/>"
+                                      "</metadata>")
+    with pytest.raises(BadInput) as e:
+        Domain.parse(two, "db1.xml").has_vstor()
+    assert str(e.value).startswith("db1.xml: <metadata> holds 2 <vstor:vstor> elements")
+
+
 def test_entities_are_not_expanded():
     text = """<?xml version="1.0"?><!DOCTYPE d [<!ENTITY x SYSTEM "file:///etc/passwd">]>
       <domain><name>&x;</name><memory>1</memory></domain>"""

@@ -5,6 +5,7 @@ another host's vstor would run behind ssh).  The disk is a file under a
 directory both list in [migrate] shared.  Real qemu-storage-daemons on both;
 libvirt's test driver (the live migration itself is in tests/e2e)."""
 
+from tests import installed_hook  # noqa: E402
 import json
 import os
 import shlex
@@ -76,7 +77,7 @@ def hook(h, who, name, op, sub, extra, xml: str):
     cfg, root = (h.a_conf, h.a_root) if who == "a" else (h.b_conf, h.b_root)
     env = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", ""), "VSTOR_CONFIG": cfg,
            "VSTOR_HOST_ROOT": root}
-    return subprocess.run([sys.executable, HOOK, name, op, sub, extra], input=xml.encode(),
+    return subprocess.run([installed_hook(), name, op, sub, extra], input=xml.encode(),
                           capture_output=True, env=env)
 
 

@@ -5,6 +5,7 @@ arriving domain.  Both SPDKs are the SPDK test double on one shared fabric;
 the destination's vstor agent runs in its own mount namespace, as in
 tests/test_migration.py.  Exact RPCs, their order, and the undo of each."""
 
+from tests import installed_hook  # noqa: E402
 import json
 import os
 import shlex
@@ -91,7 +92,7 @@ def on(t, who, *args) -> int:
 def hook(t, who, op, sub, extra, xml: str):
     cfg, root = (t.a_conf, t.a_root) if who == "a" else (t.b_conf, t.b_root)
     env = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", ""), "VSTOR_CONFIG": cfg, "VSTOR_HOST_ROOT": root}
-    return subprocess.run([sys.executable, HOOK, "vm", op, sub, extra], input=xml.encode(),
+    return subprocess.run([installed_hook(), "vm", op, sub, extra], input=xml.encode(),
                           capture_output=True, env=env)
 
 

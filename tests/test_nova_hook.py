@@ -4,6 +4,7 @@ Nova instance whose flavor carries vstor: extra specs is checked at
 prepare (the NVMe it passes through, its vCPUs and memory on that node);
 every other instance passes untouched, without vstor even being imported."""
 
+from tests import installed_hook  # noqa: E402
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def hook(xml: str, *op, host=None, tmp_path=None, env=None):
     run_env = {**os.environ, "PYTHONPATH": ROOT, "VSTOR_CONFIG": str(conf), **(env or {})}
     if host:
         run_env["VSTOR_HOST_ROOT"] = host
-    return subprocess.run([sys.executable, HOOK, "instance-0000002a", *(op or ("prepare", "begin", "-"))],
+    return subprocess.run([installed_hook(), "instance-0000002a", *(op or ("prepare", "begin", "-"))],
                           input=xml.encode(), capture_output=True, env=run_env)
 
 

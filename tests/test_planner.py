@@ -109,6 +109,12 @@ def test_not_enough_cores_on_the_device_node_is_refused_naming_what_is_short(hos
     assert "node 1" in message and "the VM needs 40" in message
 
 
+def test_one_free_core_is_one_core_not_cores(host_model):
+    message = refused(host_model("laptop"), Config(housekeeping=(0, 1, 2, 4, 5, 6)),
+                      request(qsd_file(), vcpus=4))
+    assert "1 whole free core (2 threads) for dedicated vCPUs" in message
+
+
 def test_preferred_numa_falls_back_to_another_node_and_says_so(host_model):
     host = host_model("two-socket")
     req = request(qsd_file(), vm="<vstor:vm numa='preferred'/>", vcpus=28)

@@ -102,7 +102,39 @@ def test_gc_releases_domains_that_do_not_run_and_orphans(work, capsys):
 
 def test_prepare_of_an_unplanned_domain_says_how_to_plan_it(work, capsys):
     assert vstor(work, "prepare", work.xml) == 2
-    assert "has vstor metadata but no plan" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{work.xml}: domain 'cli1' has vstor metadata but no plan" in err
+    rendered = f"{work.dir}/vm-rendered.xml"
+    assert f"vstor render {work.xml} -o {rendered}, then vstor prepare {rendered}" in err
+    assert f"vstor define {work.xml}" in err and "vstor apply" not in err     # cli1 is not defined
+    assert vstor(work, "prepare", "newvm.xml") == 2      # a mistyped file, not a domain name
+    err = capsys.readouterr().err
+    assert "cannot read newvm.xml: the file does not exist" in err and "not defined" not in err
+
+
+def test_status_shows_what_libvirt_says_next_to_what_vstor_holds(work, capsys):
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    assert vstor(work, "prepare", rendered) == 0
+    capsys.readouterr()
+    assert vstor(work, "status") == 0
+    assert "cli1: prepared; libvirt: not defined; node" in capsys.readouterr().out
+    conn = libvirt.open("test:///default")
+    dom = conn.defineXML("<domain type='test'><name>cli1</name><memory>262144</memory>"
+                         "<os><type>hvm</type></os></domain>")
+    assert vstor(work, "status") == 0 and "cli1: prepared; libvirt: shut off;" in capsys.readouterr().out
+    dom.create()
+    assert vstor(work, "status", "--json") == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["libvirt"] == "running" and rows[0]["status"] == "prepared"
+    dom.suspend()
+    assert vstor(work, "status") == 0 and "cli1: prepared; libvirt: paused;" in capsys.readouterr().out
+    dom.destroy()
+    dom.undefine()
+    conn.close()
+    down = "qemu+unix:///system?socket=/nonexistent/libvirt-sock"
+    assert main(["-c", down, "--config", work.conf, "status"]) == 0
+    assert "cli1: prepared; libvirt: libvirt unreachable;" in capsys.readouterr().out
 
 
 def test_hooks_install_writes_this_interpreter_and_the_config(work, capsys):
@@ -111,7 +143,9 @@ def test_hooks_install_writes_this_interpreter_and_the_config(work, capsys):
     assert "restart libvirtd" in capsys.readouterr().out
     text = open(os.path.join(hookdir, "vstor")).read()
     import sys
-    assert text.startswith(f"#!{sys.executable}\n") and f"CONFIG = {work.conf!r}" in text
+    import shlex
+    assert text.startswith("#!/bin/sh\n") and f"\nPYTHON={shlex.quote(sys.executable)}\n" in text
+    assert f"\nCONFIG={shlex.quote(work.conf)}\n" in text
     assert os.stat(os.path.join(hookdir, "vstor")).st_mode & 0o111
     assert vstor(work, "hooks", "uninstall", "--dir", hookdir) == 0
     assert not os.path.exists(os.path.join(hookdir, "vstor"))

@@ -10,6 +10,7 @@ vstor supports (v24.01) and the newest recorded one (v26.09).
    --force follows SPDK's deferred deletion;
 4. an SPDK app without vhost is found before anything changes (exit 4)."""
 
+from tests import installed_hook  # noqa: E402
 import json
 import os
 import shutil
@@ -66,7 +67,7 @@ def vstor(site, *args) -> int:
 def hook(site, name, op, sub, xml: str):
     env = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", ""),
            "VSTOR_CONFIG": site.conf, "VSTOR_HOST_ROOT": site.host}
-    return subprocess.run([sys.executable, HOOK, name, op, sub, "-"], input=xml.encode(),
+    return subprocess.run([installed_hook(), name, op, sub, "-"], input=xml.encode(),
                           capture_output=True, env=env)
 
 

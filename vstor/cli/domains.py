@@ -39,9 +39,18 @@ def register(sub) -> None:
 
 # -- the work ----------------------------------------------------------------------
 
+def is_file(source: str) -> bool:
+    """A FILE|DOMAIN argument that names a file: a path, a name ending in
+    .xml (a mistyped file, never looked up as a domain), or a file there."""
+    return os.path.sep in source or source.endswith(".xml") or os.path.exists(source)
+
+
 def load_source(ctx, source: str) -> Domain:
     """A file path, or else the name of a defined domain."""
-    if os.path.sep in source or os.path.exists(source):
+    if is_file(source):
+        if not os.path.lexists(source):
+            raise BadInput(f"cannot read {source}: the file does not exist",
+                           hint="give the annotated domain XML file, or the name of a defined domain")
         return Domain.load(source)
     from vstor.runtime import virt
     return Domain.parse(virt.inactive_xml(virt.lookup(ctx.conn, source)), f"domain '{source}'")

@@ -30,7 +30,8 @@ def register(sub) -> None:
 
 def cmd_doctor(ctx, args) -> int:
     host, cfg = ctx.host, ctx.config
-    checks = doctor.run(host, cfg, [doctor.check_qsd(), _spdk_check(cfg), _libvirt_check(ctx)])
+    checks = doctor.run(host, cfg, [doctor.check_qsd(), _spdk_check(cfg), _libvirt_check(ctx),
+                                    _hook_check(ctx)])
     if args.json:
         json.dump([dataclasses.asdict(c) for c in checks], sys.stdout, indent=2)
         print()
@@ -64,6 +65,16 @@ def _libvirt_check(ctx):
         return doctor.Check("libvirt", doctor.FAIL, f"libvirt {major}.{minor} has no vhostuser disks",
                             "upgrade to libvirt >= 7.1")
     return doctor.Check("libvirt", doctor.OK, f"libvirt {major}.{minor} at {ctx.conn.getURI()}")
+
+
+def _hook_check(ctx):
+    """The hook `vstor hooks install` puts in libvirt's qemu.d (under
+    --host-root, as the host's other files), against what it would write now."""
+    import os
+    from vstor.cli.runtime import HOOK_DIR, installed_hook_text
+    path = os.path.join(ctx.host_root, HOOK_DIR.lstrip("/"), "vstor")
+    return doctor.check_hook(path, installed_hook_text(ctx),
+                             doctor.libvirt_daemons(os.path.join(ctx.host_root, "proc")))
 
 
 def cmd_host_show(ctx, args) -> int:

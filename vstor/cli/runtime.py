@@ -8,6 +8,8 @@ import sys
 
 from vstor.errors import BadInput, DoesNotFit
 
+HOOK_DIR = "/etc/libvirt/hooks/qemu.d"     # where libvirt (libvirtd, virtqemud) looks
+
 
 def register(sub) -> None:
     p = sub.add_parser("status", help="what vstor holds on this host, per domain")
@@ -36,10 +38,10 @@ def register(sub) -> None:
     hsub = hooks.add_subparsers(dest="hooks_command", metavar="SUBCOMMAND")
     hsub.required = True
     p = hsub.add_parser("install", help="install the hook into libvirt's qemu.d")
-    p.add_argument("--dir", default="/etc/libvirt/hooks/qemu.d", help="hook directory")
+    p.add_argument("--dir", default=HOOK_DIR, help="hook directory")
     p.set_defaults(func=cmd_hooks_install)
     p = hsub.add_parser("uninstall", help="remove the hook")
-    p.add_argument("--dir", default="/etc/libvirt/hooks/qemu.d", help="hook directory")
+    p.add_argument("--dir", default=HOOK_DIR, help="hook directory")
     p.set_defaults(func=cmd_hooks_uninstall)
 
 
@@ -73,8 +75,9 @@ def cmd_status(ctx, args) -> int:
                            hint="see: vstor status")
     rt = _runtime(ctx)
     elsewhere = _pve_elsewhere(ctx, records)
-    rows = [{"domain": r.domain, "status": r.status, "holding": r.holding,
-             "elsewhere": elsewhere.get(r.domain),
+    said = _libvirt_says(ctx, [r.domain for r in records if r.domain not in elsewhere])
+    rows = [{"domain": r.domain, "status": r.status, "libvirt": said.get(r.domain),
+             "holding": r.holding, "elsewhere": elsewhere.get(r.domain),
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
              "steps": [{"step": s, "state": st, "problem": p} for s, st, p in health(rt, r)]}
             for r in records]
@@ -87,7 +90,8 @@ def cmd_status(ctx, args) -> int:
     for row in rows:
         h = row["holding"]
         cpus = ",".join(map(str, h.get("cpus", []))) or "none dedicated"
-        print(f"{row['domain']}: {row['status']}; node {h.get('node')}; CPUs {cpus}; "
+        libvirt = f"; libvirt: {row['libvirt']}" if row["libvirt"] else ""
+        print(f"{row['domain']}: {row['status']}{libvirt}; node {h.get('node')}; CPUs {cpus}; "
               f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
         m = row["migration"] or {}
         if row["status"] == "exporting":
@@ -103,6 +107,24 @@ def cmd_status(ctx, args) -> int:
             mark = "ok" if s["problem"] is None else f"PROBLEM: {s['problem']}"
             print(f"  {s['step']}: {mark}")
     return 0
+
+
+def _libvirt_says(ctx, names: list[str]) -> dict[str, str]:
+    """Per domain, what libvirt says (running, paused, shut off, not
+    defined), next to what vstor holds; 'libvirt unreachable' when it
+    cannot be asked.  Proxmox VMs are qemu-server's (_pve_elsewhere)."""
+    from vstor.errors import Unavailable
+    from vstor.pve.node import Node
+    from vstor.pve.vm import vmid_of
+    from vstor.runtime import virt
+    names = [n for n in names if not vmid_of(n) or not Node(ctx.config).is_proxmox()]
+    out = dict.fromkeys(names, "libvirt unreachable")
+    try:
+        for name in names:
+            out[name] = virt.state(ctx.conn, name)
+    except Unavailable:
+        pass
+    return out
 
 
 def _pve_elsewhere(ctx, records) -> dict[str, str]:
@@ -121,13 +143,27 @@ def _pve_elsewhere(ctx, records) -> dict[str, str]:
 
 def cmd_prepare(ctx, args) -> int:
     from vstor.runtime.lifecycle import prepare
-    from vstor.cli.domains import load_source
+    from vstor.cli.domains import is_file, load_source
     dom = load_source(ctx, args.source)
+    if is_file(args.source):
+        _refuse_unrendered(dom, args.source)
     print(f"Preparing {dom.name}{' (dry run)' if args.dry_run else ''}:")
     rec = prepare(_runtime(ctx, args.dry_run), _state(ctx), ctx.host, dom, progress=_say)
     if not args.dry_run:
         print(f"Domain '{dom.name}' prepared: {len(rec.steps)} host changes recorded")
     return 0
+
+
+def _refuse_unrendered(dom, path: str) -> None:
+    """An annotated file that was never rendered: its domain may not even be
+    defined, so `vstor apply NAME` (the fix for a defined domain) is the
+    wrong advice; rendering (or defining) the file is the right one."""
+    dom.intent()                # a bad intent is the first reason
+    if dom.recorded_plan() is None:
+        out = f"{os.path.splitext(path)[0]}-rendered.xml"
+        raise BadInput(f"{path}: domain '{dom.name}' has vstor metadata but no plan",
+                       hint=f"render it: vstor render {path} -o {out}, then vstor prepare {out}; "
+                            f"or define it: vstor define {path}")
 
 
 def _is_running(ctx, name: str) -> bool | None:
@@ -240,10 +276,17 @@ def hook_source(name: str = "vstor") -> str:
 
 
 def render_hook(config_path: str | None, name: str = "vstor") -> str:
+    import shlex
     with open(hook_source(name)) as f:
-        lines = f.read().splitlines(keepends=True)
+        text = f.read()
     # The interpreter that has vstor installed: libvirt runs the hook with a
     # bare PATH, where `python3` may be another Python.
+    if text.startswith("#!/bin/sh"):     # the libvirt hook: its fast path is the shell's
+        text = text.replace("\nPYTHON=python3\n", f"\nPYTHON={shlex.quote(sys.executable)}\n", 1)
+        if config_path:
+            text = text.replace("\nCONFIG=\n", f"\nCONFIG={shlex.quote(os.path.abspath(config_path))}\n", 1)
+        return text
+    lines = text.splitlines(keepends=True)
     lines[0] = f"#!{sys.executable}\n"
     text = "".join(lines)
     if config_path:
@@ -251,12 +294,26 @@ def render_hook(config_path: str | None, name: str = "vstor") -> str:
     return text
 
 
+def installed_hook_text(ctx) -> str:
+    """What `vstor hooks install` writes, with this command's config path."""
+    return render_hook(ctx.args.config or os.environ.get("VSTOR_CONFIG"))
+
+
 def cmd_hooks_install(ctx, args) -> int:
     target = os.path.join(args.dir, "vstor")
-    config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
     from vstor.atomic import write_file
-    write_file(target, render_hook(config_path), mode=0o755, makedirs=True,
-               failure=f"cannot install the hook into {args.dir}", hint="run as root")
+    try:
+        write_file(target, installed_hook_text(ctx), mode=0o755, makedirs=True,
+                   failure=f"cannot install the hook into {args.dir}")
+    except BadInput as e:
+        if os.geteuid() != 0:
+            hint = "run as root"
+        elif not os.path.isdir(args.dir):
+            hint = (f"{args.dir} does not exist and cannot be made: create it, or give "
+                    "the directory libvirt reads hooks from with --dir")
+        else:
+            hint = None
+        raise BadInput(e.message, hint=hint) from None
     print(f"Installed {target}; restart libvirtd (or virtqemud) so it picks the hook up")
     return 0
 

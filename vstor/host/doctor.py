@@ -166,6 +166,113 @@ def check_spdk(cfg: Config, probe: Callable[[], dict], supported) -> Check:
     return Check("spdk", status, f"{where}; {'; '.join(notes)}")
 
 
+HOOK_MARKER = "https://vstor.dev/xmlns/domain/1"     # what every vstor hook looks for
+RESTART = ("restart libvirtd (systemctl restart libvirtd; without systemd: stop the running "
+           "libvirtd, then libvirtd -d)")
+
+
+def libvirt_daemons(proc: str = "/proc") -> list[tuple[int, str, float]]:
+    """(pid, name, start time in seconds since the epoch) of each libvirtd or
+    virtqemud that sees this host's /etc (its mount namespace is ours, when
+    both can be read: a lab's daemon in a namespace of its own has its own)."""
+    try:
+        with open(os.path.join(proc, "stat")) as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        ours = os.readlink(os.path.join(proc, "self/ns/mnt"))
+    except (OSError, StopIteration, ValueError):
+        return []
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for pid in sorted((int(p) for p in os.listdir(proc) if p.isdigit())):
+        try:
+            with open(os.path.join(proc, str(pid), "stat")) as f:
+                stat = f.read()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            if name not in ("libvirtd", "virtqemud"):
+                continue
+            if os.readlink(os.path.join(proc, str(pid), "ns/mnt")) != ours:
+                continue
+            # Field 22, starttime in clock ticks since boot (fields after the
+            # name: state is field 3).
+            out.append((pid, name, btime + int(stat[stat.rindex(")") + 2:].split()[19]) / tick))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _baked(key: str, hook: str) -> str:
+    """A value `vstor hooks install` writes into a hook: KEY=value (the shell
+    hook) or KEY = 'value' (Python); '' when unset."""
+    import ast
+    import shlex
+    for line in hook.splitlines():
+        k, sep, value = line.partition("=")
+        if sep and k.strip() == key:
+            try:
+                value = (" ".join(shlex.split(value)) if k == key
+                         else ast.literal_eval(value.split("#")[0].strip()))
+            except (ValueError, SyntaxError):
+                pass
+            return str(value or "").strip()
+    return ""
+
+
+def _interpreter(hook: str) -> str:
+    """The Python a hook runs vstor with: its PYTHON= line (the shell hook),
+    else its #! line."""
+    first = hook.split("\n", 1)[0]
+    return _baked("PYTHON", hook) or (first[2:].strip() if first.startswith("#!") else "")
+
+
+def check_hook(path: str, expected: str, daemons: list[tuple[int, str, float]]) -> Check:
+    """The libvirt hook at `path`: there, vstor's, what `vstor hooks install`
+    writes now (`expected`), and installed before the running libvirt daemon
+    started (libvirt looks for hooks when it starts)."""
+    name = "libvirt hook"
+    running = ", ".join(f"{n} pid {pid}" for pid, n, _ in daemons)
+    try:
+        st = os.stat(path)
+        with open(path, errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError:
+        return Check(name, FAIL if daemons else WARN,
+                     f"no vstor hook at {path}: vstor domains get no backends at start"
+                     + ("" if daemons else "; no libvirtd runs either"),
+                     f"vstor hooks install, then {RESTART}")
+    if HOOK_MARKER not in text:
+        return Check(name, FAIL, f"{path} is not vstor's hook",
+                     f"move it away, then vstor hooks install and {RESTART}")
+    if not st.st_mode & 0o111:
+        return Check(name, FAIL, f"{path} is not executable (libvirt skips it)",
+                     f"vstor hooks install, then {RESTART}")
+    if text != expected:
+        interp, want = _interpreter(text), _interpreter(expected)
+        config, ours = _baked("CONFIG", text), _baked("CONFIG", expected)
+        if interp == want and config != ours:
+            return Check(name, WARN, f"{path} reads config {config or 'from the default path'}; "
+                         f"this command reads {ours or 'the default'}",
+                         "run doctor with the hook's --config, or vstor --config FILE hooks install")
+        if interp == want:
+            return Check(name, WARN, f"{path} is another version of the hook than this vstor's",
+                         "vstor hooks install")
+        missing = not os.path.exists(interp.split()[0] if interp else "")
+        return Check(name, FAIL if missing else WARN,
+                     f"{path} runs {interp or 'no interpreter'}"
+                     + (", which does not exist" if missing else "")
+                     + f"; this vstor runs under {want}", "vstor hooks install")
+    if not daemons:
+        return Check(name, OK, f"{path} installed; no libvirtd runs (it reads the hook when "
+                               "it starts)")
+    # /proc's boot time is whole seconds: a daemon started within a second
+    # of the install counts as started after it.
+    stale = [(pid, n) for pid, n, started in daemons if st.st_mtime > started + 1]
+    if stale:
+        return Check(name, WARN, f"{path} was installed after "
+                     + ", ".join(f"{n} pid {pid}" for pid, n in stale)
+                     + " started: libvirt looks for hooks when it starts", RESTART)
+    return Check(name, OK, f"{path} installed, read by {running}")
+
+
 HOST_CHECKS = (check_iommu, check_vfio, check_hugepages, check_thp, check_irqbalance,
                check_nvme, check_rdma, check_cores)
 

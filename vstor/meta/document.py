@@ -28,6 +28,16 @@ def _parser() -> etree.XMLParser:
                            remove_blank_text=True, huge_tree=False)
 
 
+def syntax_error(e: etree.XMLSyntaxError) -> str:
+    """'malformed XML at line L, column C: what': lxml appends ', line L,
+    column C' to libxml2's message, which may name the same line itself
+    ('Premature end of data in tag domain line 1'): each line is said once."""
+    line, column = e.position if e.position else (e.lineno, 0)
+    msg = re.sub(r",? line [0-9]+, column [0-9]+$", "", e.msg or "").strip()
+    msg = re.sub(rf" line {line}\b", "", msg)
+    return f"malformed XML at line {line}" + (f", column {column}" if column else "") + f": {msg}"
+
+
 class Domain:
     def __init__(self, root: etree._Element, origin: str = "domain XML"):
         if root.tag != "domain":
@@ -42,8 +52,7 @@ class Domain:
         try:
             root = etree.fromstring(text, _parser())
         except etree.XMLSyntaxError as e:
-            where = "" if "line" in e.msg else f" (line {e.lineno})"
-            raise BadInput(f"{origin}: malformed XML: {e.msg}{where}") from None
+            raise BadInput(f"{origin}: {syntax_error(e)}") from None
         return cls(root, origin)
 
     @classmethod
@@ -121,16 +130,27 @@ class Domain:
             and e.tag.endswith("}instance") for e in meta)
 
     def has_vstor(self) -> bool:
-        return metadata.find(self.root) is not None
+        return self._find() is not None
+
+    def _find(self):
+        try:
+            return metadata.find(self.root)
+        except BadInput as e:
+            raise BadInput(f"{self.origin}: {e.message}", hint=e.hint) from None
 
     def intent(self) -> Intent:
-        elem = metadata.find(self.root)
+        """The operator's vstor elements; a refusal starts with where they
+        came from (the file, or the domain)."""
+        elem = self._find()
         if elem is None:
             raise BadInput(f"{self.origin}: domain '{self.name}' has no vstor metadata",
                            hint=f"add <metadata><{PREFIX}:vstor xmlns:{PREFIX}='{NS}'>...")
-        return metadata.load_intent(elem)
+        try:
+            return metadata.load_intent(elem)
+        except BadInput as e:
+            raise BadInput(f"{self.origin}: {e.message}", hint=e.hint) from None
 
     def recorded_plan(self) -> Plan | None:
         """The plan a rendered domain carries, or None if it was never planned."""
-        elem = metadata.find(self.root)
+        elem = self._find()
         return None if elem is None else metadata.load_plan(elem, self.name, self.uuid)

@@ -94,6 +94,10 @@ def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
     return CpuPlacement(pins, reserved, (), emulator, tuple(reasons))
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _whole_cores(host: Host, pool: tuple[int, ...], vcpus: int):
     """Take whole physical cores (every SMT sibling free) lowest first."""
     free = set(pool)
@@ -109,8 +113,8 @@ def _whole_cores(host: Host, pool: tuple[int, ...], vcpus: int):
             cores.append(siblings)
     threads = [t for core in cores for t in core]
     if len(threads) < vcpus:
-        return NoFit(f"{len(cores)} whole free cores ({len(threads)} threads) for dedicated "
-                     f"vCPUs, the VM needs {vcpus} (free cores or use cpus='shared')")
+        return NoFit(f"{_count(len(cores), 'whole free core')} ({_count(len(threads), 'thread')}) "
+                     f"for dedicated vCPUs, the VM needs {vcpus} (free cores or use cpus='shared')")
     pins: list[int] = []
     reserved: list[int] = []
     for core in cores:

@@ -31,7 +31,7 @@ from vstor import NS, PREFIX
 from vstor.atomic import write_file
 from vstor.errors import BadInput
 from vstor.meta import metadata
-from vstor.meta.document import _parser
+from vstor.meta.document import _parser, syntax_error
 from vstor.meta.intent import Intent
 from vstor.meta.plan import Plan
 from vstor.meta.xmlmodel import Q, build
@@ -75,7 +75,7 @@ def parse(data: bytes, origin: str, root_tag: str = "vstor") -> etree._Element:
     try:
         root = etree.fromstring(data, _parser())
     except etree.XMLSyntaxError as e:
-        raise BadInput(f"{origin}: malformed XML: {e.msg}") from None
+        raise BadInput(f"{origin}: {syntax_error(e)}") from None
     if root.tag != Q + root_tag:
         raise BadInput(f"{origin}: the root element is <{etree.QName(root).localname}>, "
                        f"not <{PREFIX}:{root_tag} xmlns:{PREFIX}='{NS}'>")

@@ -40,6 +40,24 @@ def lookup(conn, name: str):
                        hint="see: virsh list --all") from None
 
 
+# virsh domstate's words for libvirt's virDomainState values.
+STATES = ("no state", "running", "idle", "paused", "in shutdown", "shut off", "crashed",
+          "pmsuspended")
+
+
+def state(conn, name: str) -> str:
+    """What libvirt says of a domain, as virsh says it; 'not defined' when
+    libvirt does not know it; Unavailable when it cannot be asked."""
+    libvirt = _libvirt()
+    try:
+        code = conn.lookupByName(name).state()[0]
+    except libvirt.libvirtError as e:
+        if e.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+            return "not defined"
+        raise Unavailable(f"cannot ask libvirt about domain '{name}': {_msg(e)}") from None
+    return STATES[code] if 0 <= code < len(STATES) else f"state {code}"
+
+
 def inactive_xml(dom) -> str:
     """The persistent definition (what `apply` re-plans)."""
     libvirt = _libvirt()

@@ -126,12 +126,14 @@ def _spawn(export: QsdExport, timeout: float) -> None:
     # not a pipe, so a daemon that kept stderr open could never hang us.
     with tempfile.TemporaryFile() as err:
         try:
-            done = subprocess.run(scope(export.name) + export.argv(), stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=err, timeout=timeout,
-                                  preexec_fn=_pin(export.cpus))
-        except subprocess.TimeoutExpired:
-            raise ActionFailed(f"qemu-storage-daemon {export.name} did not finish starting "
-                               f"within {timeout:g}s") from None
+            done = subprocess.Popen(scope(export.name) + export.argv(), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=err,
+                                    preexec_fn=_pin(export.cpus))
+            if not proc.wait_exit(done, timeout):    # the daemon's parent returns once it serves
+                done.kill()
+                done.wait()
+                raise ActionFailed(f"qemu-storage-daemon {export.name} did not finish starting "
+                                   f"within {timeout:g}s")
         except OSError as e:
             raise Unavailable(f"cannot run {export.binary}: {e.strerror}") from None
         except subprocess.SubprocessError as e:       # the CPUs could not be set (offline?)

@@ -87,6 +87,22 @@ def signal_until_gone(fd: int, steps: list[tuple[signal.Signals | None, float]])
     return False
 
 
+def wait_exit(child, timeout: float) -> bool:
+    """Wait for a subprocess.Popen child to exit, woken by its pidfd (Popen's
+    own wait with a timeout polls with sleeps of up to 50 ms); False when it
+    has not within `timeout`.  It is reaped either way only if it exited."""
+    fd = os.pidfd_open(child.pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            return False
+    finally:
+        os.close(fd)
+    child.wait()
+    return True
+
+
 def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
     """Connect to a Unix socket with `user`'s uid and groups (in a forked
     child); None when it worked, else the reason (strerror)."""
@@ -111,14 +127,17 @@ def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
         except BaseException:
             code = 255
         os._exit(code)
-    deadline = time.monotonic() + timeout + 1
-    while True:
-        done, status = os.waitpid(child, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            return None if code == 0 else (os.strerror(code) if code < 255 else "unknown error")
-        if time.monotonic() > deadline:
+    # Woken when the child exits (its pidfd turns readable), not by polling.
+    fd = os.pidfd_open(child)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll((timeout + 1) * 1000):
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
             return f"connect did not finish within {timeout:g}s"
-        time.sleep(0.005)
+    finally:
+        os.close(fd)
+    _, status = os.waitpid(child, 0)
+    code = os.waitstatus_to_exitcode(status)
+    return None if code == 0 else (os.strerror(code) if code < 255 else "unknown error")
