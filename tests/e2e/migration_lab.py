@@ -261,7 +261,9 @@ class Lab:
             # PYTHONPATH): pin the vstor these tests come from, not whatever
             # an editable install elsewhere points at. In CI, where vstor is
             # `pip install -e` of this checkout, this changes nothing.
-            text = text.replace("import sys\n", f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n", 1)
+            # (Inside the shell hook's single-quoted program: double quotes.)
+            assert "'" not in str(ROOT) and '"' not in str(ROOT)
+            text = text.replace("import sys\n", f'import sys\nsys.path.insert(0, "{ROOT}")\n', 1)
             hook.write_text(text)
             hook.chmod(0o755)
         for h in self.hosts:
