@@ -149,10 +149,10 @@ def migration_xml(req: dict) -> str:
     guest = SimpleNamespace(get_xml_desc=lambda dump_migratable=False: req["xml"],
                             migrate=lambda *a, destination_xml=None, **k: sent.append(destination_xml))
     if req.get("compute_driver"):
-        # As _live_migration_operation of the driver hands it to Nova's code.
-        from oslo_utils import importutils
-        cls = importutils.import_class("nova.virt." + req["compute_driver"])
-        guest = importutils.import_module(cls.__module__).SharedMemoryGuest(guest)
+        # As _live_migration_operation of the driver hands it to Nova's code
+        # (imported from vstor: the nova.virt shim may not be installed yet).
+        from vstor.nova.driver import SharedMemoryGuest
+        guest = SharedMemoryGuest(guest)
     sent = []
     instance = SimpleNamespace(flavor=SimpleNamespace(extra_specs=req.get("extra_specs", {})))
     xml = migration.get_updated_guest_xml(instance, guest, data, get_volume_config=None)
