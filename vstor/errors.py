@@ -68,3 +68,13 @@ class ActionFailed(VstorError):
     """A host change failed; everything done before it was rolled back."""
 
     exit_code = EXIT_ACTION_FAILED
+
+
+def from_exit_code(code: int, message: str) -> VstorError:
+    """The error another vstor reported with `code` (its exit code, or the
+    exit_code of an answer), carrying that code; 1 for anything else."""
+    code = code if isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 5 else 1
+    err = {2: BadInput, 3: DoesNotFit, 4: Unavailable, 5: ActionFailed}.get(code, VstorError)(
+        one_line(message))
+    err.exit_code = code
+    return err

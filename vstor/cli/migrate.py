@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 
@@ -55,17 +54,20 @@ def _peer(ctx, dest: str):
 
 
 def _domain(ctx, source: str):
-    from vstor.cli.domains import load_source
-    from vstor.runtime import virt
-    if os.path.sep in source or os.path.exists(source):
-        return load_source(ctx, source)
+    from vstor.cli.domains import is_file, load_source
+    return load_source(ctx, source) if is_file(source) else migrating(ctx, source)
+
+
+def migrating(ctx, name: str):
+    """A defined domain as libvirt migrates it: a running one as
+    `virsh dumpxml --migratable` (virsh migrate --xml is checked against
+    exactly that)."""
     import libvirt
     from vstor.meta.document import Domain
-    vdom = virt.lookup(ctx.conn, source)
-    # A running domain as libvirt migrates it (virsh dumpxml --migratable):
-    # virsh migrate --xml is checked against exactly that.
+    from vstor.runtime import virt
+    vdom = virt.lookup(ctx.conn, name)
     flags = libvirt.VIR_DOMAIN_XML_MIGRATABLE if vdom.isActive() else 0
-    return Domain.parse(vdom.XMLDesc(flags), f"domain '{source}'")
+    return Domain.parse(vdom.XMLDesc(flags), f"domain '{name}'")
 
 
 def cmd_check(ctx, args) -> int:

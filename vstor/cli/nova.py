@@ -108,14 +108,10 @@ def cmd_migrate(ctx, args) -> int:
 
 
 def _instance(ctx, name: str):
-    """The running instance as libvirt migrates it, if it is a Nova
-    instance with vstor disks."""
-    import libvirt
-    from vstor.meta.document import Domain
-    from vstor.runtime import virt
-    vdom = virt.lookup(ctx.conn, name)
-    flags = libvirt.VIR_DOMAIN_XML_MIGRATABLE if vdom.isActive() else 0
-    dom = Domain.parse(vdom.XMLDesc(flags), f"domain '{name}'")
+    """The instance as libvirt migrates it, if it is a Nova instance with
+    vstor disks."""
+    from vstor.cli.migrate import migrating
+    dom = migrating(ctx, name)
     if not (dom.is_nova() and dom.has_vstor()):
         raise BadInput(f"domain '{name}' is not a Nova instance with vstor disks",
                        hint="vstor migrate prepare is the command for other domains")

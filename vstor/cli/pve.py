@@ -157,13 +157,9 @@ def cmd_hooks_install(ctx, args) -> int:
 
 def cmd_hooks_uninstall(ctx, args) -> int:
     store = _node(ctx).snippets()
-    target = os.path.join(store.snippets, "vstor")
-    if not os.path.exists(target):
-        print(f"No vstor hookscript at {target}")
-        return 0
-    os.unlink(target)
-    print(f"Removed {target}; VMs that name it no longer start (qm set VMID --delete hookscript)")
-    return 0
+    from vstor.cli.runtime import remove_hook
+    return remove_hook(os.path.join(store.snippets, "vstor"), "hookscript",
+                       "VMs that name it no longer start (qm set VMID --delete hookscript)")
 
 
 def cmd_doctor(ctx, args) -> int:

@@ -117,7 +117,8 @@ def _libvirt_says(ctx, names: list[str]) -> dict[str, str]:
     from vstor.pve.node import Node
     from vstor.pve.vm import vmid_of
     from vstor.runtime import virt
-    names = [n for n in names if not vmid_of(n) or not Node(ctx.config).is_proxmox()]
+    if any(vmid_of(n) for n in names) and Node(ctx.config).is_proxmox():
+        names = [n for n in names if not vmid_of(n)]
     out = dict.fromkeys(names, "libvirt unreachable")
     try:
         for name in names:
@@ -319,10 +320,19 @@ def cmd_hooks_install(ctx, args) -> int:
 
 
 def cmd_hooks_uninstall(ctx, args) -> int:
-    target = os.path.join(args.dir, "vstor")
+    return remove_hook(os.path.join(args.dir, "vstor"), "hook",
+                       "restart libvirtd (or virtqemud) so it forgets the hook")
+
+
+def remove_hook(target: str, noun: str, then: str) -> int:
+    """`hooks uninstall` (libvirt's hook, Proxmox's hookscript)."""
     if not os.path.exists(target):
-        print(f"No vstor hook at {target}")
+        print(f"No vstor {noun} at {target}")
         return 0
-    os.unlink(target)
-    print(f"Removed {target}; restart libvirtd (or virtqemud) so it forgets the hook")
+    try:
+        os.unlink(target)
+    except OSError as e:
+        raise BadInput(f"cannot remove {target}: {e.strerror}",
+                       hint="run as root" if os.geteuid() else None) from None
+    print(f"Removed {target}; {then}")
     return 0

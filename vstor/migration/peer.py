@@ -12,13 +12,11 @@ import subprocess
 from urllib.parse import urlparse
 
 from vstor.config import Config
-from vstor.errors import (ActionFailed, BadInput, DoesNotFit, Unavailable, VstorError,
-                          one_line)
+from vstor.errors import BadInput, Unavailable, from_exit_code, one_line
 
 PROTOCOL = 1
 MAX_ANSWER = 16 << 20        # a domain's XML and its verdict, with room to spare
 _HOST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,252}$")
-_ERRORS = {2: BadInput, 3: DoesNotFit, 4: Unavailable, 5: ActionFailed}
 
 
 def destination(dest: str) -> tuple[str, str]:
@@ -76,11 +74,7 @@ class Peer:
             raise Unavailable(one_line(f"vstor on {self.host} did not answer '{op}': {why}"),
                               hint=hint) from None
         if answer.get("ok") is not True:
-            code = answer.get("exit_code")
-            code = code if isinstance(code, int) and not isinstance(code, bool) and 1 <= code <= 5 else 1
             message = answer.get("message")
             message = message if isinstance(message, str) else "refused, saying nothing"
-            err = _ERRORS.get(code, VstorError)(one_line(f"{self.host}: {message}"))
-            err.exit_code = code
-            raise err
+            raise from_exit_code(answer.get("exit_code"), f"{self.host}: {message}")
         return answer

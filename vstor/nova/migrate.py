@@ -16,10 +16,9 @@ import shlex
 import subprocess
 
 from vstor.config import Config
-from vstor.errors import ActionFailed, BadInput, DoesNotFit, Unavailable, VstorError, one_line
+from vstor.errors import BadInput, Unavailable, from_exit_code
 
 STEPS = ("prepare", "finish", "abort")
-_ERRORS = {2: BadInput, 3: DoesNotFit, 4: Unavailable, 5: ActionFailed}
 
 
 def argv(cfg: Config, step: str, instance: str, dest: str | None = None) -> list[str]:
@@ -52,8 +51,5 @@ def run(cfg: Config, step: str, instance: str, dest: str | None = None,
     if done.returncode:
         lines = [x for x in done.stderr.strip().splitlines() if x.strip()]
         why = lines[-1] if lines else f"exit status {done.returncode}"
-        why = why.removeprefix("vstor: ")
-        err = _ERRORS.get(done.returncode, VstorError)(one_line(why))
-        err.exit_code = done.returncode if 1 <= done.returncode <= 5 else 1
-        raise err
+        raise from_exit_code(done.returncode, why.removeprefix("vstor: "))
     return done.stdout

@@ -51,7 +51,7 @@ def place(root, plan: Plan) -> None:
         # Nova's: its pinning, NUMA cells and memory backing stay as Nova made
         # them, shared for vhost-user (Nova's migration strips the sharing).
         if any(d.mode == "vhost" for d in plan.disks):
-            share_memory(_child(root, "memoryBacking"))
+            share_domain_memory(root)
         _record(root, plan)
         return
     _memory_backing(root, plan)
@@ -117,6 +117,12 @@ def _memory_backing(root, plan: Plan) -> None:
 
 
 _MEMORY_BACKING = ("hugepages", "nosharepages", "locked", "source", "access", "allocation", "discard")
+
+
+def share_domain_memory(root) -> None:
+    """The domain's memory backing (made where libvirt orders it if there is
+    none), shared as share_memory makes it."""
+    share_memory(_child(root, "memoryBacking"))
 
 
 def share_memory(mb) -> None:

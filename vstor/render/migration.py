@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import copy
 
+from lxml import etree
+
 from vstor.errors import BadInput
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
-from vstor.render.libvirt import place
+from vstor.render.libvirt import place, share_domain_memory
 
 
 def render_incoming(dom: Domain, plan: Plan) -> Domain:
@@ -40,11 +42,6 @@ def reshare_memory(xml: str) -> str:
     again: Nova's get_updated_guest_xml strips <source> and <access> from
     <memoryBacking>, and the source's libvirt refuses a target whose memory
     source is not the running domain's (memfd); vhost-user needs it shared."""
-    from lxml import etree
-    from vstor.render.libvirt import share_memory
-    root = etree.fromstring(xml.encode())
-    mb = root.find("memoryBacking")
-    if mb is None:
-        mb = etree.SubElement(root, "memoryBacking")
-    share_memory(mb)
-    return etree.tostring(root, encoding="unicode")
+    dom = Domain.parse(xml, "the domain XML Nova sends")     # vstor's hardened parser
+    share_domain_memory(dom.root)
+    return etree.tostring(dom.root, encoding="unicode")

@@ -129,11 +129,12 @@ def _spawn(export: QsdExport, timeout: float) -> None:
             done = subprocess.Popen(scope(export.name) + export.argv(), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=err,
                                     preexec_fn=_pin(export.cpus))
-            if not proc.wait_exit(done, timeout):    # the daemon's parent returns once it serves
+            if not proc.exits_within(done.pid, timeout):    # its parent returns once it serves
                 done.kill()
                 done.wait()
                 raise ActionFailed(f"qemu-storage-daemon {export.name} did not finish starting "
                                    f"within {timeout:g}s")
+            done.wait()
         except OSError as e:
             raise Unavailable(f"cannot run {export.binary}: {e.strerror}") from None
         except subprocess.SubprocessError as e:       # the CPUs could not be set (offline?)

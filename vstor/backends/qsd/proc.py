@@ -9,7 +9,6 @@ import pwd
 import select
 import signal
 import socket
-import time
 from collections.abc import Iterator
 
 from vstor.errors import ActionFailed
@@ -87,20 +86,12 @@ def signal_until_gone(fd: int, steps: list[tuple[signal.Signals | None, float]])
     return False
 
 
-def wait_exit(child, timeout: float) -> bool:
-    """Wait for a subprocess.Popen child to exit, woken by its pidfd (Popen's
-    own wait with a timeout polls with sleeps of up to 50 ms); False when it
-    has not within `timeout`.  It is reaped either way only if it exited."""
-    fd = os.pidfd_open(child.pid)
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(timeout * 1000):
-            return False
-    finally:
-        os.close(fd)
-    child.wait()
-    return True
+def exits_within(pid: int, timeout: float) -> bool:
+    """Whether our child `pid` exits within `timeout`, woken by its pidfd
+    (Popen's own wait with a timeout polls with sleeps of up to 50 ms);
+    the caller reaps it."""
+    with pidfd(pid) as fd:
+        return fd is None or signal_until_gone(fd, [(None, timeout)])
 
 
 def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
@@ -127,17 +118,10 @@ def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
         except BaseException:
             code = 255
         os._exit(code)
-    # Woken when the child exits (its pidfd turns readable), not by polling.
-    fd = os.pidfd_open(child)
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll((timeout + 1) * 1000):
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
-            return f"connect did not finish within {timeout:g}s"
-    finally:
-        os.close(fd)
+    if not exits_within(child, timeout + 1):
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        return f"connect did not finish within {timeout:g}s"
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
     return None if code == 0 else (os.strerror(code) if code < 255 else "unknown error")
