@@ -206,8 +206,11 @@ def driver_migration(req: dict) -> dict:
                                False, SimpleNamespace())
         except RuntimeError as e:
             raised = str(e)
-        drv.post_live_migration_at_source("ctx", instance, [])
-        drv.rollback_live_migration_at_source("ctx", instance, SimpleNamespace())
+        for then in req.get("then", ("post", "rollback")):   # what Nova's manager calls next
+            if then == "post":
+                drv.post_live_migration_at_source("ctx", instance, [])
+            else:
+                drv.rollback_live_migration_at_source("ctx", instance, SimpleNamespace())
     for p in patches:
         p.stop()
     with open(req["log"]) as f:

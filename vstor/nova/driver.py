@@ -63,6 +63,10 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
             return super().live_migration(context, instance, dest, post_method, recover_method,
                                           block_migration, migrate_data)
         from vstor.errors import VstorError
+        # The source's record (which names the destination) goes with the
+        # domain, and a prepare that died half-way may have left the
+        # destination holding backends: finish and abort are told where.
+        self._vstor_destinations()[instance.uuid] = dest
         try:
             said = _vstor_migrate("prepare", instance, dest)
         except VstorError as e:
@@ -73,9 +77,6 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
             recover_method(context, instance, dest, migrate_data)
             return None
         LOG.info("vstor: %s", " ".join(said.split()), instance=instance)
-        # The source's record (which names the destination) goes with the
-        # domain; finish and abort are told where it went.
-        self._vstor_destinations()[instance.uuid] = dest
         try:
             return super().live_migration(context, instance, dest, post_method, recover_method,
                                           block_migration, migrate_data)
