@@ -494,6 +494,35 @@ def test_qmp_something_that_is_not_a_monitor(tmp_path):
         fake.close()
 
 
+class FlakyMonitor(FakeMonitor):
+    """A QMP server that hangs up on its first client between greeting and
+    capabilities (as qsd was seen to in CI), then serves query-block-exports."""
+
+    def __init__(self, path: str):
+        super().__init__(path, "serve")
+
+    def _serve(self):
+        first, _ = self.server.accept()
+        first.sendall(json.dumps(self.greeting).encode() + b"\n")
+        first.close()
+        conn, _ = self.server.accept()
+        with conn:
+            conn.sendall(json.dumps(self.greeting).encode() + b"\n")
+            for msg in self._requests(conn):
+                ret = [{"id": "exp0"}] if msg["execute"] == "query-block-exports" else {}
+                conn.sendall(json.dumps({"return": ret, "id": msg.get("id")}).encode() + b"\n")
+
+
+def test_a_monitor_that_hangs_up_once_still_answers(tmp_path):
+    e = QsdExport(run_dir=str(tmp_path), name="vm1-vdb", source="/dev/null", kind="file",
+                  socket_path=str(tmp_path / "vm1-vdb"))
+    fake = FlakyMonitor(e.qmp_path)
+    try:
+        assert daemon._answers(e, timeout=2.0)
+    finally:
+        fake.close()
+
+
 # -- the daemon --------------------------------------------------------------------------------
 
 def test_start_hands_the_socket_to_the_qemu_group_only(area):

@@ -57,11 +57,20 @@ def _is_ours(export: QsdExport, p: int) -> bool:
 
 
 def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
-    try:
-        with Monitor(export.qmp_path, timeout) as qmp:
-            return any(e.get("id") == EXPORT_ID for e in qmp.execute("query-block-exports"))
-    except (QmpConnectionError, QmpError):
-        return False
+    # qsd now and then hangs up on a client between its greeting and the
+    # capabilities reply (seen in CI: ECONNRESET in negotiation, the daemon
+    # fine), so a refused connection is tried again until the deadline.
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with Monitor(export.qmp_path, max(deadline - time.monotonic(), 0.1)) as qmp:
+                return any(e.get("id") == EXPORT_ID for e in qmp.execute("query-block-exports"))
+        except QmpError:
+            return False
+        except QmpConnectionError:
+            if time.monotonic() + 0.05 >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 # -- starting --------------------------------------------------------------------------------
@@ -95,10 +104,10 @@ def start(export: QsdExport, timeout: float = 10.0, handover: bool = False) -> i
 def restart_if_dead(export: QsdExport, timeout: float = 10.0) -> bool:
     """Bring back a daemon that died (QEMU reconnects with <reconnect>).
     True when it had to be started again."""
-    if alive(export):
+    before = pid(export)
+    if before is not None and _answers(export):
         return False
-    start(export, timeout)
-    return True
+    return start(export, timeout) != before
 
 
 def _reuse(export: QsdExport) -> int | None:
