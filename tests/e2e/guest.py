@@ -18,6 +18,7 @@ checksum of the first `size` bytes.  Markers on the serial console, one per line
     VSTOR-GUEST: HOLD seconds=N
     VSTOR-GUEST: wrote sha256=HEX dev=vda
     VSTOR-GUEST: read sha256=HEX dev=vda
+    VSTOR-GUEST: AWAIT-UNPLUG dev=vdb, GONE dev=vdb    (with vstor.unplug=vdb)
     VSTOR-GUEST: DONE uptime=S        or    VSTOR-GUEST: FAIL reason
 
 then it powers off.
@@ -87,7 +88,7 @@ for m in @MODULES@; do
     insmod /lib/modules/$m.ko 2>/tmp/err || fail "insmod $m: $(cat /tmp/err)"
 done
 
-job= seed=0 size=1048576 devs=vda timeout=60 hold=0
+job= seed=0 size=1048576 devs=vda timeout=60 hold=0 unplug=
 for arg in $(cat /proc/cmdline); do
     case $arg in
     vstor.job=*) job=${arg#*=} ;;
@@ -96,6 +97,7 @@ for arg in $(cat /proc/cmdline); do
     vstor.dev=*) devs=$(echo ${arg#*=} | tr , ' ') ;;
     vstor.timeout=*) timeout=${arg#*=} ;;
     vstor.hold=*) hold=${arg#*=} ;;
+    vstor.unplug=*) unplug=${arg#*=} ;;
     esac
 done
 case $job in write-verify|verify|read|loop) ;; *) fail "unknown job '$job'" ;; esac
@@ -171,6 +173,16 @@ for dev in $devs; do
     say "read sha256=$got dev=$dev"
     [ $job = read ] || [ "$got" = "$want" ] || fail "/dev/$dev: read $got, expected $want"
 done
+# unplug: the host takes the device away (hot-unplug); wait until it is gone.
+if [ -n "$unplug" ]; then
+    say "AWAIT-UNPLUG dev=$unplug"
+    n=0
+    while [ -b /dev/$unplug ]; do
+        [ $n -ge $((timeout * 10)) ] && fail "/dev/$unplug still there after ${timeout}s"
+        usleep 100000; n=$((n + 1))
+    done
+    say "GONE dev=$unplug"
+fi
 say "DONE uptime=$(uptime_s)"
 poweroff -f
 """
@@ -200,14 +212,15 @@ def expected_pattern(seed: int, size: int) -> bytes:
 
 
 def job(kind: str, dev: str = "vda", seed: int = 1234, size: int = 1 << 20,
-        timeout: int = 60, hold: int = 0) -> str:
+        timeout: int = 60, hold: int = 0, unplug: str = "") -> str:
     """The kernel command line words for one guest job; `dev` may list several
-    devices separated by commas."""
+    devices separated by commas (each waited for: one may be hot-plugged);
+    `unplug`: a device the job then waits to see go (AWAIT-UNPLUG, GONE)."""
     if kind not in ("write-verify", "verify", "read"):
         raise ValueError(f"unknown guest job {kind!r}")
     expected_pattern(seed, 0)   # validates the seed
     return (f"vstor.job={kind} vstor.dev={dev} vstor.seed={seed} vstor.size={size}"
-            f" vstor.timeout={timeout} vstor.hold={hold}")
+            f" vstor.timeout={timeout} vstor.hold={hold}" + (f" vstor.unplug={unplug}" if unplug else ""))
 
 
 def loop_job(dev: str = "vda", seed: int = 1234, size: int = 32 << 10, timeout: int = 300) -> str:

@@ -10,9 +10,10 @@ from lxml import etree
 from vstor import NS, PREFIX
 from vstor.errors import BadInput
 from vstor.meta import metadata
-from vstor.meta.intent import Intent
+from vstor.meta.intent import DiskIntent, Intent
 from vstor.meta.names import is_safe_name
 from vstor.meta.plan import Plan
+from vstor.meta import xmlmodel
 
 _UNITS = {  # libvirt's memory units, to KiB
     "b": 1 / 1024, "bytes": 1 / 1024, "KB": 1000 / 1024, "k": 1, "KiB": 1,
@@ -154,3 +155,25 @@ class Domain:
         """The plan a rendered domain carries, or None if it was never planned."""
         elem = self._find()
         return None if elem is None else metadata.load_plan(elem, self.name, self.uuid)
+
+
+def load_disk(path: str) -> DiskIntent:
+    """A file holding one <vstor:disk> element (what `vstor attach` adds)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(1 << 20)
+    except OSError as e:
+        raise BadInput(f"cannot read {path}: {e.strerror}") from None
+    try:
+        root = etree.fromstring(text, _parser())
+    except etree.XMLSyntaxError as e:
+        raise BadInput(f"{path}: {syntax_error(e)}") from None
+    if root.tag != f"{{{NS}}}disk":
+        raise BadInput(f"{path}: the root element is <{etree.QName(root).localname}>"
+                       f"{' in another namespace' if etree.QName(root).namespace else ''}, "
+                       f"not <{PREFIX}:disk>",
+                       hint=f"write <{PREFIX}:disk xmlns:{PREFIX}='{NS}' target='vdc'> with one source")
+    try:
+        return xmlmodel.parse(DiskIntent, root)
+    except BadInput as e:
+        raise BadInput(f"{path}: {e.message}", hint=e.hint) from None

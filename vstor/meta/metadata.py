@@ -86,6 +86,25 @@ def store(root: etree._Element, plan: Plan) -> None:
     etree.cleanup_namespaces(vs)
 
 
+def add_disk(root: etree._Element, disk: DiskIntent) -> None:
+    """Add a <vstor:disk> (as vstor writes it) after the last one."""
+    vs = find(root)
+    last = vs.findall(Q + "disk")[-1]
+    last.addnext(build(disk))
+
+
+def remove_disk(root: etree._Element, target: str) -> None:
+    vs = find(root)
+    for e in vs.findall(Q + "disk"):
+        if e.get("target") == target:
+            vs.remove(e)
+
+
+def element_text(root: etree._Element) -> str:
+    """The <vstor:vstor> element alone, as libvirt's setMetadata takes it."""
+    return etree.tostring(find(root), encoding="unicode")
+
+
 def digest(intent: Intent) -> str:
     """Of the intent in canonical form (defaults spelled out, normalised
     values): what a plan was made for."""

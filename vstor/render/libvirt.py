@@ -33,7 +33,7 @@ def render(dom: Domain, plan: Plan, previous: Plan | None = None) -> Domain:
     devices = _child(root, "devices")
     for disk in plan.disks:
         if disk.mode == "vhost":
-            devices.append(_vhost_disk(disk, plan))
+            devices.append(_vhost_disk(disk))
     for address in sorted({d.controller for d in plan.disks if d.mode == "passthrough"}):
         devices.append(_hostdev(address))
     if plan.viommu:
@@ -196,7 +196,13 @@ def _cpu_numa(root, plan: Plan) -> None:
 
 # -- devices ------------------------------------------------------------------------
 
-def _vhost_disk(disk, plan: Plan):
+def device_xml(disk) -> str:
+    """One planned disk's libvirt device, as `virsh attach-device` takes it."""
+    e = _vhost_disk(disk) if disk.mode == "vhost" else _hostdev(disk.controller)
+    return etree.tostring(e, pretty_print=True, encoding="unicode")
+
+
+def _vhost_disk(disk):
     d = etree.Element("disk", type="vhostuser", device="disk")
     etree.SubElement(d, "driver", name="qemu", type="raw", queues=str(disk.queues))
     src = etree.SubElement(d, "source", type="unix", path=disk.socket)

@@ -202,6 +202,17 @@ def from_json(entry: dict) -> Action:
                            hint="it was written by another vstor version") from None
 
 
+_KEYS = {"vfio-bind": lambda a: a.address, "spdk-attach": lambda a: a.name,
+         "spdk-vhost": lambda a: a.ctrlr, "qsd-export": lambda a: a.export.name,
+         "nvmf-export": lambda a: a.nqn}
+
+
+def identity(action: Action) -> tuple[str, str]:
+    """What a step makes, whatever it observed: (kind, name); two steps with
+    one identity make the same thing (a controller two disks share)."""
+    return action.kind, _KEYS[action.kind](action)
+
+
 def build(plan: Plan, cfg: Config) -> list[Action]:
     """The host changes, in order, that carry out `plan`."""
     out: list[Action] = []

@@ -1,0 +1,230 @@
+"""vstor attach/detach below libvirt: the disk planned against the running
+placement, its backend made through the SPDK target double, the kernel
+sysfs double and real qemu-storage-daemons, and a failure at any step
+(libvirt's included) leaving the domain's record and the host as they were.
+libvirt's side is a named double here (GuestDouble); tests/e2e/test_hotplug.py
+runs the real one with a running guest."""
+
+import os
+
+import pytest
+
+from tests.test_lifecycle import LOCAL, domain, env, local_spdk, nvmf  # noqa: F401 (env: a fixture)
+from vstor.errors import ActionFailed, BadInput, DoesNotFit
+from vstor.meta import metadata
+from vstor.meta.document import Domain, load_disk
+from vstor.runtime.hotplug import attach, detach
+from vstor.runtime.lifecycle import prepare, release
+
+NS = "https://vstor.dev/xmlns/domain/1"
+OTHER = "0000:60:00.0"
+
+
+class GuestDouble:
+    """A test double of vstor.runtime.virt.LiveDomain: it records what
+    libvirt would be asked, and refuses the device when told to."""
+
+    def __init__(self, dom: Domain, refuse: str | None = None, plan="same"):
+        self.dom, self.refuse = dom, refuse
+        self.calls: list[tuple] = []
+        self.present: set[str] = {d.target for d in dom.recorded_plan().disks}
+        self.saved = dom.recorded_plan() if plan == "same" else plan
+
+    def persistent_plan(self):
+        return self.saved
+
+    def attach(self, device, element, persistent=False):
+        self.calls.append(("attach", device, element, persistent))
+        if self.refuse:
+            raise ActionFailed(f"libvirt refused to attach the device: {self.refuse}")
+        self.present.add(Domain.parse(f"<domain>{device}</domain>").root.find(".//target").get("dev"))
+
+    def set_metadata(self, element, persistent=False):
+        self.calls.append(("set_metadata", element, persistent))
+
+    def device(self, disk):
+        return f"<disk><target dev='{disk.target}'/></disk>" if disk.target in self.present else None
+
+    def detach(self, device, timeout, persistent=False):
+        self.calls.append(("detach", device, timeout, persistent))
+        if self.refuse:
+            raise ActionFailed(f"the guest did not let go within {timeout:g}s; nothing was released")
+        self.present.discard(Domain.parse(f"<domain>{device}</domain>").root.find(".//target").get("dev"))
+
+    def detach_config(self, disk):
+        self.calls.append(("detach_config", disk.target))
+
+
+def disk(text: str, tmp_path):
+    path = tmp_path / "disk.xml"
+    path.write_text(text.replace("<vstor:disk ", f"<vstor:disk xmlns:vstor='{NS}' ", 1))
+    return load_disk(str(path))
+
+
+def live(dom: Domain, guest: GuestDouble) -> Domain:
+    """The domain as libvirt would show it after the guest double's last metadata."""
+    elements = [c[2] for c in guest.calls if c[0] == "attach"] + \
+               [c[1] for c in guest.calls if c[0] == "set_metadata"]
+    if not elements:
+        return dom
+    root = Domain.parse(dom.to_string()).root
+    meta = root.find("metadata")
+    meta.replace(metadata.find(root), Domain.parse(f"<domain><metadata>{elements[-1]}</metadata></domain>")
+                 .root.find("metadata")[0])
+    return Domain(root)
+
+
+def running(env, disks: str, **kw) -> Domain:
+    dom = domain(env, disks, **kw)
+    prepare(env.rt(), env.state, env.host(), dom)
+    return dom
+
+
+def test_an_spdk_disk_is_added_on_the_domains_node_and_reactor_and_removed_again(env, tmp_path):
+    dom = running(env, local_spdk())
+    before = env.state.load("vm1").steps
+    guest = GuestDouble(dom)
+    plan = attach(env.rt(), env.state, env.host(), dom,
+                  disk(local_spdk(OTHER, "vdc"), tmp_path), guest, progress=lambda _m: None)
+    added = plan.disk("vdc")
+    assert (added.backend, added.reactor, plan.node) == ("spdk", 18, 1)    # node 1's reactor
+    assert env.sysfs.driver_of(OTHER) == "vfio-pci"
+    assert {v.bdev for v in env.spdk.vhost.values()} == {"vs_0000_5f_00_0n1", "vs_0000_60_00_0n1"}
+    (call,) = guest.calls
+    assert call[0] == "attach" and f"{env.cfg.vhost_dir}/vm1-vdc" in call[1] and call[3] is False
+    now = live(dom, guest)
+    assert now.recorded_plan() == plan and [d.target for d in now.intent().disks] == ["vdb", "vdc"]
+    rec = env.state.load("vm1")
+    assert rec.steps[:3] == before and len(rec.steps) == 6 and rec.status == "prepared"
+    assert sorted(rec.holding["sockets"]) == [f"{env.cfg.vhost_dir}/vm1-vdb", f"{env.cfg.vhost_dir}/vm1-vdc"]
+
+    after = detach(env.rt(), env.state, now, "vdc", guest, 5.0, progress=lambda _m: None)
+    assert [d.target for d in after.disks] == ["vdb"]
+    assert env.sysfs.driver_of(OTHER) == "nvme" and env.sysfs.driver_of(LOCAL) == "vfio-pci"
+    assert {v.bdev for v in env.spdk.vhost.values()} == {"vs_0000_5f_00_0n1"}
+    rec = env.state.load("vm1")
+    assert rec.steps == before and rec.holding["sockets"] == [f"{env.cfg.vhost_dir}/vm1-vdb"]
+    assert guest.calls[-1][0] == "set_metadata"
+    assert live(dom, guest).recorded_plan() == after
+    release(env.rt(), env.state, "vm1")
+    assert env.spdk.vhost == {} and env.state.records() == []
+
+
+def test_a_disk_on_a_shared_remote_controller_leaves_the_controller_to_the_other(env, tmp_path):
+    dom = running(env, nvmf(1), vm="<vstor:vm numa='preferred'/>")
+    guest = GuestDouble(dom)
+    attach(env.rt(), env.state, env.host(), dom, disk(nvmf(2, "vdc"), tmp_path), guest)
+    assert len(env.spdk.nvme) == 1 and len(env.spdk.vhost) == 2      # one controller, both namespaces
+    detach(env.rt(), env.state, live(dom, guest), "vdc", guest, 5.0)
+    assert len(env.spdk.nvme) == 1 and {v.bdev for v in env.spdk.vhost.values()} == \
+        {next(iter(env.spdk.nvme)) + "n1"}
+
+
+@pytest.mark.parametrize("fault", ["libvirt", "vhost_create_blk_controller"])
+def test_a_failed_attach_leaves_the_domain_and_host_as_they_were(env, tmp_path, fault):
+    dom = running(env, local_spdk())
+    rec = env.state.load("vm1")
+    spdk = (dict(env.spdk.nvme), dict(env.spdk.vhost))
+    guest = GuestDouble(dom, refuse="No more available PCI slots" if fault == "libvirt" else None)
+    if fault != "libvirt":
+        env.spdk.fail(fault, -5, "Input/output error")
+    with pytest.raises(ActionFailed):
+        attach(env.rt(), env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path), guest)
+    after = env.state.load("vm1")
+    assert (after.steps, after.holding, after.status) == (rec.steps, rec.holding, "prepared")
+    assert (env.spdk.nvme.keys(), env.spdk.vhost.keys()) == (spdk[0].keys(), spdk[1].keys())
+    assert env.sysfs.driver_of(OTHER) == "nvme"
+    assert [c[0] for c in guest.calls] == (["attach"] if fault == "libvirt" else [])
+
+
+def test_qsd_disks_are_added_and_removed_with_real_daemons(env, tmp_path):
+    paths = []
+    for name in ("a", "b"):
+        paths.append(os.path.join(env.work, f"{name}.raw"))
+        with open(paths[-1], "wb") as f:
+            f.truncate(8 << 20)
+    dom = running(env, f"<vstor:disk target='vdb'><vstor:file path='{paths[0]}'/></vstor:disk>",
+                  vm="<vstor:vm cpus='shared'/>")
+    guest = GuestDouble(dom)
+    plan = attach(env.rt(), env.state, env.host(), dom,
+                  disk(f"<vstor:disk target='vdc'><vstor:file path='{paths[1]}'/></vstor:disk>", tmp_path), guest)
+    assert plan.disk("vdc").backend == "qsd"
+    assert sorted(os.listdir(env.cfg.vhost_dir)) == ["vm1-vdb", "vm1-vdc"]
+    detach(env.rt(), env.state, live(dom, guest), "vdc", guest, 5.0)
+    assert sorted(f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1")) == ["vm1-vdb"]
+    assert sorted(f for f in os.listdir(env.cfg.qsd_dir) if f.startswith("vm1-vdc")) == []
+
+
+def test_refusals_name_the_reason_and_change_nothing(env, tmp_path):
+    pt = "<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:61:00.0'/></vstor:disk>"
+    dom = running(env, pt)
+    img = os.path.join(env.work, "x.raw")
+    open(img, "wb").close()
+    cases = [
+        (f"<vstor:disk target='vdc'><vstor:file path='{img}'/></vstor:disk>", DoesNotFit,
+         "its memory is not shared"),
+        (pt, BadInput, "already has a vstor disk vdb"),
+        (nvmf(1, "vdc"), DoesNotFit, "is on node 0 and the domain runs on node 1 (numa='strict')"),
+        ("<vstor:disk target='vdc' mode='passthrough' guest='spdk'><vstor:nvme controller='0000:60:00.0'/>"
+         "</vstor:disk>", DoesNotFit, "guest='spdk' needs a vIOMMU"),
+    ]
+    rec = env.state.load("vm1")
+    for text, err, words in cases:
+        guest = GuestDouble(dom)
+        with pytest.raises(err, match=words.replace("(", r"\(").replace(")", r"\)")):
+            attach(env.rt(), env.state, env.host(), dom, disk(text, tmp_path), guest)
+        assert guest.calls == [] and env.state.load("vm1").steps == rec.steps
+    with pytest.raises(BadInput, match="last vstor disk"):
+        detach(env.rt(), env.state, dom, "vdb", GuestDouble(dom), 5.0)
+    with pytest.raises(BadInput, match=r"has no vstor disk vdq \(its vstor disks: vdb\)"):
+        detach(env.rt(), env.state, dom, "vdq", GuestDouble(dom), 5.0)
+    release(env.rt(), env.state, "vm1")
+    with pytest.raises(DoesNotFit, match="is not running on what vstor prepared"):
+        attach(env.rt(), env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path),
+               GuestDouble(dom))
+    with pytest.raises(BadInput, match="persistent definition"):
+        attach(env.rt(), env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path),
+               GuestDouble(dom, plan=None), persistent=True)
+
+
+def test_a_guest_that_does_not_let_go_keeps_everything(env, tmp_path):
+    dom = running(env, local_spdk())
+    guest = GuestDouble(dom)
+    attach(env.rt(), env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path), guest)
+    now, rec = live(dom, guest), env.state.load("vm1")
+    guest.refuse = "stuck"
+    with pytest.raises(ActionFailed, match="did not let go"):
+        detach(env.rt(), env.state, now, "vdc", guest, 0.5)
+    assert env.state.load("vm1").steps == rec.steps and len(env.spdk.vhost) == 2
+    guest.refuse = None
+    guest.present.discard("vdc")        # the guest let go later: detach again finishes the job
+    detach(env.rt(), env.state, now, "vdc", guest, 0.5)
+    assert len(env.spdk.vhost) == 1
+    assert [c[0] for c in guest.calls] == ["attach", "detach", "set_metadata"]  # not asked twice
+
+
+def test_a_dry_run_attach_changes_nothing(env, tmp_path):
+    dom = running(env, local_spdk())
+    rec, said = env.state.load("vm1"), []
+    rt = env.rt()
+    rt.dry_run = True
+    attach(rt, env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path), GuestDouble(dom),
+           progress=said.append)
+    assert env.state.load("vm1").steps == rec.steps and len(env.spdk.vhost) == 1
+    assert any("bdev_nvme_attach_controller" in s for s in said)
+    assert any("<disk type=\"vhostuser\"" in s for s in said)
+
+
+def test_a_disk_file_that_is_not_one_vstor_disk_is_one_line(tmp_path):
+    cases = [("<disk type='file'/>", "the root element is <disk>, not <vstor:disk>"),
+             (f"<vstor:disk xmlns:vstor='{NS}' target='vdc'/>", "source"),
+             (f"<vstor:disk xmlns:vstor='{NS}' target='sda'><vstor:file path='/x'/></vstor:disk>", "sda"),
+             ("<vstor:disk", "malformed XML at line 1")]
+    for text, words in cases:
+        path = tmp_path / "d.xml"
+        path.write_text(text)
+        with pytest.raises(BadInput, match=words) as e:
+            load_disk(str(path))
+        assert "\n" not in str(e.value) and str(e.value).startswith(str(path))
+    with pytest.raises(BadInput, match="cannot read"):
+        load_disk(str(tmp_path / "absent.xml"))

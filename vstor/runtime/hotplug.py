@@ -1,0 +1,160 @@
+"""Hot-plug of a vstor disk into a running domain, and its unplug.
+
+attach: plan the disk against the domain's running placement (pure,
+vstor.planner.hotplug), make its backend (the journal's extend: a failure
+undoes only the new steps), then hand the device to the guest (`guest`, a
+virt.LiveDomain); a refused device undoes the backend.  The domain's live
+metadata carries the new intent and plan, so every later step (release,
+status, migration) reads it as if the disk had been there from the start.
+
+detach: the guest lets go first (the device removed by QEMU, waited for),
+then the backend goes; a guest that does not let go leaves everything as it
+was.  Steps another disk still stands on (a shared SPDK controller, a bind)
+stay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from vstor.errors import ActionFailed, BadInput, DoesNotFit
+from vstor.host.model import Host
+from vstor.meta import metadata
+from vstor.meta.document import Domain
+from vstor.meta.intent import DiskIntent
+from vstor.meta.plan import Plan
+from vstor.planner.hotplug import plan_attach, plan_detach
+from vstor.planner.ledger import Holding, holding_to_json
+from vstor.render.libvirt import device_xml
+from vstor.runtime import actions
+from vstor.runtime import steps as executor
+from vstor.runtime.journal import Journal
+from vstor.runtime.lifecycle import Runtime, own_record, plan_of, running_ledger
+from vstor.runtime.state import PREPARED, StateDir
+
+
+def attach(rt: Runtime, state: StateDir, host: Host, dom: Domain, disk: DiskIntent, guest,
+           persistent: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
+    """Add `disk` to the running domain `dom` (its live XML); the new plan."""
+    say = progress or print
+    req, plan = plan_of(dom)
+    if persistent:
+        _check_persistent(guest, dom, plan)
+    with state.lock(dry_run=rt.dry_run):
+        rec = _running_record(state, dom)
+        new = plan_attach(host, rt.cfg, req, plan, disk, running_ledger(state.records()))
+        added = new.disk(disk.target)
+        have = {actions.identity(actions.from_json(e)) for e in rec.steps}
+        steps = [s for s in actions.build(replace(new, disks=(added,)), rt.cfg)
+                 if actions.identity(s) not in have]
+        for step in steps:
+            executor.preflight(step, rt)
+        xml = device_xml(added)
+        if rt.dry_run:
+            for step in steps:
+                say(f"would {step.describe()}")
+                for line in step.dry_run():
+                    say(f"    {line}")
+            say(f"would attach to {dom.name}{' (live and persistent)' if persistent else ' (live)'}:")
+            say("    " + xml.strip().replace("\n", "\n    "))
+            return new
+        methods = {m for step in steps for m in getattr(step, "rpc_methods", ())}
+        if methods:
+            rt.spdk().require(methods)
+        others = [r for r in state.records() if r.key != rec.key]
+        steps = [executor.observe(step, rt, others) for step in steps]
+        before, first = rec.holding, len(rec.steps)
+        rec.holding = holding_to_json(Holding.from_plan(new, active=True))
+        state.save(rec)     # held from now: a concurrent prepare sees the new disk's share
+        journal = Journal(state, rec, rt, progress)
+        try:
+            journal.extend(steps)
+            guest.attach(xml, _metadata(dom, new, add=disk), persistent)
+        except BaseException as e:
+            errors = journal.rollback(keep=lambda i, _e: i < first)
+            rec.status, rec.holding = PREPARED, before
+            state.save(rec)
+            if errors:
+                raise ActionFailed(f"domain '{dom.name}': {disk.target} was not added, and undoing "
+                                   f"its backend failed: {'; '.join(errors)}",
+                                   hint=f"fix the cause, then: vstor release {dom.name} after it stops") from e
+            raise
+        return new
+
+
+def detach(rt: Runtime, state: StateDir, dom: Domain, target: str, guest, timeout: float,
+           persistent: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
+    """Take the vstor disk `target` from the running domain `dom`; the new plan."""
+    say = progress or print
+    req, plan = plan_of(dom)
+    new = plan_detach(req, plan, target)
+    gone = plan.disk(target)
+    if persistent:
+        _check_persistent(guest, dom, plan)
+    kept = {actions.identity(s) for s in actions.build(new, rt.cfg)}
+    mine = [actions.identity(s) for s in actions.build(replace(plan, disks=(gone,)), rt.cfg)
+            if actions.identity(s) not in kept]
+    device = guest.device(gone)
+    if rt.dry_run:
+        say(f"would detach {target} from {dom.name} and wait up to {timeout:g}s for QEMU to let go")
+        for kind, name in reversed(mine):
+            say(f"would undo: {kind} {name}")
+        return new
+    with state.lock():
+        _running_record(state, dom)     # refused before the guest loses the disk
+    if device is not None:
+        say(f"asking the guest to let go of {target}")
+        guest.detach(device, timeout, persistent)
+    elif persistent:
+        guest.detach_config(gone)
+    with state.lock():
+        rec = _running_record(state, dom)
+        for entry in rec.steps:
+            step = actions.from_json(entry)
+            if actions.identity(step) in mine and not rt.force:
+                why = executor.in_use(step, rt)
+                if why:
+                    raise DoesNotFit(f"domain '{dom.name}': {target} is gone from the guest but {why}",
+                                     hint=f"retry vstor detach {dom.name} {target} in a moment")
+        errors = Journal(state, rec, rt, progress).rollback(
+            keep=lambda _i, e: actions.identity(actions.from_json(e)) not in mine)
+        if errors:
+            raise ActionFailed(f"domain '{dom.name}': {target} left the guest, but undoing its "
+                               f"backend failed: {'; '.join(errors)}",
+                               hint=f"fix the cause, then: vstor detach {dom.name} {target}")
+        rec.status = PREPARED
+        rec.holding = holding_to_json(Holding.from_plan(new, active=True))
+        state.save(rec)
+        guest.set_metadata(_metadata(dom, new, remove=target), persistent)
+        return new
+
+
+def _running_record(state: StateDir, dom: Domain):
+    rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
+    if rec is None or rec.status != PREPARED:
+        now = "nothing" if rec is None else f"a record that is {rec.status}"
+        raise DoesNotFit(f"domain '{dom.name}' is not running on what vstor prepared "
+                         f"(vstor holds {now} for it)",
+                         hint="hot-plug is for running domains: start it, or edit its metadata "
+                              "and vstor apply while it is stopped")
+    return rec
+
+
+def _check_persistent(guest, dom: Domain, plan: Plan) -> None:
+    saved = guest.persistent_plan()
+    if saved != plan:
+        raise BadInput(f"domain '{dom.name}': --persistent needs the persistent definition to "
+                       "carry the plan it runs with, and it does not (re-planned since it started)",
+                       hint="leave out --persistent, or restart the domain first")
+
+
+def _metadata(dom: Domain, plan: Plan, add: DiskIntent | None = None,
+              remove: str | None = None) -> str:
+    root = Domain.parse(dom.to_string(), dom.origin).root
+    if add is not None:
+        metadata.add_disk(root, add)
+    if remove is not None:
+        metadata.remove_disk(root, remove)
+    metadata.store(root, plan)
+    return metadata.element_text(root)
