@@ -189,7 +189,7 @@ def _export(state, dom: Domain, rt, steps) -> list[str]:
     this call added (a re-run finds the earlier ones and adds nothing)."""
     from vstor.runtime.journal import Journal
     from vstor.runtime.lifecycle import own_record
-    with state.lock():
+    with state.record_lock(dom.safe_name), state.lock():
         rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
         if rec is None or rec.status != "prepared":
             raise DoesNotFit(f"domain '{dom.name}' does not run here on backends vstor made "
@@ -223,7 +223,7 @@ def _unexport(state, key: str, rt, nqns: list[str]) -> None:
     from vstor.runtime.journal import Journal
     if not nqns:
         return
-    with state.lock():
+    with state.record_lock(key), state.lock():
         rec = state.load(key)
         if rec is None:
             return
@@ -238,15 +238,17 @@ def _unexport(state, key: str, rt, nqns: list[str]) -> None:
 def forget(state, dom_name: str) -> None:
     """The migration is over (finished or aborted): the source's record, if
     the domain still has one here, no longer names it."""
-    with state.lock():
-        for rec in state.records():
-            if rec.domain == dom_name and rec.migration:
-                rec.migration = {}
-                state.save(rec)
+    for found in state.records():
+        if found.domain == dom_name and found.migration:
+            with state.record_lock(found.key):
+                rec = state.load(found.key)
+                if rec is not None and rec.domain == dom_name and rec.migration:
+                    rec.migration = {}
+                    state.save(rec)
 
 
 def _remember(state, dom: Domain, migration: dict) -> None:
-    with state.lock():
+    with state.record_lock(dom.safe_name):
         rec = state.load(dom.safe_name)
         if rec is not None and rec.domain == dom.name:
             rec.migration = migration

@@ -40,6 +40,10 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
         if why:
             say(f"Leaving the NVMe-oF export of {rec.domain}: {why}")
             stale.remove(rec)
+    for rec in list(stale):
+        if state.busy(rec.key):
+            say(f"Leaving {rec.domain}: a vstor run for it is under way")
+            stale.remove(rec)
     for rec in stale:
         with guard(rec) if guard else nullcontext() as why:
             if why:

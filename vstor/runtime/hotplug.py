@@ -41,7 +41,7 @@ def attach(rt: Runtime, state: StateDir, host: Host, dom: Domain, disk: DiskInte
     req, plan = plan_of(dom)
     if persistent:
         _check_persistent(guest, dom, plan)
-    with state.lock(dry_run=rt.dry_run):
+    with state.record_lock(dom.safe_name, dry_run=rt.dry_run), state.lock(dry_run=rt.dry_run):
         rec = _running_record(state, dom)
         new = plan_attach(host, rt.cfg, req, plan, disk, running_ledger(state.records()))
         added = new.disk(disk.target)
@@ -101,33 +101,39 @@ def detach(rt: Runtime, state: StateDir, dom: Domain, target: str, guest, timeou
         for kind, name in reversed(mine):
             say(f"would undo: {kind} {name}")
         return new
-    with state.lock():
+    with state.record_lock(dom.safe_name):
         _running_record(state, dom)     # refused before the guest loses the disk
-    if device is not None:
-        say(f"asking the guest to let go of {target}")
-        guest.detach(device, timeout, persistent)
-    elif persistent:
-        guest.detach_config(gone)
-    with state.lock():
-        rec = _running_record(state, dom)
-        for entry in rec.steps:
-            step = actions.from_json(entry)
-            if actions.identity(step) in mine and not rt.force:
-                why = executor.in_use(step, rt)
-                if why:
-                    raise DoesNotFit(f"domain '{dom.name}': {target} is gone from the guest but {why}",
-                                     hint=f"retry vstor detach {dom.name} {target} in a moment")
-        errors = Journal(state, rec, rt, progress).rollback(
-            keep=lambda _i, e: actions.identity(actions.from_json(e)) not in mine)
-        if errors:
-            raise ActionFailed(f"domain '{dom.name}': {target} left the guest, but undoing its "
-                               f"backend failed: {'; '.join(errors)}",
-                               hint=f"fix the cause, then: vstor detach {dom.name} {target}")
-        rec.status = PREPARED
-        rec.holding = holding_to_json(Holding.from_plan(new, active=True))
-        state.save(rec)
+        if device is not None:
+            say(f"asking the guest to let go of {target}")
+            guest.detach(device, timeout, persistent)
+        elif persistent:
+            guest.detach_config(gone)
+        with state.lock():
+            _release_disk(rt, state, dom, target, mine, progress)
+            rec = _running_record(state, dom)
+            rec.holding = holding_to_json(Holding.from_plan(new, active=True))
+            state.save(rec)
         guest.set_metadata(_metadata(dom, new, remove=target), persistent)
         return new
+
+
+def _release_disk(rt: Runtime, state: StateDir, dom: Domain, target: str, mine, progress) -> None:
+    """Undo the recorded steps that only the disk stood on (`mine`, by identity)."""
+    rec = _running_record(state, dom)
+    steps = [actions.from_json(entry) for entry in rec.steps]
+    for step in steps:
+        why = executor.in_use(step, rt) if actions.identity(step) in mine and not rt.force else None
+        if why:
+            raise DoesNotFit(f"domain '{dom.name}': {target} is gone from the guest but {why}",
+                             hint=f"retry vstor detach {dom.name} {target} in a moment")
+    errors = Journal(state, rec, rt, progress).rollback(
+        keep=lambda i, _entry: actions.identity(steps[i]) not in mine)
+    rec.status = PREPARED
+    state.save(rec)
+    if errors:
+        raise ActionFailed(f"domain '{dom.name}': {target} left the guest, but undoing its "
+                           f"backend failed: {'; '.join(errors)}",
+                           hint=f"fix the cause, then: vstor detach {dom.name} {target}")
 
 
 def _running_record(state: StateDir, dom: Domain):

@@ -48,7 +48,7 @@ def reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: 
     from vstor.runtime.state import Record
     arriving = plan_here(host, rt, dom, ledger, cold=True)
     plan = arriving.recorded_plan()
-    with state.lock():
+    with state.record_lock(dom.safe_name), state.lock():
         existing = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
         if existing is not None and (existing.status != INCOMING or existing.steps):
             raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
@@ -112,7 +112,7 @@ def arriving_xml(state: StateDir, dom: Domain) -> str:
     arriving = _placed(dom, planned, rec.migration.get("cold") == "yes").to_string()
     # Read first: a refusal takes no lock and creates nothing; then, under
     # the lock, only a domain let in here takes the held backends over.
-    with state.lock():
+    with state.record_lock(dom.safe_name), state.lock():
         rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
         if rec is not None and rec.status == INCOMING:
             rec.migration = {**rec.migration, "arriving": "yes"}

@@ -5,10 +5,17 @@ domain's state record (state 'doing') before doing it and marks it 'done'
 after; on a failure it undoes, in reverse, everything the record holds.  Undo
 must therefore cope with a step that was only half done.  What a step does is
 the executor's (vstor.runtime.steps, or a test's own).
+
+Consecutive steps of a kind the executor lists in PARALLEL (one
+qemu-storage-daemon per disk: independent of each other) form a group: all
+written 'doing' at once, done side by side, each marked as it ends; undone
+side by side too.  A failure in a group is a failure of the run, after the
+group's other steps ended.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from vstor.errors import ActionFailed, VstorError
@@ -65,24 +72,56 @@ class Journal:
                 self.state.save(self.rec)
 
     def _run(self, steps: list, first: int = 0, final: str = PREPARED) -> None:
-        for step in steps:
-            self.rec.steps.append(self.x.encode(step, DOING))
+        for group in self._groups(steps):
+            at = len(self.rec.steps)
+            self.rec.steps += [self.x.encode(step, DOING) for step in group]
             self.state.save(self.rec)
-            self.progress(step.describe())
-            try:
-                self.x.do(step, self.rt)
-            except Exception as e:
-                failure = _one_line(e)
+            for step in group:
+                self.progress(step.describe())
+            failed = None
+            for i, (step, error) in enumerate(zip(group, self._all(self.x.do, group))):
+                if error is None:
+                    self.rec.steps[at + i] = self.x.encode(step, DONE)
+                elif failed is None:
+                    failed = step, error
+            if failed is not None:
+                step, e = failed
                 errors = self.rollback(keep=lambda i, _entry: i < first)
                 more = f"; undo also failed: {'; '.join(errors)}" if errors else "; everything done before it was undone"
-                err = ActionFailed(f"{self.rec.domain}: {step.describe()} failed: {failure}{more}")
+                err = ActionFailed(f"{self.rec.domain}: {step.describe()} failed: {_one_line(e)}{more}")
                 if isinstance(e, VstorError):
                     err.exit_code = e.exit_code     # a missing SPDK stays "unavailable"
                 raise err from None
-            self.rec.steps[-1] = self.x.encode(step, DONE)
             self.state.save(self.rec)
         self.rec.status = final
         self.state.save(self.rec)
+
+    def _parallel(self, step) -> bool:
+        return step.kind in getattr(self.x, "PARALLEL", ())
+
+    def _groups(self, steps: list) -> list[list]:
+        out: list[list] = []
+        for step in steps:
+            if out and self._parallel(step) and self._parallel(out[-1][-1]):
+                out[-1].append(step)
+            else:
+                out.append([step])
+        return out
+
+    def _all(self, fn, group: list, *args) -> list[BaseException | None]:
+        """fn(step, rt, *args) for each step of the group, side by side when
+        there are several; the exception of each (None when it went well).
+        An interrupt (KeyboardInterrupt) is raised, not returned."""
+        def one(step):
+            try:
+                fn(step, self.rt, *args)
+                return None
+            except Exception as e:      # noqa: BLE001 (reported per step)
+                return e
+        if len(group) == 1:
+            return [one(group[0])]
+        with ThreadPoolExecutor(max_workers=len(group), thread_name_prefix="vstor-step") as pool:
+            return list(pool.map(one, group))
 
     def rollback(self, keep=None) -> list[str]:
         """Undo every recorded step (but those `keep(index, entry)` names),
@@ -103,23 +142,46 @@ class Journal:
                 kept.insert(0, entry)
                 self.rec.steps = pending + kept
                 continue
-            what = entry.get("kind", "step")
-            try:
-                step = self.x.decode(entry)
-                what = step.describe()
-                self.progress(f"undo: {what}")
-                self.x.undo(step, self.rt, others)
-            except Exception as e:
-                errors.append(f"{what}: {_one_line(e)}")
-                kept = pending + [entry] + kept
+            # This entry and the ones before it of a parallel kind, not kept: undone side by side.
+            group = [entry]
+            while (pending and entry.get("kind") in getattr(self.x, "PARALLEL", ())
+                   and pending[-1].get("kind") == entry.get("kind")
+                   and not (keep is not None and keep(len(pending) - 1, pending[-1]))):
+                group.append(pending.pop())
+            failed = []
+            for item, (what, error) in zip(group, self._undo_all(group, others)):
+                if error is not None:
+                    errors.append(f"{what}: {_one_line(error)}")
+                    failed.insert(0, item)
+            if failed:
+                kept = pending + failed + kept
                 pending = []
-            # Saved after every undo: a crash here leaves an exact record.
+            # Saved after every undo (group): a crash here leaves an exact record.
             self.rec.steps = pending + kept
             if self.rec.steps:
                 self.state.save(self.rec)
         if not self.rec.steps:
             self.state.remove(self.rec.key)
         return errors
+
+
+    def _undo_all(self, group: list[dict], others) -> list[tuple[str, BaseException | None]]:
+        """Undo each entry (side by side when several): (what, error) each."""
+        steps, out = [], []
+        for entry in group:
+            try:
+                step = self.x.decode(entry)
+            except Exception as e:      # noqa: BLE001 (an unreadable step stays recorded)
+                steps.append(None)
+                out.append((entry.get("kind", "step"), e))
+                continue
+            steps.append(step)
+            out.append((step.describe(), None))
+            self.progress(f"undo: {step.describe()}")
+        todo = [s for s in steps if s is not None]
+        results = iter(self._all(self.x.undo, todo, others))
+        return [(what, error if step is None else next(results))
+                for (what, error), step in zip(out, steps)]
 
 
 def _one_line(e: BaseException) -> str:

@@ -1,12 +1,17 @@
 """A domain's host side over its life: prepare before QEMU starts, release
 after it stops, reconnect when libvirtd restarts, gc for what nobody runs.
 
-Everything happens under the state directory's lock, so two domains being
-prepared at once never get the same core, socket or controller.
+Each run holds the domain's record lock throughout, and the host lock while
+it decides (the ledger read, the fit checked, the record written), so two
+domains being prepared at once never get the same core, socket or
+controller.  A run whose steps touch only the domain's own things (its
+qemu-storage-daemons, its SPDK vhost controllers) lets the host lock go
+before it starts them: other domains are planned meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from vstor.config import Config
@@ -91,7 +96,8 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
     key = req.safe_name
     rec = Record(key=key, domain=req.name, uuid=req.uuid, migration=dict(incoming or {}),
                  holding=holding_to_json(Holding.from_plan(plan, active=True)))
-    with state.lock(dry_run=rt.dry_run):
+    with state.record_lock(key, dry_run=rt.dry_run), contextlib.ExitStack() as host_lock:
+        host_lock.enter_context(state.lock(dry_run=rt.dry_run))
         leftover = own_record(state.load(key), req.name, req.uuid)
         if leftover is not None and leftover.status == INCOMING and not incoming:
             if leftover.migration.get("cold") != "yes":
@@ -129,8 +135,15 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             rt.spdk().require(methods)
         steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
+        if _private(step.kind for step in steps):
+            host_lock.close()       # decided and recorded; the daemons start under the record lock
         Journal(state, rec, rt, progress).run(steps, final=INCOMING if incoming else PREPARED)
         return rec
+
+
+def _private(kinds) -> bool:
+    """Steps of these kinds change only the domain's own things (executor.PRIVATE)."""
+    return all(kind in executor.PRIVATE for kind in kinds)
 
 
 def _claim(rec: Record, plan: Plan) -> None:
@@ -186,7 +199,8 @@ def release(rt: Runtime, state: StateDir, key: str,
     on the other host, reading its disk through it) stays, with what it
     stands on, in a record marked exporting, unless `drop_exports` (gc found
     the other host done with it) or `rt.force`."""
-    with state.lock(dry_run=rt.dry_run):
+    with state.record_lock(key, dry_run=rt.dry_run), contextlib.ExitStack() as host_lock:
+        host_lock.enter_context(state.lock(dry_run=rt.dry_run))
         rec = own_record(state.load(key), domain, uuid)
         if rec is None:
             return None
@@ -206,6 +220,8 @@ def release(rt: Runtime, state: StateDir, key: str,
                     (progress or print)(f"would undo: {_describe(entry)}")
             return rec
         _check_releasable(rt, rec)
+        if _private(entry.get("kind") for entry in rec.steps):
+            host_lock.close()
         _rollback(rt, state, rec, progress, keep)
         if keep is not None and rec.steps:
             # What the export stands on is all it holds now: no cores,
@@ -274,7 +290,7 @@ def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
     """libvirtd restarted while the domain runs: check what vstor made still
     exists and repair what can be repaired.  Returns one line per finding."""
     findings = []
-    with state.lock():
+    with state.record_lock(key), state.lock():
         rec = own_record(state.load(key), domain, uuid)
         if rec is None:
             return ["vstor holds nothing for it"]

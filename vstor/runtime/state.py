@@ -1,8 +1,17 @@
 """The state directory: one JSON record per domain of everything vstor did for
-it, written atomically before each change, and one lock that serialises
-every process that allocates or frees host resources.
+it, written atomically before each change, and two kinds of lock:
 
-    <state_dir>/lock              flock(2) target
+- the host lock serialises every process that decides what a domain holds
+  (the ledger is read and a record written under it), and every change to
+  state two domains share (a controller's binding, an SPDK NVMe controller,
+  an NVMe-oF export);
+- a record lock per domain serialises everything that reads and writes that
+  domain's record: a domain's own daemons start and stop under it alone, so
+  other domains are planned meanwhile.  Order: a record lock first, then the
+  host lock, never the other way round.
+
+    <state_dir>/lock              the host lock (flock(2) of the file), and
+                                  the record locks (a byte of it per domain)
     <state_dir>/domains/<key>.json
 """
 
@@ -16,7 +25,7 @@ from dataclasses import dataclass, field
 
 from vstor.errors import BadInput, Unavailable
 from vstor.meta.names import is_safe_name
-from vstor.locking import flocked
+from vstor.locking import flocked, range_locked, try_range
 
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
@@ -77,26 +86,54 @@ class StateDir:
     def lock(self, timeout: float = 60.0, dry_run: bool = False):
         """Exclusive host-wide lock: two vstor processes never allocate at once.
         A dry run creates nothing: without a state directory there is nothing
-        to lock against."""
-        if dry_run and not os.path.isdir(self.path):
+        to lock against.  Re-entrant within a process."""
+        path = os.path.join(self.path, "lock")
+        if (dry_run and not os.path.isdir(self.path)) or _HELD.get(path):
             yield self
             return
         self._ensure()
-        with flocked(os.path.join(self.path, "lock"), f"{self.path}/lock", timeout, create=True):
+        with flocked(path, f"{self.path}/lock", timeout, create=True), _holding(path):
             if not dry_run:
                 self._drop_temporaries()
             yield self
 
+    @contextlib.contextmanager
+    def record_lock(self, key: str, timeout: float = 120.0, dry_run: bool = False):
+        """One domain's record, exclusively (see the module's docstring).
+        Re-entrant within a process."""
+        held = f"{self._file(key)}#lock"
+        if (dry_run and not os.path.isdir(self.path)) or _HELD.get(held):
+            yield self
+            return
+        self._ensure()
+        with range_locked(os.path.join(self.path, "lock"), key,
+                          f"the state record of '{key}' (a vstor run for it is under way):",
+                          timeout), _holding(held):
+            yield self
+
+    def busy(self, key: str) -> bool:
+        """A run holds the domain's record lock right now (in another process)."""
+        if _HELD.get(f"{self._file(key)}#lock"):
+            return False
+        try:
+            fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR)
+        except FileNotFoundError:
+            return False
+        try:
+            return not try_range(fd, key)
+        finally:
+            os.close(fd)        # and with it the byte, if it was taken
+
     def _drop_temporaries(self) -> None:
-        """Every save happens under the lock, so a temporary file found by
-        the lock's holder is what a killed writer left: its record (the
-        file it was to replace) is still whole.  Only names save() makes."""
+        """A record is saved under its record lock, so a temporary file
+        whose record nobody holds is what a killed writer left: its record
+        (the file it was to replace) is still whole.  Only names save() makes."""
         try:
             names = os.listdir(self.domains)
         except FileNotFoundError:
             return
         for name in names:
-            if name.endswith(".json.tmp") and is_safe_name(name[:-9]):
+            if name.endswith(".json.tmp") and is_safe_name(name[:-9]) and not self.busy(name[:-9]):
                 with contextlib.suppress(OSError):      # a directory there is not save()'s
                     os.unlink(os.path.join(self.domains, name))
 
@@ -163,6 +200,20 @@ class StateDir:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._file(key))
         _fsync_dir(self.domains)
+
+
+_HELD: dict[str, int] = {}      # lock paths this process holds (re-entrancy)
+
+
+@contextlib.contextmanager
+def _holding(path: str):
+    _HELD[path] = _HELD.get(path, 0) + 1
+    try:
+        yield
+    finally:
+        _HELD[path] -= 1
+        if not _HELD[path]:
+            del _HELD[path]
 
 
 def _fsync_dir(path: str) -> None:

@@ -20,6 +20,14 @@ from vstor.runtime.actions import NvmfExport, QsdExport, SpdkAttach, SpdkVhost, 
 
 encode = actions.to_json
 decode = actions.from_json
+# Kinds whose consecutive steps the journal does (and undoes) side by side:
+# one qemu-storage-daemon per disk, each under a lock of its own name.
+PARALLEL = frozenset({QsdExport.kind})
+# Kinds that change only the domain's own things (names derived from its
+# own, on resources the plan already placed): done without the host lock.
+# A controller's binding, an SPDK NVMe controller and an NVMe-oF export can
+# be shared between domains, so they are done under it.
+PRIVATE = frozenset({QsdExport.kind, SpdkVhost.kind})
 
 
 def preflight(a, rt) -> None:

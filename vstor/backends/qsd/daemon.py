@@ -21,10 +21,9 @@ import time
 from vstor.backends import ownership
 from vstor.backends.qsd import files, proc
 from vstor.backends.qsd.export import EXPORT_ID, QsdExport, _after, _export_opts
-from vstor.backends.qsd.monitor import Monitor, QmpConnectionError, QmpError
 from vstor.backends.qsd.proc import connect_as
 from vstor.errors import ActionFailed, DoesNotFit, Unavailable
-from vstor.locking import flocked
+from vstor.locking import range_locked
 
 __all__ = ["alive", "connect_as", "dry_run", "pid", "restart_if_dead", "start", "stop",
            "stop_orphan"]
@@ -57,6 +56,8 @@ def _is_ours(export: QsdExport, p: int) -> bool:
 
 
 def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
+    # QEMU's QMP library is asyncio: imported only when a daemon is asked.
+    from vstor.backends.qsd.monitor import Monitor, QmpConnectionError, QmpError
     # qsd now and then hangs up on a client between its greeting and the
     # capabilities reply (seen in CI: ECONNRESET in negotiation, the daemon
     # fine), so a refused connection is tried again until the deadline.
@@ -135,9 +136,8 @@ def _spawn(export: QsdExport, timeout: float) -> None:
     # not a pipe, so a daemon that kept stderr open could never hang us.
     with tempfile.TemporaryFile() as err:
         try:
-            done = subprocess.Popen(scope(export.name) + export.argv(), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=err,
-                                    preexec_fn=_pin(export.cpus))
+            done = subprocess.Popen(scope(export.name) + _pin(export.cpus) + export.argv(),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
             if not proc.exits_within(done.pid, timeout):    # its parent returns once it serves
                 done.kill()
                 done.wait()
@@ -146,20 +146,19 @@ def _spawn(export: QsdExport, timeout: float) -> None:
             done.wait()
         except OSError as e:
             raise Unavailable(f"cannot run {export.binary}: {e.strerror}") from None
-        except subprocess.SubprocessError as e:       # the CPUs could not be set (offline?)
-            raise ActionFailed(f"qemu-storage-daemon {export.name} could not be pinned to CPUs "
-                               f"{','.join(map(str, export.cpus))}: {e}") from None
         if done.returncode != 0:
             err.seek(0)
             raise ActionFailed(f"qemu-storage-daemon {export.name} failed to start: "
                                f"{_last_line(err.read(), done.returncode)}")
 
 
-def _pin(cpus: tuple[int, ...]):
-    """In the child before exec: every thread the daemon starts inherits it."""
+def _pin(cpus: tuple[int, ...]) -> list[str]:
+    """taskset's exec, pinned before qsd runs: every thread the daemon starts
+    inherits it (a preexec_fn would not be safe with daemons started from
+    several threads)."""
     if not cpus:
-        return None
-    return lambda: os.sched_setaffinity(0, cpus)
+        return []
+    return [shutil.which("taskset") or "/usr/bin/taskset", "--cpu-list", ",".join(map(str, cpus))]
 
 
 def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:
@@ -195,9 +194,8 @@ def _settle(export: QsdExport, timeout: float) -> int:
         raise ActionFailed(f"{export.qemu_user} cannot connect to {export.socket_path}: {why}",
                            hint=f"every directory above it must be searchable by group "
                                 f"{export.qemu_group}")
-    if not _answers(export, timeout):
-        raise ActionFailed(f"qemu-storage-daemon {export.name} does not list its export "
-                           f"on {export.qmp_path}")
+    # No QMP question here: a daemonized qsd's parent exits 0 only after
+    # every --export on its command line was created.
     return found
 
 
@@ -211,8 +209,9 @@ def _resolved(export: QsdExport) -> QsdExport:
 # -- stopping --------------------------------------------------------------------------------
 
 def stop(export: QsdExport, timeout: float = 5.0) -> None:
-    """Quit the daemon (QMP quit, then SIGTERM, then SIGKILL) and remove
-    its socket, monitor and pidfile.  A daemon already gone is fine."""
+    """Quit the daemon (SIGTERM: qsd's clean exit, as QMP quit is; SIGKILL
+    after `timeout`) and remove its socket, monitor and pidfile.  A daemon
+    already gone is fine."""
     if not os.path.isdir(export.run_dir):
         _remove_files(export)
         return
@@ -248,14 +247,10 @@ def _terminate(export: QsdExport, p: int, timeout: float) -> None:
     with proc.pidfd(p) as fd:
         if fd is None or not _is_ours(export, p):
             return      # it exited (and the pid may be reused) after we looked
-        steps = [(signal.SIGTERM, 2.0), (signal.SIGKILL, 2.0)]
-        try:
-            with Monitor(export.qmp_path, min(timeout, 2.0)) as qmp:
-                qmp.execute("quit")
-            steps.insert(0, (None, timeout))
-        except (QmpConnectionError, QmpError):
-            steps.insert(0, (None, 0))    # it may have quit before answering
-        if not proc.signal_until_gone(fd, steps):
+        # SIGTERM makes qemu-storage-daemon leave its main loop and close its
+        # block nodes (flushed) exactly as QMP quit does, without a monitor
+        # session (and QEMU's asyncio QMP library) on every stop.
+        if not proc.signal_until_gone(fd, [(signal.SIGTERM, timeout), (signal.SIGKILL, 2.0)]):
             raise ActionFailed(f"qemu-storage-daemon {export.name} (pid {p}) did not exit "
                                "even after SIGKILL", hint="it is stuck in the kernel; see dmesg")
 
@@ -270,12 +265,15 @@ def _remove_files(export: QsdExport) -> None:
 # -- the host around it ----------------------------------------------------------------------
 
 def _lock(export: QsdExport, timeout: float = 30.0):
-    """One vstor at a time starts or stops daemons in a run dir: a second
-    qsd started on a live one's files would steal its monitor socket.  The
-    lock is a root-only file: the run directory itself is readable by QEMU's
-    group, and anyone who can open a file can flock it."""
+    """One vstor at a time starts or stops the daemon of one name: a second
+    qsd started on a live one's files would steal its monitor socket.  Per
+    name (a byte of the run dir's lock file each), so one domain's daemons
+    start and stop side by side.  The lock file is root's alone: the run
+    directory itself is readable by QEMU's group, and anyone who can open a
+    file can lock it."""
     path = os.path.join(export.run_dir, ".lock")
-    return flocked(path, f"{path} (qemu-storage-daemon start/stop)", timeout, create=True)
+    return range_locked(path, export.name, f"{path} (qemu-storage-daemon {export.name} "
+                                           "start/stop)", timeout)
 
 
 def _check_binary(export: QsdExport) -> None:
