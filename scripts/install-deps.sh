@@ -40,3 +40,22 @@ if ! .nova-venv/bin/python3 -c "import nova, sys; sys.exit(0 if __import__('impo
     .nova-venv/bin/python3 -m pip install -q --disable-pip-version-check "nova==$NOVA_VERSION"
 fi
 .nova-venv/bin/python3 -m pip install -q --disable-pip-version-check --no-deps -e .
+
+# avocado-vt runs vstor's lab acceptance tests (tests/avocado, an avocado-vt
+# test provider); CI runs its no-hardware cases through the real `avocado
+# run` (tests/e2e/test_avocado.py). Its offline bootstrap checks for nc besides
+# tcpdump and arping. tests/avocado/install.py registers the provider in
+# avocado-vt's test-providers.d and bootstraps only when that is not done yet.
+AVOCADO_VERSION=113.0
+dpkg-query -W -f='${Status}' netcat-openbsd 2>/dev/null | grep -q "ok installed" || {
+    echo "vstor: installing Debian package netcat-openbsd (avocado-vt's bootstrap needs nc)"
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends netcat-openbsd
+}
+if ! $PY -c "import sys; from importlib.metadata import version as v
+sys.exit(0 if v('avocado-framework') == v('avocado-framework-plugin-vt') == '$AVOCADO_VERSION' else 1)" 2>/dev/null; then
+    echo "vstor: installing avocado-framework and avocado-framework-plugin-vt $AVOCADO_VERSION ($PY)"
+    $PY -m pip install -q --disable-pip-version-check \
+        "avocado-framework==$AVOCADO_VERSION" "avocado-framework-plugin-vt==$AVOCADO_VERSION"
+fi
+$PY tests/avocado/install.py

@@ -62,15 +62,20 @@ def disk(text: str, tmp_path):
 
 
 def live(dom: Domain, guest: GuestDouble) -> Domain:
-    """The domain as libvirt would show it after the guest double's last metadata."""
-    elements = [c[2] for c in guest.calls if c[0] == "attach"] + \
-               [c[1] for c in guest.calls if c[0] == "set_metadata"]
+    """The domain as libvirt would show it after the guest double's last
+    metadata: libvirt puts the element (sent without a namespace, as its
+    setMetadata wants it) into vstor's namespace."""
+    elements = [c[2] if c[0] == "attach" else c[1] for c in guest.calls
+                if c[0] in ("attach", "set_metadata")]
     if not elements:
         return dom
+    from lxml import etree
+    sent = etree.fromstring(elements[-1])
+    assert all(etree.QName(e).namespace is None for e in sent.iter(etree.Element))
+    for e in sent.iter(etree.Element):
+        e.tag = f"{{{NS}}}{e.tag}"
     root = Domain.parse(dom.to_string()).root
-    meta = root.find("metadata")
-    meta.replace(metadata.find(root), Domain.parse(f"<domain><metadata>{elements[-1]}</metadata></domain>")
-                 .root.find("metadata")[0])
+    root.find("metadata").replace(metadata.find(root), sent)
     return Domain(root)
 
 

@@ -4,7 +4,7 @@ Debian packages and cached ($VSTOR_TEST_CACHE, default /var/cache/vstor-tests).
 The guest reads its job from the kernel command line, so one initramfs serves
 every test (see `job()`):
 
-    vstor.job=write-verify|verify|read  vstor.dev=vda[,vdb]  vstor.seed=0..2**31-1
+    vstor.job=write-verify|verify|read|script  vstor.dev=vda[,vdb]  vstor.seed=0..2**31-1
     vstor.size=BYTES  vstor.timeout=SECONDS  vstor.hold=SECONDS
 
 It waits for each /dev/<dev> to be a block device, holds for `hold` seconds
@@ -22,6 +22,9 @@ checksum of the first `size` bytes.  Markers on the serial console, one per line
     VSTOR-GUEST: DONE uptime=S        or    VSTOR-GUEST: FAIL reason
 
 then it powers off.
+
+vstor.job=script (see script_job()) runs the sh script the host put on the
+disk and reports what it printed (`OUT line`, then `SCRIPT rc=N`).
 
 vstor.job=loop (see loop_job()) writes records without pause until the host
 tells it to stop through the disk itself (stop_loop()), e.g. across a live
@@ -55,6 +58,9 @@ MODULES = (
     "virtio_pci", "virtio_blk",
     "crct10dif_common", "crct10dif_generic", "crc-t10dif", "crc64",
     "crc64_rocksoft_generic", "crc64-rocksoft", "t10-pi", "nvme-core", "nvme",
+    # vfio-pci for the guest-kit test (Debian's 6.1: no iommufd; vfio_virqfd
+    # is still a module of its own).
+    "irqbypass", "vfio", "vfio_virqfd", "vfio_iommu_type1", "vfio-pci-core", "vfio-pci",
 )
 RECORD = 32         # bytes per pattern record, see expected_pattern()
 MARKER = "VSTOR-GUEST: "
@@ -88,7 +94,7 @@ for m in @MODULES@; do
     insmod /lib/modules/$m.ko 2>/tmp/err || fail "insmod $m: $(cat /tmp/err)"
 done
 
-job= seed=0 size=1048576 devs=vda timeout=60 hold=0 unplug=
+job= seed=0 size=1048576 devs=vda timeout=60 hold=0 unplug= linger=0
 for arg in $(cat /proc/cmdline); do
     case $arg in
     vstor.job=*) job=${arg#*=} ;;
@@ -98,9 +104,10 @@ for arg in $(cat /proc/cmdline); do
     vstor.timeout=*) timeout=${arg#*=} ;;
     vstor.hold=*) hold=${arg#*=} ;;
     vstor.unplug=*) unplug=${arg#*=} ;;
+    vstor.linger=*) linger=${arg#*=} ;;
     esac
 done
-case $job in write-verify|verify|read|loop) ;; *) fail "unknown job '$job'" ;; esac
+case $job in write-verify|verify|read|loop|script) ;; *) fail "unknown job '$job'" ;; esac
 
 # A missing /dev/vda would silently become a plain file on devtmpfs: wait for
 # a real block device.
@@ -155,6 +162,21 @@ loop() {
 }
 [ $job = loop ] && loop
 
+# script: run the sh script the host wrote on the first disk (padded with
+# newlines to whole sectors); each line it prints becomes an OUT marker.
+script() {
+    dev=${devs%% *}
+    cat /dev/$dev > /tmp/job.sh 2>/tmp/err || fail "script: read /dev/$dev: $(cat /tmp/err)"
+    sh /tmp/job.sh > /tmp/out 2>&1
+    rc=$?
+    while IFS= read -r line; do say "OUT $line"; done < /tmp/out
+    say "SCRIPT rc=$rc"
+    say "DONE uptime=$(uptime_s)"
+    poweroff -f
+    sleep 60
+}
+[ $job = script ] && script
+
 pattern() {
     awk -v seed=$seed -v n=$(( (size + @RECORD@ - 1) / @RECORD@ )) '@PATTERN@' | head -c $size
 }
@@ -182,6 +204,8 @@ if [ -n "$unplug" ]; then
         usleep 100000; n=$((n + 1))
     done
     say "GONE dev=$unplug"
+    # The host still has to release the disk's backend and record it.
+    [ "$linger" -gt 0 ] && sleep $linger
 fi
 say "DONE uptime=$(uptime_s)"
 poweroff -f
@@ -220,7 +244,7 @@ def job(kind: str, dev: str = "vda", seed: int = 1234, size: int = 1 << 20,
         raise ValueError(f"unknown guest job {kind!r}")
     expected_pattern(seed, 0)   # validates the seed
     return (f"vstor.job={kind} vstor.dev={dev} vstor.seed={seed} vstor.size={size}"
-            f" vstor.timeout={timeout} vstor.hold={hold}" + (f" vstor.unplug={unplug}" if unplug else ""))
+            f" vstor.timeout={timeout} vstor.hold={hold}" + (f" vstor.unplug={unplug} vstor.linger=20" if unplug else ""))
 
 
 def loop_job(dev: str = "vda", seed: int = 1234, size: int = 32 << 10, timeout: int = 300) -> str:
@@ -233,6 +257,31 @@ def loop_job(dev: str = "vda", seed: int = 1234, size: int = 32 << 10, timeout: 
         raise ValueError(f"size must be a positive multiple of {LOOP_BLOCK}")
     return (f"vstor.job=loop vstor.dev={dev} vstor.seed={seed} vstor.size={size}"
             f" vstor.timeout={timeout} vstor.hold=0")
+
+
+def script_job(dev: str = "vda", timeout: int = 120) -> str:
+    """The kernel command line words for the script job: the guest runs the
+    sh script on `dev` (see script_disk()) and reports its output as
+    `OUT line` markers, then `SCRIPT rc=N` (see script_output())."""
+    return f"vstor.job=script vstor.dev={dev} vstor.size=512 vstor.timeout={timeout} vstor.hold=0"
+
+
+def script_disk(path: str | os.PathLike, text: str) -> None:
+    """A raw disk holding `text`, padded with newlines to whole sectors."""
+    data = text.encode()
+    Path(path).write_bytes(data + b"\n" * (-len(data) % 512 or 512))
+
+
+def script_output(text: str) -> tuple[list[str], int | None]:
+    """The script job's output lines and exit code (None: it did not finish)."""
+    lines, rc = [], None
+    for body in parse_console(text)["markers"]:
+        word, _, rest = body.partition(" ")
+        if word == "OUT":
+            lines.append(rest)
+        elif word == "SCRIPT" and rest.startswith("rc="):
+            rc = int(rest[3:])
+    return lines, rc
 
 
 def loop_record(seed: int, n: int) -> bytes:

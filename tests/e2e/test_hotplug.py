@@ -22,6 +22,7 @@ def with_root_ports(xml: str, n: int = 2) -> str:
     """q35 hot-plugs PCIe devices into free root ports only."""
     root = etree.fromstring(xml)
     devices = root.find("devices")
+    etree.SubElement(devices, "controller", type="pci", index="0", model="pcie-root")
     for _ in range(n):
         etree.SubElement(devices, "controller", type="pci", model="pcie-root-port")
     return etree.tostring(root, encoding="unicode")
@@ -99,7 +100,7 @@ def test_a_disk_is_hot_plugged_written_read_and_unplugged(vstor_env, libvirt_con
         assert [d.get("target") for d in tree.iter(f"{{{NS}}}disk")
                 if d.getparent().tag == f"{{{NS}}}vstor"] == ["vdb"]
 
-        wait_for_marker(console, "DONE", dom, timeout=60)
+        wait_for_marker(console, "DONE", dom, timeout=90)
         stop(dom)
         nothing_left(name)
     finally:

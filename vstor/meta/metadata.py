@@ -101,8 +101,15 @@ def remove_disk(root: etree._Element, target: str) -> None:
 
 
 def element_text(root: etree._Element) -> str:
-    """The <vstor:vstor> element alone, as libvirt's setMetadata takes it."""
-    return etree.tostring(find(root), encoding="unicode")
+    """The <vstor:vstor> element alone, as libvirt's setMetadata takes it:
+    without a namespace (libvirt puts it in the one it is given, with its
+    prefix, and refuses an element that declares its own: "failed to create
+    a new XML namespace")."""
+    e = copy.deepcopy(find(root))
+    for el in e.iter(etree.Element):
+        el.tag = etree.QName(el).localname
+    etree.cleanup_namespaces(e)
+    return etree.tostring(e, encoding="unicode")
 
 
 def digest(intent: Intent) -> str:
