@@ -400,3 +400,48 @@ def test_an_interrupted_prepare_leaves_no_record(env, monkeypatch):
         prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
     assert env.state.records() == [] and env.sysfs.driver_of(LOCAL) == "nvme"
     assert env.spdk.nvme == {}
+
+
+def _free(path: str) -> bool:
+    """Whether another open of `path` could take its flock now (this
+    process's own hold conflicts too: flock is per open file description)."""
+    import fcntl
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_daemons_start_without_the_host_lock_and_spdk_steps_under_it(env, monkeypatch):
+    """The host lock covers the decision; a domain's own qsd daemons start
+    (side by side) after it is let go, SPDK's shared controller under it."""
+    from vstor.runtime import steps
+    seen, real = [], steps.do
+    lock = os.path.join(env.cfg.state_dir, "lock")
+
+    def do(a, rt):
+        from vstor.locking import try_range
+        fd = os.open(lock, os.O_RDWR)
+        try:        # the record lock: a byte of the same file, held by this run
+            seen.append((a.kind, _free(lock), not try_range(fd, "vm1")))
+        finally:
+            os.close(fd)
+        real(a, rt)
+    monkeypatch.setattr(steps, "do", do)
+    disks = ""
+    for i, t in enumerate("bc"):
+        path = os.path.join(env.work, f"p{i}.raw")
+        with open(path, "wb") as f:
+            f.truncate(8 << 20)
+        disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
+    prepare(env.rt(), env.state, env.host(), domain(env, disks, vm="<vstor:vm cpus='shared'/>"))
+    assert seen == [("qsd-export", True, True), ("qsd-export", True, True)]
+    release(env.rt(), env.state, "vm1")
+    seen.clear()
+    prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    assert [(k, free) for k, free, _ in seen] == [("vfio-bind", False), ("spdk-attach", False),
+                                                   ("spdk-vhost", False)]
