@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import libvirt
 import pytest
 import yaml
 from lxml import etree
@@ -24,6 +23,7 @@ from tests.hostlayout.model import load_layout
 
 from .guest import domain_xml, script_disk, script_job, script_output
 from .libvirtd import read_console, wait_shutoff
+from .test_hook import cleanup as undefine
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK = Path("/run/vstor-e2e-guestkit")
@@ -163,13 +163,7 @@ def job(kits: dict[str, str]) -> str:
 
 
 def cleanup(conn, name: str = NAME) -> None:
-    try:
-        dom = conn.lookupByName(name)
-    except libvirt.libvirtError:
-        return
-    if dom.isActive():
-        dom.destroy()
-    dom.undefine()
+    undefine(conn, name)
 
 
 def test_the_kit_puts_the_controller_on_vfio_pci_inside_the_guest(work, libvirt_conn, guest_image):

@@ -102,6 +102,17 @@ def holds_pattern(path: Path, expected: bytes) -> None:
         raise TestFail(f"{path} does not hold what the guest wrote: first difference at byte {at}")
 
 
+def namespace_holds(test, lab: Lab, address: str, nsid: int, before: str, expected: bytes) -> None:
+    """After the stop: the namespace's bytes are the guest's, when the host's
+    nvme driver had the controller before (otherwise only the guest's
+    read-back was checked, and the log says so)."""
+    if before == "nvme":
+        holds_pattern(namespace_device(lab, address, nsid), expected)
+    else:
+        test.log.warning("%s was on '%s' before the test: the host cannot read the "
+                         "namespace back, only the guest's read-back was checked", address, before)
+
+
 def storage_daemon(socket_path: str) -> int:
     """The qemu-storage-daemon serving this vhost-user socket."""
     for proc in Path("/proc").iterdir():

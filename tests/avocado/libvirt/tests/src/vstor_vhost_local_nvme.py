@@ -47,11 +47,6 @@ def run(test, params, env):
         guestrun.check_guest_io(dom.wait("DONE"), "vda", seed, size)
         dom.wait_off()
         dom.wait_released()
-        if before == "nvme":
-            dev = hostdev.namespace_device(lab, address, nsid)
-            hostdev.holds_pattern(dev, tiny.expected_pattern(seed, size))
-        else:
-            test.log.warning("%s was on '%s' before the test: the host cannot read the "
-                             "namespace back, only the guest's read-back was checked", address, before)
+        hostdev.namespace_holds(test, lab, address, nsid, before, tiny.expected_pattern(seed, size))
     finally:
         dom.clean_up()
