@@ -33,6 +33,9 @@ class GuestDouble:
     def persistent_plan(self):
         return self.saved
 
+    def current(self):
+        return live(self.dom, self)
+
     def attach(self, device, element, persistent=False):
         self.calls.append(("attach", device, element, persistent))
         if self.refuse:
@@ -233,3 +236,22 @@ def test_a_disk_file_that_is_not_one_vstor_disk_is_one_line(tmp_path):
         assert "\n" not in str(e.value) and str(e.value).startswith(str(path))
     with pytest.raises(BadInput, match="cannot read"):
         load_disk(str(tmp_path / "absent.xml"))
+
+
+def test_a_second_attach_reads_the_domain_again_and_keeps_the_first(env, tmp_path):
+    paths = []
+    for name in ("a", "b", "c"):
+        paths.append(os.path.join(env.work, f"{name}.raw"))
+        with open(paths[-1], "wb") as f:
+            f.truncate(8 << 20)
+    dom = running(env, f"<vstor:disk target='vdb'><vstor:file path='{paths[0]}'/></vstor:disk>",
+                  vm="<vstor:vm cpus='shared'/>")
+    guest = GuestDouble(dom)
+    for target, path in (("vdc", paths[1]), ("vdd", paths[2])):     # `dom` as read before both
+        attach(env.rt(), env.state, env.host(), dom,
+               disk(f"<vstor:disk target='{target}'><vstor:file path='{path}'/></vstor:disk>", tmp_path),
+               guest)
+    now = live(dom, guest)
+    assert [d.target for d in now.intent().disks] == ["vdb", "vdc", "vdd"]
+    assert [d.target for d in now.recorded_plan().disks] == ["vdb", "vdc", "vdd"]
+    assert len(env.state.load("vm1").holding["sockets"]) == 3

@@ -36,12 +36,20 @@ from vstor.runtime.state import PREPARED, StateDir
 
 def attach(rt: Runtime, state: StateDir, host: Host, dom: Domain, disk: DiskIntent, guest,
            persistent: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
-    """Add `disk` to the running domain `dom` (its live XML); the new plan."""
+    """Add `disk` to the running domain `dom`; the new plan.  The domain is
+    read again from `guest` under its record lock: another attach or detach
+    may have changed its live metadata since `dom` was read."""
     say = progress or print
-    req, plan = plan_of(dom)
-    if persistent:
-        _check_persistent(guest, dom, plan)
-    with state.record_lock(dom.safe_name, dry_run=rt.dry_run), state.lock(dry_run=rt.dry_run):
+    with state.record_lock(dom.safe_name, dry_run=rt.dry_run):
+        dom = guest.current()
+        req, plan = plan_of(dom)
+        if persistent:
+            _check_persistent(guest, dom, plan)
+        return _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progress)
+
+
+def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progress) -> Plan:
+    with state.lock(dry_run=rt.dry_run):
         rec = _running_record(state, dom)
         new = plan_attach(host, rt.cfg, req, plan, disk, running_ledger(state.records()))
         added = new.disk(disk.target)
@@ -85,7 +93,13 @@ def attach(rt: Runtime, state: StateDir, host: Host, dom: Domain, disk: DiskInte
 
 def detach(rt: Runtime, state: StateDir, dom: Domain, target: str, guest, timeout: float,
            persistent: bool = False, progress: Callable[[str], None] | None = None) -> Plan:
-    """Take the vstor disk `target` from the running domain `dom`; the new plan."""
+    """Take the vstor disk `target` from the running domain `dom`; the new
+    plan.  The domain is read again under its record lock (see attach)."""
+    with state.record_lock(dom.safe_name, dry_run=rt.dry_run):
+        return _detach(rt, state, guest.current(), target, guest, timeout, persistent, progress)
+
+
+def _detach(rt, state, dom, target, guest, timeout, persistent, progress) -> Plan:
     say = progress or print
     req, plan = plan_of(dom)
     new = plan_detach(req, plan, target)
@@ -101,20 +115,19 @@ def detach(rt: Runtime, state: StateDir, dom: Domain, target: str, guest, timeou
         for kind, name in reversed(mine):
             say(f"would undo: {kind} {name}")
         return new
-    with state.record_lock(dom.safe_name):
-        _running_record(state, dom)     # refused before the guest loses the disk
-        if device is not None:
-            say(f"asking the guest to let go of {target}")
-            guest.detach(device, timeout, persistent)
-        elif persistent:
-            guest.detach_config(gone)
-        with state.lock():
-            _release_disk(rt, state, dom, target, mine, progress)
-            rec = _running_record(state, dom)
-            rec.holding = holding_to_json(Holding.from_plan(new, active=True))
-            state.save(rec)
-        guest.set_metadata(_metadata(dom, new, remove=target), persistent)
-        return new
+    _running_record(state, dom)     # refused before the guest loses the disk
+    if device is not None:
+        say(f"asking the guest to let go of {target}")
+        guest.detach(device, timeout, persistent)
+    elif persistent:
+        guest.detach_config(gone)
+    with state.lock():
+        _release_disk(rt, state, dom, target, mine, progress)
+        rec = _running_record(state, dom)
+        rec.holding = holding_to_json(Holding.from_plan(new, active=True))
+        state.save(rec)
+    guest.set_metadata(_metadata(dom, new, remove=target), persistent)
+    return new
 
 
 def _release_disk(rt: Runtime, state: StateDir, dom: Domain, target: str, mine, progress) -> None:

@@ -108,6 +108,11 @@ class LiveDomain:
     def live_xml(self) -> str:
         return self.dom.XMLDesc(0)
 
+    def current(self):
+        """The running domain as libvirt has it now (vstor's Domain)."""
+        from vstor.meta.document import Domain
+        return Domain.parse(self.live_xml(), f"domain '{self.name}'")
+
     def persistent_plan(self):
         from vstor.meta.document import Domain
         if not self.dom.isPersistent():
