@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from tests.test_lifecycle import LOCAL, domain, env, local_spdk, nvmf  # noqa: F401 (env: a fixture)
+from tests.test_lifecycle import (LOCAL, domain, env, file_disk, file_disks,  # noqa: F401 (env: a fixture)
+                                  local_spdk, nvmf)
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
 from vstor.meta import metadata
 from vstor.meta.document import Domain, load_disk
@@ -146,16 +147,10 @@ def test_a_failed_attach_leaves_the_domain_and_host_as_they_were(env, tmp_path, 
 
 
 def test_qsd_disks_are_added_and_removed_with_real_daemons(env, tmp_path):
-    paths = []
-    for name in ("a", "b"):
-        paths.append(os.path.join(env.work, f"{name}.raw"))
-        with open(paths[-1], "wb") as f:
-            f.truncate(8 << 20)
-    dom = running(env, f"<vstor:disk target='vdb'><vstor:file path='{paths[0]}'/></vstor:disk>",
-                  vm="<vstor:vm cpus='shared'/>")
+    _, paths = file_disks(env, "bc", size=8 << 20)
+    dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
     guest = GuestDouble(dom)
-    plan = attach(env.rt(), env.state, env.host(), dom,
-                  disk(f"<vstor:disk target='vdc'><vstor:file path='{paths[1]}'/></vstor:disk>", tmp_path), guest)
+    plan = attach(env.rt(), env.state, env.host(), dom, disk(file_disk(paths[1], "vdc"), tmp_path), guest)
     assert plan.disk("vdc").backend == "qsd"
     assert sorted(os.listdir(env.cfg.vhost_dir)) == ["vm1-vdb", "vm1-vdc"]
     detach(env.rt(), env.state, live(dom, guest), "vdc", guest, 5.0)
@@ -239,18 +234,11 @@ def test_a_disk_file_that_is_not_one_vstor_disk_is_one_line(tmp_path):
 
 
 def test_a_second_attach_reads_the_domain_again_and_keeps_the_first(env, tmp_path):
-    paths = []
-    for name in ("a", "b", "c"):
-        paths.append(os.path.join(env.work, f"{name}.raw"))
-        with open(paths[-1], "wb") as f:
-            f.truncate(8 << 20)
-    dom = running(env, f"<vstor:disk target='vdb'><vstor:file path='{paths[0]}'/></vstor:disk>",
-                  vm="<vstor:vm cpus='shared'/>")
+    _, paths = file_disks(env, "bcd", size=8 << 20)
+    dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
     guest = GuestDouble(dom)
     for target, path in (("vdc", paths[1]), ("vdd", paths[2])):     # `dom` as read before both
-        attach(env.rt(), env.state, env.host(), dom,
-               disk(f"<vstor:disk target='{target}'><vstor:file path='{path}'/></vstor:disk>", tmp_path),
-               guest)
+        attach(env.rt(), env.state, env.host(), dom, disk(file_disk(path, target), tmp_path), guest)
     now = live(dom, guest)
     assert [d.target for d in now.intent().disks] == ["vdb", "vdc", "vdd"]
     assert [d.target for d in now.recorded_plan().disks] == ["vdb", "vdc", "vdd"]

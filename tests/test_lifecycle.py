@@ -81,6 +81,20 @@ def nvmf(nsid=1, target="vdb"):
             "<vstor:path traddr='192.168.101.8'/><vstor:reconnect ctrlr_loss_timeout='90'/></vstor:nvmf></vstor:disk>")
 
 
+def file_disk(path: str, target: str = "vdb") -> str:
+    return f"<vstor:disk target='{target}'><vstor:file path='{path}'/></vstor:disk>"
+
+
+def file_disks(e, targets: str, prefix: str = "d", size: int = 16 << 20) -> tuple[str, list[str]]:
+    """Image files (prefix0.raw, ...) and a file disk on each, vd<t> for t in targets."""
+    paths = []
+    for i in range(len(targets)):
+        paths.append(os.path.join(e.work, f"{prefix}{i}.raw"))
+        with open(paths[-1], "wb") as f:
+            f.truncate(size)
+    return "".join(file_disk(p, f"vd{t}") for p, t in zip(paths, targets)), paths
+
+
 def nothing_left(e, addr=LOCAL):
     assert e.sysfs.driver_of(addr) == "nvme"
     assert e.spdk.vhost == {} and e.spdk.nvme == {}
@@ -334,12 +348,7 @@ def test_reconnect_repairs_a_vanished_vhost_controller(env):
 # -- qemu-storage-daemon: the embedded default ---------------------------------------------------
 
 def test_four_qsd_disks_prepare_and_release_with_real_daemons(env):
-    disks = ""
-    for i, t in enumerate("bcde"):
-        path = os.path.join(env.work, f"d{i}.raw")
-        with open(path, "wb") as f:
-            f.truncate(16 << 20)
-        disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
+    disks, _ = file_disks(env, "bcde")
     dom = domain(env, disks, vm="<vstor:vm cpus='shared'/>")
     prepare(env.rt(), env.state, env.host(), dom)
     socks = sorted(f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1-"))
@@ -423,21 +432,20 @@ def test_daemons_start_without_the_host_lock_and_spdk_steps_under_it(env, monkey
     seen, real = [], steps.do
     lock = os.path.join(env.cfg.state_dir, "lock")
 
+    import threading
+    probing = threading.Lock()      # the daemons start side by side: one probe at a time
+
     def do(a, rt):
         from vstor.locking import try_range
-        fd = os.open(lock, os.O_RDWR)
-        try:        # the record lock: a byte of the same file, held by this run
-            seen.append((a.kind, _free(lock), not try_range(fd, "vm1")))
-        finally:
-            os.close(fd)
+        with probing:
+            fd = os.open(lock, os.O_RDWR)
+            try:        # the record lock: a byte of the same file, held by this run
+                seen.append((a.kind, _free(lock), not try_range(fd, "vm1")))
+            finally:
+                os.close(fd)
         real(a, rt)
     monkeypatch.setattr(steps, "do", do)
-    disks = ""
-    for i, t in enumerate("bc"):
-        path = os.path.join(env.work, f"p{i}.raw")
-        with open(path, "wb") as f:
-            f.truncate(8 << 20)
-        disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
+    disks, _ = file_disks(env, "bc", prefix="p", size=8 << 20)
     prepare(env.rt(), env.state, env.host(), domain(env, disks, vm="<vstor:vm cpus='shared'/>"))
     assert seen == [("qsd-export", True, True), ("qsd-export", True, True)]
     release(env.rt(), env.state, "vm1")

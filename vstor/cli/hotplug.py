@@ -29,7 +29,6 @@ def register(sub) -> None:
 
 def _running(ctx, name: str):
     """The running domain's live XML (as vstor's Domain) and its LiveDomain."""
-    from vstor.meta.document import Domain
     from vstor.runtime import virt
     found = virt.lookup(ctx.conn, name)
     if not found.isActive():
@@ -37,7 +36,7 @@ def _running(ctx, name: str):
                          hint="hot-plug is for running domains: edit its vstor metadata and "
                               f"run vstor apply {name}")
     guest = virt.LiveDomain(ctx.conn, found)
-    dom = Domain.parse(guest.live_xml(), f"domain '{name}'")
+    dom = guest.current()
     if not dom.has_vstor():
         raise BadInput(f"domain '{name}' has no vstor metadata: vstor adds disks to the plan "
                        "it runs with", hint=f"give it a vstor disk and vstor apply {name} "

@@ -96,13 +96,13 @@ class Journal:
         self.rec.status = final
         self.state.save(self.rec)
 
-    def _parallel(self, step) -> bool:
-        return step.kind in getattr(self.x, "PARALLEL", ())
+    def _parallel(self, kind) -> bool:
+        return kind in getattr(self.x, "PARALLEL", ())
 
     def _groups(self, steps: list) -> list[list]:
         out: list[list] = []
         for step in steps:
-            if out and self._parallel(step) and self._parallel(out[-1][-1]):
+            if out and self._parallel(step.kind) and self._parallel(out[-1][-1].kind):
                 out[-1].append(step)
             else:
                 out.append([step])
@@ -144,8 +144,8 @@ class Journal:
                 continue
             # This entry and the ones before it of a parallel kind, not kept: undone side by side.
             group = [entry]
-            while (pending and entry.get("kind") in getattr(self.x, "PARALLEL", ())
-                   and pending[-1].get("kind") == entry.get("kind")
+            while (pending and self._parallel(entry.get("kind"))
+                   and self._parallel(pending[-1].get("kind"))
                    and not (keep is not None and keep(len(pending) - 1, pending[-1]))):
                 group.append(pending.pop())
             failed = []
@@ -163,7 +163,6 @@ class Journal:
         if not self.rec.steps:
             self.state.remove(self.rec.key)
         return errors
-
 
     def _undo_all(self, group: list[dict], others) -> list[tuple[str, BaseException | None]]:
         """Undo each entry (side by side when several): (what, error) each."""

@@ -117,9 +117,7 @@ class LiveDomain:
         from vstor.meta.document import Domain
         if not self.dom.isPersistent():
             return None
-        libvirt = _libvirt()
-        xml = self.dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
-        return Domain.parse(xml, f"domain '{self.name}' (persistent)").recorded_plan()
+        return Domain.parse(inactive_xml(self.dom), f"domain '{self.name}' (persistent)").recorded_plan()
 
     def set_metadata(self, element: str, persistent: bool = False) -> None:
         from vstor import NS, PREFIX
@@ -134,9 +132,8 @@ class LiveDomain:
     def attach(self, device: str, element: str, persistent: bool = False) -> None:
         """The metadata first (a refused device puts the old back), then the device."""
         from vstor.meta import metadata
-        from vstor.meta.document import Domain
         libvirt = _libvirt()
-        old = metadata.element_text(Domain.parse(self.live_xml()).root)
+        old = metadata.element_text(self.current().root)
         self.set_metadata(element, persistent)
         try:
             self.dom.attachDeviceFlags(device, self._flags(persistent))
@@ -207,7 +204,7 @@ class LiveDomain:
     def detach_config(self, disk) -> None:
         """The device from the persistent definition only (gone live already)."""
         libvirt = _libvirt()
-        found = _device(self.dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE), disk)
+        found = _device(inactive_xml(self.dom), disk)
         if found is None:
             return
         try:
@@ -232,10 +229,7 @@ def _event_connection(target: str):
 
         threading.Thread(target=loop, name="libvirt-events", daemon=True).start()
         _events_ready = True
-    try:
-        return libvirt.open(target)
-    except libvirt.libvirtError as e:
-        raise Unavailable(f"cannot connect to libvirt at {target}: {_msg(e)}") from None
+    return connect(target)
 
 
 def _device(xml: str, disk):
