@@ -56,7 +56,7 @@ NOVA_DOMAIN = b"""<domain type="kvm"><uuid>9f6f1a40-2a35-4a6f-8b0b-5a3c1e2d4f10<
 
 def installed_hook(where: str, config: str | None = None) -> str:
     """hooks/vstor as `vstor hooks install` writes it."""
-    from vstor.cli.runtime import render_hook
+    from vstor.cli.hooks import render_hook
     path = os.path.join(where, "vstor-hook")
     with open(path, "w") as f:
         f.write(render_hook(config))
@@ -84,16 +84,12 @@ YARDSTICK = """#!{python}
 # (daemonized, with a pidfile) at prepare and stops them at release.
 import os, signal, subprocess, sys, time
 sys.stdin.buffer.read()
-DISKS = {disks!r}
+DAEMONS = {daemons!r}     # (argv, pidfile)
 if sys.argv[2] == "prepare":
-    for i, (path, sock, pidfile) in enumerate(DISKS):
-        subprocess.run(["qemu-storage-daemon", "--blockdev",
-                        f"driver=file,node-name=f{{i}},filename={{path}},aio=threads,cache.direct=on",
-                        "--export", f"type=vhost-user-blk,id=e{{i}},node-name=f{{i}},"
-                        f"addr.type=unix,addr.path={{sock}},writable=on",
-                        "--daemonize", "--pidfile", pidfile], check=True)
+    for argv, _ in DAEMONS:
+        subprocess.run(argv, check=True)
 elif sys.argv[2] == "release":
-    pids = [int(open(p).read()) for _, _, p in DISKS]
+    pids = [int(open(p).read()) for _, p in DAEMONS]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     for pid in pids:     # gone, or a zombie its new parent has not reaped yet
@@ -108,19 +104,51 @@ elif sys.argv[2] == "release":
 """
 
 
-def through_hook(runs: int, work: str, dom, cfg_text: str) -> None:
-    """prepare begin + release end as libvirt runs them, vs the yardstick."""
+def same_daemons(work: str, dom, cfg) -> list:
+    """The four daemons exactly as vstor starts them for `dom` (its plan's
+    command lines: aio=native, the plan's pinning, a QMP monitor), on
+    sockets and pidfiles of the yardstick's own."""
+    from vstor.backends.qsd.daemon import _resolved
+    from vstor.runtime.actions import build
+    from vstor.runtime.lifecycle import plan_of
+    out = []
+    for i, step in enumerate(build(plan_of(dom)[1], cfg)):
+        spec = _resolved(step.export)
+        argv = spec.argv()
+        for mine, theirs in ((spec.socket_path, f"{work}/y{i}.sock"), (spec.qmp_path, f"{work}/y{i}.qmp"),
+                             (spec.pidfile, f"{work}/y{i}.pid")):
+            argv = [a.replace(mine, theirs) for a in argv]
+        pin = ["taskset", "--cpu-list", ",".join(map(str, spec.cpus))] if spec.cpus else []
+        out.append((pin + argv, f"{work}/y{i}.pid"))
+    return out
+
+
+def plain_daemons(work: str) -> list:
+    """The minimal daemons: aio=threads, no monitor, no pinning."""
+    return [(["qemu-storage-daemon", "--blockdev",
+              f"driver=file,node-name=f{i},filename={work}/d{i}.raw,aio=threads,cache.direct=on",
+              "--export", f"type=vhost-user-blk,id=e{i},node-name=f{i},addr.type=unix,"
+              f"addr.path={work}/p{i}.sock,writable=on",
+              "--daemonize", "--pidfile", f"{work}/p{i}.pid"], f"{work}/p{i}.pid") for i in range(4)]
+
+
+def through_hook(runs: int, work: str, dom, cfg) -> None:
+    """prepare begin + release end as libvirt runs them, vs the yardstick
+    (started on the same daemons vstor starts, and on minimal ones)."""
     conf = os.path.join(work, "vstor.conf")
     with open(conf, "w") as f:
-        f.write(cfg_text)
+        f.write(f"[paths]\nstate_dir = {cfg.state_dir}\nvhost_dir = {cfg.vhost_dir}\n"
+                f"qsd_dir = {cfg.qsd_dir}\nimages = {work}\n")
     hook = installed_hook(work, conf)
     xml = dom.to_string().encode()
-    disks = [(os.path.join(work, f"d{i}.raw"), os.path.join(work, f"y{i}.sock"),
-              os.path.join(work, f"y{i}.pid")) for i in range(4)]
-    stick = os.path.join(work, "yardstick")
-    with open(stick, "w") as f:
-        f.write(YARDSTICK.format(python=sys.executable, disks=disks))
-    os.chmod(stick, 0o755)
+    sticks = []
+    for what, daemons in (("the same daemons", same_daemons(work, dom, cfg)),
+                          ("minimal daemons (aio=threads, no monitor, not pinned)", plain_daemons(work))):
+        path = os.path.join(work, f"yardstick{len(sticks)}")
+        with open(path, "w") as f:
+            f.write(YARDSTICK.format(python=sys.executable, daemons=daemons))
+        os.chmod(path, 0o755)
+        sticks.append((what, path))
 
     def cycle(argv0: str) -> float:
         t0 = time.perf_counter()
@@ -129,13 +157,16 @@ def through_hook(runs: int, work: str, dom, cfg_text: str) -> None:
             if done.returncode:
                 raise SystemExit(f"{argv0} {op[0]}: {done.stderr.decode().strip()}")
         return time.perf_counter() - t0
-    ours, theirs = [], []
+    ours, theirs = [], [[] for _ in sticks]
     for _ in range(runs):
         ours.append(cycle(hook))
-        theirs.append(cycle(stick))
-    a, b = statistics.median(ours), statistics.median(theirs)
-    print(f"hook prepare begin + release end, 4 qsd disks: {a * 1000:.0f} ms vs yardstick "
-          f"{b * 1000:.0f} ms: ratio {a / b:.2f} (median of {runs})")
+        for i, (_, path) in enumerate(sticks):
+            theirs[i].append(cycle(path))
+    a = statistics.median(ours)
+    for (what, _), samples in zip(sticks, theirs):
+        b = statistics.median(samples)
+        print(f"hook prepare begin + release end, 4 qsd disks: {a * 1000:.0f} ms vs yardstick on "
+              f"{what} {b * 1000:.0f} ms: ratio {a / b:.2f} (median of {runs})")
 
 
 def prepare_release(runs: int) -> None:
@@ -166,8 +197,7 @@ def prepare_release(runs: int) -> None:
     dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))
     state = StateDir(cfg.state_dir)
     rt = Runtime(cfg, SysFS("/"))
-    through_hook(runs, work, dom, f"[paths]\nstate_dir = {work}/state\nvhost_dir = {work}/vhost\n"
-                                  f"qsd_dir = {work}/qsd\nimages = {work}\n")
+    through_hook(runs, work, dom, cfg)
     prep, rel = [], []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -185,7 +215,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     args = ap.parse_args()
     pass_through(args.runs)
-    prepare_release(max(3, args.runs // 4))
+    prepare_release(max(3, args.runs // 2))
 
 
 if __name__ == "__main__":

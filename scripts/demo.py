@@ -81,7 +81,7 @@ def main() -> int:
     say("building the tiny test guest (Debian kernel + busybox; cached)")
     guest = build_guest()
     say("starting virtlogd/libvirtd if needed, with vstor's hook")
-    from vstor.cli.runtime import render_hook
+    from vstor.cli.hooks import render_hook
     libvirt.registerErrorHandler(lambda *_: None, None)   # errors are handled here
     daemons = Daemons().start()
     conn = None

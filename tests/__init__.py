@@ -10,7 +10,7 @@ def installed_hook() -> str:
     import tempfile
     global _HOOK
     if _HOOK is None:
-        from vstor.cli.runtime import render_hook
+        from vstor.cli.hooks import render_hook
         where = tempfile.mkdtemp(prefix="vstor-hook-")
         atexit.register(shutil.rmtree, where, True)
         path = f"{where}/vstor"

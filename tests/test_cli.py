@@ -180,7 +180,7 @@ def test_doctor_says_whether_the_libvirt_hook_is_installed_current_and_read(host
     assert hook["detail"].startswith(f"no vstor hook at {root}/etc/libvirt/hooks/qemu.d/vstor")
     assert hook["fix"].startswith("vstor hooks install, then restart libvirtd")
 
-    from vstor.cli.runtime import render_hook
+    from vstor.cli.hooks import render_hook
     path, now = tmp_path / "vstor", render_hook(None)
     daemon = [(4242, "libvirtd", os.stat(tmp_path).st_mtime - 100)]   # started before the install
     check = doctor.check_hook(str(path), now, daemon)

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import yaml
@@ -25,6 +24,7 @@ from vstor.meta import metadata
 from vstor.meta.document import Domain
 from vstor.planner import Request, plan_domain
 from vstor.planner.ledger import Ledger
+from vstor.records import replace
 from vstor.render import guestkit, guestscript
 from vstor.render.libvirt import render
 

@@ -16,7 +16,7 @@ VSTOR_XML = (f"<domain><name>h1</name><memory>1024</memory><metadata><vstor:vsto
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    from vstor.cli.runtime import render_hook
+    from vstor.cli.hooks import render_hook
     path = tmp_path_factory.mktemp("hooks") / "vstor"
     path.write_text(render_hook(None))
     path.chmod(0o755)
@@ -66,15 +66,19 @@ def test_malformed_xml_that_names_vstor_is_refused_cleanly(hook):
 
 def test_restore_passes_even_when_vstor_cannot_be_imported(tmp_path):
     """A moved or broken install must not break a restore; a start or an
-    incoming migration it cannot serve fails with one line, not a traceback."""
-    from vstor.cli.runtime import render_hook
-    bare = tmp_path / "python-without-site"
-    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
-    bare.chmod(0o755)
+    incoming migration it cannot serve fails with one line, not a traceback.
+    Moved: the installed paths are gone and the hook's Python (a venv of
+    its own) has no vstor either."""
+    import re
+    import venv
+    from vstor.cli.hooks import render_hook
+    venv.create(tmp_path / "venv", with_pip=False)
+    bare = tmp_path / "venv" / "bin" / "python3"
     gone = tmp_path / "no-such-python"
     for python, message in ((bare, "cannot load vstor"), (gone, "the hook's Python")):
         hook_copy = tmp_path / "vstor"
-        hook_copy.write_text(render_hook(None).replace(f"\nPYTHON={sys.executable}\n", f"\nPYTHON={python}\n"))
+        text = render_hook(None).replace(f"\nPYTHON={sys.executable}\n", f"\nPYTHON={python}\n")
+        hook_copy.write_text(re.sub(r"\nSYSPATH=.*\n", f"\nSYSPATH={tmp_path}/moved\n", text))
         hook_copy.chmod(0o755)
         env = {"PYTHONPATH": str(tmp_path / "nothing-here"), "PATH": os.environ.get("PATH", "")}
         run = lambda *a: subprocess.run([str(hook_copy), *a],  # noqa: E731
@@ -85,6 +89,27 @@ def test_restore_passes_even_when_vstor_cannot_be_imported(tmp_path):
             out = run("h1", op, "begin", "-")
             assert out.returncode == 1 and b"Traceback" not in out.stderr and out.stdout == b""
             assert out.stderr.decode().count("\n") == 1 and message in out.stderr.decode()
+
+
+def test_the_hook_python_starts_without_site_and_finds_vstor_where_it_was_installed(tmp_path):
+    """-S with the paths written at install; when those moved, the
+    interpreter's own site finds vstor (here: the same install)."""
+    import re
+    from vstor.cli.hooks import render_hook, site_paths
+    text = render_hook(None)
+    assert ' exec "$PYTHON" -S -c ' in text
+    paths = site_paths()
+    import vstor
+    assert os.path.dirname(os.path.dirname(os.path.abspath(vstor.__file__))) in paths
+    for syspath in (":".join(paths), f"{tmp_path}/moved"):
+        hook_copy = tmp_path / "vstor"
+        hook_copy.write_text(re.sub(r"\nSYSPATH=.*\n", f"\nSYSPATH={syspath}\n", text))
+        hook_copy.chmod(0o755)
+        out = subprocess.run([str(hook_copy), "h1", "prepare", "begin", "-"], input=VSTOR_XML.encode(),
+                             capture_output=True, env={"PATH": os.environ.get("PATH", "")})
+        # vstor ran: it read the domain and refused it for want of a plan.
+        assert (out.returncode, out.stderr.decode()) == (
+            2, "vstor: domain 'h1' has vstor metadata but no plan (run: vstor apply h1)\n")
 
 
 def test_a_nova_instance_with_vstor_specs_reaches_python_and_others_do_not(hook, tmp_path):

@@ -63,6 +63,7 @@ from tests import snapshot
 from tests.doubles.kernel_sysfs import KernelSysfsDouble
 from tests.doubles.spdk_target import SpdkTargetDouble
 from tests.hostlayout import build_tree
+from vstor import records
 from vstor.cli.main import main
 from vstor.meta import intent as intent_decl
 from vstor.meta import plan as plan_decl
@@ -767,7 +768,7 @@ DELETE = object()
 def declared_attributes(cls) -> dict[str, tuple[object, object]]:
     """attribute name -> (value type, default) as the element is declared."""
     out = {}
-    for f in dataclasses.fields(cls):
+    for f in records.fields(cls):
         spec = f.metadata.get("xml")
         if spec is not None and hasattr(spec, "required") and hasattr(spec, "type"):
             out[spec.name or f.name] = (spec.type, f.default)

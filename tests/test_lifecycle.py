@@ -148,10 +148,10 @@ def test_a_forced_release_while_connected_is_followed_until_spdk_deletes(env):
     then it defers it until QEMU lets go, and vstor follows it for a while.
     Either way nothing under the vhost controller is touched and the record
     keeps it; once QEMU is gone the next release finishes."""
-    import dataclasses
+    from vstor import records
     prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
     env.spdk.mark_connected("vm1-vdb")
-    forced = Runtime(dataclasses.replace(env.cfg, spdk_timeout=1.0), env.sysfs, force=True)
+    forced = Runtime(records.replace(env.cfg, spdk_timeout=1.0), env.sysfs, force=True)
     with pytest.raises(ActionFailed) as e:
         release(forced, env.state, "vm1")
     why = "Device or resource busy" if env.spdk.version == "v24.01" else "SPDK deferred deleting vhost controller vm1-vdb"
@@ -165,11 +165,11 @@ def test_a_forced_release_while_connected_is_followed_until_spdk_deletes(env):
 
 
 def test_an_spdk_app_without_vhost_is_found_before_anything_changes(env):
-    import dataclasses
+    from vstor import records
     nvmf = SpdkTargetDouble(os.path.join(env.work, "nvmf.sock"), os.path.join(env.work, "vhost"),
                             app="nvmf_tgt").start()
     try:
-        rt = Runtime(dataclasses.replace(env.cfg, spdk_socket=nvmf.socket_path), env.sysfs)
+        rt = Runtime(records.replace(env.cfg, spdk_socket=nvmf.socket_path), env.sysfs)
         writes = len(env.sysfs.writes)
         with pytest.raises(Exception) as e:
             prepare(rt, env.state, env.host(), domain(env, local_spdk()))

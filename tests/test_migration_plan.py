@@ -2,12 +2,12 @@
 arrives with (every device as it was, only the host side moved), and how the
 source tells shared storage from local."""
 
-import dataclasses
 
 from lxml import etree
 import pytest
 
 from tests.test_planner import SPDK_CFG, nvme, nvmf, qsd_file, request
+from vstor import records
 from vstor.errors import BadInput
 from vstor.meta.document import Domain
 from vstor.migration.storage import mount_of
@@ -55,8 +55,8 @@ def test_an_arriving_domain_keeps_every_device_and_moves_only_the_host_side(host
     etree.SubElement(disk, "address", type="pci", domain="0x0000", bus="0x04", slot="0x00", function="0x0")
     live_dom = Domain(live)
     _, plan_b = _rendered(host_model, "laptop", xml)
-    plan_b = dataclasses.replace(plan_b, disks=tuple(
-        dataclasses.replace(d, socket="/run/b/vhost/vm1-vdb") for d in plan_b.disks))
+    plan_b = records.replace(plan_b, disks=tuple(
+        records.replace(d, socket="/run/b/vhost/vm1-vdb") for d in plan_b.disks))
     arriving = render_incoming(live_dom, plan_b).root
     d = arriving.find("devices/disk")
     assert d.find("source").get("path") == "/run/b/vhost/vm1-vdb"

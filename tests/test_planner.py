@@ -295,7 +295,7 @@ def test_a_core_that_is_both_reactor_and_housekeeping_is_refused(host_model):
 
 
 def test_start_refuses_a_block_source_whose_nvme_namespace_got_mounted(host_model):
-    from dataclasses import replace
+    from vstor.records import replace
     from vstor.planner import fit
     host = host_model("two-socket")
     req = request("<vstor:disk target='vdb'><vstor:block path='/dev/nvme1n1'/></vstor:disk>")

@@ -592,3 +592,20 @@ def test_a_key_written_twice_counts_as_qemu_server_reads_it(pve, capsys):
     # The last numa0 is vstor's, so qemu-server reads vstor's: pre-start must
     # judge the same line (the first, a user's, is dead text to Proxmox).
     assert PveConfig.parse(pve.config()).get("numa0").startswith("cpus=0-1")
+
+
+def test_the_hookscript_imports_nothing_from_the_snippets_directory(pve, tmp_path):
+    """Whoever may upload a snippet can put a module next to the hookscript;
+    Python would import it first, as root.  The script starts with -S and the
+    paths vstor was installed with, and drops its own directory."""
+    marker = tmp_path / "imported"
+    for name in ("json.py", "lxml/__init__.py", "configparser.py"):
+        path = f"{pve.snippets}/{name}"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    out = pve.hook(100, "pre-start")
+    assert not marker.exists(), marker.read_text()
+    assert "Traceback" not in out.stderr
+    first = open(f"{pve.snippets}/vstor").readline()
+    assert first.startswith(f"#!{sys.executable} -S") or first == f"#!{sys.executable}\n"

@@ -545,6 +545,36 @@ def test_start_hands_the_socket_to_the_qemu_group_only(area):
     assert (lock.st_uid, stat.S_IMODE(lock.st_mode)) == (0, 0o600)
 
 
+def test_a_socket_qemu_cannot_reach_is_refused_and_every_directory_change_is_seen(area, monkeypatch):
+    """QEMU's user must reach each socket through every directory above it.
+    That is tried with one connection per directory while the directories
+    stay as they were: a chmod of any of them is seen by the next start."""
+    forks = []
+    real = daemon.connect_as
+    monkeypatch.setattr(daemon, "connect_as", lambda *a: forks.append(a[1]) or real(*a))
+    disks = []
+    for n in range(4):
+        disks.append(os.path.join(area.base, f"d{n}.raw"))
+        with open(disks[-1], "wb") as f:
+            f.truncate(1 << 20)
+    a, b = area.export("vm1-vdb", source=disks[0]), area.export("vm1-vdc", source=disks[1])
+    daemon.start(a)
+    daemon.start(b)
+    assert forks == [a.socket_path]         # b's path is a's: not tried again
+    os.chmod(area.base, 0o700)              # QEMU's user can no longer pass base
+    c = area.export("vm1-vdd", source=disks[2])
+    with pytest.raises(ActionFailed, match=f"^{QEMU_USER} cannot connect to {c.socket_path}: "
+                                           "Permission denied") as e:
+        daemon.start(c)
+    assert e.value.hint == f"every directory above it must be searchable by group {QEMU_GROUP}"
+    assert daemon.pid(c) is None and not os.path.lexists(c.socket_path)
+    os.chmod(area.base, 0o711)              # back as it was when a was reached
+    d = area.export("vm1-vde", source=disks[3])
+    daemon.start(d)
+    assert forks == [a.socket_path, c.socket_path]
+    assert connect_as(QEMU_USER, d.socket_path) == 0
+
+
 def test_socket_mode_alone_keeps_others_out(area):
     os.makedirs(area.vhost, mode=0o755)     # a directory anyone may traverse
     os.chmod(area.vhost, 0o755)

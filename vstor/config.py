@@ -9,11 +9,11 @@ from __future__ import annotations
 import configparser
 import os
 import re
-from dataclasses import dataclass, field
 
+from vstor.cpulist import parse_cpulist
 from vstor.errors import BadInput
-from vstor.host.model import parse_cpulist
 from vstor.meta.names import normalise_bdf
+from vstor.records import field, record
 
 DEFAULT_PATH = "/etc/vstor/vstor.conf"
 
@@ -33,7 +33,7 @@ _KEYS = {
     "nova": {"migrate_command"},
 }
 
-@dataclass(frozen=True)
+@record
 class Config:
     state_dir: str = "/run/vstor/state"
     # SPDK's vhost app must be started with -S set to this directory.

@@ -10,7 +10,6 @@ import sys
 import syslog
 
 from vstor import config as config_mod
-from vstor.meta.document import Domain
 from vstor.errors import EXIT_ERROR, VstorError, one_line
 
 
@@ -40,16 +39,25 @@ def run(argv: list[str], xml: bytes) -> int:
 
 
 def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
-    from vstor.runtime.lifecycle import Runtime, prepare, reconnect, release
-    from vstor.runtime.state import StateDir
     from vstor.host.sysfs import SysFS
+    from vstor.runtime.recorded import Runtime
+    from vstor.runtime.state import StateDir
     cfg = config_mod.load()
+    root = os.environ.get("VSTOR_HOST_ROOT", "/")
+    if op in ("release", "reconnect"):
+        # What to undo or check is in the state record: the domain's name
+        # and UUID are all these read of its XML (no lxml, no planner).
+        from vstor.meta.identity import read
+        dom = read(xml, f"domain '{name}'")
+        if not dom.vstor:
+            return 0
+        return _recorded(name, op, dom, Runtime(cfg, SysFS(root)), StateDir(cfg.state_dir), extra)
+    from vstor.meta.document import Domain
     dom = Domain.parse(xml, f"domain '{name}'")
     if op == "prepare" and dom.is_nova():
         _nova_prepare(cfg, dom, name)       # before vstor's own prepare, disks or not
     if not dom.has_vstor():
         return 0        # the marker was only mentioned, e.g. in a description
-    root = os.environ.get("VSTOR_HOST_ROOT", "/")
     rt = Runtime(cfg, SysFS(root))
     state = StateDir(cfg.state_dir)
     if op == "migrate":
@@ -58,12 +66,17 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
         from vstor.runtime.incoming import arriving_xml
         sys.stdout.write(arriving_xml(state, dom))
         log(name, "incoming migration: placed by the plan made for it here")
-    elif op == "prepare":
+    else:
         from vstor.host.read import read_host
-        host = read_host(SysFS(root))
-        rec = prepare(rt, state, host, dom, progress=lambda m: log(name, m))
+        from vstor.runtime.lifecycle import prepare
+        rec = prepare(rt, state, read_host(SysFS(root)), dom, progress=lambda m: log(name, m))
         log(name, f"prepared: {len(rec.steps)} host changes recorded")
-    elif op == "release":
+    return 0
+
+
+def _recorded(name: str, op: str, dom, rt, state, extra: str) -> int:
+    from vstor.runtime.recorded import reconnect, release
+    if op == "release":
         rec = release(rt, state, dom.safe_name, progress=lambda m: log(name, m),
                       domain=dom.name, uuid=dom.uuid, migrated=extra == "migrated")
         log(name, "released" if rec else "nothing to release")
@@ -73,7 +86,7 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
     return 0
 
 
-def _nova_prepare(cfg, dom: Domain, name: str) -> None:
+def _nova_prepare(cfg, dom, name: str) -> None:
     """A Nova instance whose flavor has vstor: extra specs: vstor's checks
     of the passthrough and placement Nova chose (vstor.nova.instance)."""
     from vstor.errors import DoesNotFit

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import struct
 import time
+import zlib
 
 from vstor.errors import Unavailable
 
@@ -42,7 +42,10 @@ _FLOCK = "hhqqi4x"
 def _slot(name: str) -> int:
     """A byte of the lock file per name (a collision only makes two names wait
     for each other)."""
-    return 1 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "big")
+    # zlib, not hashlib: this runs in every hook, and hashlib's import
+    # (OpenSSL) costs more than the rest of this module.
+    data = name.encode()
+    return 1 + (zlib.crc32(data) << 16 | zlib.crc32(data[::-1]) & 0xFFFF)
 
 
 def try_range(fd: int, name: str) -> bool:

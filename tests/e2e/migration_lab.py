@@ -253,7 +253,7 @@ class Lab:
         self._link()
         self.write_config(self.a, peer=self.b)
         self.write_config(self.b, peer=self.a)
-        from vstor.cli.runtime import render_hook
+        from vstor.cli.hooks import render_hook
         for h in self.hosts:
             hook = h.dir / "etc" / "hooks" / "qemu.d" / "vstor"
             text = render_hook(str(h.conf))

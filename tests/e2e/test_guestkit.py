@@ -125,7 +125,7 @@ def bootable(defined: str, bus: str) -> str:
 def noiommu_kit(defined: str, tree: str) -> str:
     """The same domain without a vIOMMU (its disk guest='kernel'): the kit's
     no-IOMMU mode, which Debian's guest kernel does not have."""
-    from dataclasses import replace
+    from vstor.records import replace
 
     from vstor.host.read import read_host
     from vstor.host.sysfs import SysFS

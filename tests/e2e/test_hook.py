@@ -35,7 +35,7 @@ def vstor_env(libvirt_daemons):
     # dedicated core each, with their emulator threads on their own core.
     conf.write_text(f"[paths]\nstate_dir = {WORK}/state\nvhost_dir = {WORK}/vhost\nqsd_dir = {WORK}/qsd\nimages = {WORK}\n"
                     "[cpu]\nhousekeeping =\nreactors =\n")
-    from vstor.cli.runtime import render_hook
+    from vstor.cli.hooks import render_hook
     libvirt_daemons.install_hook("vstor", render_hook(str(conf)))
     yield conf
     shutil.rmtree(WORK, ignore_errors=True)

@@ -27,14 +27,14 @@ Kernel quirks handled here:
 from __future__ import annotations
 
 import errno
-from dataclasses import replace
 
-from vstor.errors import ActionFailed
 from vstor.backends.vfio_record import BindRecord
+from vstor.errors import ActionFailed
 from vstor.host.model import PciDevice
+from vstor.host.sysfs import SysFS
 from vstor.meta.names import normalise_bdf
 from vstor.planner.passthrough import VFIO, viable as _viable
-from vstor.host.sysfs import SysFS
+from vstor.records import replace
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_DRIVERS = "/sys/bus/pci/drivers"

@@ -4,10 +4,11 @@ Pure data (the pure step records hold it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from vstor.records import record
 
 
-@dataclass(frozen=True)
+
+@record
 class BindRecord:
     """Where a device was before vstor moved it: enough to put it back.
     `peers` are the group members that move with it (same fields, no peers)."""

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
 
+from vstor import records
 from vstor.atomic import write_file
-from vstor.meta.document import Domain
 from vstor.errors import BadInput
 from vstor.host.model import format_cpulist
+from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
 
 
@@ -131,7 +131,7 @@ def _define(ctx, dom: Domain, dry_run: bool) -> int:
 # -- output ---------------------------------------------------------------------------
 
 def plan_to_json(plan: Plan) -> dict:
-    data = dataclasses.asdict(plan)
+    data = records.asdict(plan)
     for disk, raw in zip(plan.disks, data["disks"]):
         raw["source"] = {"kind": disk.source.kind, **raw["source"]}
     return data

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import socket
 import sys
 
-from vstor.host import doctor
+from vstor import records
 from vstor.errors import EXIT_ERROR
+from vstor.host import doctor
 from vstor.host.model import format_cpulist
 
 
@@ -33,7 +33,7 @@ def cmd_doctor(ctx, args) -> int:
     checks = doctor.run(host, cfg, [doctor.check_qsd(), _spdk_check(cfg), _libvirt_check(ctx),
                                     _hook_check(ctx)])
     if args.json:
-        json.dump([dataclasses.asdict(c) for c in checks], sys.stdout, indent=2)
+        json.dump([records.asdict(c) for c in checks], sys.stdout, indent=2)
         print()
     else:
         width = max(len(c.name) for c in checks)
@@ -71,7 +71,7 @@ def _hook_check(ctx):
     """The hook `vstor hooks install` puts in libvirt's qemu.d (under
     --host-root, as the host's other files), against what it would write now."""
     import os
-    from vstor.cli.runtime import HOOK_DIR, installed_hook_text
+    from vstor.cli.hooks import HOOK_DIR, installed_hook_text
     path = os.path.join(ctx.host_root, HOOK_DIR.lstrip("/"), "vstor")
     return doctor.check_hook(path, installed_hook_text(ctx),
                              doctor.libvirt_daemons(os.path.join(ctx.host_root, "proc")))
@@ -80,7 +80,7 @@ def _hook_check(ctx):
 def cmd_host_show(ctx, args) -> int:
     host = ctx.host
     if args.json:
-        data = dataclasses.asdict(host)
+        data = records.asdict(host)
         data.pop("extra", None)
         json.dump(data, sys.stdout, indent=2)
         print()

@@ -137,7 +137,7 @@ def _diff(old: str, new: str, path: str) -> None:
 
 def cmd_hooks_install(ctx, args) -> int:
     from vstor.atomic import write_file
-    from vstor.cli.runtime import render_hook
+    from vstor.cli.hooks import render_hook
     from vstor.pve import manage
     node = _node(ctx)
     store = node.snippets()
@@ -157,7 +157,7 @@ def cmd_hooks_install(ctx, args) -> int:
 
 def cmd_hooks_uninstall(ctx, args) -> int:
     store = _node(ctx).snippets()
-    from vstor.cli.runtime import remove_hook
+    from vstor.cli.hooks import remove_hook
     return remove_hook(os.path.join(store.snippets, "vstor"), "hookscript",
                        "VMs that name it no longer start (qm set VMID --delete hookscript)")
 

@@ -1,4 +1,4 @@
-"""status, prepare, release, gc, hooks: the host side of running domains."""
+"""status, prepare, release, gc: the host side of running domains (the hook: vstor.cli.hooks)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,8 @@ import json
 import os
 import sys
 
+from vstor.cli.hooks import register as hooks_register
 from vstor.errors import BadInput, DoesNotFit
-
-HOOK_DIR = "/etc/libvirt/hooks/qemu.d"     # where libvirt (libvirtd, virtqemud) looks
-
 
 def register(sub) -> None:
     p = sub.add_parser("status", help="what vstor holds on this host, per domain")
@@ -34,15 +32,7 @@ def register(sub) -> None:
     p.add_argument("--dry-run", action="store_true", help="print what would be removed")
     p.set_defaults(func=cmd_gc)
 
-    hooks = sub.add_parser("hooks", help="install or remove the libvirt hook")
-    hsub = hooks.add_subparsers(dest="hooks_command", metavar="SUBCOMMAND")
-    hsub.required = True
-    p = hsub.add_parser("install", help="install the hook into libvirt's qemu.d")
-    p.add_argument("--dir", default=HOOK_DIR, help="hook directory")
-    p.set_defaults(func=cmd_hooks_install)
-    p = hsub.add_parser("uninstall", help="remove the hook")
-    p.add_argument("--dir", default=HOOK_DIR, help="hook directory")
-    p.set_defaults(func=cmd_hooks_uninstall)
+    hooks_register(sub)
 
 
 def _state(ctx):
@@ -262,77 +252,3 @@ def _running(ctx, records, node) -> set[str]:
         from vstor.runtime import virt
         running |= {d.name() for d in virt.all_domains(ctx.conn) if d.isActive()}
     return running
-
-
-# -- hooks ------------------------------------------------------------------------------
-
-def hook_source(name: str = "vstor") -> str:
-    """hooks/<name> from a checkout, or the copy pip installs under share/."""
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for path in (os.path.join(here, "hooks", name),
-                 os.path.join(sys.prefix, "share", "vstor", "hooks", name)):
-        if os.path.exists(path):
-            return path
-    raise BadInput(f"cannot find vstor's hook script (hooks/{name})", hint="reinstall vstor")
-
-
-def render_hook(config_path: str | None, name: str = "vstor") -> str:
-    import shlex
-    with open(hook_source(name)) as f:
-        text = f.read()
-    # The interpreter that has vstor installed: libvirt runs the hook with a
-    # bare PATH, where `python3` may be another Python.
-    if text.startswith("#!/bin/sh"):     # the libvirt hook: its fast path is the shell's
-        text = text.replace("\nPYTHON=python3\n", f"\nPYTHON={shlex.quote(sys.executable)}\n", 1)
-        if config_path:
-            text = text.replace("\nCONFIG=\n", f"\nCONFIG={shlex.quote(os.path.abspath(config_path))}\n", 1)
-        return text
-    lines = text.splitlines(keepends=True)
-    lines[0] = f"#!{sys.executable}\n"
-    text = "".join(lines)
-    if config_path:
-        text = text.replace("CONFIG = None", f"CONFIG = {os.path.abspath(config_path)!r}", 1)
-    return text
-
-
-def installed_hook_text(ctx) -> str:
-    """What `vstor hooks install` writes, with this command's config path."""
-    return render_hook(ctx.args.config or os.environ.get("VSTOR_CONFIG"))
-
-
-def cmd_hooks_install(ctx, args) -> int:
-    target = os.path.join(args.dir, "vstor")
-    from vstor.atomic import write_file
-    try:
-        write_file(target, installed_hook_text(ctx), mode=0o755, makedirs=True,
-                   failure=f"cannot install the hook into {args.dir}")
-    except BadInput as e:
-        if os.geteuid() != 0:
-            hint = "run as root"
-        elif not os.path.isdir(args.dir):
-            hint = (f"{args.dir} does not exist and cannot be made: create it, or give "
-                    "the directory libvirt reads hooks from with --dir")
-        else:
-            hint = None
-        raise BadInput(e.message, hint=hint) from None
-    print(f"Installed {target}; restart libvirtd (or virtqemud) so it picks the hook up")
-    return 0
-
-
-def cmd_hooks_uninstall(ctx, args) -> int:
-    return remove_hook(os.path.join(args.dir, "vstor"), "hook",
-                       "restart libvirtd (or virtqemud) so it forgets the hook")
-
-
-def remove_hook(target: str, noun: str, then: str) -> int:
-    """`hooks uninstall` (libvirt's hook, Proxmox's hookscript)."""
-    if not os.path.exists(target):
-        print(f"No vstor {noun} at {target}")
-        return 0
-    try:
-        os.unlink(target)
-    except OSError as e:
-        raise BadInput(f"cannot remove {target}: {e.strerror}",
-                       hint="run as root" if os.geteuid() else None) from None
-    print(f"Removed {target}; {then}")
-    return 0

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
 from typing import Callable
 
 from vstor.config import Config
 from vstor.host.model import Host, format_cpulist
+from vstor.records import record
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 
 
-@dataclass(frozen=True)
+@record
 class Check:
     name: str
     status: str

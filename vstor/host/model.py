@@ -6,41 +6,13 @@ and `doctor` only ever read it.  Nothing here does I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from vstor.cpulist import format_cpulist, parse_cpulist  # noqa: F401 (where the planner reads them)
+from vstor.records import field, record
 
 NVME_CLASS = "0x010802"
 
 
-def parse_cpulist(text: str) -> tuple[int, ...]:
-    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); '' -> ()."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            cpus.update(range(int(lo), int(hi) + 1))
-        else:
-            cpus.add(int(part))
-    return tuple(sorted(cpus))
-
-
-def format_cpulist(cpus) -> str:
-    """(0, 1, 2, 3, 8) -> '0-3,8', the kernel's and libvirt's notation."""
-    out: list[str] = []
-    ids = sorted(set(cpus))
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(out)
-
-
-@dataclass(frozen=True)
+@record
 class Cpu:
     id: int
     node: int
@@ -50,14 +22,14 @@ class Cpu:
     isolated: bool = False      # in /sys/devices/system/cpu/isolated
 
 
-@dataclass(frozen=True)
+@record
 class HugepagePool:
     size_kib: int               # 2048 or 1048576
     total: int
     free: int
 
 
-@dataclass(frozen=True)
+@record
 class NumaNode:
     id: int
     cpus: tuple[int, ...]
@@ -71,7 +43,7 @@ class NumaNode:
         return None
 
 
-@dataclass(frozen=True)
+@record
 class PciDevice:
     address: str                # '0000:5e:00.0'
     vendor: str = ""            # '0x8086'
@@ -86,7 +58,7 @@ class PciDevice:
         return self.pci_class.startswith(("0x0604", "0x0600"))
 
 
-@dataclass(frozen=True)
+@record
 class Namespace:
     name: str                   # block device name, 'nvme0n1'
     nsid: int
@@ -102,7 +74,7 @@ class Namespace:
         return f"/dev/{self.name}"
 
 
-@dataclass(frozen=True)
+@record
 class NvmeController:
     address: str                # PCI address
     numa_node: int = -1
@@ -134,7 +106,7 @@ class NvmeController:
         return None
 
 
-@dataclass(frozen=True)
+@record
 class BlockDevice:
     """Any whole disk (NVMe or not) or partition, for the qsd backend's block sources."""
     name: str                   # 'sdb', 'nvme0n1', 'nvme0n1p2'
@@ -142,13 +114,13 @@ class BlockDevice:
     in_use: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class NetDev:
     name: str
     mtu: int = 0
 
 
-@dataclass(frozen=True)
+@record
 class RdmaNic:
     name: str                   # 'mlx5_0'
     address: str                # its PCI address
@@ -156,7 +128,7 @@ class RdmaNic:
     netdevs: tuple[NetDev, ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class Host:
     hostname: str
     cpus: tuple[Cpu, ...]

@@ -11,7 +11,7 @@ from vstor import NS, PREFIX
 from vstor.errors import BadInput
 from vstor.meta import metadata
 from vstor.meta.intent import DiskIntent, Intent
-from vstor.meta.names import is_safe_name
+from vstor.meta.names import safe_key
 from vstor.meta.plan import Plan
 from vstor.meta import xmlmodel
 
@@ -70,26 +70,23 @@ class Domain:
     # -- facts -------------------------------------------------------------
     @property
     def name(self) -> str:
-        name = (self.root.findtext("name") or "").strip()
-        if not name:
+        # All of its text (a comment inside does not cut it), unstripped:
+        # as libvirt reads it, which keeps spaces around a name.
+        found = self.root.find("name")
+        name = "".join(found.itertext()) if found is not None else ""
+        if not name.strip():
             raise BadInput(f"{self.origin}: the domain has no <name>")
         return name
 
     @property
     def uuid(self) -> str | None:
-        text = self.root.findtext("uuid")
-        return text.strip().lower() if text else None
+        found = self.root.find("uuid")
+        text = "".join(found.itertext()).strip() if found is not None else ""
+        return text.lower() or None
 
     @property
     def safe_name(self) -> str:
-        """The name as it may appear in a file name; the UUID when the name
-        holds anything but letters, digits and _.+- (never trusted into a path)."""
-        if is_safe_name(self.name):
-            return self.name
-        if self.uuid and re.match(r"^[0-9a-f-]{36}$", self.uuid):
-            return self.uuid
-        raise BadInput(f"{self.origin}: domain name '{self.name}' cannot be used in socket names",
-                       hint="use letters, digits and _.+- or give the domain a <uuid>")
+        return safe_key(self.name, self.uuid, self.origin)
 
     @property
     def vcpus(self) -> int:

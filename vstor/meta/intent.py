@@ -7,11 +7,10 @@ The same source elements (<vstor:nvme>, <vstor:nvmf>, <vstor:file>,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from vstor.meta.names import normalise_bdf
 from vstor.meta.types import Enum, Int, Text, YesNo
 from vstor.meta.xmlmodel import attr, child, children, choice, element
+from vstor.records import record
 
 # A path component other than '.' and '..', of letters, digits and _.+:@-.
 _SEG = r"([A-Za-z0-9_+:@\-][A-Za-z0-9_.+:@\-]*|\.[A-Za-z0-9_+:@\-][A-Za-z0-9_.+:@\-]*|\.\.[A-Za-z0-9_.+:@\-]+)"
@@ -33,7 +32,7 @@ SECONDS = Int(0, 2**31 - 1)
 
 
 @element("nvme")
-@dataclass(frozen=True)
+@record
 class NvmeSource:
     controller: str = attr(BDF, required=True)      # normalised: '0000:5e:00.0'
     namespace: int = attr(NSID, default=1)
@@ -41,14 +40,14 @@ class NvmeSource:
 
 
 @element("path")
-@dataclass(frozen=True)
+@record
 class NvmfPath:
     traddr: str = attr(ADDR, required=True)
     trsvcid: int = attr(PORT, default=4420)
 
 
 @element("reconnect")
-@dataclass(frozen=True)
+@record
 class Reconnect:
     ctrlr_loss_timeout: int | None = attr(SECONDS)
     reconnect_delay: int | None = attr(SECONDS)
@@ -56,7 +55,7 @@ class Reconnect:
 
 
 @element("nvmf")
-@dataclass(frozen=True)
+@record
 class NvmfSource:
     transport: str = attr(Enum(("rdma", "tcp")), required=True)
     traddr: str = attr(ADDR, required=True)
@@ -72,14 +71,14 @@ class NvmfSource:
 
 
 @element("file")
-@dataclass(frozen=True)
+@record
 class FileSource:
     path: str = attr(ABSPATH, required=True)
     kind = "file"
 
 
 @element("block")
-@dataclass(frozen=True)
+@record
 class BlockSource:
     path: str = attr(DEVPATH, required=True)
     kind = "block"
@@ -90,7 +89,7 @@ SOURCES = (NvmeSource, NvmfSource, FileSource, BlockSource)
 
 
 @element("disk", where="target")
-@dataclass(frozen=True)
+@record
 class DiskIntent:
     target: str = attr(TARGET, required=True)
     mode: str = attr(Enum(("auto", "passthrough", "vhost")), default="auto")
@@ -102,7 +101,7 @@ class DiskIntent:
 
 
 @element("vm")
-@dataclass(frozen=True)
+@record
 class VmIntent:
     numa: str = attr(Enum(("strict", "preferred", "none")), default="strict")
     cpus: str = attr(Enum(("dedicated", "shared", "external")), default="dedicated")
@@ -111,7 +110,7 @@ class VmIntent:
     latency: str = attr(Enum(("normal", "critical")), default="normal")
 
 
-@dataclass(frozen=True)
+@record
 class Intent:
     vm: VmIntent
     disks: tuple[DiskIntent, ...]

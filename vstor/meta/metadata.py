@@ -7,7 +7,6 @@ import copy
 import functools
 import hashlib
 import os
-from dataclasses import dataclass, replace
 
 from lxml import etree
 
@@ -16,12 +15,13 @@ from vstor.errors import BadInput
 from vstor.meta.intent import DiskIntent, Intent, VmIntent
 from vstor.meta.plan import PLAN_VERSION, Plan
 from vstor.meta.xmlmodel import Q, build, canonical, child, children, element, parse
+from vstor.records import record, replace
 
 SCHEMA_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "schema", "vstor.rng")
 
 
 @element("vstor")
-@dataclass(frozen=True)
+@record
 class Metadata:
     vm: VmIntent | None = child(VmIntent)
     disks: tuple[DiskIntent, ...] = children(

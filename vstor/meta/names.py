@@ -3,7 +3,6 @@ keys, socket paths, SPDK controller names.  Pure."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,6 +19,18 @@ SOCKET_MAX = 107            # sizeof(sun_path) - 1
 
 def is_safe_name(name: str) -> bool:
     return bool(SAFE_NAME.match(name))
+
+
+def safe_key(name: str, uuid: str | None, origin: str) -> str:
+    """A domain's name as it may appear in a file name; its UUID when the
+    name holds anything but letters, digits and _.+- (never trusted into a
+    path)."""
+    if is_safe_name(name):
+        return name
+    if uuid and re.match(r"^[0-9a-f-]{36}$", uuid):
+        return uuid
+    raise BadInput(f"{origin}: domain name '{name}' cannot be used in socket names",
+                   hint="use letters, digits and _.+- or give the domain a <uuid>")
 
 
 def is_disk_name(name: str) -> bool:
@@ -72,6 +83,7 @@ def spdk_controller_name(source, paths=()) -> str:
     controllers."""
     if source.kind == "nvme":
         return "vs_" + source.controller.replace(":", "_").replace(".", "_")
+    import hashlib      # here, not at the top: the hook's release never needs it
     identity = json.dumps([{k: v for k, v in p.params("").items() if k != "name"} for p in paths],
                           sort_keys=True)
     return f"vs_nvmf_{hashlib.sha256(identity.encode()).hexdigest()[:16]}"

@@ -11,18 +11,17 @@ one of its outputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from vstor.meta.intent import ABSPATH, ADDR, BDF, DEVPATH, NQN, PORT, SECONDS, SOURCES, TARGET, Source
 from vstor.host.model import format_cpulist, parse_cpulist
+from vstor.meta.intent import ABSPATH, ADDR, BDF, DEVPATH, NQN, PORT, SECONDS, SOURCES, TARGET, Source
 from vstor.meta.types import Enum, Int, Text, YesNo
 from vstor.meta.xmlmodel import attr, children, choice, element, texts
+from vstor.records import record
 
 PLAN_VERSION = "2"
 CPU = Int(0, 65535)
 
 
-@dataclass(frozen=True)
+@record
 class CpuList(Text):
     """The kernel's and libvirt's notation, '0-3,8' <-> (0, 1, 2, 3, 8)."""
 
@@ -34,7 +33,7 @@ class CpuList(Text):
         return format_cpulist(value)
 
 
-@dataclass(frozen=True)
+@record
 class CpuSequence(Text):
     """An ordered list, '4,5,6' <-> (4, 5, 6): vCPU i runs on the i-th."""
 
@@ -55,7 +54,7 @@ HOSTNAME = Text(r"[A-Za-z0-9_.\-]{0,255}", "is not a host name", "letters, digit
 
 
 @element("attach")
-@dataclass(frozen=True)
+@record
 class AttachPath:
     """One bdev_nvme_attach_controller call (one path of a controller)."""
     trtype: str = attr(Enum(("PCIe", "RDMA", "TCP")), required=True)
@@ -81,7 +80,7 @@ class AttachPath:
 
 
 @element("disk", where="target", ordered=True)
-@dataclass(frozen=True)
+@record
 class DiskPlan:
     target: str = attr(TARGET, required=True)
     mode: str = attr(Enum(("passthrough", "vhost")), required=True)
@@ -107,7 +106,7 @@ class DiskPlan:
 
 
 @element("plan", ordered=True)
-@dataclass(frozen=True)
+@record
 class Plan:
     version: str = attr(Enum((PLAN_VERSION,)), required=True, default=PLAN_VERSION)
     digest: str = attr(DIGEST, required=True, default="sha256:" + "0" * 64)  # of what was planned

@@ -4,9 +4,10 @@ value, and says its RelaxNG (through `rng`, vstor.meta.xmlmodel's helper)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from lxml import etree
+
+from vstor.records import record
 
 RNG = "http://relaxng.org/ns/structure/1.0"
 XSD = "http://www.w3.org/2001/XMLSchema-datatypes"
@@ -25,7 +26,7 @@ class Invalid(Exception):
         self.problem, self.hint = problem, hint
 
 
-@dataclass(frozen=True)
+@record
 class Enum:
     values: tuple[str, ...]
 
@@ -54,7 +55,7 @@ class YesNo(Enum):
         return "yes" if value else "no"
 
 
-@dataclass(frozen=True)
+@record
 class Int:
     lo: int
     hi: int
@@ -76,7 +77,7 @@ class Int:
         rng(d, "param", name="maxInclusive").text = str(self.hi)
 
 
-@dataclass(frozen=True)
+@record
 class Text:
     """A string matching `pattern` (an XSD regex that Python reads the same:
     character classes, groups, quantifiers; anchored at both ends)."""

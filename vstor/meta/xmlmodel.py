@@ -1,6 +1,6 @@
 """Declaring an element of the vstor namespace once, and deriving the rest.
 
-An element is a frozen dataclass marked with @element("tag"); each of its
+An element is a frozen record (vstor.records) marked with @element("tag"); each of its
 fields says how it appears in XML: `attr(...)` (an attribute with a value
 type), `child(...)` (an optional single element), `children(...)` (a list of
 elements), `choice(...)` (exactly one of several elements), `texts(...)` (a
@@ -19,14 +19,12 @@ rule the schema cannot say (`unique=`) is the parser's alone.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 from lxml import etree
 
 from vstor import NS, PREFIX
 from vstor.errors import BadInput
 from vstor.meta.types import Invalid
+from vstor.records import field, fields, record
 
 Q = "{%s}" % NS
 _WS = " \t\r\n"
@@ -34,14 +32,14 @@ _WS = " \t\r\n"
 
 # -- field declarations ----------------------------------------------------------------
 
-@dataclass(frozen=True)
+@record
 class _Attr:
     type: object
     required: bool
     name: str | None
 
 
-@dataclass(frozen=True)
+@record
 class _Child:
     cls: type
     many: bool                       # children(): a tuple
@@ -50,36 +48,36 @@ class _Child:
     unique: str | None = None        # field that must differ between the children
 
 
-@dataclass(frozen=True)
+@record
 class _Choice:
     classes: tuple[type, ...]
     label: str
 
 
-@dataclass(frozen=True)
+@record
 class _Texts:
     tag: str
 
 
 def attr(type, *, required=False, default=None, name=None):
-    return dataclasses.field(default=default, metadata={"xml": _Attr(type, required, name)})
+    return field(default=default, metadata={"xml": _Attr(type, required, name)})
 
 
 def child(cls, *, default=None):
-    return dataclasses.field(default=default, metadata={"xml": _Child(cls, many=False)})
+    return field(default=default, metadata={"xml": _Child(cls, many=False)})
 
 
 def children(cls, *, min=0, missing=None, unique=None):
-    return dataclasses.field(default=(), metadata={
+    return field(default=(), metadata={
         "xml": _Child(cls, many=True, min=min, missing=missing, unique=unique)})
 
 
 def choice(*classes, label: str):
-    return dataclasses.field(default=None, metadata={"xml": _Choice(classes, label)})
+    return field(default=None, metadata={"xml": _Choice(classes, label)})
 
 
 def texts(tag: str):
-    return dataclasses.field(default=(), metadata={"xml": _Texts(tag)})
+    return field(default=(), metadata={"xml": _Texts(tag)})
 
 
 def element(tag: str, *, where: str | None = None, ordered: bool = False):
@@ -94,7 +92,7 @@ def element(tag: str, *, where: str | None = None, ordered: bool = False):
 
 
 def _fields(cls):
-    return [(f, f.metadata["xml"]) for f in dataclasses.fields(cls) if "xml" in f.metadata]
+    return [(f, f.metadata["xml"]) for f in fields(cls) if "xml" in f.metadata]
 
 
 def _attr_name(f, spec) -> str:

@@ -5,9 +5,9 @@ in the domain's state record until it is finished or aborted."""
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 
+from vstor import records
 from vstor.config import Config
 from vstor.errors import DoesNotFit
 from vstor.meta.document import Domain
@@ -27,7 +27,7 @@ def plan_of(dom: Domain):
     """The domain's plan, made for its metadata as it is (lifecycle.plan_of's
     check), with each disk's source as the metadata says: a plan in a
     domain's XML is input, and nothing on this host is opened on its word."""
-    import dataclasses
+    from vstor import records
     from vstor.runtime.lifecycle import plan_of as checked
     req, plan = checked(dom)
     intent = {d.target: d.source for d in req.intent.disks}
@@ -35,8 +35,8 @@ def plan_of(dom: Domain):
     for d in plan.disks:
         src = intent[d.target]
         imported = src.kind == "nvme" and d.source.kind == "nvmf"     # it came here over NVMe-oF
-        disks.append(d if imported else dataclasses.replace(d, source=src))
-    return dataclasses.replace(plan, disks=tuple(disks))
+        disks.append(d if imported else records.replace(d, source=src))
+    return records.replace(plan, disks=tuple(disks))
 
 
 def files_to_check(cfg: Config, plan) -> dict:
@@ -78,7 +78,7 @@ def _check(cfg: Config, dom: Domain, peer: Peer, cold: bool = False):
                                   "which serves this host alone",
                                   "shut it down and start it on the host that has the NVMe")
                       if d.target in relayed else d for d in verdict.disks)
-        verdict = dataclasses.replace(verdict, disks=disks)
+        verdict = records.replace(verdict, disks=disks)
     return verdict, there, hostnqn
 
 

@@ -11,15 +11,14 @@ destination sees, or not) and the destination's answer in; a verdict out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from vstor.meta.plan import DiskPlan, Plan
+from vstor.records import field, record
 
 READY, MAKE_READY, COLD, IMPOSSIBLE = "ready", "can be made ready", "cold only", "impossible"
 _ORDER = (READY, MAKE_READY, COLD, IMPOSSIBLE)
 
 
-@dataclass(frozen=True)
+@record
 class DiskVerdict:
     target: str
     verdict: str
@@ -30,7 +29,7 @@ class DiskVerdict:
         return {"target": self.target, "verdict": self.verdict, "reason": self.reason, "fix": self.fix}
 
 
-@dataclass(frozen=True)
+@record
 class Verdict:
     domain: str
     destination: str

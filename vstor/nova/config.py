@@ -19,19 +19,19 @@ type-PF (nova/virt/libvirt/driver.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from vstor.config import Config
 from vstor.host.model import Host, NvmeController, format_cpulist
 from vstor.planner.ledger import Ledger
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 from vstor.planner.placement import all_housekeeping
+from vstor.records import record
 
 ALIAS_PREFIX = "vstor-nvme"
 PAGE_SIZES = {None: "large", 2048: "2MB", 1048576: "1GB"}
 
 
-@dataclass(frozen=True)
+@record
 class Offer:
     """A controller Nova may pass through."""
     address: str
@@ -55,7 +55,7 @@ class Offer:
         return "required" if self.node is not None else "legacy"
 
 
-@dataclass(frozen=True)
+@record
 class NovaSetup:
     offers: tuple[Offer, ...]
     excluded: tuple[tuple[str, str], ...]       # (address, why, with the fix)

@@ -20,22 +20,22 @@ nothing for such an instance, so release has nothing to undo.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from lxml import etree
 
 from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host, parse_cpulist
-from vstor.render.libvirt import hostdev_address
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
+from vstor.records import record
+from vstor.render.libvirt import hostdev_address
 
 NOVA_NS = "http://openstack.org/xmlns/libvirt/nova/1.1"
 N = "{%s}" % NOVA_NS
 SPECS = {"vstor:numa": ("strict",)}
 
 
-@dataclass(frozen=True)
+@record
 class NovaInstance:
     name: str                       # Nova's display name (a tenant's)
     flavor: str

@@ -7,28 +7,28 @@ Pure and deterministic: no I/O, and the same inputs give the same plan.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
 
 from vstor.config import Config
-from vstor.meta.document import Domain
 from vstor.errors import BadInput, DoesNotFit
-from vstor.meta.intent import Intent, NvmfSource
-from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, format_cpulist
+from vstor.meta.document import Domain
+from vstor.meta.intent import Intent, NvmfSource
 from vstor.meta.metadata import digest
 from vstor.meta.names import bdev_name, socket_path, spdk_controller_name
 from vstor.meta.plan import DiskPlan, Plan
 from vstor.planner.disks import DiskChoice, NoFit, choose_all
-from vstor.planner.spdk_paths import attach_paths
+from vstor.planner.ledger import Ledger
 from vstor.planner.placement import (CpuPlacement, dedicated_pool, place_cpus, place_hugepages,
                                      place_memory, place_reactor)
+from vstor.planner.spdk_paths import attach_paths
+from vstor.records import record, replace
 
 _PAGE_KIB = {"2M": 2048, "1G": 1048576}
 _SHARED = {"memfd": "memfd-backed shared memory",
            "platform-hugepages": "the platform's hugepages (Nova's), shared"}
 
 
-@dataclass(frozen=True)
+@record
 class Request:
     """What the planner needs from a domain document."""
     name: str

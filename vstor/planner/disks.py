@@ -6,19 +6,18 @@ its reasons (or the reasons it cannot be done) out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from vstor.config import Config
 from vstor.errors import BadInput
-from vstor.meta.intent import DiskIntent, VmIntent
-from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, NvmeController
+from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.meta.names import inside, volume_keys
-from vstor.planner.spdk_paths import connections_of
+from vstor.planner.ledger import Ledger
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
+from vstor.planner.spdk_paths import connections_of
+from vstor.records import record
 
 
-@dataclass(frozen=True)
+@record
 class DiskChoice:
     disk: DiskIntent
     mode: str                  # passthrough | vhost
@@ -32,7 +31,7 @@ class DiskChoice:
     connections: tuple[tuple[str, str], ...] = ()   # NVMe-oF: (path, SPDK controller)
 
 
-@dataclass(frozen=True)
+@record
 class NoFit:
     reason: str
 

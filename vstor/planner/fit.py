@@ -13,8 +13,7 @@ refused before any of that.
 
 from __future__ import annotations
 
-import dataclasses
-
+from vstor import records
 from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host, format_cpulist
@@ -71,7 +70,7 @@ def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
         return "the plan's disks are not the metadata's disks"
     # A local NVMe disk the plan serves from NVMe-oF arrived by migration
     # from the host that exports it (no more than the metadata could ask).
-    req = dataclasses.replace(req, imports=tuple(
+    req = records.replace(req, imports=tuple(
         (d.target, planned[d.target].source) for d in req.intent.disks
         if d.source.kind == "nvme" and planned[d.target].source.kind == "nvmf"
         and planned[d.target].source.subnqn == f"nqn.2016-06.io.vstor:migrate:{req.safe_name}-{d.target}"))
@@ -80,7 +79,7 @@ def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
         was = planned[d.target]
         if (was.mode, was.backend) not in _MODES:
             return f"{d.target}: the plan has mode {was.mode} with backend {was.backend}"
-        pinned.append(dataclasses.replace(
+        pinned.append(records.replace(
             d, mode=was.mode if d.mode == "auto" else d.mode,
             backend=(was.backend if d.backend == "auto" else d.backend) if was.mode == "vhost" else d.backend))
     try:
@@ -96,7 +95,7 @@ def _disks(cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]
     for c in choices:
         was = planned[c.disk.target]
         now = disk_plan(cfg, req, c, None)
-        for f in dataclasses.fields(now):
+        for f in records.fields(now):
             if f.name not in ("reactor", "reasons") and getattr(now, f.name) != getattr(was, f.name):
                 out.append(f"{was.target}: the plan has {f.name} {_show(getattr(was, f.name))}, "
                            f"the metadata, host and config now give {_show(getattr(now, f.name))}")

@@ -12,7 +12,6 @@ numa='strict'.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
 
 from vstor.config import Config
 from vstor.errors import BadInput, DoesNotFit
@@ -24,6 +23,7 @@ from vstor.planner import Request, check_request, disk_plan
 from vstor.planner.disks import NoFit, choose_all
 from vstor.planner.ledger import Ledger
 from vstor.planner.placement import place_reactor
+from vstor.records import replace
 
 
 def with_disk(intent: Intent, disk: DiskIntent) -> Intent:

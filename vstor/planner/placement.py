@@ -7,15 +7,15 @@ a NoFit that says what is short, never raises from deep inside.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 from vstor.config import Config
-from vstor.planner.ledger import Ledger
 from vstor.host.model import Host, NumaNode, format_cpulist
 from vstor.planner.disks import NoFit
+from vstor.planner.ledger import Ledger
+from vstor.records import record
 
 
-@dataclass(frozen=True)
+@record
 class CpuPlacement:
     vcpu_pins: tuple[int, ...]
     reserved: tuple[int, ...]

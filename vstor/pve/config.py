@@ -13,9 +13,9 @@ the end of the main section; Proxmox sorts keys when it next writes the file.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 from vstor.errors import BadInput
+from vstor.records import field, record
 
 # qemu-server's own rules (PVE::QemuServer::parse_vm_config), on the line as
 # it is: a key is letters and underscores then digits, a colon, the value;
@@ -27,14 +27,14 @@ _SECTION = re.compile(r"^\[(PENDING|special:cloudinit|[a-z][a-z0-9_\-]+)\]\s*$",
 MAX_BYTES = 1 << 20         # qemu-server refuses configs over 1 MiB
 
 
-@dataclass
+@record(frozen=False)
 class Line:
     raw: str                    # the line as it was, without its newline
     key: str | None = None
     value: str | None = None
 
 
-@dataclass
+@record(frozen=False)
 class Section:
     name: str | None            # None: the main section
     lines: list[Line] = field(default_factory=list)

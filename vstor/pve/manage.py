@@ -8,7 +8,6 @@ import glob
 import os
 import re
 import sys
-from dataclasses import dataclass
 
 from vstor.config import Config
 from vstor.errors import BadInput, VstorError
@@ -20,10 +19,11 @@ from vstor.pve import snippet
 from vstor.pve.config import PveConfig
 from vstor.pve.node import Node
 from vstor.pve.vm import name_of, request_of
+from vstor.records import record
 from vstor.render import pve as render
 
 
-@dataclass
+@record(frozen=False)
 class Vm:
     vmid: int
     conf: PveConfig

@@ -14,16 +14,16 @@ says `shared 1` (the operator's promise that it is the same on every node).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from vstor.errors import BadInput
+from vstor.records import record
 
 _HEADER = re.compile(r"^([a-z][a-z0-9]*):\s*([A-Za-z][A-Za-z0-9_.-]*)\s*$")
 _NETWORK = ("nfs", "cifs", "cephfs", "glusterfs")
 _WITH_PATH = ("dir", "btrfs") + _NETWORK
 
 
-@dataclass(frozen=True)
+@record
 class Storage:
     id: str
     type: str

@@ -17,12 +17,12 @@ vstor.render.guestscript's.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from vstor.errors import BadInput, DoesNotFit, one_line
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
+from vstor.records import record
 from vstor.render.libvirt import hostdev_address
 
 # SPDK in the guest gets 2 MiB pages (x86's default size, and setup.sh's) on
@@ -43,7 +43,7 @@ _MAX_DEPTH = 16
 _PCI_ID = re.compile(r"0x[0-9a-f]{4}")
 
 
-@dataclass(frozen=True)
+@record
 class KitController:
     """One passed-through controller as the guest sees it."""
     targets: tuple[str, ...]        # the vstor disks it carries ('vdb',)
@@ -58,7 +58,7 @@ class KitController:
     notes: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class Kit:
     domain: str
     digest: str
@@ -234,7 +234,7 @@ def spdk_vcpus(plan: Plan, ctrl_node: int, host: Host | None) -> tuple[tuple[int
 
 
 def to_json(kit: Kit) -> dict:
-    from dataclasses import asdict
+    from vstor.records import asdict
     return {**asdict(kit), "setup_sh": kit.setup_env()}
 
 

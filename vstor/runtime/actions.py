@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
 
 from vstor.backends.qsd.export import QsdExport as QsdSpec
 from vstor.backends.vfio_record import BindRecord, record_from_json, record_to_json
-from vstor.config import Config
 from vstor.errors import ActionFailed, VstorError
-from vstor.meta.plan import AttachPath, Plan
+from vstor.records import record, replace
+
+TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing (every hook imports this)
+if TYPE_CHECKING:   # the plan's declarations (lxml) only where a plan is read
+    from vstor.config import Config
+    from vstor.meta.plan import AttachPath, Plan
 
 
-@dataclass(frozen=True)
+@record
 class VfioBind:
     """A controller on vfio-pci (passthrough, or SPDK's PCIe driver).
     `original` is where it and its IOMMU group peers were, read before the
@@ -46,7 +49,7 @@ class VfioBind:
         return cls(d["address"], record_from_json(d) if "peers" in d else None)
 
 
-@dataclass(frozen=True)
+@record
 class SpdkAttach:
     """An SPDK bdev_nvme controller with every path; shared by the vstor
     domains that use it, detached by the last."""
@@ -71,6 +74,7 @@ class SpdkAttach:
 
     @classmethod
     def from_data(cls, d: dict) -> "SpdkAttach":
+        from vstor.meta.plan import AttachPath
         paths = []
         for p in d["paths"]:
             p = {k: v for k, v in p.items() if k != "name"}
@@ -80,7 +84,7 @@ class SpdkAttach:
         return cls(d["name"], tuple(paths), found=d.get("found") is True)
 
 
-@dataclass(frozen=True)
+@record
 class SpdkVhost:
     """An SPDK vhost-blk controller serving one bdev on one reactor; its
     socket handed to the QEMU group only."""
@@ -121,7 +125,7 @@ class SpdkVhost:
                    d["socket"], d["group"])
 
 
-@dataclass(frozen=True)
+@record
 class QsdExport:
     """A qemu-storage-daemon exporting one file or block device."""
     export: QsdSpec
@@ -141,7 +145,7 @@ class QsdExport:
         return cls(QsdSpec.from_record(d))
 
 
-@dataclass(frozen=True)
+@record
 class NvmfExport:
     """A bdev exported over NVMe-oF by this host's SPDK for a migration's
     destination (local NVMe made migratable): one subsystem, its one

@@ -15,7 +15,6 @@ stay.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
@@ -26,6 +25,7 @@ from vstor.meta.intent import DiskIntent
 from vstor.meta.plan import Plan
 from vstor.planner.hotplug import plan_attach, plan_detach
 from vstor.planner.ledger import Holding, holding_to_json
+from vstor.records import replace
 from vstor.render.libvirt import device_xml
 from vstor.runtime import actions
 from vstor.runtime import steps as executor

@@ -15,8 +15,8 @@ group's other steps ended.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+import threading
+from collections.abc import Callable
 
 from vstor.errors import ActionFailed, VstorError
 from vstor.runtime.state import PREPARED, RELEASING, Record, StateDir
@@ -72,7 +72,8 @@ class Journal:
                 self.state.save(self.rec)
 
     def _run(self, steps: list, first: int = 0, final: str = PREPARED) -> None:
-        for group in self._groups(steps):
+        groups = self._groups(steps)
+        for n, group in enumerate(groups, 1):
             at = len(self.rec.steps)
             self.rec.steps += [self.x.encode(step, DOING) for step in group]
             self.state.save(self.rec)
@@ -92,9 +93,10 @@ class Journal:
                 if isinstance(e, VstorError):
                     err.exit_code = e.exit_code     # a missing SPDK stays "unavailable"
                 raise err from None
-            self.state.save(self.rec)
+            if n < len(groups):
+                self.state.save(self.rec)
         self.rec.status = final
-        self.state.save(self.rec)
+        self.state.save(self.rec)       # with the last group's steps marked done
 
     def _parallel(self, kind) -> bool:
         return kind in getattr(self.x, "PARALLEL", ())
@@ -120,8 +122,23 @@ class Journal:
                 return e
         if len(group) == 1:
             return [one(group[0])]
-        with ThreadPoolExecutor(max_workers=len(group), thread_name_prefix="vstor-step") as pool:
-            return list(pool.map(one, group))
+        out: list[BaseException | None] = [None] * len(group)
+        errors: list[BaseException] = []
+
+        def run(i):
+            try:
+                out[i] = one(group[i])
+            except BaseException as e:      # an interrupt: raised below, after the others end
+                errors.append(e)
+        threads = [threading.Thread(target=run, args=(i,), name=f"vstor-step-{i}")
+                   for i in range(len(group))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return out
 
     def rollback(self, keep=None) -> list[str]:
         """Undo every recorded step (but those `keep(index, entry)` names),

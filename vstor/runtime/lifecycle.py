@@ -14,8 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable
 
-from vstor.config import Config
-from vstor.errors import ActionFailed, BadInput, DoesNotFit
+from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import Host
 from vstor.host.read import read_host
 from vstor.meta.document import Domain
@@ -24,37 +23,12 @@ from vstor.planner import Request, fit
 from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
-from vstor.runtime.journal import DONE, Journal
-from vstor.runtime.state import EXPORTING, INCOMING, PREPARED, Record, StateDir
-
-
-class Runtime:
-    """What steps touch: sysfs, SPDK (connected on first use), the config."""
-
-    def __init__(self, cfg: Config, sysfs, dry_run: bool = False, spdk_factory=None,
-                 force: bool = False, handover: bool = False):
-        self.cfg = cfg
-        self.sysfs = sysfs
-        self.dry_run = dry_run
-        # The destination of a live migration: the source host's backend of
-        # the same disk may hold a shared source until its QEMU stops.
-        self.handover = handover
-        # release --force: undo even what QEMU still uses (SPDK then finishes
-        # a vhost controller's deletion when QEMU lets go).
-        self.force = force
-        self._spdk_factory = spdk_factory
-        self._spdk = None
-
-    def spdk(self):
-        if self._spdk is None:
-            if self._spdk_factory:
-                self._spdk = self._spdk_factory()
-            else:
-                from vstor.backends.spdk import SpdkClient
-                self._spdk = SpdkClient(self.cfg.spdk_socket, timeout=self.cfg.spdk_timeout,
-                                        dry_run=self.dry_run, vhost_dir=self.cfg.vhost_dir,
-                                        config=self.cfg.file)
-        return self._spdk
+from vstor.runtime.journal import Journal
+# Release, reconnect and health work from the record alone (vstor.runtime.recorded);
+# named here too, where every caller looks for a domain's life.
+from vstor.runtime.recorded import (Runtime, _check_releasable, _private, _rollback, own_record,  # noqa: F401
+                                    health, reconnect, release)
+from vstor.runtime.state import INCOMING, PREPARED, Record, StateDir
 
 
 def plan_of(dom: Domain) -> tuple[Request, Plan]:
@@ -141,11 +115,6 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
         return rec
 
 
-def _private(kinds) -> bool:
-    """Steps of these kinds change only the domain's own things (executor.PRIVATE)."""
-    return all(kind in executor.PRIVATE for kind in kinds)
-
-
 def _claim(rec: Record, plan: Plan) -> None:
     """Refused unless this start is the migration the record was made for:
     the plan made here for it, let in by the migrate hook."""
@@ -175,154 +144,3 @@ def _arrive(rt: Runtime, state: StateDir, rec: Record, plan: Plan, say) -> Recor
     state.save(rec)
     say(f"took over the {len(rec.steps)} host changes made for the incoming migration")
     return rec
-
-
-def own_record(rec: Record | None, domain: str | None, uuid: str | None) -> Record | None:
-    """The record, if it is this domain's: a safe name can be another
-    domain's UUID, and one domain's hook must never undo another's work."""
-    if rec is None or domain is None:
-        return rec
-    if rec.domain != domain or rec.uuid != uuid:
-        theirs = f"'{rec.domain}'" if rec.domain != domain else f"'{rec.domain}' of UUID {rec.uuid}"
-        raise DoesNotFit(f"state record {rec.key} belongs to domain {theirs}, not '{domain}'"
-                         f"{'' if rec.domain != domain else f' of UUID {uuid}'}",
-                         hint="give the domain a name of letters, digits and _.+- or another <uuid>")
-    return rec
-
-
-def release(rt: Runtime, state: StateDir, key: str,
-            progress: Callable[[str], None] | None = None, domain: str | None = None,
-            uuid: str | None = None, migrated: bool = False,
-            drop_exports: bool = False) -> Record | None:
-    """Undo what vstor holds under `key`; with `domain`, only that domain's
-    record.  An NVMe-oF export made for a migration (the domain may now run
-    on the other host, reading its disk through it) stays, with what it
-    stands on, in a record marked exporting, unless `drop_exports` (gc found
-    the other host done with it) or `rt.force`."""
-    with state.record_lock(key, dry_run=rt.dry_run), contextlib.ExitStack() as host_lock:
-        host_lock.enter_context(state.lock(dry_run=rt.dry_run))
-        rec = own_record(state.load(key), domain, uuid)
-        if rec is None:
-            return None
-        # An export the other host may read its disk through stays until gc
-        # has asked it (libvirt before 10.5 gives no 'migrated' reason).
-        exports = exported(rec)
-        if exports and rec.status == EXPORTING and not (drop_exports or rt.force):
-            raise DoesNotFit(f"domain '{rec.domain}' runs on {rec.migration.get('to') or 'another host'} "
-                             "and reads its disk through this host's NVMe-oF export",
-                             hint="vstor gc removes it once that host no longer holds the domain; "
-                                  "vstor release --force removes it now")
-        keep = exports if exports and not (drop_exports or rt.force) and (
-            migrated or rec.migration.get("role") == "outgoing") else None
-        if rt.dry_run:
-            for i, entry in reversed(list(enumerate(rec.steps))):
-                if not (keep and keep(i, entry)):
-                    (progress or print)(f"would undo: {_describe(entry)}")
-            return rec
-        _check_releasable(rt, rec)
-        if _private(entry.get("kind") for entry in rec.steps):
-            host_lock.close()
-        _rollback(rt, state, rec, progress, keep)
-        if keep is not None and rec.steps:
-            # What the export stands on is all it holds now: no cores,
-            # reactor, socket or memory of a domain that runs elsewhere.
-            rec.status = EXPORTING
-            rec.holding = {**rec.holding, "cpus": [], "reactors": [], "hugepages": None,
-                           "memory": None, "sockets": [], "connections": []}
-            state.save(rec)
-        return rec
-
-
-def exported(rec: Record):
-    """keep(index, entry) for what a record's NVMe-oF exports stand on: the
-    exports, the SPDK controllers of their bdevs, those controllers' vfio
-    binding; None when the record exports nothing."""
-    exports = [e["data"] for e in rec.steps if e.get("kind") == "nvmf-export"]
-    if not exports:
-        return None
-    controllers = {str(x.get("bdev", "")).rsplit("n", 1)[0] for x in exports}
-    addresses = {p.get("traddr") for e in rec.steps if e.get("kind") == "spdk-attach"
-                 and e["data"].get("name") in controllers
-                 for p in e["data"].get("paths", ()) if p.get("trtype") == "PCIe"}
-    return lambda _i, e: (e.get("kind") == "nvmf-export"
-                          or (e.get("kind") == "spdk-attach" and e["data"].get("name") in controllers)
-                          or (e.get("kind") == "vfio-bind" and e["data"].get("address") in addresses))
-
-
-def _check_releasable(rt: Runtime, rec: Record) -> None:
-    """Before any undo: SPDK reachable when the record needs it (exit 4), and,
-    unless forced, nothing the record made still in use by QEMU (exit 3): a
-    release never takes half of a running domain's storage away."""
-    recorded = []
-    for entry in rec.steps:
-        try:
-            recorded.append(actions.from_json(entry))
-        except ActionFailed:
-            continue        # undo reports it
-    if any(getattr(step, "rpc_methods", ()) for step in recorded):
-        rt.spdk().get_version()
-    if rt.force:
-        return
-    for step in recorded:
-        why = executor.in_use(step, rt)
-        if why:
-            raise DoesNotFit(f"domain '{rec.domain}' is still using its storage: {why}",
-                             hint="stop the domain first (or vstor release --force, which leaves "
-                                  "SPDK to finish when QEMU lets go)")
-
-
-def _describe(entry: dict) -> str:
-    try:
-        return actions.from_json(entry).describe()
-    except ActionFailed as e:
-        return e.message
-
-
-def _rollback(rt: Runtime, state: StateDir, rec: Record, progress, keep=None) -> None:
-    errors = Journal(state, rec, rt, progress).rollback(keep)
-    if errors:
-        raise ActionFailed(f"domain '{rec.domain}': could not undo everything: {'; '.join(errors)}",
-                           hint=f"fix the cause, then: vstor release {rec.domain}")
-
-
-def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
-              uuid: str | None = None) -> list[str]:
-    """libvirtd restarted while the domain runs: check what vstor made still
-    exists and repair what can be repaired.  Returns one line per finding."""
-    findings = []
-    with state.record_lock(key), state.lock():
-        rec = own_record(state.load(key), domain, uuid)
-        if rec is None:
-            return ["vstor holds nothing for it"]
-        for entry in rec.steps:
-            step = actions.from_json(entry)
-            problem = executor.check(step, rt) if entry["state"] == DONE else "interrupted before it finished"
-            if problem is None:
-                continue
-            try:
-                executor.repair(step, rt)
-                findings.append(f"{step.describe()}: {problem}; repaired")
-            except Exception as e:
-                findings.append(f"{step.describe()}: {problem}; repair failed: {e}")
-        if rec.status != PREPARED and all(e["state"] == DONE for e in rec.steps):
-            rec.status = PREPARED
-            state.save(rec)
-    return findings
-
-
-def health(rt: Runtime, rec: Record) -> list[tuple[str, str, str | None]]:
-    """(step, state, problem) for each step of a record."""
-    out = []
-    for entry in rec.steps:
-        try:
-            step = actions.from_json(entry)
-            what = step.describe()
-        except ActionFailed as e:
-            out.append((entry.get("kind", "step"), entry.get("state", ""), e.message))
-            continue
-        try:
-            problem = executor.check(step, rt) if entry["state"] == DONE else "interrupted"
-        except Exception as e:
-            problem = f"cannot check: {str(e).splitlines()[0]}"
-        out.append((what, entry["state"], problem))
-    return out

@@ -21,11 +21,11 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import dataclass, field
 
 from vstor.errors import BadInput, Unavailable
-from vstor.meta.names import is_safe_name
 from vstor.locking import flocked, range_locked, try_range
+from vstor.meta.names import is_safe_name
+from vstor.records import field, record
 
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
@@ -43,7 +43,7 @@ class DamagedRecord(Unavailable):
     operator looks at it."""
 
 
-@dataclass
+@record(frozen=False)
 class Record:
     key: str                      # the domain's safe name: the file name
     domain: str
@@ -227,7 +227,7 @@ def _fsync_dir(path: str) -> None:
 
 def _check_shape(rec: Record) -> None:
     """What the rest of vstor relies on in a record; TypeError/ValueError if not."""
-    from vstor.planner.ledger import holding_from_json
+    from vstor.meta.holding import holding_from_json
     if not all(isinstance(v, str) for v in (rec.key, rec.domain, rec.status)):
         raise TypeError("key, domain and status must be strings")
     for e in rec.steps:

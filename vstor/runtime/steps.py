@@ -8,10 +8,9 @@ journal records the step: nothing here decides anything.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import os
 
+from vstor import records
 from vstor.backends import ownership
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
 from vstor.meta.names import inside, nvme_path
@@ -37,7 +36,7 @@ def preflight(a, rt) -> None:
     if isinstance(a, QsdExport) and a.export.kind == "file":
         # (A block device is the host's, and an offline --host-root has none.)
         from vstor.backends.qsd import files
-        files.check_source(dataclasses.replace(
+        files.check_source(records.replace(
             a.export, source=resolve_image(a.export.source, rt.cfg.images)))
 
 
@@ -55,9 +54,9 @@ def observe(a, rt, others):
     if isinstance(a, SpdkAttach) and _others_step(others, a, finished_only=False) is None:
         every = rt.spdk().get_nvme_controllers()
         _refuse_taken_paths(a, every)
-        return dataclasses.replace(a, found=any(c.get("name") == a.name for c in every))
+        return records.replace(a, found=any(c.get("name") == a.name for c in every))
     if isinstance(a, QsdExport) and a.export.kind == "file":
-        return QsdExport(dataclasses.replace(a.export, source=resolve_image(a.export.source, rt.cfg.images)))
+        return QsdExport(records.replace(a.export, source=resolve_image(a.export.source, rt.cfg.images)))
     return a
 
 
@@ -168,8 +167,7 @@ def _on_this_machine(export, rt):
     """The export's CPUs are the planned host's; when vstor reads another
     host's tree (VSTOR_HOST_ROOT: a capture, a test layout) they need not
     exist here, and the daemon is not pinned."""
-    from dataclasses import replace
-    return export if rt.sysfs.root == "/" or not export.cpus else replace(export, cpus=())
+    return export if rt.sysfs.root == "/" or not export.cpus else records.replace(export, cpus=())
 
 
 def repair(a, rt) -> None:
@@ -281,6 +279,7 @@ def _nvmf_export(a: NvmfExport, rt) -> None:
             raise
     found = spdk.nvmf_get_subsystems(a.nqn)
     if not found:
+        import hashlib
         serial = "VS" + hashlib.sha256(a.nqn.encode()).hexdigest()[:18].upper()   # NVMe: 20 ASCII
         spdk.nvmf_create_subsystem(a.nqn, serial_number=serial,
                                    model_number="vstor migration export", allow_any_host=False)

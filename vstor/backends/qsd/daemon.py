@@ -10,14 +10,12 @@ record needs to outlive vstor.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
-import shutil
-import subprocess
-import tempfile
+import threading
 import time
 
+from vstor import records
 from vstor.backends import ownership
 from vstor.backends.qsd import files, proc
 from vstor.backends.qsd.export import EXPORT_ID, QsdExport, _after, _export_opts
@@ -36,7 +34,7 @@ def pid(export: QsdExport) -> int | None:
     found = proc.read_pid(export.pidfile)
     if found is not None and _is_ours(export, found):
         return found
-    return next((p for p in proc.pids() if _is_ours(export, p)), None)
+    return next((p for p in proc.pids_of(export.binary) if _is_ours(export, p)), None)
 
 
 def alive(export: QsdExport) -> bool:
@@ -132,9 +130,11 @@ def _reuse(export: QsdExport) -> int | None:
 
 
 def _spawn(export: QsdExport, timeout: float) -> None:
-    # qsd reports startup errors on stderr before its parent exits; a file,
-    # not a pipe, so a daemon that kept stderr open could never hang us.
-    with tempfile.TemporaryFile() as err:
+    import subprocess       # here, with shutil below: a release (every hook's) starts nothing
+    # qsd reports startup errors on stderr before its parent exits; a file
+    # (in memory), not a pipe, so a daemon that kept stderr open could never
+    # hang us.
+    with open(os.memfd_create("qsd-stderr", os.MFD_CLOEXEC), "w+b") as err:
         try:
             done = subprocess.Popen(scope(export.name) + _pin(export.cpus) + export.argv(),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
@@ -158,6 +158,7 @@ def _pin(cpus: tuple[int, ...]) -> list[str]:
     several threads)."""
     if not cpus:
         return []
+    import shutil
     return [shutil.which("taskset") or "/usr/bin/taskset", "--cpu-list", ",".join(map(str, cpus))]
 
 
@@ -168,6 +169,7 @@ def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:
     pvedaemon or pve-ha-lrm task that ran the hookscript; libvirtd's unit
     kills only its main process).  systemd-run --scope runs the command
     itself, so the daemon's command line is unchanged."""
+    import shutil
     tool = shutil.which("systemd-run") if os.path.isdir(booted) else None
     if not tool:
         return []
@@ -189,7 +191,7 @@ def _settle(export: QsdExport, timeout: float) -> int:
     # qsd sets umask 027 when it daemonizes: the socket is born root:root
     # 0750, which only root can connect to, until it is handed to QEMU here.
     ownership.restrict_socket(export.socket_path, export.qemu_group)
-    why = connect_as(export.qemu_user, export.socket_path)
+    why = _reachable(export)
     if why:
         raise ActionFailed(f"{export.qemu_user} cannot connect to {export.socket_path}: {why}",
                            hint=f"every directory above it must be searchable by group "
@@ -199,10 +201,42 @@ def _settle(export: QsdExport, timeout: float) -> int:
     return found
 
 
+def _reachable(export: QsdExport) -> str | None:
+    """connect_as for the export's socket, or None when the QEMU user
+    already reached a socket in the same directory, through directories
+    with the very same owner, mode and ACL, in this process: the sockets'
+    own owner and mode are restrict_socket's, so what could differ is only
+    the path.  One fork per domain's directory instead of one per daemon.
+    (Not the directories' ctime: each new socket moves its directory's.)"""
+    chain, path = [], os.path.dirname(export.socket_path)
+    while True:
+        st = os.stat(path)
+        try:
+            acl = os.getxattr(path, "system.posix_acl_access")
+        except OSError:
+            acl = None      # none (ENODATA), or a filesystem without ACLs
+        chain.append((st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid, acl))
+        if path == os.path.dirname(path):
+            break
+        path = os.path.dirname(path)
+    key = (export.qemu_user, tuple(chain))
+    with _REACHED_LOCK:
+        if key in _REACHED:
+            return None
+        why = connect_as(export.qemu_user, export.socket_path)
+        if why is None:
+            _REACHED.add(key)
+        return why
+
+
+_REACHED: set = set()
+_REACHED_LOCK = threading.Lock()
+
+
 def _resolved(export: QsdExport) -> QsdExport:
     if export.direct is not None:
         return export
-    return dataclasses.replace(export, direct=export.kind == "block"
+    return records.replace(export, direct=export.kind == "block"
                                or files.direct_works(export.source))
 
 
@@ -291,7 +325,7 @@ def _check_no_other_writer(export: QsdExport, handover: bool = False) -> None:
     and stops before the destination's runs."""
     mine = os.stat(export.source)
     here = _mount_ns("self")
-    for p in proc.pids():
+    for p in proc.pids_of("qemu-storage-daemon"):
         argv = proc.cmdline(p)
         if not argv or os.path.basename(argv[0]) != "qemu-storage-daemon":
             continue

@@ -12,12 +12,12 @@ does that.
 
 from __future__ import annotations
 
-import dataclasses
 import os.path
 import shlex
-from dataclasses import dataclass
 
+from vstor import records
 from vstor.errors import ActionFailed, BadInput
+from vstor.records import record
 
 RECORD_VERSION = 1
 EXPORT_ID = "exp0"
@@ -29,7 +29,7 @@ NAME_MAX = 96
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.+-")
 
 
-@dataclass(frozen=True)
+@record
 class QsdExport:
     run_dir: str
     name: str
@@ -101,7 +101,7 @@ class QsdExport:
     # -- the record ----------------------------------------------------------------------
 
     def to_record(self) -> dict:
-        return {"version": RECORD_VERSION, **dataclasses.asdict(self)}
+        return {"version": RECORD_VERSION, **records.asdict(self)}
 
     @classmethod
     def from_record(cls, rec: dict) -> "QsdExport":
@@ -110,9 +110,9 @@ class QsdExport:
         if rec.get("version", RECORD_VERSION) != RECORD_VERSION:
             raise ActionFailed(f"qemu-storage-daemon record version {rec.get('version')!r} "
                                "is not one this vstor reads", hint="use the vstor that wrote it")
-        names = {f.name for f in dataclasses.fields(cls)}
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING}
+        names = {f.name for f in records.fields(cls)}
+        required = {f.name for f in records.fields(cls)
+                    if f.default is records.MISSING}
         missing = sorted(required - rec.keys())
         if missing:
             raise BadInput(f"qemu-storage-daemon record lacks {', '.join(missing)}")

@@ -8,7 +8,6 @@ import os
 import pwd
 import select
 import signal
-import socket
 from collections.abc import Iterator
 
 from vstor.errors import ActionFailed
@@ -18,6 +17,26 @@ def pids() -> Iterator[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             yield int(entry)
+
+
+def pids_of(binary: str) -> Iterator[int]:
+    """The pids that may run `binary` (by its file name): those whose
+    /proc/PID/exe names it, one readlink each instead of reading every
+    process's cmdline (the hook starts several daemons at once, and each
+    looks at every process).  A process whose exe cannot be read for any
+    reason but its absence (kernel threads, zombies, the gone) is included:
+    the caller reads its cmdline, as for the others."""
+    name = os.path.basename(binary)
+    for pid in pids():
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except FileNotFoundError:
+            continue
+        except OSError:
+            yield pid
+            continue
+        if os.path.basename(exe.removesuffix(" (deleted)")) == name:
+            yield pid
 
 
 def cmdline(pid: int) -> list[str]:
@@ -97,6 +116,7 @@ def exits_within(pid: int, timeout: float) -> bool:
 def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
     """Connect to a Unix socket with `user`'s uid and groups (in a forked
     child); None when it worked, else the reason (strerror)."""
+    import socket       # here: a release (every hook's) never connects
     try:
         pw = pwd.getpwnam(user)
     except KeyError:

@@ -1,0 +1,197 @@
+"""Records: classes of named fields with __init__, __repr__, __eq__ (and,
+frozen, __hash__ and no assignment), as @dataclasses.dataclass makes them;
+with the same field(), fields(), replace() and asdict().
+
+Why not dataclasses: the hook starts a new Python for every domain start and
+stop, and it reads some fifty of these classes.  dataclasses compiles each
+class's methods from source with exec (about 0.8 ms a frozen class on our
+machines) and imports inspect, ast, dis and tokenize to do it (about 20 ms):
+together most of what the hook's imports cost.  These methods are closures
+over the field list instead, made in microseconds; an instance is built a
+little slower, which vstor's few hundred objects never notice.
+
+What is kept from dataclasses: fields in annotation order (a base record's
+first), defaults and default_factory, a mutable default refused, a field
+without a default after one with it refused, compare=False and hash=False,
+metadata, __post_init__, equality only within one class, unhashable when
+not frozen, FrozenInstanceError (an AttributeError) on assignment.  Not
+kept: init=False, repr=False, kw_only, slots, InitVar and ClassVar fields
+(vstor uses none; a ClassVar annotation is refused rather than misread).
+"""
+
+from __future__ import annotations
+
+MISSING = type("MISSING", (), {"__repr__": lambda self: "MISSING"})()
+
+
+class FrozenInstanceError(AttributeError):
+    pass
+
+
+class Field:
+    __slots__ = ("name", "default", "default_factory", "compare", "hash", "metadata")
+
+    def __init__(self, default=MISSING, default_factory=MISSING, compare=True, hash=None,
+                 metadata=None):
+        if default is not MISSING and default_factory is not MISSING:
+            raise ValueError("cannot specify both default and default_factory")
+        self.name = None
+        self.default, self.default_factory = default, default_factory
+        self.compare, self.hash = compare, hash
+        self.metadata = dict(metadata or {})
+
+    def __repr__(self) -> str:
+        return f"Field(name={self.name!r}, default={self.default!r})"
+
+
+def field(*, default=MISSING, default_factory=MISSING, compare=True, hash=None, metadata=None) -> Field:
+    return Field(default, default_factory, compare, hash, metadata)
+
+
+def record(cls=None, /, *, frozen: bool = True):
+    """@record (frozen) or @record(frozen=False)."""
+    def wrap(cls):
+        return _process(cls, frozen)
+    return wrap if cls is None else wrap(cls)
+
+
+def fields(obj) -> tuple[Field, ...]:
+    try:
+        return obj.__record_fields__
+    except AttributeError:
+        raise TypeError(f"{obj!r} is not a record") from None
+
+
+def replace(obj, /, **changes):
+    """A copy of `obj` with `changes` (checked again by its __post_init__)."""
+    for f in fields(obj):
+        changes.setdefault(f.name, getattr(obj, f.name))
+    return obj.__class__(**changes)
+
+
+def asdict(obj) -> dict:
+    """Fields by name, records within turned into dicts too (lists, tuples
+    and dicts of them as well)."""
+    fields(obj)
+    return _plain(obj)
+
+
+def _plain(value):
+    if hasattr(type(value), "__record_fields__"):
+        return {f.name: _plain(getattr(value, f.name)) for f in value.__record_fields__}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def _process(cls, frozen: bool):
+    own = []
+    for name, note in cls.__dict__.get("__annotations__", {}).items():
+        if "ClassVar" in str(note) or "InitVar" in str(note):
+            raise TypeError(f"{cls.__name__}.{name}: ClassVar and InitVar are not supported")
+        value = cls.__dict__.get(name, MISSING)
+        f = value if isinstance(value, Field) else Field(default=value)
+        f.name = name
+        if f.default is not MISSING and type(f.default).__hash__ is None:
+            raise ValueError(f"mutable default {type(f.default)} for field {name} is not allowed: "
+                             "use default_factory")
+        if f.default is MISSING:
+            if name in cls.__dict__:
+                delattr(cls, name)
+        else:
+            setattr(cls, name, f.default)
+        own.append(f)
+    merged: dict[str, Field] = {}
+    for base in reversed(cls.__mro__[1:]):
+        merged.update((f.name, f) for f in base.__dict__.get("__record_fields__", ()))
+    merged.update((f.name, f) for f in own)
+    all_fields = tuple(merged.values())
+    seen_default = False
+    for f in all_fields:
+        has_default = f.default is not MISSING or f.default_factory is not MISSING
+        if seen_default and not has_default:
+            raise TypeError(f"non-default argument '{f.name}' follows default argument")
+        seen_default = seen_default or has_default
+    cls.__record_fields__ = all_fields
+    cls.__match_args__ = tuple(f.name for f in all_fields)
+    cls.__init__ = _init(cls.__qualname__, all_fields)
+    cls.__repr__ = _repr(all_fields)
+    compared = tuple(f.name for f in all_fields if f.compare)
+    cls.__eq__ = _eq(compared)
+    if frozen:
+        hashed = tuple(f.name for f in all_fields if (f.compare if f.hash is None else f.hash))
+        cls.__hash__ = lambda self: hash(tuple(getattr(self, n) for n in hashed))
+        cls.__setattr__ = _frozen_setattr
+        cls.__delattr__ = _frozen_delattr
+    else:
+        cls.__hash__ = None
+    return cls
+
+
+def _init(qualname: str, all_fields: tuple[Field, ...]):
+    names = tuple(f.name for f in all_fields)
+    index = set(names)
+    required = sum(1 for f in all_fields if f.default is MISSING and f.default_factory is MISSING)
+    takes = (f"{len(names) + 1}" if required == len(names)
+             else f"from {required + 1} to {len(names) + 1}")
+    set_ = object.__setattr__
+
+    def __init__(self, *args, **kwargs):
+        if len(args) > len(names):
+            raise TypeError(f"{qualname}.__init__() takes {takes} positional arguments "
+                            f"but {len(args) + 1} were given")
+        values = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in index:
+                raise TypeError(f"{qualname}.__init__() got an unexpected keyword argument '{key}'")
+            if key in values:
+                raise TypeError(f"{qualname}.__init__() got multiple values for argument '{key}'")
+            values[key] = value
+        missing = []
+        for f in all_fields:
+            if f.name in values:
+                value = values[f.name]
+            elif f.default is not MISSING:
+                value = f.default
+            elif f.default_factory is not MISSING:
+                value = f.default_factory()
+            else:
+                missing.append(f"'{f.name}'")
+                continue
+            set_(self, f.name, value)
+        if missing:
+            listed = (missing[0] if len(missing) == 1 else
+                      f"{', '.join(missing[:-1])}{',' if len(missing) > 2 else ''} and {missing[-1]}")
+            raise TypeError(f"{qualname}.__init__() missing {len(missing)} required positional "
+                            f"argument{'s' if len(missing) > 1 else ''}: {listed}")
+        post = getattr(self, "__post_init__", None)
+        if post is not None:
+            post()
+    return __init__
+
+
+def _repr(all_fields: tuple[Field, ...]):
+    names = tuple(f.name for f in all_fields)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{n}={getattr(self, n)!r}" for n in names)
+        return f"{type(self).__qualname__}({inner})"
+    return __repr__
+
+
+def _eq(compared: tuple[str, ...]):
+    def __eq__(self, other):
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return tuple(getattr(self, n) for n in compared) == tuple(getattr(other, n) for n in compared)
+    return __eq__
+
+
+def _frozen_setattr(self, name, value):
+    raise FrozenInstanceError(f"cannot assign to field '{name}'")
+
+
+def _frozen_delattr(self, name):
+    raise FrozenInstanceError(f"cannot delete field '{name}'")
