@@ -575,6 +575,20 @@ def test_a_socket_qemu_cannot_reach_is_refused_and_every_directory_change_is_see
     assert connect_as(QEMU_USER, d.socket_path) == 0
 
 
+def test_a_daemon_keeps_no_file_its_starter_left_open(area):
+    """The daemon outlives the hook: an fd the hook inherited open (a lock
+    its caller holds, say) must not stay open in the daemon."""
+    leaked = os.path.join(area.base, "callers-lock")
+    fd = os.open(leaked, os.O_RDWR | os.O_CREAT, 0o600)
+    os.set_inheritable(fd, True)
+    try:
+        pid = daemon.start(area.export())
+        held = {os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
+        assert leaked not in held and len(held) < 30
+    finally:
+        os.close(fd)
+
+
 def test_socket_mode_alone_keeps_others_out(area):
     os.makedirs(area.vhost, mode=0o755)     # a directory anyone may traverse
     os.chmod(area.vhost, 0o755)
@@ -870,12 +884,26 @@ def test_the_second_writer_check_refuses_when_it_cannot_look():
     shutil.rmtree(work)
 
 
+def test_which_finds_what_shutil_finds_and_never_in_the_working_directory(tmp_path, monkeypatch):
+    import shutil
+    from vstor.backends.qsd.proc import which
+    for name in ("taskset", "sh", "qemu-storage-daemon", "no-such-tool", "bin"):
+        assert which(name) == shutil.which(name)
+    (tmp_path / "tool").write_text("#!/bin/sh\n")
+    (tmp_path / "tool").chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", f":{os.defpath}")        # '' is the working directory to a shell
+    assert which("tool") is None
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin")
+    assert which("tool") == str(tmp_path / "tool") == shutil.which("tool")
+
+
 def test_under_systemd_a_daemon_gets_a_scope_of_its_own(tmp_path, monkeypatch):
     """It must outlive the service that started it (pvedaemon on Proxmox):
     systemd-run --scope in vstor.slice, the daemon's own argv after '--'."""
     from vstor.backends.qsd.daemon import scope
     assert scope("vm1-vdb", booted=str(tmp_path / "absent")) == []
-    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr("vstor.backends.qsd.proc.which", lambda name: f"/usr/bin/{name}")
     argv = scope("vm1-vdb", booted=str(tmp_path))
     assert argv[:2] == ["/usr/bin/systemd-run", "--scope"] and argv[-1] == "--"
     assert "--slice=vstor.slice" in argv and "--collect" in argv

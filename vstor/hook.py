@@ -69,7 +69,8 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
     else:
         from vstor.host.read import read_host
         from vstor.runtime.lifecycle import prepare
-        rec = prepare(rt, state, read_host(SysFS(root)), dom, progress=lambda m: log(name, m))
+        rec = prepare(rt, state, read_host(SysFS(root), processes=False), dom,
+                      progress=lambda m: log(name, m))
         log(name, f"prepared: {len(rec.steps)} host changes recorded")
     return 0
 

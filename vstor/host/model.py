@@ -140,7 +140,7 @@ class Host:
     iommu_enabled: bool = False     # /sys/kernel/iommu_groups is populated
     vfio_available: bool = False    # vfio-pci driver or module present
     thp: str = ""                   # transparent hugepages mode: always|madvise|never
-    irqbalance_running: bool = False
+    irqbalance_running: bool | None = False     # None: not looked at (read_host)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def controller(self, address: str) -> NvmeController | None:

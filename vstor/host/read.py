@@ -26,7 +26,9 @@ INFINIBAND = "/sys/class/infiniband"
 _NS_NAME = re.compile(r"nvme(\d+)(?:c\d+)?n(\d+)")
 
 
-def read_host(sysfs: SysFS) -> Host:
+def read_host(sysfs: SysFS, processes: bool = True) -> Host:
+    """`processes=False`: the one fact read from every process (whether
+    irqbalance runs: doctor's) is left unread (None), for the hook."""
     online = read_online_cpus(sysfs)
     nodes = read_nodes(sysfs, online)
     usage = BlockUsage(sysfs)
@@ -42,7 +44,7 @@ def read_host(sysfs: SysFS) -> Host:
         vfio_available=(sysfs.exists("/sys/bus/pci/drivers/vfio-pci")
                         or sysfs.exists("/sys/module/vfio_pci")),
         thp=bracketed(sysfs.read("/sys/kernel/mm/transparent_hugepage/enabled", "", optional=True)),
-        irqbalance_running=irqbalance_running(sysfs),
+        irqbalance_running=irqbalance_running(sysfs) if processes else None,
     )
 
 

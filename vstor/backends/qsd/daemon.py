@@ -29,12 +29,14 @@ __all__ = ["alive", "connect_as", "dry_run", "pid", "restart_if_dead", "start", 
 
 # -- looking ---------------------------------------------------------------------------------
 
-def pid(export: QsdExport) -> int | None:
-    """The live daemon's pid: the pidfile's, or (pidfile lost) found in /proc."""
+def pid(export: QsdExport, among: list[int] | None = None) -> int | None:
+    """The live daemon's pid: the pidfile's, or (pidfile lost) found in /proc
+    (among the pids the caller found running that binary, if it looked)."""
     found = proc.read_pid(export.pidfile)
     if found is not None and _is_ours(export, found):
         return found
-    return next((p for p in proc.pids_of(export.binary) if _is_ours(export, p)), None)
+    pids = proc.pids_of(export.binary) if among is None else among
+    return next((p for p in pids if _is_ours(export, p)), None)
 
 
 def alive(export: QsdExport) -> bool:
@@ -77,9 +79,15 @@ def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
 def start(export: QsdExport, timeout: float = 10.0, handover: bool = False) -> int:
     """Start the daemon (or take over the one already serving); its pid.
     `handover`: see _check_no_other_writer."""
+    began = time.monotonic()
     ownership.ensure_dir(export.run_dir, export.qemu_group, enforce=True)
     with _lock(export):
-        running = _reuse(export)
+        # One look through /proc for both questions: a daemon of this name
+        # whose pidfile was lost, and another writer.  Made since this call
+        # began (by it, or by another daemon's start beside it): a daemon of
+        # this name started since would have written its pidfile.
+        daemons = proc.pids_of(export.binary, since=began)
+        running = _reuse(export, daemons)
         if running is not None:
             return running
         _remove_files(export)
@@ -89,7 +97,7 @@ def start(export: QsdExport, timeout: float = 10.0, handover: bool = False) -> i
                                hint="move it away; vstor only replaces sockets")
         _check_binary(export)
         files.check_source(export)
-        _check_no_other_writer(export, handover)
+        _check_no_other_writer(export, handover, daemons)
         ownership.ensure_dir(os.path.dirname(export.socket_path), export.qemu_group, enforce=False)
         resolved = _resolved(export)
         try:
@@ -109,8 +117,8 @@ def restart_if_dead(export: QsdExport, timeout: float = 10.0) -> bool:
     return start(export, timeout) != before
 
 
-def _reuse(export: QsdExport) -> int | None:
-    found = pid(export)
+def _reuse(export: QsdExport, daemons: list[int]) -> int | None:
+    found = pid(export, daemons)
     if found is None:
         return None
     running = proc.cmdline(found)
@@ -130,7 +138,10 @@ def _reuse(export: QsdExport) -> int | None:
 
 
 def _spawn(export: QsdExport, timeout: float) -> None:
-    import subprocess       # here, with shutil below: a release (every hook's) starts nothing
+    # subprocess, not os.posix_spawn (whose import is cheaper): Popen closes
+    # every other fd in the child, and a daemon that outlives the hook must
+    # not keep one its caller leaked (qemu-server's config lock, say).
+    import subprocess       # here: a release (every hook's) starts nothing
     # qsd reports startup errors on stderr before its parent exits; a file
     # (in memory), not a pipe, so a daemon that kept stderr open could never
     # hang us.
@@ -158,8 +169,7 @@ def _pin(cpus: tuple[int, ...]) -> list[str]:
     several threads)."""
     if not cpus:
         return []
-    import shutil
-    return [shutil.which("taskset") or "/usr/bin/taskset", "--cpu-list", ",".join(map(str, cpus))]
+    return [proc.which("taskset") or "/usr/bin/taskset", "--cpu-list", ",".join(map(str, cpus))]
 
 
 def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:
@@ -169,8 +179,7 @@ def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:
     pvedaemon or pve-ha-lrm task that ran the hookscript; libvirtd's unit
     kills only its main process).  systemd-run --scope runs the command
     itself, so the daemon's command line is unchanged."""
-    import shutil
-    tool = shutil.which("systemd-run") if os.path.isdir(booted) else None
+    tool = proc.which("systemd-run") if os.path.isdir(booted) else None
     if not tool:
         return []
     return [tool, "--scope", "--quiet", "--collect", "--slice=vstor.slice",
@@ -316,7 +325,8 @@ def _check_binary(export: QsdExport) -> None:
                           hint="apt install qemu-system-common, or use backend='spdk'")
 
 
-def _check_no_other_writer(export: QsdExport, handover: bool = False) -> None:
+def _check_no_other_writer(export: QsdExport, handover: bool = False,
+                           daemons: list[int] | None = None) -> None:
     """qsd's exports share every permission on their node, so QEMU's image
     locking lets two daemons write one source: refuse it here.  One exception,
     with `handover` (the destination of a live migration): the source host's
@@ -325,7 +335,9 @@ def _check_no_other_writer(export: QsdExport, handover: bool = False) -> None:
     and stops before the destination's runs."""
     mine = os.stat(export.source)
     here = _mount_ns("self")
-    for p in proc.pids_of("qemu-storage-daemon"):
+    if daemons is None or os.path.basename(export.binary) != "qemu-storage-daemon":
+        daemons = proc.pids_of("qemu-storage-daemon")
+    for p in daemons:
         argv = proc.cmdline(p)
         if not argv or os.path.basename(argv[0]) != "qemu-storage-daemon":
             continue

@@ -8,6 +8,8 @@ import os
 import pwd
 import select
 import signal
+import threading
+import time
 from collections.abc import Iterator
 
 from vstor.errors import ActionFailed
@@ -19,24 +21,51 @@ def pids() -> Iterator[int]:
             yield int(entry)
 
 
-def pids_of(binary: str) -> Iterator[int]:
+def pids_of(binary: str, since: float | None = None) -> list[int]:
     """The pids that may run `binary` (by its file name): those whose
     /proc/PID/exe names it, one readlink each instead of reading every
-    process's cmdline (the hook starts several daemons at once, and each
-    looks at every process).  A process whose exe cannot be read for any
-    reason but its absence (kernel threads, zombies, the gone) is included:
-    the caller reads its cmdline, as for the others."""
+    process's cmdline.  A process whose exe cannot be read for any reason
+    but its absence (kernel threads, zombies, the gone) is included: the
+    caller reads its cmdline, as for the others.
+
+    `since` (a time.monotonic()): a look another thread began after it is as
+    good as a new one, and is taken instead (the hook starts a domain's
+    daemons side by side, each of which looks; one look then serves them).
+    Looks are made one at a time."""
     name = os.path.basename(binary)
-    for pid in pids():
-        try:
-            exe = os.readlink(f"/proc/{pid}/exe")
-        except FileNotFoundError:
-            continue
-        except OSError:
-            yield pid
-            continue
-        if os.path.basename(exe.removesuffix(" (deleted)")) == name:
-            yield pid
+    with _LOOK_LOCK:
+        last = _LOOKS.get(name)
+        if since is not None and last is not None and last[0] >= since:
+            return list(last[1])
+        began = time.monotonic()
+        found = []
+        for pid in pids():
+            try:
+                exe = os.readlink(f"/proc/{pid}/exe")
+            except FileNotFoundError:
+                continue
+            except OSError:
+                found.append(pid)
+                continue
+            if os.path.basename(exe.removesuffix(" (deleted)")) == name:
+                found.append(pid)
+        _LOOKS[name] = (began, found)
+        return list(found)
+
+
+_LOOKS: dict[str, tuple[float, list[int]]] = {}
+_LOOK_LOCK = threading.Lock()
+
+
+def which(name: str) -> str | None:
+    """shutil.which without shutil's import (bz2, lzma, fnmatch: more than a
+    hook's daemon start should pay), and without the empty PATH entry that
+    would mean the working directory."""
+    for directory in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(directory, name)
+        if directory and os.access(path, os.X_OK) and not os.path.isdir(path):
+            return path
+    return None
 
 
 def cmdline(pid: int) -> list[str]:
