@@ -550,8 +550,12 @@ def test_a_socket_qemu_cannot_reach_is_refused_and_every_directory_change_is_see
     That is tried with one connection per directory while the directories
     stay as they were: a chmod of any of them is seen by the next start."""
     forks = []
-    real = daemon.connect_as
-    monkeypatch.setattr(daemon, "connect_as", lambda *a: forks.append(a[1]) or real(*a))
+    from vstor.backends.qsd import proc
+    real = proc.connect_as
+    monkeypatch.setattr(proc, "connect_as", lambda *a: forks.append(a[1]) or real(*a))
+    # What earlier tests' daemons reached (a reused inode with the same
+    # owner and mode is the same path to QEMU's user: rightly remembered).
+    monkeypatch.setattr(proc, "_REACHED", set())
     disks = []
     for n in range(4):
         disks.append(os.path.join(area.base, f"d{n}.raw"))

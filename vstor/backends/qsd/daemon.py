@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 
 from vstor import records
@@ -200,7 +199,7 @@ def _settle(export: QsdExport, timeout: float) -> int:
     # qsd sets umask 027 when it daemonizes: the socket is born root:root
     # 0750, which only root can connect to, until it is handed to QEMU here.
     ownership.restrict_socket(export.socket_path, export.qemu_group)
-    why = _reachable(export)
+    why = proc.reachable(export.qemu_user, export.socket_path)
     if why:
         raise ActionFailed(f"{export.qemu_user} cannot connect to {export.socket_path}: {why}",
                            hint=f"every directory above it must be searchable by group "
@@ -208,38 +207,6 @@ def _settle(export: QsdExport, timeout: float) -> int:
     # No QMP question here: a daemonized qsd's parent exits 0 only after
     # every --export on its command line was created.
     return found
-
-
-def _reachable(export: QsdExport) -> str | None:
-    """connect_as for the export's socket, or None when the QEMU user
-    already reached a socket in the same directory, through directories
-    with the very same owner, mode and ACL, in this process: the sockets'
-    own owner and mode are restrict_socket's, so what could differ is only
-    the path.  One fork per domain's directory instead of one per daemon.
-    (Not the directories' ctime: each new socket moves its directory's.)"""
-    chain, path = [], os.path.dirname(export.socket_path)
-    while True:
-        st = os.stat(path)
-        try:
-            acl = os.getxattr(path, "system.posix_acl_access")
-        except OSError:
-            acl = None      # none (ENODATA), or a filesystem without ACLs
-        chain.append((st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid, acl))
-        if path == os.path.dirname(path):
-            break
-        path = os.path.dirname(path)
-    key = (export.qemu_user, tuple(chain))
-    with _REACHED_LOCK:
-        if key in _REACHED:
-            return None
-        why = connect_as(export.qemu_user, export.socket_path)
-        if why is None:
-            _REACHED.add(key)
-        return why
-
-
-_REACHED: set = set()
-_REACHED_LOCK = threading.Lock()
 
 
 def _resolved(export: QsdExport) -> QsdExport:

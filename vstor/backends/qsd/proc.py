@@ -174,3 +174,35 @@ def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
     return None if code == 0 else (os.strerror(code) if code < 255 else "unknown error")
+
+
+def reachable(user: str, path: str) -> str | None:
+    """connect_as(user, path), or None when `user` already reached a socket
+    in the same directory, through directories with the very same owner,
+    mode and ACL, in this process: the sockets' own owner and mode are set
+    alike (daemon._settle), so only the path could differ.  One fork per
+    domain's directory instead of one per daemon.  (Not the directories'
+    ctime: each new socket moves its directory's.)"""
+    chain, where = [], os.path.dirname(path)
+    while True:
+        st = os.stat(where)
+        try:
+            acl = os.getxattr(where, "system.posix_acl_access")
+        except OSError:
+            acl = None      # none (ENODATA), or a filesystem without ACLs
+        chain.append((st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_gid, acl))
+        if where == os.path.dirname(where):
+            break
+        where = os.path.dirname(where)
+    key = (user, tuple(chain))
+    with _REACHED_LOCK:
+        if key in _REACHED:
+            return None
+        why = connect_as(user, path)
+        if why is None:
+            _REACHED.add(key)
+        return why
+
+
+_REACHED: set = set()
+_REACHED_LOCK = threading.Lock()
