@@ -165,8 +165,11 @@ def through_hook(runs: int, work: str, dom, cfg) -> None:
     a = statistics.median(ours)
     for (what, _), samples in zip(sticks, theirs):
         b = statistics.median(samples)
+        # Each cycle of ours ran right before one of the yardstick's: the
+        # median of those pairs' ratios holds still on a busy machine.
+        paired = statistics.median(x / y for x, y in zip(ours, samples))
         print(f"hook prepare begin + release end, 4 qsd disks: {a * 1000:.0f} ms vs yardstick on "
-              f"{what} {b * 1000:.0f} ms: ratio {a / b:.2f} (median of {runs})")
+              f"{what} {b * 1000:.0f} ms: ratio {a / b:.2f}, paired {paired:.2f} (median of {runs})")
 
 
 def prepare_release(runs: int) -> None:

@@ -145,7 +145,10 @@ def exits_within(pid: int, timeout: float) -> bool:
 def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
     """Connect to a Unix socket with `user`'s uid and groups (in a forked
     child); None when it worked, else the reason (strerror)."""
-    import socket       # here: a release (every hook's) never connects
+    # Imported here (a release, every hook's, never connects), and in the
+    # parent: a child forked from threads must not import (another thread
+    # may have held a module's import lock at the fork).
+    import socket
     try:
         pw = pwd.getpwnam(user)
     except KeyError:
