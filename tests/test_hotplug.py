@@ -158,6 +158,50 @@ def test_qsd_disks_are_added_and_removed_with_real_daemons(env, tmp_path):
     assert sorted(f for f in os.listdir(env.cfg.qsd_dir) if f.startswith("vm1-vdc")) == []
 
 
+def _killed_attach(env, dom, guest, new) -> int:
+    """attach in a child killed right before libvirt would attach the
+    device (after the daemon started); the orphaned daemon's pid."""
+    child = os.fork()
+    if child == 0:      # pragma: no cover (the killed attach)
+        guest.attach = lambda *_a: os._exit(9)
+        attach(env.rt(), env.state, env.host(), dom, new, guest, progress=lambda _m: None)
+        os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 9
+    return int(open(os.path.join(env.cfg.qsd_dir, f"vm1-{new.target}.pid")).read())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1][0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("again", ["the same disk", "another disk"])
+def test_an_attach_killed_before_the_guest_had_its_disk_is_undone_by_the_next(env, tmp_path, again):
+    """Killed (SIGKILL, power lost) after the daemon started but before
+    libvirt attached the device: the record holds the new disk's step and
+    the live plan has no such disk.  The next attach undoes it first, as a
+    prepare undoes an interrupted prepare, then does its own."""
+    _, paths = file_disks(env, "bcd", size=8 << 20)
+    dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
+    before = env.state.load("vm1")
+    guest = GuestDouble(dom)
+    killed = disk(file_disk(paths[1], "vdc"), tmp_path)
+    orphan = _killed_attach(env, dom, guest, killed)
+    left = env.state.load("vm1")
+    assert len(left.steps) == len(before.steps) + 1 and left.holding != before.holding
+    new = killed if again == "the same disk" else disk(file_disk(paths[2], "vdd"), tmp_path)
+    plan = attach(env.rt(), env.state, env.host(), dom, new, guest, progress=lambda _m: None)
+    assert [c[0] for c in guest.calls] == ["attach"] and [d.target for d in plan.disks] == ["vdb", new.target]
+    now = env.state.load("vm1")
+    assert now.steps[:len(before.steps)] == before.steps and len(now.steps) == len(before.steps) + 1
+    assert _gone(orphan) and now.holding["sockets"] == sorted(
+        f"{env.cfg.vhost_dir}/vm1-{t}" for t in ("vdb", new.target))
+    assert sorted(f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1")) == ["vm1-vdb", f"vm1-{new.target}"]
+    release(env.rt(), env.state, "vm1")
+
+
 def test_refusals_name_the_reason_and_change_nothing(env, tmp_path):
     pt = "<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:61:00.0'/></vstor:disk>"
     dom = running(env, pt)

@@ -51,6 +51,8 @@ def attach(rt: Runtime, state: StateDir, host: Host, dom: Domain, disk: DiskInte
 def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progress) -> Plan:
     with state.lock(dry_run=rt.dry_run):
         rec = _running_record(state, dom)
+        if not rt.dry_run:
+            _undo_interrupted(rt, state, dom, rec, plan, progress)
         new = plan_attach(host, rt.cfg, req, plan, disk, running_ledger(state.records()))
         added = new.disk(disk.target)
         have = {actions.identity(actions.from_json(e)) for e in rec.steps}
@@ -147,6 +149,30 @@ def _release_disk(rt: Runtime, state: StateDir, dom: Domain, target: str, mine, 
         raise ActionFailed(f"domain '{dom.name}': {target} left the guest, but undoing its "
                            f"backend failed: {'; '.join(errors)}",
                            hint=f"fix the cause, then: vstor detach {dom.name} {target}")
+
+
+def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan, progress) -> None:
+    """An attach killed before the guest had its disk (the live plan never
+    got it) left its backend steps in the record: undone first, as prepare
+    undoes an interrupted prepare, so that this attach makes them again.  A
+    domain's outgoing NVMe-oF export is no disk's step and stays."""
+    planned = {actions.identity(s) for s in actions.build(plan, rt.cfg)}
+
+    def kept(_i, entry) -> bool:
+        try:
+            step = actions.from_json(entry)
+        except ActionFailed:
+            return True         # not this vstor's to judge: release reports it
+        return step.kind == "nvmf-export" or actions.identity(step) in planned
+    if all(kept(i, e) for i, e in enumerate(rec.steps)):
+        return
+    errors = Journal(state, rec, rt, progress).rollback(keep=kept)
+    rec.status, rec.holding = PREPARED, holding_to_json(Holding.from_plan(plan, active=True))
+    state.save(rec)
+    if errors:
+        raise ActionFailed(f"domain '{dom.name}': an interrupted attach left a backend that "
+                           f"could not be undone: {'; '.join(errors)}",
+                           hint=f"fix the cause, then retry (or vstor release {dom.name} after it stops)")
 
 
 def _running_record(state: StateDir, dom: Domain):
