@@ -202,6 +202,29 @@ def test_an_attach_killed_before_the_guest_had_its_disk_is_undone_by_the_next(en
     release(env.rt(), env.state, "vm1")
 
 
+def test_a_qsd_disk_starts_without_the_host_lock_and_spdk_steps_under_it(env, tmp_path, monkeypatch):
+    """As prepare: the host lock covers the decision; the new disk's own
+    daemon starts after it is let go, SPDK's shared controller under it."""
+    from tests.test_lifecycle import _free
+    from vstor.runtime import steps
+    seen, real = [], steps.do
+    lock = os.path.join(env.cfg.state_dir, "lock")
+    monkeypatch.setattr(steps, "do", lambda a, rt: seen.append((a.kind, _free(lock))) or real(a, rt))
+    _, paths = file_disks(env, "bc", size=8 << 20)
+    dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
+    seen.clear()
+    attach(env.rt(), env.state, env.host(), dom, disk(file_disk(paths[1], "vdc"), tmp_path),
+           GuestDouble(dom), progress=lambda _m: None)
+    assert seen == [("qsd-export", True)]
+    release(env.rt(), env.state, "vm1")
+    dom = running(env, local_spdk())
+    seen.clear()
+    attach(env.rt(), env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path),
+           GuestDouble(dom), progress=lambda _m: None)
+    assert seen == [("vfio-bind", False), ("spdk-attach", False), ("spdk-vhost", False)]
+    release(env.rt(), env.state, "vm1")
+
+
 def test_refusals_name_the_reason_and_change_nothing(env, tmp_path):
     pt = "<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:61:00.0'/></vstor:disk>"
     dom = running(env, pt)

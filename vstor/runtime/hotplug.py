@@ -15,7 +15,8 @@ stay.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from collections.abc import Callable
 
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
 from vstor.host.model import Host
@@ -31,6 +32,7 @@ from vstor.runtime import actions
 from vstor.runtime import steps as executor
 from vstor.runtime.journal import Journal
 from vstor.runtime.lifecycle import Runtime, own_record, plan_of, running_ledger
+from vstor.runtime.recorded import private_only
 from vstor.runtime.state import PREPARED, StateDir
 
 
@@ -49,7 +51,8 @@ def attach(rt: Runtime, state: StateDir, host: Host, dom: Domain, disk: DiskInte
 
 
 def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progress) -> Plan:
-    with state.lock(dry_run=rt.dry_run):
+    with contextlib.ExitStack() as host_lock:
+        host_lock.enter_context(state.lock(dry_run=rt.dry_run))
         rec = _running_record(state, dom)
         if not rt.dry_run:
             _undo_interrupted(rt, state, dom, rec, plan, progress)
@@ -77,6 +80,8 @@ def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progr
         before, first = rec.holding, len(rec.steps)
         rec.holding = holding_to_json(Holding.from_plan(new, active=True))
         state.save(rec)     # held from now: a concurrent prepare sees the new disk's share
+        if private_only(step.kind for step in steps):
+            host_lock.close()   # as prepare: decided and recorded; its daemon starts under the record lock
         journal = Journal(state, rec, rt, progress)
         try:
             journal.extend(steps)

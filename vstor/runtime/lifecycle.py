@@ -26,7 +26,7 @@ from vstor.runtime import steps as executor
 from vstor.runtime.journal import Journal
 # Release, reconnect and health work from the record alone (vstor.runtime.recorded);
 # named here too, where every caller looks for a domain's life.
-from vstor.runtime.recorded import (Runtime, _check_releasable, _private, _rollback, own_record,  # noqa: F401
+from vstor.runtime.recorded import (Runtime, _check_releasable, _rollback, own_record, private_only,  # noqa: F401
                                     health, reconnect, release)
 from vstor.runtime.state import INCOMING, PREPARED, Record, StateDir
 
@@ -109,7 +109,7 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             rt.spdk().require(methods)
         steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
-        if _private(step.kind for step in steps):
+        if private_only(step.kind for step in steps):
             host_lock.close()       # decided and recorded; the daemons start under the record lock
         Journal(state, rec, rt, progress).run(steps, final=INCOMING if incoming else PREPARED)
         return rec

@@ -50,7 +50,7 @@ class Runtime:
         return self._spdk
 
 
-def _private(kinds) -> bool:
+def private_only(kinds) -> bool:
     """Steps of these kinds change only the domain's own things (executor.PRIVATE)."""
     return all(kind in executor.PRIVATE for kind in kinds)
 
@@ -98,7 +98,7 @@ def release(rt: Runtime, state: StateDir, key: str,
                     (progress or print)(f"would undo: {_describe(entry)}")
             return rec
         _check_releasable(rt, rec)
-        if _private(entry.get("kind") for entry in rec.steps):
+        if private_only(entry.get("kind") for entry in rec.steps):
             host_lock.close()
         _rollback(rt, state, rec, progress, keep)
         if keep is not None and rec.steps:
