@@ -86,6 +86,10 @@ SAME = [
     "",
     "<domain><name>a&unknown;</name></domain>",
     "<?xml version='1.0' encoding='UTF-8'?><domain><name>\u00e9</name></domain>",
+    "<domain><name>a<b>c</b>d</name></domain>",                   # the element's string value
+    "<domain><uuid><x>3f1c7c52-6d3e-4d5e-9d7a-0c1f2e3d4b5a</x></uuid><name>a</name></domain>",
+    "<!DOCTYPE domain [<!ENTITY n 'web'>]><domain><name>&n;</name></domain>",   # both refuse
+    "<!DOCTYPE domain><domain><name>a</name></domain>",
 ]
 
 
@@ -121,6 +125,11 @@ def test_reads_what_the_lxml_reader_reads_or_refuses_what_it_refuses(xml):
 def test_a_dtd_is_refused_before_anything_is_expanded_or_fetched(doctype):
     with pytest.raises(BadInput, match="DOCTYPE is not accepted"):
         read(f"{doctype}<domain><name>&c;</name></domain>".encode())
+
+
+def test_an_encoding_expat_cannot_read_is_a_refusal_not_a_traceback():
+    with pytest.raises(BadInput, match="cannot read the XML: multi-byte encodings"):
+        read("<?xml version='1.0' encoding='Shift_JIS'?><domain><name>a</name></domain>".encode())
 
 
 def test_malformed_xml_says_where():

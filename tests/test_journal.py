@@ -189,3 +189,59 @@ def test_a_rollback_keeps_what_it_is_told_to_and_in_order(tmp_path):
     assert errors == []
     assert [os.path.basename(e["data"]["path"]) for e in state.load("vm1").steps] == ["f0", "f2"]
     assert [os.path.exists(tmp_path / f"f{i}") for i in range(4)] == [True, False, True, False]
+
+
+class SlowTouch(TouchFile):
+    """A step of a kind done side by side with its like, taking a while."""
+    kind = "test-slow"
+
+    def do(self, rt):
+        import time
+        time.sleep(0.4)
+        super().do(rt)
+        self.data["log"].append(("done", self.data["path"]))
+
+    def undo(self, rt):
+        self.data["log"].append(("undo", self.data["path"]))
+        super().undo(rt)
+
+
+class SideBySide(Executor):
+    PARALLEL = frozenset({SlowTouch.kind})
+    decode = staticmethod(lambda entry: SlowTouch(entry["data"]))
+
+
+def test_an_interrupt_undoes_a_group_only_after_each_of_its_steps_ended(tmp_path):
+    """Ctrl-C (KeyboardInterrupt in the main thread) while steps run side
+    by side: nothing is undone before every one of them has ended, and then
+    everything is, and the interrupt goes on."""
+    import signal
+    state = StateDir(str(tmp_path / "state"))
+    rec = Record("vm1", "vm1", None)
+    log: list = []
+    group = [SlowTouch({"path": str(tmp_path / f"s{i}"), "log": log}) for i in range(2)]
+    for step in group:
+        step.to_json = lambda st, step=step: {"kind": step.kind, "state": st,
+                                              "data": {"path": step.data["path"], "log": log}}
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Journal(state, rec, None, None, executor=SideBySide).run(group)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+    assert [what for what, _ in log] == ["done", "done", "undo", "undo"]
+    assert not any(os.path.exists(s.data["path"]) for s in group) and state.records() == []
+
+
+def test_a_names_lock_byte_is_the_one_every_vstor_version_took():
+    """An older vstor still running across an upgrade must exclude the new
+    one: the byte a name locks never moves (SHA-256 of the name, as before)."""
+    import hashlib
+    from vstor.locking import _slot
+    assert _slot("vm1") == 135316766831856
+    for name in ("vm1", "web-01", "pve-100", "vm1-vdb", "x" * 64):
+        assert _slot(name) == 1 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "big")

@@ -453,3 +453,41 @@ def test_daemons_start_without_the_host_lock_and_spdk_steps_under_it(env, monkey
     prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
     assert [(k, free) for k, free, _ in seen] == [("vfio-bind", False), ("spdk-attach", False),
                                                    ("spdk-vhost", False)]
+
+
+@pytest.mark.parametrize("alias", ["symlink", "hard link"])
+def test_two_disks_writing_one_file_under_two_names_are_refused_with_nothing_made(env, alias):
+    """The planner refuses one path written twice; a second name for the
+    same file (their daemons would start side by side, each blind to the
+    other) is refused before anything is made."""
+    _, paths = file_disks(env, "b", size=8 << 20)
+    other = os.path.join(env.work, "alias.raw")
+    (os.symlink if alias == "symlink" else os.link)(paths[0], other)
+    dom = domain(env, file_disk(paths[0]) + file_disk(other, "vdc"), vm="<vstor:vm cpus='shared'/>")
+    with pytest.raises(DoesNotFit, match=r"^vm1-vdc and vm1-vdb are one file .*two writers would "
+                                         r"corrupt it"):
+        prepare(env.rt(), env.state, env.host(), dom)
+    assert env.state.records() == [] and not os.listdir(env.cfg.vhost_dir)
+    both = domain(env, file_disk(paths[0]).replace("target='vdb'", "target='vdb' readonly='yes'")
+                  + file_disk(other, "vdc").replace("target='vdc'", "target='vdc' readonly='yes'"),
+                  vm="<vstor:vm cpus='shared'/>")
+    prepare(env.rt(), env.state, env.host(), both)
+    release(env.rt(), env.state, "vm1")
+
+
+def test_a_name_with_spaces_around_it_finds_the_record_an_earlier_vstor_made_under_it_stripped(env):
+    """libvirt keeps ' web ' as the name; vstor now does too (its key is then
+    the UUID), where it used to read 'web': a domain prepared by that vstor
+    is still released by this one, and only with its own UUID."""
+    uuid = "3f1c7c52-6d3e-4d5e-9d7a-0c1f2e3d4b5a"
+    disks, _ = file_disks(env, "b", size=8 << 20)
+    dom = domain(env, disks, name="web", vm="<vstor:vm cpus='shared'/>")
+    dom.root.insert(1, Domain.parse(f"<domain><uuid>{uuid}</uuid></domain>").root[0])
+    prepare(env.rt(), env.state, env.host(), dom)       # as the earlier vstor keyed it: 'web'
+    spaced = Domain.parse(dom.to_string().replace("<name>web</name>", "<name> web </name>"))
+    assert spaced.name == " web " and spaced.safe_name == uuid
+    assert release(env.rt(), env.state, spaced.safe_name, domain=spaced.name,
+                   uuid="00000000-0000-0000-0000-000000000000") is None
+    assert env.state.load("web") is not None
+    assert release(env.rt(), env.state, spaced.safe_name, domain=spaced.name, uuid=uuid) is not None
+    assert env.state.records() == [] and os.listdir(env.cfg.qsd_dir) == [".lock"]

@@ -434,3 +434,23 @@ def test_a_pool_qemu_server_grows_counts_free_node_memory_once():
     assert place_hugepages(node, 2048, 5 << 20, ledger, cfg) == 2560
     assert isinstance(place_hugepages(node, 2048, (5 << 20) + 2048, ledger, cfg), NoFit)
     assert isinstance(place_hugepages(node, 2048, 2048, Ledger(), None), NoFit)   # libvirt: no growing
+
+
+def test_two_disks_of_one_domain_on_one_volume_are_both_readonly_or_refused(host_model):
+    """Between domains the ledger refuses a second writer; within one domain
+    it is the intent's own contradiction (exit 2), found before anything is
+    made: two qemu-storage-daemons writing one file corrupt it."""
+    host = host_model("two-socket")
+    cases = [(qsd_file() + qsd_file(target="vdc"), "vdc", "vdb"),
+             (qsd_file(readonly="yes") + qsd_file(target="vdc"), "vdc", "vdb"),
+             (nvmf() + nvmf(target="vdc"), "vdc", "vdb"),
+             (nvme("0000:5e:00.0", mode="vhost", backend="spdk") + qsd_file(target="vdc")
+              + nvme("0000:5e:00.0", target="vdd", mode="vhost", backend="spdk"), "vdd", "vdb")]
+    for disks, second, first in cases:
+        with pytest.raises(BadInput) as e:
+            plan_domain(host, SPDK_CFG, request(disks), Ledger())
+        assert e.value.exit_code == 2 and str(e.value).startswith(
+            f"disk {second}: its source is also disk {first}'s; two writers would corrupt it")
+    both = plan_domain(host, SPDK_CFG, request(qsd_file(readonly="yes") + qsd_file(target="vdc", readonly="yes")),
+                       Ledger())
+    assert [d.target for d in both.disks] == ["vdb", "vdc"]

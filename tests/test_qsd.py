@@ -577,6 +577,13 @@ def test_a_socket_qemu_cannot_reach_is_refused_and_every_directory_change_is_see
     daemon.start(d)
     assert forks == [a.socket_path, c.socket_path]
     assert connect_as(QEMU_USER, d.socket_path) == 0
+    # Known good path, but nobody listens: still found out (without a fork).
+    daemon.stop(d)
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(d.socket_path)
+        assert proc.reachable(QEMU_USER, d.socket_path) == "Connection refused"
+    os.unlink(d.socket_path)
+    assert forks == [a.socket_path, c.socket_path]
 
 
 def test_a_daemon_keeps_no_file_its_starter_left_open(area):

@@ -153,3 +153,87 @@ def test_every_vstor_declaration_is_a_record_with_annotated_fields():
                     names = [f.name for f in records.fields(obj)]
                     assert set(obj.__dict__.get("__annotations__", {})) <= set(names)
     assert seen > 50
+
+
+ODD = {
+    "methods the body writes stay": """
+@DECO
+class C:
+    a: int
+    def __repr__(self):
+        return "mine"
+    def __eq__(self, other):
+        return True
+    def __hash__(self):
+        return 7
+""",
+    "a base's default holds for a field annotated again": """
+@DECO
+class Base:
+    a: int = 1
+
+@DECO
+class C(Base):
+    a: int
+""",
+    "eq written alone leaves the record's hash": """
+@DECO
+class C:
+    a: int
+    def __eq__(self, other):
+        return isinstance(other, C) and self.a == other.a
+""",
+}
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+@pytest.mark.parametrize("case", sorted(ODD))
+def test_the_rarer_class_bodies_come_out_as_dataclasses_make_them(case, frozen):
+    theirs, ours = _pair(ODD[case], frozen)
+    x, y = _outcome(lambda: theirs()), _outcome(lambda: ours())
+    if x[0] != "ok":
+        x, y = theirs(3), ours(3)
+    else:
+        x, y = x[1], y[1]
+    assert repr(x).replace("C(", "X(") == repr(y).replace("C(", "X(")
+    assert (x == x, x == 5) == (y == y, y == 5)
+    assert (theirs.__hash__ is None) == (ours.__hash__ is None)
+    if theirs.__hash__ is not None:
+        assert hash(x) == hash(y)
+
+
+def test_frozen_and_not_frozen_never_mix_by_inheritance():
+    for base, derived in ((True, False), (False, True)):
+        messages = []
+        for deco in (dataclasses.dataclass, records.record):
+            B = deco(frozen=base)(type("B", (), {"__annotations__": {"a": "int"}, "a": 1}))
+            with pytest.raises(TypeError) as e:
+                deco(frozen=derived)(type("C", (B,), {"__annotations__": {"b": "int"}, "b": 2}))
+            messages.append(str(e.value))
+        assert messages[0] == messages[1]
+
+
+def test_a_plain_subclass_of_a_frozen_record_keeps_attributes_of_its_own():
+    @records.record
+    class R:
+        a: int
+
+    class Plain(R):
+        pass
+    p = Plain(1)
+    p.extra = 2
+    assert p.extra == 2
+    with pytest.raises(records.FrozenInstanceError):
+        p.a = 5
+
+
+def test_asdict_keeps_namedtuples():
+    import collections
+    P = collections.namedtuple("P", "x y")
+
+    @records.record
+    class R:
+        p: tuple
+
+    assert records.asdict(R(P(1, 2))) == dataclasses.asdict(
+        dataclasses.make_dataclass("R", [("p", tuple)], frozen=True)(P(1, 2)))

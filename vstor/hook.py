@@ -13,6 +13,19 @@ from vstor import config as config_mod
 from vstor.errors import EXIT_ERROR, VstorError, one_line
 
 
+# What the hook (and Proxmox's hookscript) may import beyond vstor and the
+# standard library.  Their Python starts with -S and the paths vstor was
+# installed with; one of these not on those paths (installed since, or
+# moved) sends the bootstrap to site, as a Python without -S would go.
+NEEDS = ("lxml", "qemu", "spdk")
+
+
+def missing() -> list[str]:
+    """NEEDS not found on sys.path now (looked up, never imported)."""
+    from importlib.machinery import PathFinder
+    return [name for name in NEEDS if PathFinder.find_spec(name) is None]
+
+
 def log(domain: str, message: str, priority=syslog.LOG_INFO) -> None:
     syslog.openlog("vstor", syslog.LOG_PID, syslog.LOG_DAEMON)
     syslog.syslog(priority, one_line(f"{domain}: {message}"))

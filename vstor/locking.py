@@ -7,9 +7,9 @@ import fcntl
 import os
 import struct
 import time
-import zlib
 
 from vstor.errors import Unavailable
+from vstor.sha import sha256
 
 
 @contextlib.contextmanager
@@ -42,10 +42,9 @@ _FLOCK = "hhqqi4x"
 def _slot(name: str) -> int:
     """A byte of the lock file per name (a collision only makes two names wait
     for each other)."""
-    # zlib, not hashlib: this runs in every hook, and hashlib's import
-    # (OpenSSL) costs more than the rest of this module.
-    data = name.encode()
-    return 1 + (zlib.crc32(data) << 16 | zlib.crc32(data[::-1]) & 0xFFFF)
+    # The same slot in every vstor version: a run of an older one, still
+    # going across an upgrade, must exclude a new one.
+    return 1 + int.from_bytes(sha256(name.encode()).digest()[:6], "big")
 
 
 def try_range(fd: int, name: str) -> bool:

@@ -11,11 +11,14 @@ over the field list instead, made in microseconds; an instance is built a
 little slower, which vstor's few hundred objects never notice.
 
 What is kept from dataclasses: fields in annotation order (a base record's
-first), defaults and default_factory, a mutable default refused, a field
-without a default after one with it refused, compare=False and hash=False,
-metadata, __post_init__, equality only within one class, unhashable when
-not frozen, FrozenInstanceError (an AttributeError) on assignment.  Not
-kept: init=False, repr=False, kw_only, slots, InitVar and ClassVar fields
+first, its default inherited by a field annotated again), defaults and
+default_factory, a mutable default refused, a field without a default after
+one with it refused, compare=False and hash=False, metadata, __post_init__,
+methods the class body writes itself kept, equality only within one class,
+unhashable when not frozen, FrozenInstanceError (an AttributeError) on
+assignment, frozen and not frozen never mixed by inheritance; asdict into
+records, lists, tuples, namedtuples and dicts.  Not kept: init=False,
+repr=False, eq=False, order, kw_only, slots, InitVar and ClassVar fields
 (vstor uses none; a ClassVar annotation is refused rather than misread).
 """
 
@@ -79,6 +82,8 @@ def asdict(obj) -> dict:
 def _plain(value):
     if hasattr(type(value), "__record_fields__"):
         return {f.name: _plain(getattr(value, f.name)) for f in value.__record_fields__}
+    if isinstance(value, tuple) and hasattr(type(value), "_fields"):    # a namedtuple
+        return type(value)(*(_plain(v) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     if isinstance(value, dict):
@@ -87,11 +92,15 @@ def _plain(value):
 
 
 def _process(cls, frozen: bool):
+    bases = [b for b in cls.__mro__[1:] if "__record_fields__" in b.__dict__]
+    if bases and any(b.__record_frozen__ for b in bases) != frozen:
+        raise TypeError("cannot inherit non-frozen dataclass from a frozen one" if not frozen
+                        else "cannot inherit frozen dataclass from a non-frozen one")
     own = []
     for name, note in cls.__dict__.get("__annotations__", {}).items():
         if "ClassVar" in str(note) or "InitVar" in str(note):
             raise TypeError(f"{cls.__name__}.{name}: ClassVar and InitVar are not supported")
-        value = cls.__dict__.get(name, MISSING)
+        value = getattr(cls, name, MISSING)     # a base's default holds, as in dataclasses
         f = value if isinstance(value, Field) else Field(default=value)
         f.name = name
         if f.default is not MISSING and type(f.default).__hash__ is None:
@@ -114,19 +123,25 @@ def _process(cls, frozen: bool):
         if seen_default and not has_default:
             raise TypeError(f"non-default argument '{f.name}' follows default argument")
         seen_default = seen_default or has_default
+    # A __hash__ the class body wrote itself stays (not the None Python
+    # puts there for a body that writes __eq__ alone), as in dataclasses.
+    own_hash = cls.__dict__.get("__hash__", MISSING)
+    explicit_hash = not (own_hash is MISSING or (own_hash is None and "__eq__" in cls.__dict__))
     cls.__record_fields__ = all_fields
+    cls.__record_frozen__ = frozen
     cls.__match_args__ = tuple(f.name for f in all_fields)
-    cls.__init__ = _init(cls.__qualname__, all_fields)
-    cls.__repr__ = _repr(all_fields)
     compared = tuple(f.name for f in all_fields if f.compare)
-    cls.__eq__ = _eq(compared)
+    names = frozenset(f.name for f in all_fields)
+    made = {"__init__": _init(cls.__qualname__, all_fields), "__repr__": _repr(all_fields),
+            "__eq__": _eq(compared)}
     if frozen:
+        made["__setattr__"], made["__delattr__"] = _frozen(cls, names)
+    for name, method in made.items():   # what the class body wrote itself stays
+        if name not in cls.__dict__:
+            setattr(cls, name, method)
+    if not explicit_hash:
         hashed = tuple(f.name for f in all_fields if (f.compare if f.hash is None else f.hash))
-        cls.__hash__ = lambda self: hash(tuple(getattr(self, n) for n in hashed))
-        cls.__setattr__ = _frozen_setattr
-        cls.__delattr__ = _frozen_delattr
-    else:
-        cls.__hash__ = None
+        cls.__hash__ = (lambda self: hash(tuple(getattr(self, n) for n in hashed))) if frozen else None
     return cls
 
 
@@ -189,9 +204,17 @@ def _eq(compared: tuple[str, ...]):
     return __eq__
 
 
-def _frozen_setattr(self, name, value):
-    raise FrozenInstanceError(f"cannot assign to field '{name}'")
+def _frozen(cls, names: frozenset):
+    """__setattr__ and __delattr__ of a frozen record: no field is assigned
+    or deleted (nor anything else on the class's own instances; a subclass
+    that is no record may keep attributes of its own)."""
+    def __setattr__(self, name, value):
+        if type(self) is cls or name in names:
+            raise FrozenInstanceError(f"cannot assign to field '{name}'")
+        object.__setattr__(self, name, value)
 
-
-def _frozen_delattr(self, name):
-    raise FrozenInstanceError(f"cannot delete field '{name}'")
+    def __delattr__(self, name):
+        if type(self) is cls or name in names:
+            raise FrozenInstanceError(f"cannot delete field '{name}'")
+        object.__delattr__(self, name)
+    return __setattr__, __delattr__

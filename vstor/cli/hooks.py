@@ -46,7 +46,10 @@ def render_hook(config_path: str | None, name: str = "vstor") -> str:
         return text.replace("\nSYSPATH=\n", f"\nSYSPATH={shlex.quote(':'.join(site_paths()))}\n", 1)
     lines = text.splitlines(keepends=True)
     paths = site_paths()
-    lines[0] = f"#!{sys.executable} -S\n" if paths else f"#!{sys.executable}\n"
+    # -S with the paths (no site), -P where Python has it (3.11: the script's
+    # own directory, the snippets storage, never on sys.path).
+    flags = ("S" if paths else "") + ("P" if sys.version_info >= (3, 11) else "")
+    lines[0] = f"#!{sys.executable} -{flags}\n" if flags else f"#!{sys.executable}\n"
     text = "".join(lines).replace("\nSYSPATH = []\n", f"\nSYSPATH = {paths!r}\n", 1)
     if config_path:
         text = text.replace("CONFIG = None", f"CONFIG = {os.path.abspath(config_path)!r}", 1)

@@ -48,7 +48,9 @@ def read(xml: bytes, origin: str = "domain XML") -> Identity:
             path[1] = text[tag]     # collect here until it ends
 
     def data(chunk):
-        if len(path) == 2 and isinstance(path[1], list):
+        # Any text within <name> or <uuid>, however deep, as the string value
+        # of the element (libvirt's XPath string(), lxml's itertext()).
+        if len(path) >= 2 and isinstance(path[1], list):
             path[1].append(chunk)
 
     def doctype(*_):
@@ -63,6 +65,9 @@ def read(xml: bytes, origin: str = "domain XML") -> Identity:
     except expat.ExpatError as e:
         raise BadInput(f"{origin}: malformed XML at line {e.lineno}, column {e.offset + 1}: "
                        f"{expat.ErrorString(e.code)}") from None
+    except ValueError as e:     # an encoding expat does not read ("multi-byte encodings ...")
+        raise BadInput(f"{origin}: cannot read the XML: {e}",
+                       hint="libvirt writes UTF-8; write the domain XML in UTF-8") from None
     if found[0] > 1:
         raise BadInput(f"{origin}: <metadata> holds {found[0]} <vstor:vstor> elements",
                        hint="keep one: vstor reads its disks from a single element")

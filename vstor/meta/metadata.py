@@ -9,17 +9,13 @@ import os
 
 from lxml import etree
 
-try:    # CPython's own SHA-256: hashlib's import starts OpenSSL (~3 ms of every hook's prepare)
-    from _sha256 import sha256
-except ImportError:     # another Python, or 3.12's _sha2: the same digest through hashlib
-    from hashlib import sha256
-
 from vstor import NS, PREFIX
 from vstor.errors import BadInput
 from vstor.meta.intent import DiskIntent, Intent, VmIntent
 from vstor.meta.plan import PLAN_VERSION, Plan
 from vstor.meta.xmlmodel import Q, build, canonical, child, children, element, parse
 from vstor.records import record, replace
+from vstor.sha import sha256
 
 SCHEMA_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "schema", "vstor.rng")
 

@@ -44,6 +44,19 @@ class _Taken:
         self.spdk: set[str] = set()
         self.kernel: set[str] = set()
         self.connections: dict[str, str] = {}
+        self.volumes: dict[str, tuple[str, bool]] = {}     # key -> (target, readonly)
+
+    def check_volume(self, disk: DiskIntent) -> None:
+        """Two disks of one domain on one volume: both read-only, or refused
+        (the ledger says so between domains; within one it is the intent's
+        contradiction, exit 2)."""
+        for key in volume_keys(disk.source):
+            other = self.volumes.get(key)
+            if other is not None and not (other[1] and disk.readonly):
+                raise BadInput(f"disk {disk.target}: its source is also disk {other[0]}'s; two "
+                               "writers would corrupt it",
+                               hint="make both readonly='yes', or give each disk its own source")
+        self.volumes.update((key, (disk.target, disk.readonly)) for key in volume_keys(disk.source))
 
     def add(self, choice: DiskChoice) -> None:
         self.connections.update(choice.connections)
@@ -58,6 +71,7 @@ def choose_all(host: Host, cfg: Config, vm: VmIntent, disks, ledger: Ledger):
     taken = _Taken()
     out = []
     for disk in disks:
+        taken.check_volume(disk)
         choice = choose(host, cfg, vm, disk, ledger, taken)
         if isinstance(choice, NoFit):
             return choice

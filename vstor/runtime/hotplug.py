@@ -61,8 +61,7 @@ def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progr
         have = {actions.identity(actions.from_json(e)) for e in rec.steps}
         steps = [s for s in actions.build(replace(new, disks=(added,)), rt.cfg)
                  if actions.identity(s) not in have]
-        for step in steps:
-            executor.preflight(step, rt)
+        executor.preflight_all(steps, rt)
         xml = device_xml(added)
         if rt.dry_run:
             for step in steps:

@@ -134,8 +134,16 @@ class Journal:
                    for i in range(len(group))]
         for t in threads:
             t.start()
+        interrupted = None
         for t in threads:
-            t.join()
+            while True:         # an interrupt waits for every step of the group to end
+                try:
+                    t.join()
+                    break
+                except BaseException as e:  # noqa: BLE001 (raised below, after the others end)
+                    interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
         if errors:
             raise errors[0]
         return out

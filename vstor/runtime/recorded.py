@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from vstor.config import Config
 from vstor.errors import ActionFailed, DoesNotFit
+from vstor.meta.names import is_safe_name
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
 from vstor.runtime.journal import DONE, Journal
@@ -68,6 +69,18 @@ def own_record(rec: Record | None, domain: str | None, uuid: str | None) -> Reco
     return rec
 
 
+def _load_own(state: StateDir, key: str, domain: str | None, uuid: str | None) -> Record | None:
+    """own_record of the record under `key`; for a domain whose name has
+    spaces around it, also the record an earlier vstor (which read names
+    stripped) kept under the stripped name, if it has the domain's UUID."""
+    rec = own_record(state.load(key), domain, uuid)
+    if rec is None and domain and uuid and domain != domain.strip() and is_safe_name(domain.strip()):
+        old = state.load(domain.strip())
+        if old is not None and old.domain == domain.strip() and old.uuid == uuid:
+            return old
+    return rec
+
+
 def release(rt: Runtime, state: StateDir, key: str,
             progress: Callable[[str], None] | None = None, domain: str | None = None,
             uuid: str | None = None, migrated: bool = False,
@@ -79,7 +92,7 @@ def release(rt: Runtime, state: StateDir, key: str,
     the other host done with it) or `rt.force`."""
     with state.record_lock(key, dry_run=rt.dry_run), contextlib.ExitStack() as host_lock:
         host_lock.enter_context(state.lock(dry_run=rt.dry_run))
-        rec = own_record(state.load(key), domain, uuid)
+        rec = _load_own(state, key, domain, uuid)
         if rec is None:
             return None
         # An export the other host may read its disk through stays until gc
@@ -169,7 +182,7 @@ def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
     exists and repair what can be repaired.  Returns one line per finding."""
     findings = []
     with state.record_lock(key), state.lock():
-        rec = own_record(state.load(key), domain, uuid)
+        rec = _load_own(state, key, domain, uuid)
         if rec is None:
             return ["vstor holds nothing for it"]
         for entry in rec.steps:

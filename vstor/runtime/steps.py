@@ -9,6 +9,7 @@ journal records the step: nothing here decides anything.
 from __future__ import annotations
 
 import os
+import stat
 
 from vstor import records
 from vstor.backends import ownership
@@ -38,6 +39,31 @@ def preflight(a, rt) -> None:
         from vstor.backends.qsd import files
         files.check_source(records.replace(
             a.export, source=resolve_image(a.export.source, rt.cfg.images)))
+
+
+def preflight_all(steps: list, rt) -> None:
+    """preflight for each step; and no two of them writing one file or
+    device, however it is named (a symlink, a second path): their daemons
+    start side by side, so neither's look for another writer sees the other
+    (the planner refuses the same path written twice)."""
+    seen: dict[tuple, QsdExport] = {}
+    for a in steps:
+        preflight(a, rt)
+        if not isinstance(a, QsdExport) or (a.export.kind == "block" and rt.sysfs.root != "/"):
+            continue
+        try:
+            st = os.stat(resolve_image(a.export.source, rt.cfg.images)
+                         if a.export.kind == "file" else a.export.source)
+        except (OSError, BadInput):
+            continue        # start refuses it, with its own reason
+        key = ("dev", st.st_rdev) if stat.S_ISBLK(st.st_mode) else ("file", st.st_dev, st.st_ino)
+        other = seen.get(key)
+        if other is not None and not (other.export.readonly and a.export.readonly):
+            raise DoesNotFit(f"{a.export.name} and {other.export.name} are one "
+                             f"{'device' if key[0] == 'dev' else 'file'} ({a.export.source} and "
+                             f"{other.export.source}): two writers would corrupt it",
+                             hint="give each disk its own source, or make both readonly='yes'")
+        seen[key] = a
 
 
 def observe(a, rt, others):

@@ -200,11 +200,23 @@ def reachable(user: str, path: str) -> str | None:
     key = (user, tuple(chain))
     with _REACHED_LOCK:
         if key in _REACHED:
-            return None
+            return _listens(path)   # the path is known good: that a daemon listens, without a fork
         why = connect_as(user, path)
         if why is None:
             _REACHED.add(key)
         return why
+
+
+def _listens(path: str, timeout: float = 2.0) -> str | None:
+    """Connect to the socket (as whoever runs vstor); None when it worked."""
+    import socket
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(path)
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
 
 
 _REACHED: set = set()
