@@ -595,9 +595,10 @@ def test_a_key_written_twice_counts_as_qemu_server_reads_it(pve, capsys):
 
 
 def test_the_hookscript_imports_nothing_from_the_snippets_directory(pve, tmp_path):
-    """Whoever may upload a snippet can put a module next to the hookscript;
-    Python would import it first, as root.  The script starts with -S and the
-    paths vstor was installed with, and drops its own directory."""
+    """Whoever can write to the snippets storage (often a shared export) can
+    put a module next to the hookscript, which Python would import first,
+    as root.  The script starts with -SP and the paths vstor was installed
+    with, and drops its own directory itself too."""
     marker = tmp_path / "imported"
     for name in ("json.py", "lxml/__init__.py", "configparser.py", "os.py"):
         path = f"{pve.snippets}/{name}"
