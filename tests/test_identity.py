@@ -90,6 +90,8 @@ SAME = [
     "<domain><uuid><x>3f1c7c52-6d3e-4d5e-9d7a-0c1f2e3d4b5a</x></uuid><name>a</name></domain>",
     "<!DOCTYPE domain [<!ENTITY n 'web'>]><domain><name>&n;</name></domain>",   # both refuse
     "<!DOCTYPE domain><domain><name>a</name></domain>",
+    "<domain><name>a</name>" + "<x>" * 300 + "</x>" * 300 + "</domain>",        # both refuse
+    "<domain><name>a</name>" + "<x>" * 200 + "</x>" * 200 + "</domain>",        # both read
 ]
 
 

@@ -17,6 +17,7 @@ from vstor.errors import BadInput
 from vstor.meta.names import safe_key
 
 _VSTOR = f"{NS} vstor"
+_DEPTH = 256        # libxml2's own limit, which the lxml reader keeps
 
 
 class Identity:
@@ -42,6 +43,8 @@ def read(xml: bytes, origin: str = "domain XML") -> Identity:
             raise BadInput(f"{origin}: the root element is <{tag}>, not <domain>")
         if len(path) == 2 and path[1] == "metadata" and tag == _VSTOR:
             found[0] += 1
+        if len(path) >= _DEPTH:
+            raise BadInput(f"{origin}: the XML is nested deeper than {_DEPTH} elements")
         path.append(tag)
         if len(path) == 2 and tag in ("name", "uuid") and tag not in text:
             text[tag] = []
