@@ -61,7 +61,7 @@ def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progr
         have = {actions.identity(actions.from_json(e)) for e in rec.steps}
         steps = [s for s in actions.build(replace(new, disks=(added,)), rt.cfg)
                  if actions.identity(s) not in have]
-        executor.preflight_all(steps, rt)
+        executor.preflight(steps, rt)
         xml = device_xml(added)
         if rt.dry_run:
             for step in steps:
@@ -86,9 +86,7 @@ def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progr
             journal.extend(steps)
             guest.attach(xml, _metadata(dom, new, add=disk), persistent)
         except BaseException as e:
-            errors = journal.rollback(keep=lambda i, _e: i < first)
-            rec.status, rec.holding = PREPARED, before
-            state.save(rec)
+            errors = _undo_steps(rt, state, rec, lambda i, _e: i < first, progress, holding=before)
             if errors:
                 raise ActionFailed(f"domain '{dom.name}': {disk.target} was not added, and undoing "
                                    f"its backend failed: {'; '.join(errors)}",
@@ -145,10 +143,8 @@ def _release_disk(rt: Runtime, state: StateDir, dom: Domain, target: str, mine, 
         if why:
             raise DoesNotFit(f"domain '{dom.name}': {target} is gone from the guest but {why}",
                              hint=f"retry vstor detach {dom.name} {target} in a moment")
-    errors = Journal(state, rec, rt, progress).rollback(
-        keep=lambda i, _entry: actions.identity(steps[i]) not in mine)
-    rec.status = PREPARED
-    state.save(rec)
+    errors = _undo_steps(rt, state, rec, lambda i, _entry: actions.identity(steps[i]) not in mine,
+                         progress)
     if errors:
         raise ActionFailed(f"domain '{dom.name}': {target} left the guest, but undoing its "
                            f"backend failed: {'; '.join(errors)}",
@@ -170,13 +166,24 @@ def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan
         return step.kind == "nvmf-export" or actions.identity(step) in planned
     if all(kept(i, e) for i, e in enumerate(rec.steps)):
         return
-    errors = Journal(state, rec, rt, progress).rollback(keep=kept)
-    rec.status, rec.holding = PREPARED, holding_to_json(Holding.from_plan(plan, active=True))
-    state.save(rec)
+    errors = _undo_steps(rt, state, rec, kept, progress,
+                         holding=holding_to_json(Holding.from_plan(plan, active=True)))
     if errors:
         raise ActionFailed(f"domain '{dom.name}': an interrupted attach left a backend that "
                            f"could not be undone: {'; '.join(errors)}",
                            hint=f"fix the cause, then retry (or vstor release {dom.name} after it stops)")
+
+
+def _undo_steps(rt: Runtime, state: StateDir, rec, keep, progress, holding: dict | None = None) -> list[str]:
+    """Undo the record's steps but those keep(index, entry) names; the
+    record stays the running domain's (prepared, holding `holding` when
+    given).  What could not be undone, as the journal's rollback says it."""
+    errors = Journal(state, rec, rt, progress).rollback(keep=keep)
+    rec.status = PREPARED
+    if holding is not None:
+        rec.holding = holding
+    state.save(rec)
+    return errors
 
 
 def _running_record(state: StateDir, dom: Domain):

@@ -94,7 +94,7 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             raise DoesNotFit(f"{req.who} cannot start: {problems[0]}{more}",
                              reasons=tuple(problems), hint=f"if the host changed for good: {req.fix}")
         steps = actions.build(plan, rt.cfg)     # from a plan that passed the check
-        executor.preflight_all(steps, rt)
+        executor.preflight(steps, rt)
         if rt.dry_run:
             if leftover is not None:
                 say(f"would first undo the {len(leftover.steps)} steps an earlier run left")

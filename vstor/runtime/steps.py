@@ -30,31 +30,29 @@ PARALLEL = frozenset({QsdExport.kind})
 PRIVATE = frozenset({QsdExport.kind, SpdkVhost.kind})
 
 
-def preflight(a, rt) -> None:
+def preflight(steps: list, rt) -> None:
     """The read-only checks a dry run makes too, so it never says yes to a
     start that would be refused: a file source that resolves outside the
-    image roots, a source that is missing or of the wrong kind."""
-    if isinstance(a, QsdExport) and a.export.kind == "file":
-        # (A block device is the host's, and an offline --host-root has none.)
-        from vstor.backends.qsd import files
-        files.check_source(records.replace(
-            a.export, source=resolve_image(a.export.source, rt.cfg.images)))
-
-
-def preflight_all(steps: list, rt) -> None:
-    """preflight for each step; and no two of them writing one file or
-    device, however it is named (a symlink, a second path): their daemons
-    start side by side, so neither's look for another writer sees the other
-    (the planner refuses the same path written twice)."""
+    image roots, a source that is missing or of the wrong kind; and no two
+    of the steps writing one file or device, however it is named (a
+    symlink, a second path): their daemons start side by side, so neither's
+    look for another writer sees the other (the planner refuses the same
+    path written twice)."""
     seen: dict[tuple, QsdExport] = {}
     for a in steps:
-        preflight(a, rt)
-        if not isinstance(a, QsdExport) or (a.export.kind == "block" and rt.sysfs.root != "/"):
+        if not isinstance(a, QsdExport):
             continue
+        if a.export.kind == "file":
+            from vstor.backends.qsd import files
+            source = resolve_image(a.export.source, rt.cfg.images)
+            files.check_source(records.replace(a.export, source=source))
+        elif rt.sysfs.root == "/":
+            source = a.export.source
+        else:
+            continue        # a block device is the host's, and an offline --host-root has none
         try:
-            st = os.stat(resolve_image(a.export.source, rt.cfg.images)
-                         if a.export.kind == "file" else a.export.source)
-        except (OSError, BadInput):
+            st = os.stat(source)
+        except OSError:
             continue        # start refuses it, with its own reason
         key = ("dev", st.st_rdev) if stat.S_ISBLK(st.st_mode) else ("file", st.st_dev, st.st_ino)
         other = seen.get(key)
