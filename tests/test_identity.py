@@ -134,6 +134,15 @@ def test_an_encoding_expat_cannot_read_is_a_refusal_not_a_traceback():
         read("<?xml version='1.0' encoding='Shift_JIS'?><domain><name>a</name></domain>".encode())
 
 
+def test_a_root_in_a_namespace_is_named_as_the_lxml_reader_names_it():
+    xml = f"<vstor xmlns='{NS}'><name>a</name></vstor>"
+    with pytest.raises(BadInput) as ours:
+        read(xml.encode())
+    with pytest.raises(BadInput) as theirs:
+        Domain.parse(xml)
+    assert ours.value.message == theirs.value.message == f"domain XML: the root element is <{{{NS}}}vstor>, not <domain>"
+
+
 def test_malformed_xml_says_where():
     with pytest.raises(BadInput) as e:
         read(b"<domain>\n<name>a</nom></domain>", "domain 'a'")

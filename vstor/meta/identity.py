@@ -40,7 +40,8 @@ def read(xml: bytes, origin: str = "domain XML") -> Identity:
 
     def start(tag, _attrs):
         if not path and tag != "domain":
-            raise BadInput(f"{origin}: the root element is <{tag}>, not <domain>")
+            shown = "{%s}%s" % tuple(tag.split(" ", 1)) if " " in tag else tag   # as lxml names it
+            raise BadInput(f"{origin}: the root element is <{shown}>, not <domain>")
         if len(path) == 2 and path[1] == "metadata" and tag == _VSTOR:
             found[0] += 1
         if len(path) >= _DEPTH:
