@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -65,7 +66,14 @@ def installed_hook(where: str, config: str | None = None) -> str:
 
 
 def pass_through(runs: int) -> None:
-    hook = installed_hook(tempfile.mkdtemp(prefix="vstor-bench-"))
+    where = tempfile.mkdtemp(prefix="vstor-bench-")
+    try:
+        _pass_through(runs, installed_hook(where))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _pass_through(runs: int, hook: str) -> None:
     for what, xml in (("plain", PLAIN_DOMAIN), ("Nova instance", NOVA_DOMAIN)):
         for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
             python = _time([sys.executable, "-c", "pass"], b"", runs)
@@ -176,6 +184,14 @@ def prepare_release(runs: int) -> None:
     if os.geteuid() != 0:
         print("prepare+release: skipped (needs root)")
         return
+    work = tempfile.mkdtemp(prefix="vstor-bench-", dir="/var/tmp")
+    try:
+        _prepare_release(runs, work)
+    finally:
+        _clean(work)
+
+
+def _prepare_release(runs: int, work: str) -> None:
     from vstor.config import Config
     from vstor.meta.document import Domain
     from vstor.host.read import read_host
@@ -185,7 +201,6 @@ def prepare_release(runs: int) -> None:
     from vstor.render.libvirt import render
     from vstor.runtime.state import StateDir
     from vstor.host.sysfs import SysFS
-    work = tempfile.mkdtemp(prefix="vstor-bench-", dir="/var/tmp")
     os.chmod(work, 0o755)
     disks = ""
     for i, t in enumerate("bcde"):
@@ -211,6 +226,30 @@ def prepare_release(runs: int) -> None:
         prep.append(t1 - t0)
     print(f"prepare, 4 qsd disks: {statistics.median(prep) * 1000:.0f} ms; "
           f"release: {statistics.median(rel) * 1000:.0f} ms (median of {runs})")
+
+
+def _clean(work: str) -> None:
+    """Leave nothing behind, also after a failure half-way: vstor's daemons
+    released through vstor, the yardstick's stopped by their pidfiles."""
+    import glob
+    import signal
+    from vstor.config import Config
+    from vstor.runtime.recorded import Runtime, release
+    from vstor.runtime.state import StateDir
+    from vstor.host.sysfs import SysFS
+    cfg = Config(state_dir=f"{work}/state", vhost_dir=f"{work}/vhost", qsd_dir=f"{work}/qsd",
+                 images=(work,))
+    try:
+        release(Runtime(cfg, SysFS("/")), StateDir(cfg.state_dir), "bench4")
+    except Exception as e:  # noqa: BLE001 (report it, go on cleaning)
+        print(f"release during cleanup: {e}", file=sys.stderr)
+    for pidfile in glob.glob(os.path.join(work, "[yp][0-9].pid")):
+        try:
+            with open(pidfile) as f:
+                os.kill(int(f.read()), signal.SIGTERM)
+        except (OSError, ValueError):
+            pass
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:

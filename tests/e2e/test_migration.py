@@ -11,8 +11,11 @@ the root cgroup on this machine, and no lock manager is configured (see
 migration_lab.Lab._lay_out)."""
 from __future__ import annotations
 
+import functools
 import json
+import re
 import time
+import warnings
 
 import libvirt
 import pytest
@@ -22,6 +25,47 @@ from .libvirtd import read_console
 from .migration_lab import Host, Lab, migration_lab, vstor_domain_xml  # noqa: F401 (fixture)
 
 REGION = 32 << 10           # the loop job's 64 blocks; its STOP block follows
+
+# The guest's kernel reporting its own crash on the console.
+KERNEL_CRASH = re.compile(r"Oops:|general protection fault|BUG: |Kernel panic|Fixing recursive fault"
+                          r"|Unable to handle page fault|segfault at")
+
+
+class GuestLost(Exception):
+    """The guest crashed or stopped making progress after a move, without a
+    FAIL of its own: no wrong byte read back, the guest is just gone.
+
+    Under TCG with QEMU 7.2 this happens to some moves on some machines
+    (2 of 5 moves in one CI run, 0 of 32 on the machine these tests were
+    written on; seen with guests without vstor disks too): the guest's
+    kernel crashes on the destination, or an I/O it had in flight at the
+    switch never completes (qemu-storage-daemon's vhost-user-blk export
+    does not drain in-flight requests at GET_VRING_BASE in 7.2)."""
+
+
+def once_more_if_guest_lost(test):
+    """Run a migration test again, once, when its guest was lost after the
+    move (GuestLost), and say so as a warning. A second loss fails it; a
+    FAIL from the guest (wrong data) or any other failure is never rerun."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        try:
+            return test(*args, **kwargs)
+        except GuestLost as first:
+            warnings.warn(f"{test.__name__}: guest lost after the move, run once more: {first}"[:600],
+                          pytest.PytestWarning)
+        try:
+            return test(*args, **kwargs)
+        except GuestLost as second:
+            pytest.fail(f"the guest was lost after the move twice; the second time: {second}")
+    return run
+
+
+def _lost(h: Host, name: str, what: str) -> GuestLost:
+    text = read_console(h.console(name))
+    crash = KERNEL_CRASH.search(text)
+    said = text[max(0, crash.start() - 200):crash.start() + 1500] if crash else text[-1500:]
+    return GuestLost(f"{what} on {h.key} ({'kernel crash' if crash else 'no progress'}); console:\n{said}")
 
 
 def start_on_a(lab: Lab, guest, name: str, seed: int) -> libvirt.virDomain:
@@ -40,34 +84,48 @@ def start_on_a(lab: Lab, guest, name: str, seed: int) -> libvirt.virDomain:
     return dom
 
 
-def wait_rounds(h: Host, name: str, dom: libvirt.virDomain, at_least: int, timeout: float = 120) -> dict:
-    """The loop job's markers on h's console once its guest wrote `at_least` rounds there."""
+def wait_rounds(h: Host, name: str, dom: libvirt.virDomain, at_least: int, timeout: float = 120, *,
+                after_move: bool = False) -> dict:
+    """The loop job's markers on h's console once its guest wrote `at_least`
+    rounds there. after_move: the guest came to h by a migration (GuestLost,
+    not a failure, if its kernel crashed there or it stalled while its QEMU
+    runs on)."""
     deadline = time.monotonic() + timeout
     while True:
-        parsed = parse_loop(read_console(h.console(name)))
+        text = read_console(h.console(name))
+        parsed = parse_loop(text)
         assert not parsed["fail"], f"guest on {h.key} failed: {parsed['fail']}"
         if parsed["progress"] and parsed["progress"][-1][0] >= at_least:
             return parsed
+        if after_move and KERNEL_CRASH.search(text):
+            raise _lost(h, name, f"the guest did not reach {at_least} rounds")
         if time.monotonic() > deadline or not dom.isActive():
-            pytest.fail(f"guest on {h.key} did not reach {at_least} rounds; console:\n"
-                        + read_console(h.console(name))[-2000:])
+            if after_move and dom.isActive():
+                raise _lost(h, name, f"the guest did not reach {at_least} rounds")
+            pytest.fail(f"guest on {h.key} did not reach {at_least} rounds; console:\n" + text[-2000:])
         time.sleep(0.3)
 
 
-def stop_and_verify(lab: Lab, h: Host, name: str, dom: libvirt.virDomain, seed: int) -> dict:
+def stop_and_verify(lab: Lab, h: Host, name: str, dom: libvirt.virDomain, seed: int, *,
+                    after_move: bool = False) -> dict:
     """Stop the guest's loop. It reads the whole region back and checks it.
-    Then the host checks that the file holds exactly what the guest wrote."""
+    Then the host checks that the file holds exactly what the guest wrote.
+    after_move: as for wait_rounds."""
     disk = lab.shared / f"{name}.raw"
     stop_loop(disk, REGION)
     deadline = time.monotonic() + 120
     while True:
-        parsed = parse_loop(read_console(h.console(name)))
+        text = read_console(h.console(name))
+        parsed = parse_loop(text)
         assert not parsed["fail"], f"guest on {h.key} failed: {parsed['fail']}"
         if parsed["done"]:
             break
+        if after_move and KERNEL_CRASH.search(text):
+            raise _lost(h, name, "no DONE from the guest")
         if time.monotonic() > deadline or not dom.isActive():
-            pytest.fail(f"no DONE from the guest on {h.key}; console:\n"
-                        + read_console(h.console(name))[-2000:])
+            if after_move and dom.isActive():
+                raise _lost(h, name, "no DONE from the guest")
+            pytest.fail(f"no DONE from the guest on {h.key}; console:\n" + text[-2000:])
         time.sleep(0.3)
     assert parsed["rounds"] and parsed["wrote"] == parsed["read"]
     with open(disk, "rb") as f:
@@ -103,6 +161,7 @@ def a_runs_it_unchanged(lab: Lab, name: str, dom: libvirt.virDomain, qsd: list[i
     holds_nothing(lab.b, name)
 
 
+@once_more_if_guest_lost
 def test_live_migration_under_guest_writes(migration_lab, guest_image):
     lab, name, seed = migration_lab, "mig-live", 4711
     try:
@@ -131,7 +190,7 @@ def test_live_migration_under_guest_writes(migration_lab, guest_image):
               f"downtime {stats.get('downtime', -1)} ms")
 
         # The guest writes on, on B: not rebooted, its rounds go on from A's.
-        parsed = wait_rounds(lab.b, name, moved, on_a + 20)
+        parsed = wait_rounds(lab.b, name, moved, on_a + 20, after_move=True)
         assert parsed["started"] is None, "the guest started again on B"
         assert parsed["progress"][0][0] > on_a
         # A released everything (release end migrated); B runs it on what prepare made.
@@ -150,7 +209,7 @@ def test_live_migration_under_guest_writes(migration_lab, guest_image):
         assert lab.b.hostname in finish.stdout
         holds_nothing(lab.a, name)
 
-        result = stop_and_verify(lab, lab.b, name, moved, seed)
+        result = stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
         assert result["rounds"] > parsed["progress"][-1][0]
         before = parse_loop(read_console(lab.a.console(name)))
         assert before["started"] is not None and not before["done"]
@@ -207,6 +266,7 @@ def test_virsh_migrate_without_vstor_prepare_is_refused_by_the_destination(migra
         lab.forget(name)
 
 
+@once_more_if_guest_lost
 def test_the_xml_prepare_writes_is_what_virsh_migrate_xml_takes(migration_lab, guest_image):
     """The command prepare prints: virsh migrate --live --persistent
     --undefinesource --persistent-xml FILE --xml FILE."""
@@ -224,11 +284,12 @@ def test_the_xml_prepare_writes_is_what_virsh_migrate_xml_takes(migration_lab, g
         assert moved is not None and moved.isActive()
         assert f"{lab.b.vhost_dir}/{name}-vdb" in moved.XMLDesc(0)
         wait_released(lab.a, name)
-        stop_and_verify(lab, lab.b, name, moved, seed)
+        stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
     finally:
         lab.forget(name)
 
 
+@once_more_if_guest_lost
 def test_prepare_run_migrates_with_progress_and_finishes(migration_lab, guest_image):
     """`vstor migrate prepare --run`: prepare, libvirt's migration with a
     progress line, finish; the guest's writes all where it wrote them."""
@@ -243,11 +304,12 @@ def test_prepare_run_migrates_with_progress_and_finishes(migration_lab, guest_im
         assert moved is not None and moved.isActive()
         wait_released(lab.a, name)
         holds_nothing(lab.a, name)
-        stop_and_verify(lab, lab.b, name, moved, seed)
+        stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
     finally:
         lab.forget(name)
 
 
+@once_more_if_guest_lost
 def test_a_nova_instance_live_migrates_through_vstors_driver_steps(migration_lab, guest_image):
     """A Nova instance with a vstor disk (built by Nova's config classes and
     vstor's driver step, tests/nova/oracle.py) moves live as vstor's Nova
@@ -296,7 +358,7 @@ def test_a_nova_instance_live_migrates_through_vstors_driver_steps(migration_lab
         moved = lab.b.domain(name)
         live = moved.XMLDesc(0)
         assert f"{lab.b.vhost_dir}/{name}-vdb" in live and "<access mode='shared'/>" in live
-        parsed = wait_rounds(lab.b, name, moved, on_a + 20)
+        parsed = wait_rounds(lab.b, name, moved, on_a + 20, after_move=True)
         assert parsed["started"] is None, "the guest started again on B"
         wait_released(lab.a, name)
         said = nova_migrate.run(cfg, "finish", name, lab.b.hostname)
@@ -304,8 +366,34 @@ def test_a_nova_instance_live_migrates_through_vstors_driver_steps(migration_lab
         holds_nothing(lab.a, name)
         assert nova_migrate.run(cfg, "abort", name).startswith("no vstor migration")   # a rollback later
         print(f"\nnova instance: migration {seconds:.1f} s")
-        stop_and_verify(lab, lab.b, name, moved, seed)
+        stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
         wait_released(lab.b, name)
     finally:
         lab.forget(name)
         lab.write_config(lab.a, lab.b)
+
+
+def test_only_a_lost_guest_is_run_once_more():
+    """once_more_if_guest_lost reruns a GuestLost once, with a warning; a
+    second loss fails; an assertion (a FAIL from the guest) is never rerun."""
+    calls = []
+
+    def lost_then(outcomes):
+        @once_more_if_guest_lost
+        def test():
+            calls.append(1)
+            outcome = outcomes.pop(0)
+            if outcome is not None:
+                raise outcome
+        return test
+    with pytest.warns(pytest.PytestWarning, match="guest lost after the move"):
+        lost_then([GuestLost("crash"), None])()
+    assert len(calls) == 2
+    calls.clear()
+    with pytest.warns(pytest.PytestWarning), pytest.raises(pytest.fail.Exception, match="twice"):
+        lost_then([GuestLost("crash"), GuestLost("stall")])()
+    assert len(calls) == 2
+    calls.clear()
+    with pytest.raises(AssertionError, match="wrong bytes"):
+        lost_then([AssertionError("wrong bytes"), None])()
+    assert len(calls) == 1
