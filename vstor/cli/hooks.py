@@ -86,6 +86,12 @@ def installed_hook_text(ctx) -> str:
 
 def cmd_hooks_install(ctx, args) -> int:
     target = os.path.join(args.dir, "vstor")
+    parent = os.path.dirname(os.path.normpath(args.dir))
+    if args.dir != HOOK_DIR and not os.path.lexists(args.dir) and not os.path.lexists(parent):
+        # libvirt's own directory is made as needed; another one only one level
+        # down from a directory that exists: a mistyped path gets no hook nobody reads.
+        raise BadInput(f"cannot install the hook into {args.dir}: neither it nor {parent} exists",
+                       hint=f"check the path, or leave out --dir for libvirt's {HOOK_DIR}")
     from vstor.atomic import write_file
     try:
         write_file(target, installed_hook_text(ctx), mode=0o755, makedirs=True,
