@@ -27,37 +27,43 @@ from .migration_lab import Host, Lab, migration_lab, vstor_domain_xml  # noqa: F
 REGION = 32 << 10           # the loop job's 64 blocks; its STOP block follows
 
 # The guest's kernel reporting its own crash on the console.
-KERNEL_CRASH = re.compile(r"Oops:|general protection fault|BUG: |Kernel panic|Fixing recursive fault"
-                          r"|Unable to handle page fault|segfault at")
+KERNEL_CRASH = re.compile(r"Oops|general protection fault|BUG: |kernel BUG|Kernel panic|Fixing recursive fault"
+                          r"|Unable to handle page fault|segfault at|invalid opcode|Call Trace:|Modules linked in:")
+
+
+ATTEMPTS = 3               # a test whose guest is lost after the move runs at most this often
+STALLED = 45                # seconds without a new console line that count as a stall
 
 
 class GuestLost(Exception):
     """The guest crashed or stopped making progress after a move, without a
     FAIL of its own: no wrong byte read back, the guest is just gone.
 
-    Under TCG with QEMU 7.2 this happens to some moves on some machines
-    (2 of 5 moves in one CI run, 0 of 32 on the machine these tests were
-    written on; seen with guests without vstor disks too): the guest's
-    kernel crashes on the destination, or an I/O it had in flight at the
-    switch never completes (qemu-storage-daemon's vhost-user-blk export
-    does not drain in-flight requests at GET_VRING_BASE in 7.2)."""
+    Under TCG with QEMU 7.2 this happens to some moves: the guest's kernel
+    crashes on the destination right after the switch (page tables and
+    rss counters found corrupt, as if a page the guest CPU wrote last had
+    not been carried), or its I/O stops. It was seen with guests that have
+    no vstor disk too (bench_migrate.py's hand-made daemons), never on the
+    disk's data (no wrong byte read back), and it comes far more often late
+    in a full run (about 2 of 4 moves) than alone (none of 32)."""
 
 
 def once_more_if_guest_lost(test):
-    """Run a migration test again, once, when its guest was lost after the
-    move (GuestLost), and say so as a warning. A second loss fails it; a
-    FAIL from the guest (wrong data) or any other failure is never rerun."""
+    """Run a migration test again when its guest was lost after the move
+    (GuestLost), up to ATTEMPTS runs, each loss said as a warning. The last
+    loss fails it; a FAIL from the guest (wrong data) or any other failure
+    is never rerun."""
     @functools.wraps(test)
     def run(*args, **kwargs):
-        try:
-            return test(*args, **kwargs)
-        except GuestLost as first:
-            warnings.warn(f"{test.__name__}: guest lost after the move, run once more: {first}"[:600],
-                          pytest.PytestWarning)
-        try:
-            return test(*args, **kwargs)
-        except GuestLost as second:
-            pytest.fail(f"the guest was lost after the move twice; the second time: {second}")
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return test(*args, **kwargs)
+            except GuestLost as lost:
+                if attempt == ATTEMPTS:
+                    pytest.fail(f"the guest was lost after the move in all {ATTEMPTS} runs; "
+                                f"the last time: {lost}")
+                warnings.warn(f"{test.__name__}: guest lost after the move (run {attempt} of at most "
+                              f"{ATTEMPTS}): {lost}"[:600], pytest.PytestWarning)
     return run
 
 
@@ -66,6 +72,23 @@ def _lost(h: Host, name: str, what: str) -> GuestLost:
     crash = KERNEL_CRASH.search(text)
     said = text[max(0, crash.start() - 200):crash.start() + 1500] if crash else text[-1500:]
     return GuestLost(f"{what} on {h.key} ({'kernel crash' if crash else 'no progress'}); console:\n{said}")
+
+
+def arrived(h: Host, name: str) -> libvirt.virDomain:
+    """The domain a move brought to h. A guest whose kernel crashed there is
+    already gone (panic=-1, on_reboot destroy): GuestLost."""
+    dom = h.domain(name)
+    if dom is not None and not dom.isActive() and KERNEL_CRASH.search(read_console(h.console(name))):
+        raise _lost(h, name, "the guest was destroyed after the move")
+    return dom
+
+
+def _stalled(text: str, seen: list) -> bool:
+    """No new console output for STALLED seconds (seen: [text, since])."""
+    now = time.monotonic()
+    if text != seen[0]:
+        seen[:] = [text, now]
+    return now - seen[1] > STALLED
 
 
 def start_on_a(lab: Lab, guest, name: str, seed: int) -> libvirt.virDomain:
@@ -91,13 +114,14 @@ def wait_rounds(h: Host, name: str, dom: libvirt.virDomain, at_least: int, timeo
     not a failure, if its kernel crashed there or it stalled while its QEMU
     runs on)."""
     deadline = time.monotonic() + timeout
+    seen = [None, time.monotonic()]
     while True:
         text = read_console(h.console(name))
         parsed = parse_loop(text)
         assert not parsed["fail"], f"guest on {h.key} failed: {parsed['fail']}"
         if parsed["progress"] and parsed["progress"][-1][0] >= at_least:
             return parsed
-        if after_move and KERNEL_CRASH.search(text):
+        if after_move and (KERNEL_CRASH.search(text) or _stalled(text, seen) and dom.isActive()):
             raise _lost(h, name, f"the guest did not reach {at_least} rounds")
         if time.monotonic() > deadline or not dom.isActive():
             if after_move and dom.isActive():
@@ -114,13 +138,14 @@ def stop_and_verify(lab: Lab, h: Host, name: str, dom: libvirt.virDomain, seed: 
     disk = lab.shared / f"{name}.raw"
     stop_loop(disk, REGION)
     deadline = time.monotonic() + 120
+    seen = [None, time.monotonic()]
     while True:
         text = read_console(h.console(name))
         parsed = parse_loop(text)
         assert not parsed["fail"], f"guest on {h.key} failed: {parsed['fail']}"
         if parsed["done"]:
             break
-        if after_move and KERNEL_CRASH.search(text):
+        if after_move and (KERNEL_CRASH.search(text) or _stalled(text, seen) and dom.isActive()):
             raise _lost(h, name, "no DONE from the guest")
         if time.monotonic() > deadline or not dom.isActive():
             if after_move and dom.isActive():
@@ -182,7 +207,7 @@ def test_live_migration_under_guest_writes(migration_lab, guest_image):
         # test_the_xml_prepare_writes_is_what_virsh_migrate_xml_takes).
         seconds, error = lab.migrate(name, lab.a, lab.b)
         assert error is None, f"the migration failed: {error}"
-        moved = lab.b.domain(name)
+        moved = arrived(lab.b, name)
         assert moved is not None and moved.isActive() and moved.isPersistent()
         assert lab.a.domain(name) is None                   # --undefinesource
         stats = moved.jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
@@ -280,7 +305,7 @@ def test_the_xml_prepare_writes_is_what_virsh_migrate_xml_takes(migration_lab, g
         arriving = out_xml.read_text()
         _, error = lab.migrate(name, lab.a, lab.b, xml=arriving, persistent_xml=arriving)
         assert error is None, f"the migration failed: {error}"
-        moved = lab.b.domain(name)
+        moved = arrived(lab.b, name)
         assert moved is not None and moved.isActive()
         assert f"{lab.b.vhost_dir}/{name}-vdb" in moved.XMLDesc(0)
         wait_released(lab.a, name)
@@ -300,7 +325,7 @@ def test_prepare_run_migrates_with_progress_and_finishes(migration_lab, guest_im
                           "--run", "--migrate-uri", f"tcp://{lab.b.addr}", "-o", str(lab.root / f"{name}.B.xml"))
         assert out.returncode == 0, out.stdout + out.stderr
         assert "migrating:" in out.stdout and f"{name} runs on {lab.b.hostname}: downtime" in out.stdout
-        moved = lab.b.domain(name)
+        moved = arrived(lab.b, name)
         assert moved is not None and moved.isActive()
         wait_released(lab.a, name)
         holds_nothing(lab.a, name)
@@ -355,7 +380,7 @@ def test_a_nova_instance_live_migrates_through_vstors_driver_steps(migration_lab
         on_a = parse_loop(read_console(lab.a.console(name)))["progress"][-1][0]
         seconds, error = lab.migrate(name, lab.a, lab.b, xml=sent, persistent_xml=sent)
         assert error is None, f"the migration failed: {error}"
-        moved = lab.b.domain(name)
+        moved = arrived(lab.b, name)
         live = moved.XMLDesc(0)
         assert f"{lab.b.vhost_dir}/{name}-vdb" in live and "<access mode='shared'/>" in live
         parsed = wait_rounds(lab.b, name, moved, on_a + 20, after_move=True)
@@ -373,12 +398,13 @@ def test_a_nova_instance_live_migrates_through_vstors_driver_steps(migration_lab
         lab.write_config(lab.a, lab.b)
 
 
-def test_only_a_lost_guest_is_run_once_more():
-    """once_more_if_guest_lost reruns a GuestLost once, with a warning; a
-    second loss fails; an assertion (a FAIL from the guest) is never rerun."""
+def test_only_a_lost_guest_is_run_again():
+    """once_more_if_guest_lost reruns a GuestLost, with a warning each time,
+    up to ATTEMPTS runs; the last loss fails; an assertion (a FAIL from the
+    guest) is never rerun."""
     calls = []
 
-    def lost_then(outcomes):
+    def with_outcomes(outcomes):
         @once_more_if_guest_lost
         def test():
             calls.append(1)
@@ -386,14 +412,26 @@ def test_only_a_lost_guest_is_run_once_more():
             if outcome is not None:
                 raise outcome
         return test
-    with pytest.warns(pytest.PytestWarning, match="guest lost after the move"):
-        lost_then([GuestLost("crash"), None])()
+    with pytest.warns(pytest.PytestWarning, match="guest lost after the move .run 1 of at most 3"):
+        with_outcomes([GuestLost("crash"), None])()
     assert len(calls) == 2
     calls.clear()
-    with pytest.warns(pytest.PytestWarning), pytest.raises(pytest.fail.Exception, match="twice"):
-        lost_then([GuestLost("crash"), GuestLost("stall")])()
-    assert len(calls) == 2
+    with pytest.warns(pytest.PytestWarning), pytest.raises(pytest.fail.Exception, match="in all 3 runs"):
+        with_outcomes([GuestLost("crash")] * ATTEMPTS)()
+    assert len(calls) == ATTEMPTS
     calls.clear()
     with pytest.raises(AssertionError, match="wrong bytes"):
-        lost_then([AssertionError("wrong bytes"), None])()
+        with_outcomes([AssertionError("wrong bytes"), None])()
     assert len(calls) == 1
+
+
+def test_a_stall_is_no_new_console_output_for_a_while(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    seen = [None, clock[0]]
+    assert not _stalled("a", seen)
+    clock[0] += STALLED
+    assert not _stalled("a", seen)
+    clock[0] += 1
+    assert _stalled("a", seen)
+    assert not _stalled("ab", seen)       # new output: the count starts again
