@@ -19,8 +19,8 @@ def pytest_collection_modifyitems(items):
         if HERE in Path(item.fspath).parents:
             item.add_marker(pytest.mark.e2e)
     # The live migrations run first. Their TCG guests are lost after the move
-    # far more often late in a full run (about 2 moves in 4) than first or
-    # alone (none in 32); see test_migration.GuestLost.
+    # far more often late in a full run (about 2 moves in 4) than alone (none
+    # in 32) or first (none in a full run); see test_migration.GuestLost.
     first = HERE / "test_migration.py"
     items.sort(key=lambda item: Path(item.fspath) != first)
 
