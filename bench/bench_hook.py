@@ -191,8 +191,14 @@ def prepare_release(runs: int) -> None:
         _clean(work)
 
 
-def _prepare_release(runs: int, work: str) -> None:
+def _config(work: str):
+    """vstor's configuration for the bench's domain: everything under `work`."""
     from vstor.config import Config
+    return Config(state_dir=f"{work}/state", vhost_dir=f"{work}/vhost", qsd_dir=f"{work}/qsd",
+                  images=(work,))
+
+
+def _prepare_release(runs: int, work: str) -> None:
     from vstor.meta.document import Domain
     from vstor.host.read import read_host
     from vstor.planner.ledger import Ledger
@@ -208,8 +214,7 @@ def _prepare_release(runs: int, work: str) -> None:
         with open(path, "wb") as f:
             f.truncate(64 << 20)
         disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
-    cfg = Config(state_dir=f"{work}/state", vhost_dir=f"{work}/vhost", qsd_dir=f"{work}/qsd",
-                 images=(work,))
+    cfg = _config(work)
     host = read_host(SysFS("/"))
     dom = Domain.parse(FOUR_DISKS.format(disks=disks))
     dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))
@@ -233,12 +238,10 @@ def _clean(work: str) -> None:
     released through vstor, the yardstick's stopped by their pidfiles."""
     import glob
     import signal
-    from vstor.config import Config
     from vstor.runtime.recorded import Runtime, release
     from vstor.runtime.state import StateDir
     from vstor.host.sysfs import SysFS
-    cfg = Config(state_dir=f"{work}/state", vhost_dir=f"{work}/vhost", qsd_dir=f"{work}/qsd",
-                 images=(work,))
+    cfg = _config(work)
     try:
         release(Runtime(cfg, SysFS("/")), StateDir(cfg.state_dir), "bench4")
     except Exception as e:  # noqa: BLE001 (report it, go on cleaning)
