@@ -86,8 +86,9 @@ def installed_hook_text(ctx) -> str:
 
 def cmd_hooks_install(ctx, args) -> int:
     target = os.path.join(args.dir, "vstor")
-    parent = os.path.dirname(os.path.normpath(args.dir))
-    if args.dir != HOOK_DIR and not os.path.lexists(args.dir) and not os.path.lexists(parent):
+    where = os.path.normpath(args.dir)
+    parent = os.path.dirname(where)
+    if where != HOOK_DIR and not os.path.lexists(args.dir) and not os.path.lexists(parent):
         # libvirt's own directory is made as needed; another one only one level
         # down from a directory that exists: a mistyped path gets no hook nobody reads.
         raise BadInput(f"cannot install the hook into {args.dir}: neither it nor {parent} exists",
