@@ -225,13 +225,16 @@ def test_hooks_install_into_a_directory_it_cannot_make(tmp_path, capsys, monkeyp
     assert euid != 0 or "run as root" not in err
 
 
-def test_hooks_install_into_a_mistyped_directory_makes_nothing(tmp_path, capsys):
+def test_hooks_install_into_a_mistyped_directory_makes_nothing(tmp_path, capsys, monkeypatch):
     """--dir two levels below what exists (a typo) is refused; one level is made."""
     typo = tmp_path / "etc" / "libvrt" / "hooks" / "qemu.d"
     assert main(["hooks", "install", "--dir", str(typo)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "neither it nor" in err and "leave out --dir" in err
     assert list(tmp_path.iterdir()) == []
+    monkeypatch.chdir(tmp_path)
+    assert main(["hooks", "install", "--dir", ""]) == 2       # not ./vstor
+    assert "--dir is empty" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
     assert main(["hooks", "install", "--dir", str(tmp_path / "qemu.d")]) == 0
     assert (tmp_path / "qemu.d" / "vstor").stat().st_mode & 0o111
 

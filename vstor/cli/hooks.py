@@ -85,6 +85,8 @@ def installed_hook_text(ctx) -> str:
 
 
 def cmd_hooks_install(ctx, args) -> int:
+    if not args.dir:
+        raise BadInput("hooks install --dir is empty", hint=f"leave it out for libvirt's {HOOK_DIR}")
     target = os.path.join(args.dir, "vstor")
     where = os.path.normpath(args.dir)
     parent = os.path.dirname(where)
