@@ -159,6 +159,25 @@ def test_abort_releases_the_destination_and_a_second_prepare_is_clean(hosts, cap
     assert "released what was held for vm" in capsys.readouterr().out
 
 
+def test_finish_says_which_side_holds_what(hosts, capsys):
+    """finish before the move: not arrived (B holds it incoming). A domain
+    that stopped after it arrived (B released it; libvirt here knows no such
+    domain running): it runs on neither host. Both refused, nothing changed."""
+    h = hosts
+    xml_path = running_on_a(h)
+    assert on_a(h, "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{h.work}/o.xml") == 0
+    capsys.readouterr()
+    assert on_a(h, "migrate", "finish", "vm") == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has not arrived on hostb (incoming)" in err
+    assert main(["--config", h.b_conf, "--host-root", h.b_root, "release", "--force", "vm"]) == 0
+    capsys.readouterr()
+    assert on_a(h, "migrate", "finish", "vm") == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "runs on neither host: hostb holds nothing for it" in err, err
+    assert records(h, "a") == {"vm": "prepared"}
+
+
 def test_a_destination_that_cannot_take_it_changes_nothing_on_either_host(hosts, capsys):
     h = hosts
     xml_path = running_on_a(h, memory_mib=64 * 1024)      # fits a node of A (192 GiB), not B (32 GiB)

@@ -429,6 +429,8 @@ class Lab:
             for pid in h.qsd_pids():
                 if any(f"/{name}-" in a for a in _cmdline(pid)):
                     _terminate(pid, 5)
+            # A rerun's checks must not read an earlier run's console (a crash).
+            h.console(name).unlink(missing_ok=True)
 
     # -- stop ------------------------------------------------------------------------
     def stop(self, timeout: float = 20) -> list[str]:

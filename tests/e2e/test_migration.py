@@ -11,6 +11,7 @@ the root cgroup on this machine, and no lock manager is configured (see
 migration_lab.Lab._lay_out)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -66,6 +67,26 @@ def once_more_if_guest_lost(test):
                 warnings.warn(f"{test.__name__}: guest lost after the move (run {attempt} of at most "
                               f"{ATTEMPTS}): {lost}"[:600], pytest.PytestWarning)
     return run
+
+
+@contextlib.contextmanager
+def crash_is_loss(h: Host, name: str):
+    """The checks made once the guest may run on h after a move. One that
+    fails while h's console shows the guest's kernel crashed there, with
+    neither a FAIL nor a DONE from the guest, is GuestLost: the crash is
+    what failed it (the domain stopped, so h released it, and `finish`
+    found nothing there). A FAIL or a wrong byte is never a loss."""
+    try:
+        yield
+    except GuestLost:
+        raise
+    except (Exception, pytest.fail.Exception) as failure:
+        text = read_console(h.console(name))
+        parsed = parse_loop(text)
+        if KERNEL_CRASH.search(text) and not parsed["fail"] and not parsed["done"]:
+            raise _lost(h, name, f"a check failed after the move ({type(failure).__name__}: "
+                                 f"{str(failure)[:300]})") from failure
+        raise
 
 
 def _lost(h: Host, name: str, what: str) -> GuestLost:
@@ -201,40 +222,41 @@ def test_live_migration_under_guest_writes(migration_lab, guest_image):
 
         # Without --xml: B's migrate hook places the domain (the --xml form is
         # test_the_xml_prepare_writes_is_what_virsh_migrate_xml_takes).
-        seconds, error = lab.migrate(name, lab.a, lab.b)
-        assert error is None, f"the migration failed: {error}"
-        moved = arrived(lab.b, name)
-        assert moved is not None and moved.isActive() and moved.isPersistent()
-        assert lab.a.domain(name) is None                   # --undefinesource
-        stats = moved.jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
-        print(f"\nprepare {prepare_s:.1f} s, migration {seconds:.1f} s, "
-              f"downtime {stats.get('downtime', -1)} ms")
+        with crash_is_loss(lab.b, name):  # the guest may run on B from here
+            seconds, error = lab.migrate(name, lab.a, lab.b)
+            assert error is None, f"the migration failed: {error}"
+            moved = arrived(lab.b, name)
+            assert moved is not None and moved.isActive() and moved.isPersistent()
+            assert lab.a.domain(name) is None                   # --undefinesource
+            stats = moved.jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
+            print(f"\nprepare {prepare_s:.1f} s, migration {seconds:.1f} s, "
+                  f"downtime {stats.get('downtime', -1)} ms")
 
-        # The guest writes on, on B: not rebooted, its rounds go on from A's.
-        parsed = wait_rounds(lab.b, name, moved, on_a + 20, after_move=True)
-        assert parsed["started"] is None, "the guest started again on B"
-        assert parsed["progress"][0][0] > on_a
-        # A released everything (release end migrated); B runs it on what prepare made.
-        wait_released(lab.a, name)
-        status = lab.b.vstor("status", "--json", name)
-        assert status.returncode == 0, status.stderr
-        rows = json.loads(status.stdout)
-        assert [r["status"] for r in rows] == ["prepared"] and rows[0]["migration"] is None
-        assert all(s["problem"] is None for s in rows[0]["steps"]), rows
-        assert len(lab.b.qsd_pids()) == 1
-        live = moved.XMLDesc(0)
-        assert f"{lab.b.vhost_dir}/{name}-vdb" in live and str(lab.a.vhost_dir) not in live
+            # The guest writes on, on B: not rebooted, its rounds go on from A's.
+            parsed = wait_rounds(lab.b, name, moved, on_a + 20, after_move=True)
+            assert parsed["started"] is None, "the guest started again on B"
+            assert parsed["progress"][0][0] > on_a
+            # A released everything (release end migrated); B runs it on what prepare made.
+            wait_released(lab.a, name)
+            status = lab.b.vstor("status", "--json", name)
+            assert status.returncode == 0, status.stderr
+            rows = json.loads(status.stdout)
+            assert [r["status"] for r in rows] == ["prepared"] and rows[0]["migration"] is None
+            assert all(s["problem"] is None for s in rows[0]["steps"]), rows
+            assert len(lab.b.qsd_pids()) == 1
+            live = moved.XMLDesc(0)
+            assert f"{lab.b.vhost_dir}/{name}-vdb" in live and str(lab.a.vhost_dir) not in live
 
-        finish = lab.a.vstor("migrate", "finish", name, "--to", lab.b.hostname)
-        assert finish.returncode == 0, finish.stdout + finish.stderr
-        assert lab.b.hostname in finish.stdout
-        holds_nothing(lab.a, name)
+            finish = lab.a.vstor("migrate", "finish", name, "--to", lab.b.hostname)
+            assert finish.returncode == 0, finish.stdout + finish.stderr
+            assert lab.b.hostname in finish.stdout
+            holds_nothing(lab.a, name)
 
-        result = stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
-        assert result["rounds"] > parsed["progress"][-1][0]
-        before = parse_loop(read_console(lab.a.console(name)))
-        assert before["started"] is not None and not before["done"]
-        wait_released(lab.b, name)
+            result = stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
+            assert result["rounds"] > parsed["progress"][-1][0]
+            before = parse_loop(read_console(lab.a.console(name)))
+            assert before["started"] is not None and not before["done"]
+            wait_released(lab.b, name)
     finally:
         lab.forget(name)
 
@@ -299,13 +321,14 @@ def test_the_xml_prepare_writes_is_what_virsh_migrate_xml_takes(migration_lab, g
         assert prep.returncode == 0, prep.stdout + prep.stderr
         assert f"--xml {out_xml}" in prep.stdout
         arriving = out_xml.read_text()
-        _, error = lab.migrate(name, lab.a, lab.b, xml=arriving, persistent_xml=arriving)
-        assert error is None, f"the migration failed: {error}"
-        moved = arrived(lab.b, name)
-        assert moved is not None and moved.isActive()
-        assert f"{lab.b.vhost_dir}/{name}-vdb" in moved.XMLDesc(0)
-        wait_released(lab.a, name)
-        stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
+        with crash_is_loss(lab.b, name):  # the guest may run on B from here
+            _, error = lab.migrate(name, lab.a, lab.b, xml=arriving, persistent_xml=arriving)
+            assert error is None, f"the migration failed: {error}"
+            moved = arrived(lab.b, name)
+            assert moved is not None and moved.isActive()
+            assert f"{lab.b.vhost_dir}/{name}-vdb" in moved.XMLDesc(0)
+            wait_released(lab.a, name)
+            stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
     finally:
         lab.forget(name)
 
@@ -317,15 +340,16 @@ def test_prepare_run_migrates_with_progress_and_finishes(migration_lab, guest_im
     lab, name, seed = migration_lab, "mig-run", 1234
     try:
         start_on_a(lab, guest_image, name, seed)
-        out = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname, "--dest-uri", lab.b.uri,
-                          "--run", "--migrate-uri", f"tcp://{lab.b.addr}", "-o", str(lab.root / f"{name}.B.xml"))
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert "migrating:" in out.stdout and f"{name} runs on {lab.b.hostname}: downtime" in out.stdout
-        moved = arrived(lab.b, name)
-        assert moved is not None and moved.isActive()
-        wait_released(lab.a, name)
-        holds_nothing(lab.a, name)
-        stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
+        with crash_is_loss(lab.b, name):  # the guest may run on B from here
+            out = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname, "--dest-uri", lab.b.uri,
+                              "--run", "--migrate-uri", f"tcp://{lab.b.addr}", "-o", str(lab.root / f"{name}.B.xml"))
+            assert out.returncode == 0, out.stdout + out.stderr
+            assert "migrating:" in out.stdout and f"{name} runs on {lab.b.hostname}: downtime" in out.stdout
+            moved = arrived(lab.b, name)
+            assert moved is not None and moved.isActive()
+            wait_released(lab.a, name)
+            holds_nothing(lab.a, name)
+            stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
     finally:
         lab.forget(name)
 
@@ -374,21 +398,22 @@ def test_a_nova_instance_live_migrates_through_vstors_driver_steps(migration_lab
         sent = ask({"migration_xml": {"xml": current, "compute_driver": "vstor.VstorLibvirtDriver"}}
                    )["migration_xml"]
         on_a = parse_loop(read_console(lab.a.console(name)))["progress"][-1][0]
-        seconds, error = lab.migrate(name, lab.a, lab.b, xml=sent, persistent_xml=sent)
-        assert error is None, f"the migration failed: {error}"
-        moved = arrived(lab.b, name)
-        live = moved.XMLDesc(0)
-        assert f"{lab.b.vhost_dir}/{name}-vdb" in live and "<access mode='shared'/>" in live
-        parsed = wait_rounds(lab.b, name, moved, on_a + 20, after_move=True)
-        assert parsed["started"] is None, "the guest started again on B"
-        wait_released(lab.a, name)
-        said = nova_migrate.run(cfg, "finish", name, lab.b.hostname)
-        assert lab.b.hostname in said, said
-        holds_nothing(lab.a, name)
-        assert nova_migrate.run(cfg, "abort", name).startswith("no vstor migration")   # a rollback later
-        print(f"\nnova instance: migration {seconds:.1f} s")
-        stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
-        wait_released(lab.b, name)
+        with crash_is_loss(lab.b, name):  # the guest may run on B from here
+            seconds, error = lab.migrate(name, lab.a, lab.b, xml=sent, persistent_xml=sent)
+            assert error is None, f"the migration failed: {error}"
+            moved = arrived(lab.b, name)
+            live = moved.XMLDesc(0)
+            assert f"{lab.b.vhost_dir}/{name}-vdb" in live and "<access mode='shared'/>" in live
+            parsed = wait_rounds(lab.b, name, moved, on_a + 20, after_move=True)
+            assert parsed["started"] is None, "the guest started again on B"
+            wait_released(lab.a, name)
+            said = nova_migrate.run(cfg, "finish", name, lab.b.hostname)
+            assert lab.b.hostname in said, said
+            holds_nothing(lab.a, name)
+            assert nova_migrate.run(cfg, "abort", name).startswith("no vstor migration")   # a rollback later
+            print(f"\nnova instance: migration {seconds:.1f} s")
+            stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
+            wait_released(lab.b, name)
     finally:
         lab.forget(name)
         lab.write_config(lab.a, lab.b)
@@ -419,6 +444,30 @@ def test_only_a_lost_guest_is_run_again():
     with pytest.raises(AssertionError, match="wrong bytes"):
         with_outcomes([AssertionError("wrong bytes"), None])()
     assert len(calls) == 1
+
+
+def test_a_failed_check_is_a_loss_only_when_the_guest_crashed(tmp_path):
+    """crash_is_loss: a check that fails after the move is GuestLost when the
+    destination's console shows a kernel crash, and the failure itself
+    otherwise, or when the guest said FAIL or DONE first."""
+    from types import SimpleNamespace
+    console = tmp_path / "c.log"
+    b = SimpleNamespace(key="b", console=lambda name: console)
+    crash = "[   9.1] BUG: Bad rss-counter state mm:0000 type:MM_ANONPAGES val:-1\n"
+    for text, raised in (("", AssertionError),
+                         (crash, GuestLost),
+                         ("VSTOR-GUEST: FAIL round 3 read back wrong\n" + crash, AssertionError),
+                         ("VSTOR-GUEST: DONE uptime=9.0\n" + crash, AssertionError)):
+        console.write_text(text)
+        with pytest.raises(raised):
+            with crash_is_loss(b, "vm"):
+                assert False, "finish found nothing held there"
+    console.write_text(crash)
+    with pytest.raises(GuestLost, match="Bad rss-counter"):     # pytest.fail is one too
+        with crash_is_loss(b, "vm"):
+            pytest.fail("no DONE from the guest")
+    with crash_is_loss(b, "vm"):
+        pass
 
 
 def test_a_stall_is_no_new_console_output_for_a_while(monkeypatch):
