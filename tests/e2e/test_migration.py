@@ -32,7 +32,7 @@ KERNEL_CRASH = re.compile(r"Oops|general protection fault|BUG: |kernel BUG|Kerne
                           r"|Unable to handle page fault|segfault at|invalid opcode|Call Trace:|Modules linked in:")
 
 
-ATTEMPTS = 3               # a test whose guest is lost after the move runs at most this often
+ATTEMPTS = 4               # a test whose guest is lost after the move runs at most this often
 STALLED = 45                # seconds without a new console line that count as a stall
 
 
@@ -433,11 +433,11 @@ def test_only_a_lost_guest_is_run_again():
             if outcome is not None:
                 raise outcome
         return test
-    with pytest.warns(pytest.PytestWarning, match="guest lost after the move .run 1 of at most 3"):
+    with pytest.warns(pytest.PytestWarning, match=f"guest lost after the move .run 1 of at most {ATTEMPTS}"):
         with_outcomes([GuestLost("crash"), None])()
     assert len(calls) == 2
     calls.clear()
-    with pytest.warns(pytest.PytestWarning), pytest.raises(pytest.fail.Exception, match="in all 3 runs"):
+    with pytest.warns(pytest.PytestWarning), pytest.raises(pytest.fail.Exception, match=f"in all {ATTEMPTS} runs"):
         with_outcomes([GuestLost("crash")] * ATTEMPTS)()
     assert len(calls) == ATTEMPTS
     calls.clear()
