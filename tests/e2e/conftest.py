@@ -18,9 +18,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if HERE in Path(item.fspath).parents:
             item.add_marker(pytest.mark.e2e)
-    # The live migrations run first. Their TCG guests were lost after the move
-    # in about 2 moves of 4 late in a full run, and in none when the file ran
-    # first (two full runs); see test_migration.GuestLost.
+    # The live migrations run first: their TCG guests were lost after the move
+    # far more often late in a full run (the README's Tests section has the
+    # figures; see test_migration.GuestLost).
     first = HERE / "test_migration.py"
     items.sort(key=lambda item: Path(item.fspath) != first)
 

@@ -180,12 +180,12 @@ def cmd_finish(ctx, args) -> int:
     peer = _recorded_peer(ctx, args)
     there = peer.call("status", name=args.domain, uuid=_uuid_of(ctx, args.domain))
     arrived = there.get("status") == "prepared" or (there.get("cold") is True and there.get("status") == "incoming")
-    if not arrived and not there.get("status") and _is_running(ctx, args.domain) is False:
-        raise DoesNotFit(f"domain '{args.domain}' runs on neither host: {peer.host} holds nothing for it "
-                         "and it does not run here (it stopped after the move, or was never started)",
-                         hint=f"see virsh domstate {args.domain} on both hosts; "
-                              f"vstor migrate abort {args.domain} forgets the move")
     if not arrived:
+        if not there.get("status") and _is_running(ctx, args.domain) is False:
+            raise DoesNotFit(f"domain '{args.domain}' runs on neither host: {peer.host} holds nothing for "
+                             "it and it does not run here (it stopped after the move, or was never started)",
+                             hint=f"see virsh domstate {args.domain} on both hosts; "
+                                  f"vstor migrate abort {args.domain} forgets the move")
         raise DoesNotFit(f"domain '{args.domain}' has not arrived on {peer.host} "
                          f"({there.get('status') or 'nothing held there'})",
                          hint=f"migrate it first, or: vstor migrate abort {args.domain}")
