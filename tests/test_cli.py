@@ -235,6 +235,9 @@ def test_hooks_install_into_a_mistyped_directory_makes_nothing(tmp_path, capsys,
     monkeypatch.chdir(tmp_path)
     assert main(["hooks", "install", "--dir", ""]) == 2       # not ./vstor
     assert "--dir is empty" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+    assert main(["hooks", "install", "--dir", str(tmp_path / "a\nb")]) == 2   # one level down, but a slip
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds a control character" in err and list(tmp_path.iterdir()) == []
     assert main(["hooks", "install", "--dir", str(tmp_path / "qemu.d")]) == 0
     assert (tmp_path / "qemu.d" / "vstor").stat().st_mode & 0o111
 

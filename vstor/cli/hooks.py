@@ -87,6 +87,9 @@ def installed_hook_text(ctx) -> str:
 def cmd_hooks_install(ctx, args) -> int:
     if not args.dir:
         raise BadInput("hooks install --dir is empty", hint=f"leave it out for libvirt's {HOOK_DIR}")
+    if not args.dir.isprintable():      # a newline or an escape: a slip, never a directory meant
+        raise BadInput(f"hooks install --dir {args.dir} holds a control character",
+                       hint=f"check the path, or leave out --dir for libvirt's {HOOK_DIR}")
     target = os.path.join(args.dir, "vstor")
     where = os.path.normpath(args.dir)
     parent = os.path.dirname(where)
