@@ -30,11 +30,23 @@ import pytest
 from vstor.errors import ActionFailed, BadInput, DoesNotFit, Unavailable
 from vstor.backends.qsd import daemon
 from vstor.backends.qsd.export import QsdExport
+from vstor.host import sources
+from vstor.host.sysfs import SysFS
 from vstor.backends.qsd.monitor import Monitor, QmpConnectionError, QmpError
 
 QSD = "/usr/bin/qemu-storage-daemon"
 QEMU_USER, QEMU_GROUP = "libvirt-qemu", "kvm"
 CI = os.environ.get("CI") == "true"
+# The image root every scratch source of these tests lies below.
+ROOTS = ["/tmp"]
+
+
+def start(export, **kw):
+    return daemon.start(export, roots=ROOTS, **kw)
+
+
+def restart_if_dead(export, **kw):
+    return daemon.restart_if_dead(export, roots=ROOTS, **kw)
 
 
 def _need(ok: bool, why: str):
@@ -283,13 +295,14 @@ def _pure(**kw) -> QsdExport:
 
 
 def test_argv_is_the_documented_command_line():
-    assert _pure(direct=True).argv() == [
+    # No path of the source and none of the socket: the daemon inherits both.
+    assert _pure(direct=True).argv(7, 9) == [
         QSD,
-        "--blockdev", "driver=file,node-name=file0,filename=/var/lib/vstor/a,,b.raw,"
+        "--blockdev", "driver=file,node-name=file0,filename=/proc/self/fd/7,"
                       "cache.direct=on,aio=native,discard=unmap",
         "--blockdev", "driver=raw,node-name=disk0,file=file0,discard=unmap",
-        "--export", "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,"
-                    "addr.path=/run/vstor/vhost/vm1-vdb,writable=on,num-queues=1",
+        "--export", "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=fd,"
+                    "addr.str=9,writable=on,num-queues=1",
         "--chardev", "socket,id=qmp0,path=/run/vstor/qsd/vm1-vdb.qmp,server=on,wait=off",
         "--monitor", "chardev=qmp0",
         "--pidfile", "/run/vstor/qsd/vm1-vdb.pid",
@@ -297,13 +310,13 @@ def test_argv_is_the_documented_command_line():
 
 
 def test_argv_readonly_block_and_unresolved_file():
-    ro = _pure(kind="block", source="/dev/vg0/data", readonly=True, queues=4).argv()
-    assert ro[2] == ("driver=host_device,node-name=file0,filename=/dev/vg0/data,"
+    ro = _pure(kind="block", source="/dev/vg0/data", readonly=True, queues=4).argv(3, 4)
+    assert ro[2] == ("driver=host_device,node-name=file0,filename=/proc/self/fd/3,"
                      "cache.direct=on,aio=native,read-only=on")
     assert ro[4] == "driver=raw,node-name=disk0,file=file0,read-only=on"
     assert ro[6].endswith("writable=off,num-queues=4")
     # A file whose filesystem was not probed gets the mode that works everywhere.
-    assert "cache.direct=off,aio=threads" in _pure().argv()[2]
+    assert "cache.direct=off,aio=threads" in _pure().argv(3, 4)[2]
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -344,14 +357,15 @@ def test_record_roundtrip_is_json():
         QsdExport.from_record({**rec, "version": 9})
 
 
-def test_dry_run_lists_the_command_and_the_socket_change():
+def test_dry_run_lists_the_open_the_socket_and_the_command():
     lines = _pure().dry_run_lines()
     assert lines[0] == "install -d -o root -g kvm -m 0750 /run/vstor/qsd"
-    assert lines[1].startswith(QSD + " --blockdev ") and "--daemonize" in lines[1]
-    assert "filename=/var/lib/vstor/a,,b.raw,cache.direct=off,aio=threads," in lines[1]
-    assert lines[2].startswith("# at start: cache.direct=on,aio=native instead")
-    assert lines[3:] == ["chown root:kvm /run/vstor/vhost/vm1-vdb",
-                         "chmod 0660 /run/vstor/vhost/vm1-vdb"]
+    assert lines[1].startswith("# vstor opens source=/var/lib/vstor/a,b.raw itself as SRC_FD")
+    assert lines[2].startswith("# vstor binds /run/vstor/vhost/vm1-vdb itself, root:kvm 0660")
+    assert lines[3].startswith(QSD + " --blockdev ") and "--daemonize" in lines[3]
+    assert "filename=/proc/self/fd/SRC_FD,cache.direct=off,aio=threads," in lines[3]
+    assert "addr.type=fd,addr.str=SOCK_FD," in lines[3]
+    assert lines[4].startswith("# at start: cache.direct=on,aio=native instead")
     # Nothing to probe: the daemon's dry run shows the same.
     assert daemon.dry_run(_pure()) == lines
 
@@ -360,10 +374,10 @@ def test_daemon_dry_run_probes_o_direct_and_changes_nothing(tmp_path):
     disk = tmp_path / "disk.raw"
     disk.write_bytes(bytes(4096))
     e = _pure(run_dir=str(tmp_path / "run"), source=str(disk))
-    lines = daemon.dry_run(e)
+    lines = daemon.dry_run(e, roots=[str(tmp_path)])
     # tmp_path is on ext4 here, which takes O_DIRECT; the pure lines cannot know.
-    assert "cache.direct=on,aio=native" in lines[1]
-    assert "cache.direct=off,aio=threads" in e.dry_run_lines()[1]
+    assert "cache.direct=on,aio=native" in lines[3]
+    assert "cache.direct=off,aio=threads" in e.dry_run_lines()[3]
     assert os.listdir(tmp_path) == ["disk.raw"]
 
 
@@ -383,7 +397,7 @@ def test_the_pure_modules_pull_in_no_process_control():
 
 def test_missing_binary_is_unavailable(area):
     with pytest.raises(Unavailable, match="apt install qemu-system-common"):
-        daemon.start(area.export(binary="/nonexistent/qemu-storage-daemon"))
+        start(area.export(binary="/nonexistent/qemu-storage-daemon"))
     assert area.leftovers() == []
 
 
@@ -391,7 +405,7 @@ def test_missing_binary_is_unavailable(area):
 
 def test_qmp_error_carries_class_and_desc(area):
     e = area.export()
-    daemon.start(e)
+    start(e)
     with Monitor(e.qmp_path) as client:
         assert client.version["qemu"]["major"] >= 7
         with pytest.raises(QmpError) as err:
@@ -527,7 +541,7 @@ def test_a_monitor_that_hangs_up_once_still_answers(tmp_path):
 
 def test_start_hands_the_socket_to_the_qemu_group_only(area):
     e = area.export()
-    pid = daemon.start(e)
+    pid = start(e)
     kvm = grp.getgrnam(QEMU_GROUP).gr_gid
     st = os.lstat(e.socket_path)
     assert stat.S_ISSOCK(st.st_mode) and (st.st_uid, st.st_gid) == (0, kvm)
@@ -562,19 +576,19 @@ def test_a_socket_qemu_cannot_reach_is_refused_and_every_directory_change_is_see
         with open(disks[-1], "wb") as f:
             f.truncate(1 << 20)
     a, b = area.export("vm1-vdb", source=disks[0]), area.export("vm1-vdc", source=disks[1])
-    daemon.start(a)
-    daemon.start(b)
+    start(a)
+    start(b)
     assert forks == [a.socket_path]         # b's path is a's: not tried again
     os.chmod(area.base, 0o700)              # QEMU's user can no longer pass base
     c = area.export("vm1-vdd", source=disks[2])
     with pytest.raises(ActionFailed, match=f"^{QEMU_USER} cannot connect to {c.socket_path}: "
                                            "Permission denied") as e:
-        daemon.start(c)
+        start(c)
     assert e.value.hint == f"every directory above it must be searchable by group {QEMU_GROUP}"
     assert daemon.pid(c) is None and not os.path.lexists(c.socket_path)
     os.chmod(area.base, 0o711)              # back as it was when a was reached
     d = area.export("vm1-vde", source=disks[3])
-    daemon.start(d)
+    start(d)
     assert forks == [a.socket_path, c.socket_path]
     assert connect_as(QEMU_USER, d.socket_path) == 0
     # Known good path, but nobody listens: still found out (without a fork).
@@ -593,7 +607,7 @@ def test_a_daemon_keeps_no_file_its_starter_left_open(area):
     fd = os.open(leaked, os.O_RDWR | os.O_CREAT, 0o600)
     os.set_inheritable(fd, True)
     try:
-        pid = daemon.start(area.export())
+        pid = start(area.export())
         held = {os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")}
         assert leaked not in held and len(held) < 30
     finally:
@@ -604,14 +618,14 @@ def test_socket_mode_alone_keeps_others_out(area):
     os.makedirs(area.vhost, mode=0o755)     # a directory anyone may traverse
     os.chmod(area.vhost, 0o755)
     e = area.export()
-    daemon.start(e)
+    start(e)
     assert connect_as("nobody", e.socket_path) == errno.EACCES
     assert connect_as(QEMU_USER, e.socket_path) == 0
 
 
 def test_qmp_lists_the_export_and_the_cache_choice(area):
     e = area.export(queues=2)
-    daemon.start(e)
+    start(e)
     exports = qmp(e, "query-block-exports")
     assert [(x["id"], x["type"], x["node-name"]) for x in exports] == \
         [("exp0", "vhost-user-blk", "disk0")]
@@ -622,7 +636,7 @@ def test_qmp_lists_the_export_and_the_cache_choice(area):
 
 def test_data_written_by_the_qemu_user_lands_in_the_file(area):
     e = area.export()
-    daemon.start(e)
+    start(e)
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
@@ -648,7 +662,7 @@ def test_data_written_by_the_qemu_user_lands_in_the_file(area):
 
 def test_stop_leaves_nothing_and_is_idempotent(area):
     e = area.export()
-    pid = daemon.start(e)
+    pid = start(e)
     daemon.stop(e)
     assert gone(pid)
     assert area.leftovers() == []
@@ -659,7 +673,7 @@ def test_stop_leaves_nothing_and_is_idempotent(area):
 
 def test_stop_orphan_touches_only_the_daemon_of_that_pidfile(area):
     e = area.export()
-    pid = daemon.start(e)
+    pid = start(e)
     assert daemon.stop_orphan(e.pidfile) is True
     assert wait_gone(pid) and not os.path.exists(e.pidfile)
     # A stale pidfile naming a process that is no qsd of that file (this very
@@ -673,7 +687,7 @@ def test_stop_orphan_touches_only_the_daemon_of_that_pidfile(area):
 
 def test_connect_as_reports_why(area):
     e = area.export()
-    daemon.start(e)
+    start(e)
     assert daemon.connect_as(QEMU_USER, e.socket_path) is None
     assert daemon.connect_as("nobody", e.socket_path) == os.strerror(errno.EACCES)
     assert daemon.connect_as(QEMU_USER, os.path.join(area.base, "none")) == \
@@ -684,7 +698,7 @@ def test_connect_as_reports_why(area):
 
 def test_stop_kills_a_daemon_that_cannot_quit(area):
     e = area.export()
-    pid = daemon.start(e)
+    pid = start(e)
     os.kill(pid, signal.SIGSTOP)        # frozen: QMP never answers, SIGTERM stays pending
     began = time.monotonic()
     daemon.stop(e, timeout=0.5)
@@ -695,9 +709,9 @@ def test_stop_kills_a_daemon_that_cannot_quit(area):
 
 def test_start_twice_reuses_the_running_daemon(area):
     e = area.export()
-    pid = daemon.start(e)
-    assert daemon.start(e) == pid
-    assert daemon.start(QsdExport.from_record(e.to_record())) == pid
+    pid = start(e)
+    assert start(e) == pid
+    assert start(QsdExport.from_record(e.to_record())) == pid
     assert len([p for p in os.listdir("/proc") if p.isdigit()
                 and _argv(int(p))[:1] == [QSD] and e.pidfile in _argv(int(p))]) == 1
 
@@ -712,35 +726,35 @@ def _argv(pid: int) -> list[str]:
 
 def test_a_different_daemon_under_the_same_name_is_not_taken_over(area):
     e = area.export()
-    pid = daemon.start(e)
+    pid = start(e)
     other = os.path.join(area.base, "other.raw")
     open(other, "wb").close()
     with pytest.raises(ActionFailed, match=f"pid {pid}.* already runs with different options"):
-        daemon.start(area.export(source=other))
+        start(area.export(source=other))
     assert daemon.alive(e) and daemon.pid(e) == pid
 
 
 def test_killed_daemon_is_detected_and_restarted_on_the_same_socket(area):
     e = area.export()
-    pid = daemon.start(e)
+    pid = start(e)
     os.kill(pid, signal.SIGKILL)
     assert wait_gone(pid)
     assert not daemon.alive(e) and daemon.pid(e) is None
     assert os.path.exists(e.pidfile)            # SIGKILL leaves its files behind
-    assert daemon.restart_if_dead(e) is True
+    assert restart_if_dead(e) is True
     new = daemon.pid(e)
     assert new is not None and new != pid and daemon.alive(e)
     st = os.lstat(e.socket_path)
     assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == grp.getgrnam(QEMU_GROUP).gr_gid
     pattern = roundtrip(e.socket_path)
     assert on_disk(area.disk, 8, 4096) == pattern
-    assert daemon.restart_if_dead(e) is False and daemon.pid(e) == new
+    assert restart_if_dead(e) is False and daemon.pid(e) == new
 
 
 def test_missing_source_is_one_line_and_leaves_nothing(area):
     e = area.export(source=os.path.join(area.base, "nope.raw"))
     with pytest.raises(BadInput) as err:
-        daemon.start(e)
+        start(e)
     msg = str(err.value)
     assert "\n" not in msg and e.source in msg and "No such file" in msg
     assert "qemu-img create" in msg
@@ -748,16 +762,18 @@ def test_missing_source_is_one_line_and_leaves_nothing(area):
 
 
 def test_wrong_kind_of_source_is_bad_input(area):
-    with pytest.raises(BadInput, match="is not a block device"):
-        daemon.start(area.export(kind="block"))
+    with pytest.raises(BadInput, match="is not /dev/<kernel name>"):
+        start(area.export(kind="block"))
+    with pytest.raises(BadInput, match="is a character device, not a block device"):
+        start(area.export(kind="block", source="/dev/null"))
     assert area.leftovers() == []
 
 
 class BadOption(QsdExport):
     """An export whose command line qsd itself refuses at startup."""
 
-    def argv(self):
-        argv = super().argv()
+    def argv(self, source_fd, socket_fd):
+        argv = super().argv(source_fd, socket_fd)
         argv[argv.index("--export") + 1] += ",logical-block-size=3"
         return argv
 
@@ -765,7 +781,7 @@ class BadOption(QsdExport):
 def test_startup_failure_reports_qsds_message_and_leaves_nothing(area):
     e = area.export(cls=BadOption)
     with pytest.raises(ActionFailed) as err:
-        daemon.start(e)
+        start(e)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("qemu-storage-daemon vm1-vdb failed to start: ")
     assert "logical-block-size doesn't take value 3" in msg
@@ -776,13 +792,13 @@ def test_a_second_writer_of_one_source_is_refused(area):
     # qsd's exports share every permission on their node, so QEMU's image
     # locking would let both start: vstor checks the running daemons itself.
     first = area.export("vm1-vdb")
-    pid = daemon.start(first)
+    pid = start(first)
     link = os.path.join(area.base, "alias.raw")
     os.symlink(area.disk, link)
     for name, kw in (("vm2-vdb", {}), ("vm3-vdb", {"source": link}),
                      ("vm4-vdb", {"readonly": True})):
         with pytest.raises(DoesNotFit, match=f"already exported by qemu-storage-daemon pid {pid}"):
-            daemon.start(area.export(name, **kw))
+            start(area.export(name, **kw))
     assert sorted(area.leftovers()) == sorted([first.pidfile, first.qmp_path, first.socket_path])
     assert daemon.pid(first) == pid and daemon.alive(first)
 
@@ -791,7 +807,7 @@ def test_readonly_export_is_writable_off(area):
     with open(area.disk, "r+b") as f:
         f.write(b"\xab" * 4096)
     e = area.export(readonly=True)
-    daemon.start(e)
+    start(e)
     assert node(e, "disk0")["ro"] is True and node(e, "file0")["ro"] is True
     with VhostUserBlk(e.socket_path) as dev:
         assert dev.features & VhostUserBlk.F_BLK_RO
@@ -799,7 +815,7 @@ def test_readonly_export_is_writable_off(area):
         assert dev.read(0, 4096) == (0, b"\xab" * 4096)
     assert on_disk(area.disk, 0, 4096) == b"\xab" * 4096
     # Readers share: a second readonly export of the same file starts.
-    daemon.start(area.export("vm2-vdb", readonly=True))
+    start(area.export("vm2-vdb", readonly=True))
 
 
 def test_source_path_with_a_comma(area):
@@ -807,8 +823,10 @@ def test_source_path_with_a_comma(area):
     with open(disk, "wb") as f:
         f.truncate(1 << 20)
     e = area.export(source=disk)
-    daemon.start(e)
-    assert node(e, "file0")["file"] == disk
+    pid = start(e)
+    served = node(e, "file0")["file"]         # the inherited descriptor, no path at all
+    assert served.startswith("/proc/self/fd/")
+    assert os.path.samefile(f"/proc/{pid}/fd/{served.rsplit('/', 1)[1]}", disk)
 
 
 def test_a_regular_file_at_the_socket_path_is_never_replaced(area):
@@ -817,7 +835,7 @@ def test_a_regular_file_at_the_socket_path_is_never_replaced(area):
     with open(path, "w") as f:
         f.write("precious")
     with pytest.raises(ActionFailed, match="is not a socket"):
-        daemon.start(area.export())
+        start(area.export())
     with open(path) as f:
         assert f.read() == "precious"
 
@@ -832,7 +850,7 @@ def test_filesystem_without_o_direct_gets_cache_direct_off(area):
         with open(disk, "wb") as f:
             f.truncate(1 << 20)
         e = area.export(source=disk)
-        daemon.start(e)
+        start(e)
         assert node(e, "file0")["cache"]["direct"] is False
         pattern = roundtrip(e.socket_path)
         assert on_disk(disk, 8, 4096) == pattern
@@ -847,7 +865,7 @@ def test_block_device_source(area):
     dev = loop.stdout.strip()
     try:
         e = area.export(source=dev, kind="block")
-        daemon.start(e)
+        start(e, kernel_name=sources.sysfs_kernel_name(SysFS("/")))
         info = node(e, "file0")
         assert info["drv"] == "host_device" and info["cache"]["direct"] is True
         pattern = roundtrip(e.socket_path, sector=40)
@@ -863,7 +881,7 @@ def test_concurrent_starts_of_one_export_make_one_daemon(area):
 
     def go(x):
         try:
-            pids.append(daemon.start(x))
+            pids.append(start(x))
         except Exception as err:       # noqa: BLE001 (reported below)
             errors.append(err)
 

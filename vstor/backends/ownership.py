@@ -49,3 +49,57 @@ def _hand_over(path: str, group: str, is_kind, kind: str, mode: int) -> None:
         os.chmod(path, mode)
     except OSError as e:
         raise ActionFailed(f"cannot restrict {kind} {path}: {e.strerror}") from None
+
+
+def listening_socket(path: str, group: str):
+    """The vhost-user socket at `path`, made by vstor itself: bound,
+    root:<group> 0660, and only then listening (before listen() a connect is
+    refused, so nobody reaches it with the wrong owner).  Its directory must
+    be one only root can change (root's, not writable by group or others):
+    between bind() and the chown nobody else can swap the name.  A stale
+    socket of that name (a daemon that died) is removed first; anything else
+    there is refused.  The caller hands the listening socket to the daemon
+    (qemu-storage-daemon's addr.type=fd) and closes its own copy."""
+    import socket
+    gid = qemu_gid(group)
+    where = os.path.dirname(path)
+    st = os.lstat(where)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise ActionFailed(f"socket directory {where} is not root's alone (owner uid {st.st_uid}, "
+                           f"mode {stat.S_IMODE(st.st_mode):04o})",
+                           hint=f"chown root {where} && chmod go-w {where}; or set [paths] vhost_dir "
+                                "to a directory only root can write")
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+        else:
+            raise ActionFailed(f"{path} exists and is not a socket",
+                               hint="move it away; vstor only replaces sockets")
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound = False
+    try:
+        sock.bind(path)
+        bound = True
+        os.chown(path, 0, gid, follow_symlinks=False)
+        os.chmod(path, 0o660)
+        sock.listen(16)
+    except OSError as e:
+        sock.close()
+        if bound:
+            with _suppress():
+                os.unlink(path)
+        raise ActionFailed(f"cannot make socket {path}: {e.strerror}") from None
+    except BaseException:
+        sock.close()
+        if bound:
+            with _suppress():
+                os.unlink(path)
+        raise
+    return sock
+
+
+def _suppress():
+    import contextlib
+    return contextlib.suppress(OSError)

@@ -13,8 +13,8 @@ import stat
 
 from vstor import records
 from vstor.backends import ownership
-from vstor.errors import ActionFailed, BadInput, DoesNotFit
-from vstor.meta.names import inside, nvme_path
+from vstor.errors import ActionFailed, DoesNotFit
+from vstor.meta.names import nvme_path
 from vstor.runtime import actions
 from vstor.runtime.actions import NvmfExport, QsdExport, SpdkAttach, SpdkVhost, VfioBind
 
@@ -38,22 +38,16 @@ def preflight(steps: list, rt) -> None:
     symlink, a second path): their daemons start side by side, so neither's
     look for another writer sees the other (the planner refuses the same
     path written twice)."""
+    from vstor.host import sources
     seen: dict[tuple, QsdExport] = {}
     for a in steps:
         if not isinstance(a, QsdExport):
             continue
-        if a.export.kind == "file":
-            from vstor.backends.qsd import files
-            source = resolve_image(a.export.source, rt.cfg.images)
-            files.check_source(records.replace(a.export, source=source))
-        elif rt.sysfs.root == "/":
-            source = a.export.source
-        else:
+        if a.export.kind == "block" and rt.sysfs.root != "/":
             continue        # a block device is the host's, and an offline --host-root has none
-        try:
-            st = os.stat(source)
-        except OSError:
-            continue        # start refuses it, with its own reason
+        with sources.open_source(a.export.kind, a.export.source, rt.cfg.images,
+                                 sources.sysfs_kernel_name(rt.sysfs)) as src:
+            st = src.st
         key = ("dev", st.st_rdev) if stat.S_ISBLK(st.st_mode) else ("file", st.st_dev, st.st_ino)
         other = seen.get(key)
         if other is not None and not (other.export.readonly and a.export.readonly):
@@ -85,15 +79,19 @@ def observe(a, rt, others):
 
 
 def resolve_image(path: str, roots) -> str:
-    """The file a file source really is, symlinks followed, which must lie
-    inside an image root (resolved the same way): root's own daemon never
-    opens a host file a domain's author pointed at."""
-    real = os.path.realpath(path)
-    if not inside(real, [os.path.realpath(r) for r in roots]):
-        raise BadInput(f"file source {path} resolves to {real}, outside the image roots "
-                       f"({', '.join(roots) or 'none'})",
-                       hint="move it under one of them, or add its directory to [paths] images")
-    return real
+    """The file a file source is now, symlinks followed one by one below
+    an image root (vstor.host.sources): what the record names.  The daemon
+    is given the file start() opens itself, never this name."""
+    from vstor.host import sources
+    with sources.open_file(path, roots) as src:
+        return src.resolved
+
+
+def _qsd_policy(rt) -> dict:
+    """What a qemu-storage-daemon's source may be: below the image roots, or
+    the block device this host's sysfs names as the path does."""
+    from vstor.host import sources
+    return {"roots": rt.cfg.images, "kernel_name": sources.sysfs_kernel_name(rt.sysfs)}
 
 
 def do(a, rt) -> None:
@@ -106,7 +104,7 @@ def do(a, rt) -> None:
         _spdk_vhost(a, rt)
     elif isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
-        daemon.start(_on_this_machine(a.export, rt), handover=rt.handover)
+        daemon.start(_on_this_machine(a.export, rt), handover=rt.handover, **_qsd_policy(rt))
     elif isinstance(a, NvmfExport):
         _nvmf_export(a, rt)
     else:
@@ -198,7 +196,7 @@ def repair(a, rt) -> None:
     """Bring back what check() found missing."""
     if isinstance(a, QsdExport):
         from vstor.backends.qsd import daemon
-        daemon.restart_if_dead(_on_this_machine(a.export, rt))
+        daemon.restart_if_dead(_on_this_machine(a.export, rt), **_qsd_policy(rt))
     else:
         do(a, rt)
 

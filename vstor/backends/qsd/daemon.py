@@ -16,10 +16,11 @@ import time
 
 from vstor import records
 from vstor.backends import ownership
-from vstor.backends.qsd import files, proc
+from vstor.backends.qsd import files, proc, served
 from vstor.backends.qsd.export import EXPORT_ID, QsdExport, _after, _export_opts
 from vstor.backends.qsd.proc import connect_as
-from vstor.errors import ActionFailed, DoesNotFit, Unavailable
+from vstor.errors import ActionFailed, BadInput, Unavailable
+from vstor.host import sources
 from vstor.locking import range_locked
 
 __all__ = ["alive", "connect_as", "dry_run", "pid", "restart_if_dead", "start", "stop",
@@ -42,10 +43,15 @@ def alive(export: QsdExport) -> bool:
     return pid(export) is not None and _answers(export)
 
 
-def dry_run(export: QsdExport) -> list[str]:
+def dry_run(export: QsdExport, roots=(), kernel_name=None) -> list[str]:
     """What start() would run and change, as shell lines, with `direct`
-    decided as start() would decide it (when the source exists)."""
-    return (_resolved(export) if os.path.exists(export.source) else export).dry_run_lines()
+    decided as start() would decide it (when the source opens as start()
+    would open it; the runtime's preflight refuses one that does not)."""
+    try:
+        with _open(export, roots, kernel_name) as src:
+            return _resolved(export, src).dry_run_lines()
+    except BadInput:
+        return export.dry_run_lines()
 
 
 def _is_ours(export: QsdExport, p: int) -> bool:
@@ -75,55 +81,67 @@ def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
 
 # -- starting --------------------------------------------------------------------------------
 
-def start(export: QsdExport, timeout: float = 10.0, handover: bool = False) -> int:
+def start(export: QsdExport, roots=(), kernel_name=None, timeout: float = 10.0,
+          handover: bool = False) -> int:
     """Start the daemon (or take over the one already serving); its pid.
-    `handover`: see _check_no_other_writer."""
+
+    The source is opened here, once (vstor.host.sources: a regular file
+    below one of `roots`, or the block device sysfs names as the path does
+    via `kernel_name`), and the daemon serves that very descriptor; the
+    vhost-user socket is made here too and handed over listening.  No path
+    is checked here and opened by the daemon later.  `handover`: see
+    served.check_no_other_writer."""
     began = time.monotonic()
     ownership.ensure_dir(export.run_dir, export.qemu_group, enforce=True)
-    with _lock(export):
+    with _lock(export), _open(export, roots, kernel_name) as src:
         # One look through /proc for both questions: a daemon of this name
         # whose pidfile was lost, and another writer.  Made since this call
         # began (by it, or by another daemon's start beside it): a daemon of
         # this name started since would have written its pidfile.
         daemons = proc.pids_of(export.binary, since=began)
-        running = _reuse(export, daemons)
+        running = _reuse(export, src, daemons)
         if running is not None:
             return running
         _remove_files(export)
-        if os.path.lexists(export.socket_path):
-            # qsd would unlink whatever is there before binding its socket.
-            raise ActionFailed(f"{export.socket_path} exists and is not a socket",
-                               hint="move it away; vstor only replaces sockets")
         _check_binary(export)
-        files.check_source(export)
-        _check_no_other_writer(export, handover, daemons)
+        served.check_no_other_writer(export, src.st, handover, daemons)
         ownership.ensure_dir(os.path.dirname(export.socket_path), export.qemu_group, enforce=False)
-        resolved = _resolved(export)
+        resolved = _resolved(export, src)
         try:
-            _spawn(resolved, timeout)
+            with ownership.listening_socket(export.socket_path, export.qemu_group) as sock:
+                _spawn(resolved, src.fd, sock.fileno(), timeout)
             return _settle(resolved, timeout)
         except BaseException:
             _kill_and_clean(export)
             raise
 
 
-def restart_if_dead(export: QsdExport, timeout: float = 10.0) -> bool:
+def restart_if_dead(export: QsdExport, roots=(), kernel_name=None, timeout: float = 10.0) -> bool:
     """Bring back a daemon that died (QEMU reconnects with <reconnect>).
     True when it had to be started again."""
     before = pid(export)
     if before is not None and _answers(export):
         return False
-    return start(export, timeout) != before
+    return start(export, roots, kernel_name, timeout) != before
 
 
-def _reuse(export: QsdExport, daemons: list[int]) -> int | None:
+def _open(export: QsdExport, roots, kernel_name) -> sources.Source:
+    return sources.open_source(export.kind, export.source, roots, kernel_name or _no_sysfs)
+
+
+def _no_sysfs(rdev: int) -> None:
+    return None         # nothing to vouch for a block device: refused
+
+
+def _reuse(export: QsdExport, src: sources.Source, daemons: list[int]) -> int | None:
     found = pid(export, daemons)
     if found is None:
         return None
-    running = proc.cmdline(found)
-    if _export_opts(running) != _export_opts(export.argv()):
+    opts = _export_opts(proc.cmdline(found))
+    why = served.differs(export, src, found, opts)
+    if why:
         raise ActionFailed(f"qemu-storage-daemon {export.name} (pid {found}) already runs with "
-                           f"different options: {_after(running, '--export')}",
+                           f"different options: {why}",
                            hint=f"stop it first (vstor gc, or kill {found})")
     if not _answers(export):
         raise ActionFailed(f"qemu-storage-daemon {export.name} (pid {found}) runs but does not "
@@ -132,11 +150,10 @@ def _reuse(export: QsdExport, daemons: list[int]) -> int | None:
         # Someone removed its socket: no client can reach this daemon again.
         _terminate(export, found, 5.0)
         return None
-    ownership.restrict_socket(export.socket_path, export.qemu_group)
     return found
 
 
-def _spawn(export: QsdExport, timeout: float) -> None:
+def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float) -> None:
     # subprocess, not os.posix_spawn (whose import is cheaper): Popen closes
     # every other fd in the child, and a daemon that outlives the hook must
     # not keep one its caller leaked (qemu-server's config lock, say).
@@ -146,8 +163,10 @@ def _spawn(export: QsdExport, timeout: float) -> None:
     # hang us.
     with open(os.memfd_create("qsd-stderr", os.MFD_CLOEXEC), "w+b") as err:
         try:
-            done = subprocess.Popen(scope(export.name) + _pin(export.cpus) + export.argv(),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            done = subprocess.Popen(scope(export.name) + _pin(export.cpus)
+                                    + export.argv(source_fd, socket_fd),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                    pass_fds=(source_fd, socket_fd))
             if not proc.exits_within(done.pid, timeout):    # its parent returns once it serves
                 done.kill()
                 done.wait()
@@ -186,19 +205,10 @@ def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:
 
 
 def _settle(export: QsdExport, timeout: float) -> int:
-    """After the daemon forked: its pid, with the socket handed to QEMU."""
+    """After the daemon forked: its pid, with QEMU's user able to connect."""
     found = pid(export)
     if found is None:
         raise ActionFailed(f"qemu-storage-daemon {export.name} exited right after starting")
-    deadline = time.monotonic() + timeout
-    while not files.is_socket(export.socket_path):
-        if time.monotonic() > deadline:
-            raise ActionFailed(f"qemu-storage-daemon {export.name} created no socket "
-                               f"{export.socket_path} within {timeout:g}s")
-        time.sleep(0.01)
-    # qsd sets umask 027 when it daemonizes: the socket is born root:root
-    # 0750, which only root can connect to, until it is handed to QEMU here.
-    ownership.restrict_socket(export.socket_path, export.qemu_group)
     why = proc.reachable(export.qemu_user, export.socket_path)
     if why:
         raise ActionFailed(f"{export.qemu_user} cannot connect to {export.socket_path}: {why}",
@@ -209,11 +219,10 @@ def _settle(export: QsdExport, timeout: float) -> int:
     return found
 
 
-def _resolved(export: QsdExport) -> QsdExport:
+def _resolved(export: QsdExport, src: sources.Source) -> QsdExport:
     if export.direct is not None:
         return export
-    return records.replace(export, direct=export.kind == "block"
-                               or files.direct_works(export.source))
+    return records.replace(export, direct=export.kind == "block" or src.direct_works())
 
 
 # -- stopping --------------------------------------------------------------------------------
@@ -290,46 +299,6 @@ def _check_binary(export: QsdExport) -> None:
     if not os.access(export.binary, os.X_OK):
         raise Unavailable(f"{export.binary} is not installed (the embedded vhost backend)",
                           hint="apt install qemu-system-common, or use backend='spdk'")
-
-
-def _check_no_other_writer(export: QsdExport, handover: bool = False,
-                           daemons: list[int] | None = None) -> None:
-    """qsd's exports share every permission on their node, so QEMU's image
-    locking lets two daemons write one source: refuse it here.  One exception,
-    with `handover` (the destination of a live migration): the source host's
-    daemon for the same disk, which is another host's (another mount
-    namespace) and serves a socket of the same name; the source's QEMU drains
-    and stops before the destination's runs."""
-    mine = os.stat(export.source)
-    here = _mount_ns("self")
-    if daemons is None or os.path.basename(export.binary) != "qemu-storage-daemon":
-        daemons = proc.pids_of("qemu-storage-daemon")
-    for p in daemons:
-        argv = proc.cmdline(p)
-        if not argv or os.path.basename(argv[0]) != "qemu-storage-daemon":
-            continue
-        opts = dict(o.split("=", 1) for o in _export_opts(argv) if "=" in o)
-        if "filename" not in opts:
-            continue
-        # A relative filename is the daemon's own cwd's, not ours.
-        if not files.same_file(mine, os.path.join(f"/proc/{p}/cwd", opts["filename"])):
-            continue
-        if export.readonly and opts.get("writable") == "off":
-            continue        # readers share
-        if (handover and os.path.basename(opts.get("addr.path", "")) == export.name
-                and None not in (here, _mount_ns(p)) and _mount_ns(p) != here):
-            continue
-        raise DoesNotFit(f"disk source {export.source} is already exported by "
-                         f"qemu-storage-daemon pid {p} ({opts.get('addr.path')})",
-                         hint="two writers would corrupt it; make both readonly "
-                              "or stop the other")
-
-
-def _mount_ns(pid) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/mnt")
-    except OSError:
-        return None
 
 
 def _last_line(raw: bytes, code: int) -> str:

@@ -42,7 +42,7 @@ class QsdExport:
     qemu_group: str = "kvm"
     binary: str = "/usr/bin/qemu-storage-daemon"
     # O_DIRECT for the source; None = decide at start (block devices: yes;
-    # files: only where the filesystem accepts O_DIRECT, see files.direct_works).
+    # files: only where the filesystem accepts O_DIRECT, see vstor.host.sources.Source.direct_works).
     direct: bool | None = None
     # The CPUs the daemon's threads run on: the VM's emulator (housekeeping)
     # cores, never a dedicated vCPU core or a reactor; () = not pinned
@@ -62,19 +62,24 @@ class QsdExport:
 
     # -- the command line ----------------------------------------------------------------
 
-    def argv(self) -> list[str]:
+    def argv(self, source_fd: int | str, socket_fd: int | str) -> list[str]:
+        """The daemon's command line.  It names no path of the source and
+        none of the socket: vstor opened the source and made the listening
+        socket, and the daemon inherits both descriptors under these
+        numbers (`/proc/self/fd/N` reopens that very inode; addr.type=fd
+        listens on the socket as it is)."""
         direct = self.kind == "block" or bool(self.direct)
         # aio=native needs O_DIRECT (QEMU refuses it otherwise); without it the
         # thread pool is the only mode that works on every kernel and filesystem.
         node = [f"driver={'host_device' if self.kind == 'block' else 'file'}", "node-name=file0",
-                f"filename={_q(self.source)}", f"cache.direct={_on(direct)}",
+                f"filename=/proc/self/fd/{source_fd}", f"cache.direct={_on(direct)}",
                 f"aio={'native' if direct else 'threads'}"]
         fmt = ["driver=raw", "node-name=disk0", "file=file0"]
         # read-only nodes open the source O_RDONLY and take only a shared lock,
         # so two readonly disks may share one source; writers pass guest TRIM on.
         extra = ["read-only=on"] if self.readonly else ["discard=unmap"]
-        export = [f"type=vhost-user-blk,id={EXPORT_ID},node-name=disk0", "addr.type=unix",
-                  f"addr.path={_q(self.socket_path)}", f"writable={_on(not self.readonly)}",
+        export = [f"type=vhost-user-blk,id={EXPORT_ID},node-name=disk0", "addr.type=fd",
+                  f"addr.str={socket_fd}", f"writable={_on(not self.readonly)}",
                   f"num-queues={self.queues}"]
         return [self.binary,
                 "--blockdev", ",".join(node + extra),
@@ -86,17 +91,21 @@ class QsdExport:
                 "--daemonize"]
 
     def dry_run_lines(self) -> list[str]:
-        """What starting this export runs and changes, as shell lines.  An
+        """What starting this export does, as shell-like lines; SRC_FD and
+        SOCK_FD stand for the descriptor numbers the daemon inherits.  An
         unresolved `direct` shows as argv() renders it (off for files);
         daemon.dry_run probes the filesystem first."""
         g = self.qemu_group
+        what = ("a regular file below an image root, no symlink followed out of it"
+                if self.kind == "file" else "the kernel's block device, checked against sysfs")
         note = ([f"# at start: cache.direct=on,aio=native instead, if {self.source}'s filesystem "
                  "takes O_DIRECT"] if self.direct is None and self.kind == "file" else [])
         pin = ["taskset", "--cpu-list", ",".join(map(str, self.cpus))] if self.cpus else []
         return [f"install -d -o root -g {g} -m 0750 {shlex.quote(self.run_dir)}",
-                shlex.join(pin + self.argv()), *note,
-                f"chown root:{g} {shlex.quote(self.socket_path)}",
-                f"chmod 0660 {shlex.quote(self.socket_path)}"]
+                f"# vstor opens source={shlex.quote(self.source)} itself as SRC_FD ({what})",
+                f"# vstor binds {shlex.quote(self.socket_path)} itself, root:{g} 0660, and passes "
+                "it listening as SOCK_FD",
+                shlex.join(pin + self.argv("SRC_FD", "SOCK_FD")), *note]
 
     # -- the record ----------------------------------------------------------------------
 
@@ -174,12 +183,13 @@ def _after(argv: list[str], option: str) -> str | None:
     return None
 
 
-def _export_opts(argv: list[str]) -> tuple:
-    """What makes two daemons interchangeable for QEMU: the source, the socket,
-    and whether the export is writable."""
+def _export_opts(argv: list[str]) -> dict[str, str]:
+    """The options that say what a daemon serves (filename, addr.*,
+    writable), from its command line."""
     blockdev, export = _after(argv, "--blockdev") or "", _after(argv, "--export") or ""
-    keep = ("filename=", "addr.path=", "writable=")
-    return tuple(sorted(o for o in _split(blockdev) + _split(export) if o.startswith(keep)))
+    keep = ("filename", "addr.type", "addr.path", "addr.str", "writable")
+    opts = dict(o.split("=", 1) for o in _split(blockdev) + _split(export) if "=" in o)
+    return {k: v for k, v in opts.items() if k in keep}
 
 
 def _split(opts: str) -> list[str]:

@@ -1,44 +1,12 @@
-"""The files around one qemu-storage-daemon: its source and how it is read.
-Socket and directory ownership is vstor.backends.ownership's."""
+"""Looking at the files around qemu-storage-daemons.  Opening a source is
+vstor.host.sources'; socket and directory ownership vstor.backends.ownership's."""
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 
-from vstor.backends.qsd.export import QsdExport
-from vstor.errors import BadInput, Unavailable
-
-
-def check_source(export: QsdExport) -> None:
-    # BadInput: the path comes from the domain's vstor metadata, and the fix
-    # is there (or in creating the file), not in the host's resources.
-    where = f"<vstor:{export.kind} path='{export.source}'>"
-    try:
-        st = os.stat(export.source)
-    except OSError as e:
-        hint = ("create it (qemu-img create -f raw PATH SIZE) or fix " + where
-                if e.errno == errno.ENOENT else None)
-        raise BadInput(f"disk source {export.source}: {e.strerror}", hint=hint) from None
-    if export.kind == "file" and not stat.S_ISREG(st.st_mode):
-        raise BadInput(f"disk source {export.source} is not a regular file",
-                       hint="use <vstor:block> for block devices")
-    if export.kind == "block" and not stat.S_ISBLK(st.st_mode):
-        raise BadInput(f"disk source {export.source} is not a block device",
-                       hint="use <vstor:file> for image files")
-
-
-def direct_works(path: str) -> bool:
-    """Does the filesystem accept O_DIRECT?  tmpfs before Linux 6.6 (and some
-    FUSE filesystems) refuse it with EINVAL, and qsd with cache.direct=on
-    would then fail to open the file at all."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
+from vstor.errors import Unavailable
 
 
 def same_file(st: os.stat_result, path: str) -> bool:

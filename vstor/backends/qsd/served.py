@@ -1,0 +1,83 @@
+"""What a running qemu-storage-daemon serves, read from its command line
+and its descriptors: its source (the descriptor it inherited, or, for a
+daemon started before vstor passed descriptors, its filename), its socket
+(the name its inherited listening socket was bound to), and whether
+another daemon already writes a source."""
+
+from __future__ import annotations
+
+import os
+
+from vstor.backends.qsd import files, proc
+from vstor.backends.qsd.export import QsdExport, _export_opts
+from vstor.errors import DoesNotFit
+
+
+def differs(export: QsdExport, src, p: int, opts: dict) -> str | None:
+    """Why the running daemon `p` is not the one `export` describes, or None."""
+    writable = "off" if export.readonly else "on"
+    if opts.get("writable") != writable:
+        return f"writable={opts.get('writable')}, not {writable}"
+    served = _source_of(p, opts)
+    if served is None or not files.same_file(src.st, served):
+        return f"it serves another source than {export.source}"
+    sock = _socket_of(p, opts)
+    if sock != export.socket_path:
+        return f"it listens on {sock or 'no socket vstor can name'}, not {export.socket_path}"
+    return None
+
+
+def _source_of(p: int, opts: dict) -> str | None:
+    """Where daemon `p`'s source can be looked at: its inherited descriptor,
+    or (a daemon started by vstor before it passed descriptors) its
+    filename, relative to its own cwd, not ours."""
+    name = opts.get("filename")
+    if name is None:
+        return None
+    if name.startswith("/proc/self/fd/"):
+        return f"/proc/{p}/fd/{name[len('/proc/self/fd/'):]}"
+    return os.path.join(f"/proc/{p}/cwd", name)
+
+
+def _socket_of(p: int, opts: dict) -> str | None:
+    if opts.get("addr.type") == "fd":
+        return proc.socket_path_of(p, opts.get("addr.str", ""))
+    return opts.get("addr.path")
+
+
+def check_no_other_writer(export: QsdExport, mine: os.stat_result, handover: bool = False,
+                           daemons: list[int] | None = None) -> None:
+    """qsd's exports share every permission on their node, so QEMU's image
+    locking lets two daemons write one source: refuse it here.  One exception,
+    with `handover` (the destination of a live migration): the source host's
+    daemon for the same disk, which is another host's (another mount
+    namespace) and serves a socket of the same name; the source's QEMU drains
+    and stops before the destination's runs."""
+    here = _mount_ns("self")
+    if daemons is None or os.path.basename(export.binary) != "qemu-storage-daemon":
+        daemons = proc.pids_of("qemu-storage-daemon")
+    for p in daemons:
+        argv = proc.cmdline(p)
+        if not argv or os.path.basename(argv[0]) != "qemu-storage-daemon":
+            continue
+        opts = _export_opts(argv)
+        served = _source_of(p, opts)
+        if served is None or not files.same_file(mine, served):
+            continue
+        if export.readonly and opts.get("writable") == "off":
+            continue        # readers share
+        sock = _socket_of(p, opts)
+        if (handover and os.path.basename(sock or "") == export.name
+                and None not in (here, _mount_ns(p)) and _mount_ns(p) != here):
+            continue
+        raise DoesNotFit(f"disk source {export.source} is already exported by "
+                         f"qemu-storage-daemon pid {p} ({sock or 'a socket'})",
+                         hint="two writers would corrupt it; make both readonly "
+                              "or stop the other")
+
+
+def _mount_ns(pid) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
