@@ -78,7 +78,7 @@ def _named_by_output(text, cfg):
         "pci": set(re.findall(r"\b[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]\b", text)),
         "names": set(re.findall(r"\bvs_[A-Za-z0-9_]+", text)),
         "sockets": set(re.findall(re.escape(cfg.vhost_dir) + r"/[A-Za-z0-9_.+-]+", text)),
-        "sources": set(re.findall(r"filename=([^,\s]+)", text)),
+        "sources": set(re.findall(r"# vstor opens source=(\S+) itself", text)),
         "masks": set(re.findall(r'"cpumask": "(0x[0-9a-f]+)"', text)),
         "traddrs": set(re.findall(r'"traddr": "([^"]+)"', text)),
     }

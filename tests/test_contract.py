@@ -21,6 +21,8 @@ import tempfile
 
 import pytest
 
+from tests import qsd_fds
+
 from tests.hostlayout import build_tree
 from vstor.cli.main import main
 from vstor.host.read import read_host
@@ -94,16 +96,23 @@ def namespace_device(work):
     dev = loop.stdout.strip()
     st = os.stat(dev)
     os.mknod(ns.dev_path, 0o600 | stat.S_IFBLK, st.st_rdev)
+    # The tree's sysfs names the loop's device number as the namespace, as a
+    # real host's names its own: vstor opens the node only if sysfs says so.
+    by_num = os.path.join(work.host, "sys/dev/block")
+    mine = next(n for n in os.listdir(by_num)
+                if os.path.basename(os.path.realpath(os.path.join(by_num, n))) == ns.name)
+    alias = os.path.join(by_num, f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+    os.symlink(os.readlink(os.path.join(by_num, mine)), alias)
     try:
         yield ns.dev_path, backing
     finally:
+        os.unlink(alias)
         os.unlink(ns.dev_path)
         subprocess.run(["losetup", "-d", dev], check=False)
 
 
-def qsd_serving(dev_path: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-a", "qemu-storage-d"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if f"filename={dev_path}," in line]
+def qsd_serving(dev_path: str) -> list[int]:
+    return qsd_fds.serving(dev_path)
 
 
 def test_a_kernel_nvme_namespace_served_by_qsd_starts_through_the_cli(work, namespace_device, capsys):
