@@ -21,7 +21,9 @@ def daemons() -> list[int]:
     return out
 
 
-def held(pid: int) -> list[os.stat_result]:
+def held(pid: int, named_only: bool = False) -> list[os.stat_result]:
+    """What `pid` holds open; `named_only`: only what has a name in a
+    filesystem (not its own pipes, sockets and anonymous inodes)."""
     found = []
     try:
         names = os.listdir(f"/proc/{pid}/fd")
@@ -29,6 +31,8 @@ def held(pid: int) -> list[os.stat_result]:
         return found
     for n in names:
         try:
+            if named_only and not os.readlink(f"/proc/{pid}/fd/{n}").startswith("/"):
+                continue
             found.append(os.stat(f"/proc/{pid}/fd/{n}"))
         except OSError:
             pass

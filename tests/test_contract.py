@@ -71,13 +71,13 @@ def rendered(w, disk: str, name="ct1") -> str:
     return out
 
 
-def hook(w, op: str, xml_path: str, name="ct1"):
+def hook(w, op: str, xml_path: str, name="ct1", timeout=None):
     with open(xml_path, "rb") as f:
         xml = f.read()
     env = {**os.environ, "PYTHONPATH": ROOT, "VSTOR_CONFIG": w.conf, "VSTOR_HOST_ROOT": w.host}
     sub = "begin" if op == "prepare" else "end"
     return subprocess.run([installed_hook(), name, op, sub, "-"], input=xml,
-                          capture_output=True, env=env)
+                          capture_output=True, env=env, timeout=timeout)
 
 
 @pytest.fixture
