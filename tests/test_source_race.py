@@ -269,3 +269,30 @@ def test_a_block_node_is_taken_only_under_its_kernel_name(tmp_path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(alias)
         subprocess.run(["losetup", "-d", dev], check=False)
+
+
+def test_doctor_names_a_socket_directory_others_can_write(tmp_path):
+    from vstor.config import Config
+    from vstor.host import doctor
+    d = tmp_path / "vhost"
+    d.mkdir()
+    os.chmod(d, 0o770)
+    cfg = Config(vhost_dir=str(d))
+    sock, links = doctor.check_sources(cfg)
+    assert sock.status == doctor.FAIL and "not root's alone" in sock.detail and "chmod go-w" in sock.fix
+    os.chmod(d, 0o750)
+    assert doctor.check_sources(cfg)[0].status == doctor.OK
+    assert links.status in (doctor.OK, doctor.WARN)
+
+
+def test_a_start_in_a_socket_directory_others_can_write_is_refused(work):  # noqa: F811
+    img = os.path.join(work.dir, "g.raw")
+    with open(img, "wb") as f:
+        f.truncate(1 << 20)
+    xml = rendered(work, f"<vstor:disk target='vdb'><vstor:file path='{img}'/></vstor:disk>")
+    os.makedirs(os.path.join(work.dir, "vhost"), exist_ok=True)
+    os.chmod(os.path.join(work.dir, "vhost"), 0o777)
+    out = hook(work, "prepare", xml, timeout=BOUND)
+    assert out.returncode == 5 and b"is not root's alone" in out.stderr, out.stderr
+    assert qsd_fds.serving(img) == []
+    assert os.listdir(os.path.join(work.dir, "vhost")) == []

@@ -30,8 +30,8 @@ def register(sub) -> None:
 
 def cmd_doctor(ctx, args) -> int:
     host, cfg = ctx.host, ctx.config
-    checks = doctor.run(host, cfg, [doctor.check_qsd(), _spdk_check(cfg), _libvirt_check(ctx),
-                                    _hook_check(ctx)])
+    checks = doctor.run(host, cfg, [doctor.check_qsd(), *doctor.check_sources(cfg),
+                                    _spdk_check(cfg), _libvirt_check(ctx), _hook_check(ctx)])
     if args.json:
         json.dump([records.asdict(c) for c in checks], sys.stdout, indent=2)
         print()

@@ -135,6 +135,40 @@ def check_qsd(binary: str | None = None) -> Check:
                  "apt-get install qemu-system-common")
 
 
+def check_sources(cfg: Config, root: str = "/") -> list[Check]:
+    """What one open per source stands on: the socket directory only root
+    can change (vstor binds each socket there and sets its owner before it
+    listens), and the kernel's hard-link protection (nobody links a file
+    into an image root that they could not already write)."""
+    import stat
+    where = cfg.vhost_dir
+    try:
+        st = os.lstat(os.path.join(root, where.lstrip("/")))
+    except FileNotFoundError:
+        sock = Check("socket directory", OK, f"{where} does not exist yet (vstor makes it "
+                     "root:<qemu group> 0750)")
+    except OSError as e:
+        sock = Check("socket directory", FAIL, f"cannot look at {where}: {e.strerror}", "run as root")
+    else:
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and not st.st_mode & 0o022:
+            sock = Check("socket directory", OK, f"{where} is root's alone")
+        else:
+            sock = Check("socket directory", FAIL,
+                         f"{where} is not root's alone (uid {st.st_uid}, mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}): vstor refuses to make sockets there",
+                         f"chown root {where} && chmod go-w {where}")
+    try:
+        with open(os.path.join(root, "proc/sys/fs/protected_hardlinks")) as f:
+            on = f.read().strip() == "1"
+    except OSError:
+        on = False
+    links = (Check("hard links", OK, "fs.protected_hardlinks=1") if on else
+             Check("hard links", WARN, "fs.protected_hardlinks is not 1: whoever can write an "
+                   "image root can link a host file they cannot write into it",
+                   "sysctl -w fs.protected_hardlinks=1"))
+    return [sock, links]
+
+
 def check_spdk(cfg: Config, probe: Callable[[], dict], supported) -> Check:
     """probe() returns the SPDK app's facts (backends.spdk.app_facts) or
     raises a VstorError saying why not; `supported`: the oldest and newest
