@@ -25,7 +25,6 @@ from vstor.host.model import parse_cpulist
 from vstor.meta.document import Domain
 from vstor.planner import Request, plan_domain
 from vstor.planner.ledger import Ledger
-from vstor.render import elements
 from vstor.render.libvirt import device_xml, render
 from vstor.render.migration import render_incoming
 
