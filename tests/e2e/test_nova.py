@@ -5,9 +5,13 @@ flavor's `vstor:disk.*` extra specs; vstor's driver step
 (vstor.nova.guest.augment) adds the vhost-user-blk disk, shared memory and
 its metadata; libvirt's schema (virt-xml-validate) accepts the domain; the
 real libvirtd starts it with vstor's hook creating the qemu-storage-daemon;
-the guest's pattern is read back through the disk and found in the file."""
+the guest's pattern is read back through the disk and found in the file.
+A readonly flavor disk starts too (libvirt refuses `<readonly/>` on a
+vhostuser disk: the backend makes it read-only) and the guest's write is
+refused."""
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import time
 
@@ -15,7 +19,7 @@ import libvirt
 
 from tests.nova import ask
 
-from .guest import expected_pattern, job, parse_console
+from .guest import expected_pattern, job, parse_console, script_disk, script_job, script_output
 from .libvirtd import read_console, wait_shutoff
 from .test_hook import WORK, backing, cleanup, nothing_left, vstor, vstor_env  # noqa: F401
 
@@ -55,6 +59,68 @@ def test_a_nova_instance_writes_through_its_vstor_disk(vstor_env, libvirt_conn, 
             assert f.read(SIZE) == expected_pattern(777, SIZE)
         print(f"nova instance: start to shut off {time.monotonic() - started:.1f}s")
         nothing_left(NAME)                       # the hook released it
+    finally:
+        cleanup(libvirt_conn, NAME)
+
+
+# The guest's side of a readonly disk: what its kernel was told (virtio-blk's
+# read-only feature, which only the vhost-user backend can offer: libvirt
+# passes nothing for it), and a write, plain and after the guest's own
+# `blockdev --setrw`.
+READONLY_SCRIPT = """echo "ro=$(cat /sys/block/vda/ro)"
+attempt() { if dd if=/dev/zero of=/dev/vda bs=512 count=1 conv=fsync 2>/tmp/e; then echo "$1 WRITTEN";
+        else echo "$1 REFUSED $(head -n 1 /tmp/e)"; fi; }
+attempt plain
+blockdev --setrw /dev/vda 2>/dev/null
+attempt setrw
+"""
+
+
+def _qsd_argv(name: str) -> list[str]:
+    """The command line of the qemu-storage-daemon vstor runs for `name`'s disk."""
+    for pidfile in (WORK / "qsd").glob(f"{name}-*.pid"):
+        try:
+            with open(f"/proc/{int(pidfile.read_text())}/cmdline", "rb") as f:
+                return f.read().decode().split("\0")
+        except (OSError, ValueError):
+            continue
+    return []
+
+
+def test_a_nova_instance_with_a_readonly_flavor_disk_starts_and_its_writes_are_refused(
+        vstor_env, libvirt_conn, guest_image):  # noqa: F811
+    disk = backing(NAME)
+    script_disk(disk, READONLY_SCRIPT)
+    with open(disk, "rb") as f:
+        before = hashlib.sha256(f.read()).hexdigest()
+    console = WORK / f"{NAME}.console"
+    spec = {"name": NAME, "uuid": "9f6f1a40-2a35-4a6f-8b0b-5a3c1e2d4f10", "vcpus": 1,
+            "memory_kib": 256 * 1024, "machine": "q35", "acpi": True, "memballoon": False,
+            "kernel": str(guest_image.kernel), "initrd": str(guest_image.initrd),
+            "cmdline": f"console=ttyS0 panic=-1 quiet printk.devkmsg=on {script_job('vda')}",
+            "console": str(console), "flavor": "vstor.readonly",
+            # readonly: no project needed, the disk may be shared
+            "extra_specs": {"vstor:disk.vdb.file.path": disk, "vstor:disk.vdb.readonly": "yes",
+                            "hw:cpu_policy": "shared"}}
+    got = ask({"augment": {"spec": spec, "config": str(vstor_env)}})["augmented"]
+    assert "xml" in got, got
+    assert "<readonly/>" not in got["xml"] and 'readonly="yes"' in got["xml"]
+    try:
+        cleanup(libvirt_conn, NAME)
+        dom = libvirt_conn.defineXML(got["xml"])       # libvirt 9.0 refused the old <readonly/>
+        dom.create()
+        argv = _qsd_argv(NAME)
+        wait_shutoff(dom, timeout=240)
+        log = read_console(console)
+        lines, rc = script_output(log)
+        assert rc == 0 and not parse_console(log)["fail"], log[-3000:]
+        assert lines[0] == "ro=1", lines                # the backend said read-only
+        assert lines[1].startswith("plain REFUSED") and lines[2].startswith("setrw REFUSED"), lines
+        export = next((a for a in argv if a.startswith("type=vhost-user-blk")), "")
+        assert "writable=off" in export.split(","), argv
+        with open(disk, "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == before
+        nothing_left(NAME)
     finally:
         cleanup(libvirt_conn, NAME)
 

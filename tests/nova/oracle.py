@@ -221,8 +221,8 @@ def driver_migration(req: dict) -> dict:
 def make_guest(spec: dict):
     """A domain as Nova's libvirt driver builds it, with Nova's own config
     classes: its metadata (instance, flavor, extra specs), vCPU pinning,
-    memory binding, PCI passthrough, a kernel to boot, a serial console
-    to a file, as given."""
+    memory binding, a guest NUMA cell, PCI passthrough, a kernel to boot,
+    a serial console to a file, as given."""
     from nova.virt.libvirt import config as vconfig
     g = vconfig.LibvirtConfigGuest()
     g.virt_type, g.name, g.uuid = spec.get("virt_type", "qemu"), spec["name"], spec["uuid"]
@@ -274,6 +274,16 @@ def make_guest(spec: dict):
         page.size_kb, page.nodeset = spec["page_kb"], [0]
         mb.hugepages.append(page)
         g.membacking = mb
+    if spec.get("numa_cell"):
+        # One guest NUMA cell, as Nova's driver makes it for a flavor with a
+        # NUMA topology (hugepages imply one): shared with hugepages.
+        cell = vconfig.LibvirtConfigGuestCPUNUMACell()
+        cell.id, cell.cpus, cell.memory = 0, set(range(spec["vcpus"])), spec.get("memory_kib", 262144)
+        if spec.get("page_kb"):
+            cell.memAccess = "shared"
+        g.cpu = vconfig.LibvirtConfigGuestCPU()
+        g.cpu.numa = vconfig.LibvirtConfigGuestCPUNUMA()
+        g.cpu.numa.cells.append(cell)
     if spec.get("acpi"):
         g.features.append(vconfig.LibvirtConfigGuestFeatureACPI())
     return g

@@ -2,7 +2,8 @@
 the optional extra, `pip install vstor[nova]`).
 
 Nova's libvirt config classes have no vhost-user disk (its volume drivers
-are a fixed list), so vstor brings its own device class.  `augment` plans
+are a fixed list), so vstor brings its own device class, an adapter that
+emits the element vstor's one builder makes (vstor/render/elements.py).  `augment` plans
 the flavor's vstor disks with vstor's planner and adds, to the
 LibvirtConfigGuest Nova made: a `<disk type='vhostuser'>` per disk on the
 planned socket, shared guest memory (vhost-user needs it: hugepages Nova
@@ -15,41 +16,31 @@ from __future__ import annotations
 
 import copy
 
-from lxml import etree
-
 from nova.virt.libvirt import config as vconfig
 
 from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host
 from vstor.meta.names import is_safe_name
-from vstor.meta.plan import Plan
+from vstor.meta.plan import DiskPlan, Plan
 from vstor.meta.xmlmodel import build
 from vstor.nova import disks
 from vstor.planner import Request, plan_domain
 from vstor.planner.ledger import Ledger
-from vstor.render.libvirt import share_memory
+from vstor.render import elements
 
 
 class VhostUserDisk(vconfig.LibvirtConfigGuestDevice):
-    """<disk type='vhostuser' device='disk'> on a vhost-user-blk socket."""
+    """Nova's config object for a planned vhost-user disk; the element is
+    vstor's one builder's (vstor/render/elements.py), as the libvirt
+    renderer emits it."""
 
-    def __init__(self, target: str, socket: str, queues: int, readonly: bool = False):
+    def __init__(self, disk: DiskPlan):
         super().__init__(root_name="disk")
-        self.target, self.socket, self.queues, self.readonly = target, socket, queues, readonly
+        self.disk = disk
 
     def format_dom(self):
-        dev = super().format_dom()
-        dev.set("type", "vhostuser")
-        dev.set("device", "disk")
-        dev.append(etree.Element("driver", name="qemu", type="raw", queues=str(self.queues)))
-        src = etree.SubElement(dev, "source", type="unix", path=self.socket)
-        # QEMU reconnects when the backend restarts instead of failing the disk.
-        etree.SubElement(src, "reconnect", enabled="yes", timeout="10")
-        etree.SubElement(dev, "target", dev=self.target, bus="virtio")
-        if self.readonly:
-            etree.SubElement(dev, "readonly")
-        return dev
+        return elements.vhost_disk(self.disk)
 
 
 class SharedMemoryBacking(vconfig.LibvirtConfigGuestMemoryBacking):
@@ -67,7 +58,7 @@ class SharedMemoryBacking(vconfig.LibvirtConfigGuestMemoryBacking):
 
     def format_dom(self):
         root = super().format_dom()
-        share_memory(root)
+        elements.share_memory(root)
         return root
 
 
@@ -112,7 +103,7 @@ def augment(guest: vconfig.LibvirtConfigGuest, specs: dict[str, str], flavor: st
         raise BadInput(f"{where}: a vstor disk's target is already one of the instance's disks",
                        hint="use targets after Nova's own (vdb, vdc, ...)")
     for d in plan.disks:
-        guest.add_device(VhostUserDisk(d.target, d.socket, d.queues, d.readonly))
+        guest.add_device(VhostUserDisk(d))
     guest.membacking = SharedMemoryBacking.of(guest.membacking)
     root.append(build(plan))
     guest.metadata.append(VstorMetadata(root))

@@ -1,8 +1,9 @@
 """The XML a domain arrives with on a migration's destination: the domain as
 libvirt sends it, placed by the destination's plan.  Every device stays as it
 is (its PCI address, alias and features are the guest's ABI, which libvirt
-checks); only what is the host's changes: each vhost-user disk's socket, the
-pinning, numatune, hugepages and the recorded plan."""
+checks); only what is the host's changes: each vhost-user disk's source (its
+socket), the pinning, numatune, hugepages and the recorded plan, each as
+vstor/render/elements.py builds it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lxml import etree
 from vstor.errors import BadInput
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
+from vstor.render import elements
 from vstor.render.libvirt import place, share_domain_memory
 
 
@@ -32,7 +34,7 @@ def render_incoming(dom: Domain, plan: Plan) -> Domain:
         if el is None or el.get("type") != "vhostuser" or source is None:
             raise BadInput(f"domain '{plan.domain}' arrives without the vhost-user disk {d.target} "
                            "its vstor metadata plans", hint="migrate the domain as vstor rendered it")
-        source.set("path", d.socket)
+        el.replace(source, elements.vhost_source(d))
     place(root, plan)
     return Domain(root, dom.origin)
 
