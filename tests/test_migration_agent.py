@@ -40,14 +40,15 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-def agent(d, request, opens=None) -> dict:
+def agent(d, request, opens=None, wrap=()) -> dict:
     """The answer of the real `vstor migrate agent` process to `request`:
     exactly one JSON object on stdout, the exit code its own (0 when ok),
     no traceback.  `opens`, when given, gets every /dev and image path the
-    process opened (seen by an audit hook, not by patching anything)."""
+    process opened (seen by an audit hook, not by patching anything);
+    `wrap` runs it inside another command (a private /dev)."""
     raw = request if isinstance(request, (bytes, str)) else json.dumps(request)
     argv = ["-c", "test:///default", "--config", d.conf, "--host-root", d.root, "migrate", "agent"]
-    out = subprocess.run([sys.executable, "-c", HOOKED, str(d.images), *argv],
+    out = subprocess.run([*wrap, sys.executable, "-c", HOOKED, str(d.images), *argv],
                          input=raw if isinstance(raw, bytes) else raw.encode(), capture_output=True,
                          cwd=ROOT, timeout=120)
     err = out.stderr.decode(errors="replace")

@@ -199,15 +199,15 @@ def _bound_nesting(raw: bytes) -> None:
     """Refuse what nests deeper than any request before a parser recurses
     into it (json's C scanner recurses once a level)."""
     brackets = _NOT_BRACKET.sub(b"", _STRING.sub(b"", raw))
-    if len(brackets) > MAX_BRACKETS:
-        raise BadInput(f"the request holds {len(brackets) // 2} objects or lists, more than any "
-                       "request", hint=_HINT)
     depth = 0
-    for b in brackets:
+    for b in brackets[:MAX_BRACKETS + 1]:
         depth += 1 if b in b"[{" else -1
         if depth > MAX_DEPTH:
             raise BadInput(f"the request nests deeper than any request ({MAX_DEPTH} levels)",
                            hint=_HINT)
+    if len(brackets) > MAX_BRACKETS:
+        raise BadInput(f"the request holds {len(brackets) // 2} objects or lists, more than any "
+                       "request", hint=_HINT)
 
 
 def _unique(pairs: list) -> dict:
