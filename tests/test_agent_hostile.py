@@ -18,7 +18,10 @@ from vstor.host.sysfs import SysFS
 from vstor.migration import request as requests
 from vstor.migration import storage
 
-from tests.test_migration_agent import ROOT, agent, dest, domain  # noqa: F401 (dest: the fixture)
+from tests import test_migration_agent as base
+from tests.test_migration_agent import ROOT, agent, domain
+
+dest = base.dest        # the destination's fixture: its config, image root and host layout
 
 REQ = {"vstor_agent": 1, "op": "check"}
 

@@ -99,23 +99,24 @@ class Obj:
     fields: tuple
 
     def check(self, value, where: str):
+        """`where` is "" for the request itself."""
         if not isinstance(value, dict):
             raise _wrong(where, "an object", value)
         known = dict(self.fields)
         unknown = sorted(k for k in value if k not in known)
         if unknown:
-            raise BadInput(f"{where} has unknown key '{_shown(unknown[0])}'",
+            raise BadInput(f"{where or 'the request'} has unknown key '{_shown(unknown[0])}'",
                            hint=f"allowed: {', '.join(known) or 'none'}; {_HINT}")
         out = {}
         for name, (kind, default) in self.fields:
             if name not in value:
                 if default is REQUIRED:
-                    raise BadInput(f"{where} has no {name}", hint=_HINT)
+                    raise BadInput(f"{where or 'the request'} has no {name}", hint=_HINT)
                 out[name] = default
             elif value[name] is None and default is None:
                 out[name] = None
             else:
-                out[name] = kind.check(value[name], f"{where}.{name}" if where != "the request" else name)
+                out[name] = kind.check(value[name], f"{where}.{name}" if where else name)
         return out
 
 
@@ -192,7 +193,7 @@ def parse(raw: bytes) -> dict:
     if kind is None:
         raise BadInput(f"unknown agent request '{_shown(op)}'", hint=_HINT)
     rest = {k: v for k, v in request.items() if k not in ("vstor_agent", "op")}
-    return {"op": op, **kind.check(rest, "the request")}
+    return {"op": op, **kind.check(rest, "")}
 
 
 def _bound_nesting(raw: bytes) -> None:
