@@ -295,3 +295,14 @@ def test_a_block_device_of_the_number_sysfs_gives_is_opened_and_described(dest):
     # opened and described: then compared (a local block device is not shared storage)
     assert answer["seen"]["vdc"] == (f"has it with another size ({size} bytes, not 0)" if size else
                                      "has it on block /dev/nvme2n1, not on block /dev/nvme2n1")
+
+
+def test_an_error_vstor_did_not_foresee_is_still_one_answer_exit_1(dest, tmp_path):
+    """A state directory that is a file (no check names it): exit 1, the
+    one answer saying what failed, no traceback unless VSTOR_DEBUG."""
+    (tmp_path / "statefile").write_text("")
+    conf = tmp_path / "broken.conf"
+    conf.write_text(open(dest.conf).read().replace(f"{dest.tmp}/state", f"{tmp_path}/statefile"))
+    d = type("D", (), {"tmp": dest.tmp, "images": dest.images, "conf": str(conf), "root": dest.root})()
+    answer = agent(d, {"vstor_agent": 1, "op": "status", "name": "vm"})
+    assert answer["exit_code"] == 1 and answer["message"].startswith("internal error: NotADirectoryError")
