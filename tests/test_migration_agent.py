@@ -11,6 +11,7 @@ import pytest
 
 from vstor.config import Config
 from vstor.errors import BadInput
+from vstor.host.sysfs import SysFS
 from vstor.migration import storage
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -29,13 +30,37 @@ def dest(tmp_path, host_layout):
                           "root": host_layout("two-socket")})()
 
 
-def agent(d, request) -> dict:
+HOOKED = """import sys
+def opened(event, args):
+    if event == "open" and isinstance(args[0], str) and args[0].startswith(("/dev/", sys.argv[1])):
+        sys.stderr.write(f"opened {args[0]}\\n")
+sys.addaudithook(opened)
+from vstor.cli.main import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def agent(d, request, opens=None, wrap=()) -> dict:
+    """The answer of the real `vstor migrate agent` process to `request`:
+    exactly one JSON object on stdout, the exit code its own (0 when ok),
+    no traceback.  `opens`, when given, gets every /dev and image path the
+    process opened (seen by an audit hook, not by patching anything);
+    `wrap` runs it inside another command (a private /dev)."""
     raw = request if isinstance(request, (bytes, str)) else json.dumps(request)
-    out = subprocess.run([sys.executable, "-m", "vstor.cli.main", "-c", "test:///default", "--config", d.conf,
-                          "--host-root", d.root, "migrate", "agent"], input=raw if isinstance(raw, bytes)
-                         else raw.encode(), capture_output=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 0 and b"Traceback" not in out.stderr, out.stderr
-    return json.loads(out.stdout)
+    argv = ["-c", "test:///default", "--config", d.conf, "--host-root", d.root, "migrate", "agent"]
+    out = subprocess.run([*wrap, sys.executable, "-c", HOOKED, str(d.images), *argv],
+                         input=raw if isinstance(raw, bytes) else raw.encode(), capture_output=True,
+                         cwd=ROOT, timeout=120)
+    err = out.stderr.decode(errors="replace")
+    assert "Traceback" not in err and "internal error" not in err, err
+    lines = out.stdout.decode().splitlines()
+    assert len(lines) == 1, out.stdout
+    answer = json.loads(lines[0])
+    assert isinstance(answer, dict) and answer["ok"] in (True, False), answer
+    assert out.returncode == (0 if answer["ok"] else answer["exit_code"]), (out.returncode, answer)
+    if opens is not None:
+        opens.extend(line.split(" ", 1)[1] for line in err.splitlines() if line.startswith("opened "))
+    return answer
 
 
 def domain(path="/x/a.raw") -> str:
@@ -46,19 +71,20 @@ def domain(path="/x/a.raw") -> str:
 
 
 @pytest.mark.parametrize("request_, code, words", [
-    (b"not json", 2, "protocol"),
+    (b"not json", 2, "is not JSON"),
     ({"vstor_agent": 2, "op": "check"}, 2, "protocol 1"),
     ({"vstor_agent": 1, "op": "format-disks", "xml": domain()}, 2, "unknown agent request"),
     ({"vstor_agent": 1, "op": "check"}, 2, "no xml"),
-    ({"vstor_agent": 1, "op": "check", "xml": 5}, 2, "no xml"),
+    ({"vstor_agent": 1, "op": "check", "xml": 5}, 2, "xml must be a string, not a number"),
     ({"vstor_agent": 1, "op": "check", "xml": "<domain><name>vm"}, 2, "malformed"),
     ({"vstor_agent": 1, "op": "check", "xml": domain(), "files": []}, 2, "files must be an object"),
-    ({"vstor_agent": 1, "op": "check", "xml": domain(), "files": {"vdb": {"path": 1}}}, 2, "{path, kind, size"),
+    ({"vstor_agent": 1, "op": "check", "xml": domain(), "files": {"vdb": {"path": 1}}}, 2,
+     "files.vdb.path must be a string"),
     ({"vstor_agent": 1, "op": "check", "xml": domain(), "imports": {"vdb": {
         "transport": "tcp", "traddr": "1.2.3.4;reboot", "subnqn": "nqn.2016-06.io.x:y"}}}, 2,
      "is not an address"),
     ({"vstor_agent": 1, "op": "prepare", "xml": domain()}, 2, "no from"),
-    ({"vstor_agent": 1, "op": "abort", "name": ["vm"]}, 2, "no name"),
+    ({"vstor_agent": 1, "op": "abort", "name": ["vm"]}, 2, "name must be a string, not a list"),
     ({"vstor_agent": 1, "op": "status", "name": "vm", "uuid": 7}, 2, "uuid must be a string"),
 ])
 def test_a_bad_request_is_one_refusal_and_changes_nothing(dest, request_, code, words):
@@ -73,13 +99,14 @@ def test_a_source_is_opened_only_where_and_as_it_may_be(dest, tmp_path):
     os.mkfifo(dest.images / "fifo.raw")                 # a FIFO would block an open for ever
     os.symlink(dest.images / "a.raw", dest.images / "link.raw")
     (tmp_path / "outside.raw").write_bytes(b"x")
+    sysfs = SysFS(dest.root)
     with pytest.raises(BadInput, match="not a regular file"):
-        storage.describe(cfg, "file", str(dest.images / "fifo.raw"))
+        storage.describe(cfg, "file", str(dest.images / "fifo.raw"), sysfs)
     with pytest.raises(BadInput, match="outside the image roots"):
-        storage.describe(cfg, "file", str(tmp_path / "outside.raw"))
-    with pytest.raises(BadInput, match="not a block device"):
-        storage.describe(cfg, "block", str(dest.images / "a.raw"))
-    mine = storage.describe(cfg, "file", str(dest.images / "link.raw"))     # resolved, then opened
+        storage.describe(cfg, "file", str(tmp_path / "outside.raw"), sysfs)
+    with pytest.raises(BadInput, match="not a disk or partition vstor can see"):
+        storage.describe(cfg, "block", str(dest.images / "a.raw"), sysfs)
+    mine = storage.describe(cfg, "file", str(dest.images / "link.raw"), sysfs)     # resolved, then opened
     assert mine["size"] == 4096 and mine["shared_root"] == os.path.realpath(dest.images)
     answer = agent(dest, {"vstor_agent": 1, "op": "check", "xml": domain(str(dest.images / "a.raw")),
                           "files": {"vdb": {"path": str(dest.images / "fifo.raw"), "kind": "file",

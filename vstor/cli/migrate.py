@@ -71,10 +71,11 @@ def migrating(ctx, name: str):
 
 
 def cmd_check(ctx, args) -> int:
+    from vstor.host.sysfs import SysFS
     from vstor.migration import source
     dom = _domain(ctx, args.domain)
     peer, _ = _peer(ctx, args.to)
-    verdict = source.check(ctx.config, dom, peer)
+    verdict = source.check(ctx.config, dom, peer, SysFS(ctx.host_root))
     if args.json:
         print(json.dumps(verdict.to_json(), indent=1))
     else:
@@ -224,9 +225,4 @@ def _libvirt_uuid(ctx, name: str) -> str | None:
 
 def cmd_agent(ctx, args) -> int:
     from vstor.migration import agent
-    try:
-        request = json.loads(sys.stdin.read())
-    except ValueError:
-        request = None
-    print(json.dumps(agent.answer(ctx, request)))
-    return 0
+    return agent.serve(ctx, sys.stdin.buffer)

@@ -128,11 +128,17 @@ def unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
+def is_listed(name: str) -> bool:
+    """Whether the host model lists a disk or partition of this kernel name
+    (when sysfs has it): hidden multipath path devices are not usable disks
+    (their head is), and loop, ram and zram devices are not disks."""
+    return not (name.startswith(_NOT_DISKS) or _PATH_DEVICE.fullmatch(name))
+
+
 def read_block_devices(sysfs: SysFS, usage: BlockUsage) -> tuple[BlockDevice, ...]:
     devices = []
     for disk in sysfs.listdir("/sys/block"):
-        # Hidden multipath path devices are not usable disks; their head is.
-        if disk.startswith(_NOT_DISKS) or _PATH_DEVICE.fullmatch(disk):
+        if not is_listed(disk):
             continue
         devices.append(BlockDevice(disk, sysfs.read_int(f"/sys/block/{disk}/size", 0) * 512,
                                    tuple(why for why, _ in usage.disk_uses(disk))))

@@ -1,38 +1,65 @@
 """`vstor migrate agent`: the destination's side, one JSON request in, one
 JSON answer out.  Whoever reaches it is root on the source (over ssh), but
-the domain XML it carries is input like any domain's: planned again here,
-sources resolved against this host's own image roots."""
+the request is input like a domain's XML: checked against its declaration
+(vstor.migration.request), the domain planned again here, sources resolved
+against this host's own image roots and block devices."""
 
 from __future__ import annotations
 
-from vstor.errors import BadInput, DoesNotFit, VstorError
+import json
+import os
+import sys
+
+from vstor.errors import EXIT_ERROR, BadInput, DoesNotFit, VstorError, one_line
 from vstor.meta.document import Domain
-from vstor.migration.peer import PROTOCOL
+from vstor.migration import request as requests
 from vstor.planner.ledger import Ledger
 
 
-def answer(ctx, request) -> dict:
-    """The answer to one request; a refusal is {"ok": false, ...}, never raised."""
+def serve(ctx, stdin) -> int:
+    """Read one request from `stdin`, write exactly one JSON answer on
+    stdout, and return its exit code (0, or the refusal's).  Anything else
+    written on stdout meanwhile (a daemon started here inherits it) goes to
+    stderr: the source reads stdout as the answer."""
+    sys.stdout.flush()
+    out = os.dup(1)
+    os.dup2(2, 1)
     try:
-        return {"ok": True, **_serve(ctx, request)}
+        reply = answer(ctx, stdin)
+    finally:
+        sys.stdout.flush()
+        os.dup2(out, 1)
+        os.close(out)
+    print(json.dumps(reply), flush=True)
+    return 0 if reply["ok"] else reply["exit_code"]
+
+
+def answer(ctx, stdin) -> dict:
+    """The answer to the request on `stdin`; a refusal is {"ok": false,
+    "exit_code", "message"}, never raised, even for a bug here."""
+    try:
+        return {"ok": True, **_serve(ctx, requests.read(stdin))}
     except VstorError as e:
         return {"ok": False, "exit_code": e.exit_code, "message": str(e)}
+    except Exception as e:      # a bug: still one answer, the traceback on request
+        if os.environ.get("VSTOR_DEBUG"):
+            import traceback
+            traceback.print_exc()
+        return {"ok": False, "exit_code": EXIT_ERROR,
+                "message": one_line(f"internal error: {type(e).__name__}: {e}")}
 
 
-def _serve(ctx, request) -> dict:
-    if not isinstance(request, dict) or request.get("vstor_agent") != PROTOCOL:
-        raise BadInput(f"not a vstor migrate agent request of protocol {PROTOCOL}",
-                       hint="install the same vstor version on both hosts")
-    op = request.get("op")
-    from vstor.cli.runtime import _runtime, _state
-    rt, state = _runtime(ctx, False), _state(ctx)
+def _serve(ctx, request: dict) -> dict:
+    from vstor.host.sysfs import SysFS
+    from vstor.runtime.lifecycle import Runtime
+    from vstor.runtime.state import StateDir
+    op = request["op"]
+    rt, state = Runtime(ctx.config, SysFS(ctx.host_root)), StateDir(ctx.config.state_dir)
     if op == "facts":
         # The host NQN this host's SPDK attaches with: what a source's export allows.
         return {"host": ctx.host.hostname, "hostnqn": rt.cfg.hostnqn}
     if op in ("abort", "status"):
-        name, uuid = _text(request, "name"), request.get("uuid")
-        if uuid is not None and not isinstance(uuid, str):
-            raise BadInput("uuid must be a string")
+        name, uuid = request["name"], request["uuid"]
         if op == "status":
             from vstor.errors import Unavailable
             from vstor.runtime.lifecycle import own_record
@@ -50,21 +77,19 @@ def _serve(ctx, request) -> dict:
         from vstor.runtime.incoming import abort_incoming
         return {"host": ctx.host.hostname, "aborted": abort_incoming(rt, state, name, uuid, _quiet)}
     from vstor.runtime.incoming import parse_imports
-    dom = Domain.parse(_text(request, "xml"), "the migrating domain's XML")
+    dom = Domain.parse(request["xml"], "the migrating domain's XML")
+    requests.NAME.check(dom.name, "the migrating domain's name")
     ledger = _ledger(ctx, state)
-    imports = parse_imports(request.get("imports", {}))
-    cold = request.get("cold") is True
+    imports = parse_imports(request["imports"])
     if op == "check":
-        return _check(ctx, rt, dom, ledger, request.get("files", {}), imports, cold)
-    if op == "prepare":
-        from vstor.runtime.incoming import prepare_incoming, reserve_cold
-        source = _text(request, "from")
-        if cold:
-            rec, arriving = reserve_cold(rt, state, ctx.host, dom, ledger, source)
-        else:
-            rec, arriving = prepare_incoming(rt, state, ctx.host, dom, ledger, source, _quiet, imports)
-        return {"host": ctx.host.hostname, "xml": arriving.to_string(), "steps": len(rec.steps)}
-    raise BadInput(f"unknown agent request '{op}'", hint="install the same vstor version on both hosts")
+        return _check(ctx, rt, dom, ledger, request["files"], imports, request["cold"])
+    from vstor.runtime.incoming import prepare_incoming, reserve_cold
+    source = request["from"]
+    if request["cold"]:
+        rec, arriving = reserve_cold(rt, state, ctx.host, dom, ledger, source)
+    else:
+        rec, arriving = prepare_incoming(rt, state, ctx.host, dom, ledger, source, _quiet, imports)
+    return {"host": ctx.host.hostname, "xml": arriving.to_string(), "steps": len(rec.steps)}
 
 
 def _check(ctx, rt, dom: Domain, ledger: Ledger, files, imports, cold: bool) -> dict:
@@ -77,21 +102,16 @@ def _check(ctx, rt, dom: Domain, ledger: Ledger, files, imports, cold: bool) -> 
                             "readonly": d.readonly} for d in plan.disks}
     except (BadInput, DoesNotFit) as e:    # the domain as this host would refuse to start it
         problems = list(getattr(e, "reasons", ())) or [e.message]
-    if not isinstance(files, dict):
-        raise BadInput("files must be an object")
-    seen = {str(target): _sees(rt.cfg, theirs) for target, theirs in files.items()}
+    seen = {target: _sees(rt, theirs) for target, theirs in files.items()}
     return {"host": ctx.host.hostname, "problems": problems, "placement": placement, "seen": seen,
             "disks": disks}
 
 
-def _sees(cfg, theirs) -> str | None:
+def _sees(rt, theirs: dict) -> str | None:
     """None when this host has the same storage at the same path; else why not."""
     from vstor.migration import storage
-    if not (isinstance(theirs, dict) and theirs.get("kind") in ("file", "block")
-            and isinstance(theirs.get("path"), str) and isinstance(theirs.get("size"), int)):
-        raise BadInput("files: each must be {path, kind, size, ...}")
     try:
-        mine = storage.describe(cfg, theirs["kind"], theirs["path"])
+        mine = storage.describe(rt.cfg, theirs["kind"], theirs["path"], rt.sysfs)
     except BadInput as e:
         return f"cannot use it ({e.message})"
     return storage.differs(theirs, mine)
@@ -104,14 +124,6 @@ def _ledger(ctx, state) -> Ledger:
     return load_ledger(ctx.conn, state.records())
 
 
-def _text(request: dict, key: str) -> str:
-    value = request.get(key)
-    if not isinstance(value, str) or not value:
-        raise BadInput(f"the request has no {key}")
-    return value
-
-
 def _quiet(message: str) -> None:
     """Progress goes to stderr: stdout carries the one JSON answer."""
-    import sys
     print(f"  {message}", file=sys.stderr)

@@ -39,22 +39,22 @@ def plan_of(dom: Domain):
     return records.replace(plan, disks=tuple(disks))
 
 
-def files_to_check(cfg: Config, plan) -> dict:
+def files_to_check(cfg: Config, plan, sysfs) -> dict:
     """This host's description of each file and block source (storage.describe)."""
-    return {d.target: storage.describe(cfg, d.source.kind, d.source.path)
+    return {d.target: storage.describe(cfg, d.source.kind, d.source.path, sysfs)
             for d in plan.disks if d.source.kind in ("file", "block")}
 
 
-def check(cfg: Config, dom: Domain, peer: Peer) -> Verdict:
-    return _check(cfg, dom, peer)[0]
+def check(cfg: Config, dom: Domain, peer: Peer, sysfs) -> Verdict:
+    return _check(cfg, dom, peer, sysfs)[0]
 
 
-def _check(cfg: Config, dom: Domain, peer: Peer, cold: bool = False):
+def _check(cfg: Config, dom: Domain, peer: Peer, sysfs, cold: bool = False):
     """(verdict, the destination's answer, its SPDK's host NQN).  Local NVMe
     under SPDK is asked about as the NVMe-oF namespace this host would
     export it as, which needs the destination's host NQN first."""
     plan = plan_of(dom)
-    files = files_to_check(cfg, plan)
+    files = files_to_check(cfg, plan, sysfs)
     facts = {t: storage.shared(f) for t, f in files.items()}
     hostnqn, imports = None, {}
     if not cold and cfg.export_address and any(d.source.kind == "nvme" and d.backend == "spdk"
@@ -132,7 +132,7 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
     """The destination's backends made and held, local NVMe exported to it
     first; the XML the domain will arrive with.  Refused, with every reason,
     unless the verdict allows it; a failure on either side undoes both."""
-    verdict, there, hostnqn = _check(cfg, dom, peer, cold)
+    verdict, there, hostnqn = _check(cfg, dom, peer, rt.sysfs, cold)
     elsewhere = recorded_destination(state, dom.name)
     if elsewhere not in (None, peer.host):
         raise DoesNotFit(f"domain '{dom.name}' is already prepared to migrate to {elsewhere}",

@@ -1,6 +1,7 @@
 """Is a file or block source the same storage on two hosts?  Each host
 describes its own copy (opened safely: never a FIFO, a device that acts on
-open, or a symlink swapped in; a file only inside the image roots), and the
+open, or a symlink swapped in; a file only inside the image roots; a block
+device only one of the host model's, looked at before it is opened), and the
 two descriptions are compared: same path, kind and size, and the same
 filesystem (type and mount source, as /proc/self/mountinfo says), or both
 under storage the operator declared shared on both hosts ([migrate] shared)."""
@@ -13,6 +14,8 @@ import stat
 
 from vstor.config import Config
 from vstor.errors import BadInput
+from vstor.host.blocks import is_listed
+from vstor.host.sysfs import SysFS
 from vstor.meta.names import inside
 
 # Filesystems every host that mounts them sees the same.
@@ -20,12 +23,16 @@ NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "ceph", "fuse.cephfs", "g
                         "fuse.glusterfs", "gpfs", "ocfs2", "gfs2", "lustre", "beegfs",
                         "fuse.beegfs", "virtiofs"})
 _ESCAPE = re.compile(rb"\\([0-7]{3})")
+_KERNEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+:!-]{0,63}")
 
 
-def describe(cfg: Config, kind: str, path: str) -> dict:
+def describe(cfg: Config, kind: str, path: str, sysfs: SysFS) -> dict:
     """This host's copy of a source: {path, kind, size, fstype, mount, shared_root}."""
-    from vstor.runtime.steps import resolve_image
-    real = resolve_image(path, cfg.images) if kind == "file" else os.path.realpath(path)
+    if kind == "file":
+        from vstor.runtime.steps import resolve_image
+        real, expect = resolve_image(path, cfg.images), None
+    else:
+        real, expect = path, _block_device(sysfs, path)     # looked at before it is opened
     try:
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
@@ -34,8 +41,10 @@ def describe(cfg: Config, kind: str, path: str) -> dict:
         raise BadInput(f"cannot open {kind} source {path}: {e.strerror}") from None
     try:
         st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) if kind == "file" else stat.S_ISBLK(st.st_mode)):
-            raise BadInput(f"{path} is not a {'regular file' if kind == 'file' else 'block device'}")
+        if kind == "file" and not stat.S_ISREG(st.st_mode):
+            raise BadInput(f"{path} is not a regular file")
+        if kind == "block" and not (stat.S_ISBLK(st.st_mode) and st.st_rdev == expect):
+            raise BadInput(f"{path} changed while it was opened", hint="try again")
         size = os.lseek(fd, 0, os.SEEK_END)
     finally:
         os.close(fd)
@@ -43,6 +52,35 @@ def describe(cfg: Config, kind: str, path: str) -> dict:
     roots = [r for r in (os.path.realpath(x) for x in cfg.migrate_shared) if real == r or inside(real, [r])]
     return {"path": path, "kind": kind, "size": size, "fstype": fstype or "", "mount": source or "",
             "shared_root": roots[0] if roots else ""}
+
+
+def _block_device(sysfs: SysFS, path: str) -> int:
+    """The device number of a block source, looked at before anything opens
+    it: /dev/NAME for a disk or partition NAME of the host model, a block
+    device node (never a link, a character device or a FIFO) of the number
+    sysfs gives NAME."""
+    name = path[len("/dev/"):] if path.startswith("/dev/") else ""
+    known = _KERNEL_NAME.fullmatch(name) and is_listed(name)
+    devnum = sysfs.read(f"/sys/class/block/{name}/dev") if known else None
+    if devnum is None:
+        raise BadInput(f"{path} is not a disk or partition vstor can see on this host",
+                       hint="name the kernel device, like /dev/sdb or /dev/nvme0n1p3")
+    m = re.fullmatch(r"(\d+):(\d+)", devnum.strip())
+    if m is None:
+        raise BadInput(f"sysfs gives {name} no device number ('{devnum.strip()}')")
+    expect = os.makedev(int(m.group(1)), int(m.group(2)))
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise BadInput(f"block source {path} does not exist") from None
+    except OSError as e:
+        raise BadInput(f"cannot look at block source {path}: {e.strerror}") from None
+    if not stat.S_ISBLK(st.st_mode):
+        raise BadInput(f"{path} is not a block device")
+    if st.st_rdev != expect:
+        raise BadInput(f"{path} is not the device the kernel calls {name} ({os.major(st.st_rdev)}:"
+                       f"{os.minor(st.st_rdev)}, not {devnum.strip()})")
+    return expect
 
 
 def shared(mine: dict) -> tuple[bool, str]:
