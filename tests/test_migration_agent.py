@@ -32,7 +32,10 @@ def dest(tmp_path, host_layout):
 
 HOOKED = """import sys
 def opened(event, args):
-    if event == "open" and isinstance(args[0], str) and args[0].startswith(("/dev/", sys.argv[1])):
+    # A relative name is a component opened below a held directory
+    # (vstor.host.sources walks a file source so).
+    if event == "open" and isinstance(args[0], str) and (
+            args[0].startswith(("/dev/", sys.argv[1])) or not args[0].startswith("/")):
         sys.stderr.write(f"opened {args[0]}\\n")
 sys.addaudithook(opened)
 from vstor.cli.main import main

@@ -29,25 +29,26 @@ _KERNEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+:!-]{0,63}")
 def describe(cfg: Config, kind: str, path: str, sysfs: SysFS) -> dict:
     """This host's copy of a source: {path, kind, size, fstype, mount, shared_root}."""
     if kind == "file":
-        from vstor.runtime.steps import resolve_image
-        real, expect = resolve_image(path, cfg.images), None
+        # Walked component by component below an image root and never opened
+        # for reading (vstor.host.sources): its size is the inode's.
+        from vstor.host import sources
+        with sources.open_file(path, cfg.images) as src:
+            real, size = src.resolved, src.st.st_size
     else:
         real, expect = path, _block_device(sysfs, path)     # looked at before it is opened
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
-    except FileNotFoundError:
-        raise BadInput(f"{kind} source {path} does not exist") from None
-    except OSError as e:
-        raise BadInput(f"cannot open {kind} source {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if kind == "file" and not stat.S_ISREG(st.st_mode):
-            raise BadInput(f"{path} is not a regular file")
-        if kind == "block" and not (stat.S_ISBLK(st.st_mode) and st.st_rdev == expect):
-            raise BadInput(f"{path} changed while it was opened", hint="try again")
-        size = os.lseek(fd, 0, os.SEEK_END)
-    finally:
-        os.close(fd)
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY)
+        except FileNotFoundError:
+            raise BadInput(f"{kind} source {path} does not exist") from None
+        except OSError as e:
+            raise BadInput(f"cannot open {kind} source {path}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not (stat.S_ISBLK(st.st_mode) and st.st_rdev == expect):
+                raise BadInput(f"{path} changed while it was opened", hint="try again")
+            size = os.lseek(fd, 0, os.SEEK_END)
+        finally:
+            os.close(fd)
     fstype, source = mount_of(real) if kind == "file" else ("block", real)
     roots = [r for r in (os.path.realpath(x) for x in cfg.migrate_shared) if real == r or inside(real, [r])]
     return {"path": path, "kind": kind, "size": size, "fstype": fstype or "", "mount": source or "",
