@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
 from vstor.host.model import Host
+from vstor.host.read import read_host
 from vstor.meta import metadata
 from vstor.meta.document import Domain
 from vstor.meta.intent import DiskIntent
@@ -59,7 +60,8 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
         if not rt.dry_run:
             dom = _unplugged(guest, dom, say)
             req, plan = plan_of(dom)
-            _undo_interrupted(rt, state, dom, rec, plan, progress)
+            if _undo_interrupted(rt, state, dom, rec, plan, progress):
+                host = read_host(rt.sysfs)      # the undo moved things (a binding): look again
         new = plan_attach(host, rt.cfg, req, plan, disk, running_ledger(state.records()))
         added = new.disk(disk.target)
         have = {actions.identity(actions.from_json(e)) for e in rec.steps}
@@ -175,9 +177,10 @@ def _unplugged(guest, dom: Domain, say) -> Domain:
         dom = guest.current()
 
 
-def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan, progress) -> None:
+def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan, progress) -> bool:
     """An attach killed before the guest had its disk (the live plan never
-    got it) left its backend steps in the record: undone first, as prepare
+    got it) left its share in the record's holding and its backend steps
+    in the record: undone first, as prepare
     undoes an interrupted prepare, so that this attach makes them again.  A
     domain's outgoing NVMe-oF export is no disk's step and stays."""
     planned = {actions.identity(s) for s in actions.build(plan, rt.cfg)}
@@ -188,14 +191,18 @@ def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan
         except ActionFailed:
             return True         # not this vstor's to judge: release reports it
         return step.kind == "nvmf-export" or actions.identity(step) in planned
+    holding = holding_to_json(Holding.from_plan(plan, active=True))
     if all(kept(i, e) for i, e in enumerate(rec.steps)):
-        return
-    errors = _undo_steps(rt, state, rec, kept, progress,
-                         holding=holding_to_json(Holding.from_plan(plan, active=True)))
+        if rec.holding != holding:      # killed after it recorded the disk's share, before a step
+            rec.holding = holding
+            state.save(rec)
+        return False
+    errors = _undo_steps(rt, state, rec, kept, progress, holding=holding)
     if errors:
         raise ActionFailed(f"domain '{dom.name}': an interrupted attach left a backend that "
                            f"could not be undone: {'; '.join(errors)}",
                            hint=f"fix the cause, then retry (or vstor release {dom.name} after it stops)")
+    return True
 
 
 def _undo_steps(rt: Runtime, state: StateDir, rec, keep, progress, holding: dict | None = None) -> list[str]:
