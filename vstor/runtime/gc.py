@@ -12,10 +12,10 @@ from contextlib import nullcontext
 from typing import Callable
 
 from vstor.config import Config
+from vstor.errors import VstorError
 from vstor.meta.names import is_disk_name
 from vstor.runtime import actions
 from vstor.runtime.lifecycle import Runtime, release
-from vstor.errors import VstorError
 from vstor.runtime.state import EXPORTING, INCOMING, Record, StateDir
 
 
