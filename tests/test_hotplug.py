@@ -6,6 +6,7 @@ libvirt's side is a named double here (GuestDouble); tests/e2e/test_hotplug.py
 runs the real one with a running guest."""
 
 import os
+import time
 
 import pytest
 
@@ -310,3 +311,136 @@ def test_a_second_attach_reads_the_domain_again_and_keeps_the_first(env, tmp_pat
     assert [d.target for d in now.intent().disks] == ["vdb", "vdc", "vdd"]
     assert [d.target for d in now.recorded_plan().disks] == ["vdb", "vdc", "vdd"]
     assert len(env.state.load("vm1").holding["sockets"]) == 3
+
+
+def _crashed_attach(env, dom, guest, new, crash_at: int | None, metadata: str) -> bool:
+    """attach in a child that SIGKILLs itself at its crash_at-th crash point
+    (tests/crash_child.py's: every record save, before its rename too, and
+    before and after every step, then libvirt's: the new metadata taken,
+    the device not yet, LiveDomain.attach's order), or at libvirt's alone
+    (crash_at None); the metadata libvirt would then keep is written to
+    `metadata`.  True when it was killed."""
+    import signal
+    from tests.crash_child import CrashPoints, install
+    child = os.fork()
+    if child == 0:      # pragma: no cover (the killed attach)
+        points = CrashPoints(crash_at or 0)
+        install(points)
+
+        def attach_device(_device, element, _persistent=False):
+            with open(metadata, "w") as f:
+                f.write(element)
+            points.point("libvirt: metadata set, device not yet attached")
+            if crash_at is None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(0)
+        guest.attach = attach_device
+        attach(env.rt(), env.state, env.host(), dom, new, guest, progress=lambda _m: None)
+        os._exit(3)
+    status = os.waitpid(child, 0)[1]
+    if os.WIFSIGNALED(status):
+        assert os.WTERMSIG(status) == signal.SIGKILL
+        return True
+    assert os.waitstatus_to_exitcode(status) == 0
+    return False
+
+
+def test_an_attach_killed_anywhere_is_finished_by_the_next_of_the_same_disk(env, tmp_path):
+    """SIGKILL at every crash point of an attach of an SPDK disk (three
+    steps that other disks may share: a bind, an SPDK controller, a vhost
+    controller), the metadata's too: the next attach of the same disk undoes
+    what the killed one left and makes it again, to the same record and the
+    same SPDK state as an attach that was never interrupted."""
+    dom = running(env, local_spdk())
+    before = env.state.load("vm1")
+    new = disk(local_spdk(OTHER, "vdc"), tmp_path)
+    meta = str(tmp_path / "metadata.xml")
+    clean_guest = GuestDouble(dom)
+    attach(env.rt(), env.state, env.host(), dom, new, clean_guest, progress=lambda _m: None)
+    clean = env.state.load("vm1")
+    clean_spdk = (sorted(env.spdk.nvme), sorted(env.spdk.vhost))
+    detach(env.rt(), env.state, live(dom, clean_guest), "vdc", clean_guest, 5.0, progress=lambda _m: None)
+    assert env.state.load("vm1").steps == before.steps
+    killed = 0
+    for crash_at in range(1, 40):
+        guest = GuestDouble(dom)
+        if os.path.exists(meta):
+            os.unlink(meta)
+        if not _crashed_attach(env, dom, guest, new, crash_at, meta):
+            break
+        killed += 1
+        if os.path.exists(meta):        # libvirt kept the new metadata, not the device
+            guest.set_metadata(open(meta).read())
+        started = time.monotonic()
+        plan = attach(env.rt(), env.state, env.host(), live(dom, guest), new, guest, progress=lambda _m: None)
+        assert time.monotonic() - started < 30
+        assert [d.target for d in plan.disks] == ["vdb", "vdc"] and guest.calls[-1][0] == "attach"
+        rec = env.state.load("vm1")
+        assert [(e["kind"], e["state"], e["data"]) for e in rec.steps] == \
+            [(e["kind"], e["state"], e["data"]) for e in clean.steps], crash_at
+        assert rec.holding == clean.holding and rec.status == "prepared"
+        assert (sorted(env.spdk.nvme), sorted(env.spdk.vhost)) == clean_spdk, crash_at
+        detach(env.rt(), env.state, live(dom, guest), "vdc", guest, 5.0, progress=lambda _m: None)
+        assert env.state.load("vm1").steps == before.steps and env.sysfs.driver_of(OTHER) == "nvme"
+    assert killed >= 10         # every save and step of the attach, and libvirt's metadata
+    release(env.rt(), env.state, "vm1")
+
+
+@pytest.mark.parametrize("again", ["the same disk", "another disk"])
+def test_an_attach_killed_between_metadata_and_device_is_taken_out_by_the_next(env, tmp_path, again):
+    """libvirt took the new metadata (the live plan has the disk) and the
+    guest never got the device: the next attach takes the disk out of the
+    live metadata, undoes its backend (its real daemon stops), then does
+    its own."""
+    _, paths = file_disks(env, "bcd", size=8 << 20)
+    dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
+    before = env.state.load("vm1")
+    guest = GuestDouble(dom)
+    killed = disk(file_disk(paths[1], "vdc"), tmp_path)
+    meta = str(tmp_path / "metadata.xml")
+    assert _crashed_attach(env, dom, guest, killed, None, meta)
+    guest.set_metadata(open(meta).read())
+    orphan = int(open(os.path.join(env.cfg.qsd_dir, "vm1-vdc.pid")).read())
+    assert [d.target for d in live(dom, guest).recorded_plan().disks] == ["vdb", "vdc"]
+    new = killed if again == "the same disk" else disk(file_disk(paths[2], "vdd"), tmp_path)
+    said = []
+    plan = attach(env.rt(), env.state, env.host(), live(dom, guest), new, guest, progress=said.append)
+    assert any("vdc is in vm1's plan but not in the guest" in m for m in said)
+    assert [c[0] for c in guest.calls] == ["set_metadata", "set_metadata", "attach"]
+    assert [d.target for d in plan.disks] == ["vdb", new.target]
+    assert [d.target for d in live(dom, guest).intent().disks] == ["vdb", new.target]
+    now = env.state.load("vm1")
+    assert now.steps[:len(before.steps)] == before.steps and len(now.steps) == len(before.steps) + 1
+    assert _gone(orphan) and now.holding["sockets"] == sorted(
+        f"{env.cfg.vhost_dir}/vm1-{t}" for t in ("vdb", new.target))
+    release(env.rt(), env.state, "vm1")
+
+
+def test_attach_plans_under_the_planning_lock_and_lets_it_go_once_recorded(env, tmp_path, monkeypatch):
+    from tests.test_lifecycle import _free
+    from vstor.runtime import steps
+    import fcntl
+    from vstor.errors import Unavailable
+    lock = os.path.join(env.cfg.state_dir, "plan.lock")
+    _, paths = file_disks(env, "bc", size=8 << 20)
+    dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    seen, real = [], steps.do
+    monkeypatch.setattr(steps, "do", lambda a, rt: seen.append((a.kind, _free(lock))) or real(a, rt))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)      # another run is planning
+        with pytest.raises(Unavailable, match="the planning lock .* stayed locked"):
+            monkeypatch.setattr(env.state, "planning", _short(env.state.planning))
+            attach(env.rt(), env.state, env.host(), dom, disk(file_disk(paths[1], "vdc"), tmp_path),
+                   GuestDouble(dom), progress=lambda _m: None)
+    finally:
+        os.close(fd)
+    assert seen == [] and len(env.state.load("vm1").steps) == 1
+    attach(env.rt(), env.state, env.host(), dom, disk(file_disk(paths[1], "vdc"), tmp_path),
+           GuestDouble(dom), progress=lambda _m: None)
+    assert seen == [("qsd-export", True)]
+    release(env.rt(), env.state, "vm1")
+
+
+def _short(planning):
+    return lambda timeout=0.3, dry_run=False: planning(timeout=0.3, dry_run=dry_run)

@@ -237,3 +237,29 @@ def test_two_incoming_migrations_get_their_own_cores_and_a_failed_one_gives_them
     out = hook(h, "b", "vm2", "release", "end", "failed", xml)
     assert out.returncode == 0 and records(h, "b") == {"vm": "incoming"}
     assert os.listdir(f"{h.work}/b/vhost") == ["vm-vdb"]
+
+
+def test_two_migrations_prepared_at_once_get_their_own_cores(hosts):
+    """Two `vstor migrate prepare` at once (real processes): the destination
+    plans and records each under its planning lock, the state records read
+    under it, so neither is refused for the other's cores nor shares them."""
+    h = hosts
+    first, second = running_on_a(h), running_on_a(h, name="vm2", disk="shared/big.raw")
+    for _ in range(5):
+        procs = [subprocess.Popen([sys.executable, "-m", "vstor.cli.main", "-c", "test:///default",
+                                   "--config", h.a_conf, "--host-root", h.a_root, "migrate", "prepare",
+                                   path, "--to", "hostb", "-o", f"{h.work}/{out}"],
+                                  cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for path, out in ((first, "o1.xml"), (second, "o2.xml"))]
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, out + err
+        cpus = []
+        for name in ("vm", "vm2"):
+            with open(f"{h.work}/b/state/domains/{name}.json") as f:
+                cpus.append(set(json.load(f)["holding"]["cpus"]))
+        assert cpus[0] and cpus[1] and not cpus[0] & cpus[1]
+        for name in ("vm", "vm2"):
+            assert on_a(h, "migrate", "abort", name) == 0
+        assert records(h, "b") == {}

@@ -100,6 +100,34 @@ def test_gc_releases_domains_that_do_not_run_and_orphans(work, capsys):
     assert [f for f in os.listdir(f"{work.dir}/qsd") if not f.startswith(".")] == []
 
 
+@pytest.mark.parametrize("before", ["a stale record", "no record"])
+def test_gc_leaves_a_domain_that_started_after_it_asked_what_runs(work, capsys, monkeypatch, before):
+    """The domain starts between gc's question to libvirt (it did not run)
+    and gc's release: its start recorded anew, and gc, which judged the
+    record as it was before it asked, leaves the new one and its daemons."""
+    from vstor.cli import runtime
+    rendered = os.path.join(work.dir, "r.xml")
+    vstor(work, "render", work.xml, "-o", rendered)
+    if before == "a stale record":
+        vstor(work, "prepare", rendered)
+    asked = runtime._running
+
+    def started_meanwhile(ctx, records, node):
+        running = asked(ctx, records, node)
+        assert "cli1" not in running
+        assert main(["--config", work.conf, "prepare", rendered]) == 0     # the start's hook
+        return running
+    monkeypatch.setattr(runtime, "_running", started_meanwhile)
+    capsys.readouterr()
+    assert vstor(work, "gc") == 0
+    out = capsys.readouterr().out
+    if before == "a stale record":
+        assert "Leaving cli1: its record changed since gc asked what runs" in out
+    assert "Releasing cli1" not in out
+    pid = int(open(f"{work.dir}/qsd/cli1-vdb.pid").read())
+    assert os.path.exists(f"/proc/{pid}") and os.listdir(f"{work.dir}/state/domains") == ["cli1.json"]
+
+
 def test_prepare_of_an_unplanned_domain_says_how_to_plan_it(work, capsys):
     assert vstor(work, "prepare", work.xml) == 2
     err = capsys.readouterr().err

@@ -17,7 +17,10 @@ def flocked(path: str, what: str, timeout: float, create: bool = False):
     """Hold an exclusive lock on `path` (a file, or a directory) for the block.
     `what` names the holder in the error when the deadline passes."""
     flags = (os.O_RDWR | os.O_CREAT) if create else (os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
-    fd = os.open(path, flags, 0o600)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        raise Unavailable(f"cannot lock {what}: {e.strerror}", hint="run as root") from None
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -54,6 +54,12 @@ class Context:
             return load_ledger(None, records)
 
 
+    def planning(self, dry_run: bool = False):
+        """The host's planning lock (vstor.runtime.state): held from before
+        the ledger is read until the plan is written."""
+        from vstor.runtime.state import StateDir
+        return StateDir(self.config.state_dir).planning(dry_run=dry_run)
+
     def records(self) -> list:
         """The state records, for planning: unreadable (not root) is a
         warning, as the start checks them again, as root."""

@@ -118,11 +118,12 @@ def _define(ctx, dom: Domain, dry_run: bool) -> int:
     from vstor.runtime import virt
     from vstor.runtime.inventory import load_ledger
     conn = ctx.conn
-    plan, out = rendered(ctx, dom, load_ledger(conn))
-    if dry_run:
-        sys.stdout.write(out.to_string())
-        return 0
-    virt.define(conn, out.to_string())
+    with ctx.planning(dry_run):     # the ledger read, the plan made and defined: one at a time
+        plan, out = rendered(ctx, dom, load_ledger(conn, ctx.records()))
+        if dry_run:
+            sys.stdout.write(out.to_string())
+            return 0
+        virt.define(conn, out.to_string())
     print(f"Domain '{plan.domain}' defined: " + ", ".join(
         f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", node {plan.node}")
     return 0

@@ -105,6 +105,11 @@ def cmd_apply(ctx, args) -> int:
 
 
 def _apply(ctx, args, node) -> int:
+    with ctx.planning(args.dry_run):    # the ledger read until the plan and config are written
+        return _apply_planned(ctx, args, node)
+
+
+def _apply_planned(ctx, args, node) -> int:
     from vstor.pve import manage, snippet
     _, vmo, plan = _planned(ctx, args)
     if vmo.conf.get("lock"):

@@ -227,9 +227,11 @@ def cmd_gc(ctx, args) -> int:
     from vstor.pve.node import Node, RunGuard
     state = _state(ctx)
     node = Node(ctx.config)
-    running = _running(ctx, state.records(), node)
-    if not gc.collect(_runtime(ctx, args.dry_run), state, running, say=print, step=_say,
-                      guard=lambda rec: RunGuard(node, rec.domain)):
+    damaged: list[str] = []
+    records = state.records(damaged)        # before what runs is asked: see gc.collect
+    running = _running(ctx, records, node)
+    if not gc.collect(_runtime(ctx, args.dry_run), state, records, running, say=print, step=_say,
+                      guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged):
         print("Nothing to collect")
     return 0
 

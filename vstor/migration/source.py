@@ -189,7 +189,7 @@ def _export(state, dom: Domain, rt, steps) -> list[str]:
     this call added (a re-run finds the earlier ones and adds nothing)."""
     from vstor.runtime.journal import Journal
     from vstor.runtime.lifecycle import own_record
-    with state.record_lock(dom.safe_name), state.lock():
+    with state.planning(), state.record_lock(dom.safe_name), state.lock():
         rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
         if rec is None or rec.status != "prepared":
             raise DoesNotFit(f"domain '{dom.name}' does not run here on backends vstor made "

@@ -26,6 +26,9 @@ from vstor.planner.placement import place_reactor
 from vstor.records import replace
 
 
+HOTPLUGGED = "hot-plugged"      # the reason a disk added to a running domain carries
+
+
 def with_disk(intent: Intent, disk: DiskIntent) -> Intent:
     return Intent(intent.vm, intent.disks + (disk,))
 
@@ -66,7 +69,7 @@ def plan_attach(host: Host, cfg: Config, req: Request, plan: Plan, disk: DiskInt
         reactor = place_reactor(cfg, node, plan.numa == "strict", Counter(ledger.reactor_load))
         if isinstance(reactor, NoFit):
             raise DoesNotFit(f"{disk.target} cannot be added to {who}: {reactor.reason}")
-    added = disk_plan(cfg, req, replace(c, reasons=(*reasons, "hot-plugged")), reactor)
+    added = disk_plan(cfg, req, replace(c, reasons=(*reasons, HOTPLUGGED)), reactor)
     return replace(plan, digest=digest(with_disk(req.intent, disk)), disks=plan.disks + (added,))
 
 

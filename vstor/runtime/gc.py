@@ -12,21 +12,25 @@ from contextlib import nullcontext
 from typing import Callable
 
 from vstor.config import Config
+from vstor.errors import VstorError
 from vstor.meta.names import is_disk_name
 from vstor.runtime import actions
 from vstor.runtime.lifecycle import Runtime, release
-from vstor.runtime.state import EXPORTING, INCOMING, StateDir
+from vstor.runtime.state import EXPORTING, INCOMING, Record, StateDir
 
 
-def collect(rt: Runtime, state: StateDir, running: set[str],
-            say: Callable[[str], None], step: Callable[[str], None], guard=None) -> bool:
+def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[str],
+            say: Callable[[str], None], step: Callable[[str], None], guard=None,
+            damaged: list[str] = ()) -> bool:
     """Release stale records and remove orphans (dry run: only say so); name
     what is in vstor's directories but not provably vstor's, and leave it.
-    guard(rec): a context manager entered around each release, giving a
-    reason to leave the record after all (checked again under its lock), or
-    None.  True when there was anything to collect."""
-    damaged: list[str] = []
-    stale = [r for r in state.records(damaged) if r.domain not in running]
+    `records` (and the `damaged` ones) were read before `running` was asked:
+    a record released is one of them, unchanged (checked under its lock), so
+    a domain that started after `running` was asked keeps what its start
+    recorded.  guard(rec): a context manager entered around each release,
+    giving a reason to leave the record after all (checked again under its
+    lock), or None.  True when there was anything to collect."""
+    stale = [r for r in records if r.domain not in running]
     for problem in damaged:
         say(f"Leaving {problem}")
     for rec in [r for r in stale if r.status == INCOMING]:
@@ -49,8 +53,13 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
             if why:
                 say(f"Leaving {rec.domain}: {why}")
                 continue
-            say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
-            release(rt, state, rec.key, progress=step, drop_exports=True)    # still needed: left above
+            with state.record_lock(rec.key, dry_run=rt.dry_run):
+                why = _changed(state, rec)
+                if why:
+                    say(f"Leaving {rec.domain}: {why}")
+                    continue
+                say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
+                release(rt, state, rec.key, progress=step, drop_exports=True)    # still needed: left above
     orphans, foreign = orphan_files(rt.cfg, state)
     for path in orphans:
         say(f"{'Would remove' if rt.dry_run else 'Removing'} orphan {path}")
@@ -63,10 +72,23 @@ def collect(rt: Runtime, state: StateDir, running: set[str],
     return bool(stale or orphans)
 
 
+def _changed(state: StateDir, seen: Record) -> str | None:
+    """Why a record is not the one gc read before it asked what runs (its
+    record lock held): a start, stop or release of it happened since."""
+    try:
+        now = state.load(seen.key)
+    except VstorError as e:
+        return str(e)
+    if now is None:
+        return "released meanwhile"
+    if now.to_json() != seen.to_json():
+        return "its record changed since gc asked what runs (a start or stop of it since)"
+    return None
+
+
 def _still_needed(cfg: Config, rec) -> str | None:
     """Why an export that a migrated domain read its disk through must stay:
     the destination still holds the domain, or cannot say."""
-    from vstor.errors import VstorError
     from vstor.migration.peer import Peer
     dest = rec.migration.get("to")
     if not dest:
@@ -114,7 +136,6 @@ def spdk_leftovers(cfg: Config, state: StateDir) -> list[str]:
     if not os.path.exists(cfg.spdk_socket):
         return []
     from vstor.backends.spdk import SpdkClient
-    from vstor.errors import VstorError
     try:
         # SPDK first, the records after: a step is journaled before it is
         # made, so whatever SPDK listed is in a record read afterwards.

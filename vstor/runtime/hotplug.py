@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
 from vstor.host.model import Host
+from vstor.host.read import read_host
 from vstor.meta import metadata
 from vstor.meta.document import Domain
 from vstor.meta.intent import DiskIntent
 from vstor.meta.plan import Plan
-from vstor.planner.hotplug import plan_attach, plan_detach
+from vstor.planner.hotplug import HOTPLUGGED, plan_attach, plan_detach
 from vstor.planner.ledger import Holding, holding_to_json
 from vstor.records import replace
 from vstor.render.libvirt import device_xml
@@ -42,20 +43,25 @@ def attach(rt: Runtime, state: StateDir, host: Host, dom: Domain, disk: DiskInte
     read again from `guest` under its record lock: another attach or detach
     may have changed its live metadata since `dom` was read."""
     say = progress or print
-    with state.record_lock(dom.safe_name, dry_run=rt.dry_run):
-        dom = guest.current()
+    with contextlib.ExitStack() as planning:
+        planning.enter_context(state.planning(dry_run=rt.dry_run))
+        with state.record_lock(dom.safe_name, dry_run=rt.dry_run):
+            return _attach(rt, state, host, guest.current(), disk, guest, persistent, say, progress,
+                           planning)
+
+
+def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planning) -> Plan:
+    with contextlib.ExitStack() as host_lock:
+        host_lock.enter_context(state.lock(dry_run=rt.dry_run))
         req, plan = plan_of(dom)
         if persistent:
             _check_persistent(guest, dom, plan)
-        return _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progress)
-
-
-def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progress) -> Plan:
-    with contextlib.ExitStack() as host_lock:
-        host_lock.enter_context(state.lock(dry_run=rt.dry_run))
         rec = _running_record(state, dom)
         if not rt.dry_run:
-            _undo_interrupted(rt, state, dom, rec, plan, progress)
+            dom = _unplugged(guest, dom, say)
+            req, plan = plan_of(dom)
+            if _undo_interrupted(rt, state, dom, rec, plan, progress):
+                host = read_host(rt.sysfs)      # the undo moved things (a binding): look again
         new = plan_attach(host, rt.cfg, req, plan, disk, running_ledger(state.records()))
         added = new.disk(disk.target)
         have = {actions.identity(actions.from_json(e)) for e in rec.steps}
@@ -79,6 +85,7 @@ def _attach(rt, state, host, dom, req, plan, disk, guest, persistent, say, progr
         before, first = rec.holding, len(rec.steps)
         rec.holding = holding_to_json(Holding.from_plan(new, active=True))
         state.save(rec)     # held from now: a concurrent prepare sees the new disk's share
+        planning.close()    # planned and recorded
         if private_only(step.kind for step in steps):
             host_lock.close()   # as prepare: decided and recorded; its daemon starts under the record lock
         journal = Journal(state, rec, rt, progress)
@@ -151,9 +158,29 @@ def _release_disk(rt: Runtime, state: StateDir, dom: Domain, target: str, mine, 
                            hint=f"fix the cause, then: vstor detach {dom.name} {target}")
 
 
-def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan, progress) -> None:
+def _unplugged(guest, dom: Domain, say) -> Domain:
+    """The domain without the hot-plugged disks its live plan has and the
+    guest does not: an attach killed between its metadata and its device
+    (or a detach killed after the guest let go, or a virsh detach-device).
+    They leave the live metadata (and the persistent one, when it carries
+    the same plan), so that _undo_interrupted undoes their backend and this
+    attach can make the disk again."""
+    while True:
+        req, plan = plan_of(dom)
+        gone = next((d for d in plan.disks if HOTPLUGGED in d.reasons and guest.device(d) is None), None)
+        if gone is None or len(plan.disks) == 1:
+            return dom
+        say(f"{gone.target} is in {dom.name}'s plan but not in the guest (an attach or detach was "
+            "interrupted): taking it out, and its backend with it")
+        new = plan_detach(req, plan, gone.target)
+        guest.set_metadata(_metadata(dom, new, remove=gone.target), guest.persistent_plan() == plan)
+        dom = guest.current()
+
+
+def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan, progress) -> bool:
     """An attach killed before the guest had its disk (the live plan never
-    got it) left its backend steps in the record: undone first, as prepare
+    got it) left its share in the record's holding and its backend steps
+    in the record: undone first, as prepare
     undoes an interrupted prepare, so that this attach makes them again.  A
     domain's outgoing NVMe-oF export is no disk's step and stays."""
     planned = {actions.identity(s) for s in actions.build(plan, rt.cfg)}
@@ -164,14 +191,18 @@ def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan
         except ActionFailed:
             return True         # not this vstor's to judge: release reports it
         return step.kind == "nvmf-export" or actions.identity(step) in planned
+    holding = holding_to_json(Holding.from_plan(plan, active=True))
     if all(kept(i, e) for i, e in enumerate(rec.steps)):
-        return
-    errors = _undo_steps(rt, state, rec, kept, progress,
-                         holding=holding_to_json(Holding.from_plan(plan, active=True)))
+        if rec.holding != holding:      # killed after it recorded the disk's share, before a step
+            rec.holding = holding
+            state.save(rec)
+        return False
+    errors = _undo_steps(rt, state, rec, kept, progress, holding=holding)
     if errors:
         raise ActionFailed(f"domain '{dom.name}': an interrupted attach left a backend that "
                            f"could not be undone: {'; '.join(errors)}",
                            hint=f"fix the cause, then retry (or vstor release {dom.name} after it stops)")
+    return True
 
 
 def _undo_steps(rt: Runtime, state: StateDir, rec, keep, progress, holding: dict | None = None) -> list[str]:

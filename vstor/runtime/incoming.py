@@ -9,6 +9,8 @@ the source's plan is never used."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import Host
 from vstor.meta.document import Domain
@@ -40,9 +42,27 @@ def _placed(dom: Domain, plan, cold: bool) -> Domain:
     return render(dom, plan, dom.recorded_plan()) if cold else render_incoming(dom, plan)
 
 
-def reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger, source: str):
+def ledger_now(ledger: Ledger | Callable[[], Ledger], state: StateDir) -> Ledger:
+    """The ledger to plan an arriving domain with, read under the planning
+    lock: `ledger` itself when it is a function (it then reads libvirt now),
+    and the state records as they are now (a domain prepared or reserved
+    since `ledger` was read) besides."""
+    from vstor.runtime.lifecycle import holding_of
+    base = ledger() if callable(ledger) else ledger
+    known = {h.domain for h in base.holdings}
+    return Ledger(base.holdings + tuple(holding_of(r) for r in state.records()
+                                        if r.holding and r.domain not in known))
+
+
+def reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger, source: str):
     """A cold migration: what the domain will hold here, reserved (no host
-    change yet: its start here makes the backends, as any start does)."""
+    change yet: its start here makes the backends, as any start does).
+    Planned and recorded under the planning lock (`ledger`: see ledger_now)."""
+    with state.planning():
+        return _reserve_cold(rt, state, host, dom, ledger_now(ledger, state), source)
+
+
+def _reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger, source: str):
     from vstor.planner.ledger import Holding, holding_to_json
     from vstor.runtime.lifecycle import running_ledger
     from vstor.runtime.state import Record
@@ -84,9 +104,18 @@ def parse_imports(given) -> tuple:
     return tuple(out)
 
 
-def prepare_incoming(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger,
+def prepare_incoming(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger,
                      source: str, progress=None, imports=()):
-    """Make the backends the domain will arrive on, and hold them for it."""
+    """Make the backends the domain will arrive on, and hold them for it:
+    planned, recorded and made under the planning lock (`ledger`: see
+    ledger_now)."""
+    with state.planning():
+        return _prepare_incoming(rt, state, host, dom, ledger_now(ledger, state), source, progress,
+                                 imports)
+
+
+def _prepare_incoming(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger,
+                      source: str, progress, imports):
     existing = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
     if existing is not None and existing.status != INCOMING:
         raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",

@@ -1,15 +1,25 @@
 """The state directory: one JSON record per domain of everything vstor did for
-it, written atomically before each change, and two kinds of lock:
+it, written atomically before each change, and three kinds of lock:
 
+- the planning lock serialises every run that plans what a domain will hold
+  and records the plan (apply, define, pve apply, attach, a migration's
+  incoming side): taken before the ledger is read, let go once the plan is
+  written (the domain definition, the Proxmox config and plan, the record),
+  so two runs never plan the same cores, memory or device;
 - the host lock serialises every process that decides what a domain holds
   (the ledger is read and a record written under it), and every change to
   state two domains share (a controller's binding, an SPDK NVMe controller,
   an NVMe-oF export);
 - a record lock per domain serialises everything that reads and writes that
   domain's record: a domain's own daemons start and stop under it alone, so
-  other domains are planned meanwhile.  Order: a record lock first, then the
-  host lock, never the other way round.
+  other domains are planned meanwhile.
 
+Order: the planning lock, then a record lock, then the host lock, never the
+other way round (planning() refuses to be taken under the other two).  A
+Proxmox VM's config lock (qemu-server's) comes before all three: qemu-server
+holds it around the hookscript, pve apply takes it first.
+
+    <state_dir>/plan.lock         the planning lock (flock(2) of the file)
     <state_dir>/lock              the host lock (flock(2) of the file), and
                                   the record locks (a byte of it per domain)
     <state_dir>/domains/<key>.json
@@ -95,6 +105,22 @@ class StateDir:
         with flocked(path, f"{self.path}/lock", timeout, create=True), _holding(path):
             if not dry_run:
                 self._drop_temporaries()
+            yield self
+
+    @contextlib.contextmanager
+    def planning(self, timeout: float = 120.0, dry_run: bool = False):
+        """The planning lock (see the module's docstring).  A dry run records
+        nothing and takes none.  Re-entrant within a process."""
+        path = os.path.join(self.path, "plan.lock")
+        if dry_run or _HELD.get(path):
+            yield self
+            return
+        under = [p for p in _HELD if p.startswith(self.path + os.sep)]
+        if under:
+            raise RuntimeError(f"the planning lock is taken before {under[0]}, never under it")
+        self._ensure()
+        with flocked(path, f"the planning lock {path} (another vstor run is planning)",
+                     timeout, create=True), _holding(path):
             yield self
 
     @contextlib.contextmanager
