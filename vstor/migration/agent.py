@@ -79,16 +79,17 @@ def _serve(ctx, request: dict) -> dict:
     from vstor.runtime.incoming import parse_imports
     dom = Domain.parse(request["xml"], "the migrating domain's XML")
     requests.NAME.check(dom.name, "the migrating domain's name")
-    ledger = _ledger(ctx, state)
     imports = parse_imports(request["imports"])
     if op == "check":
-        return _check(ctx, rt, dom, ledger, request["files"], imports, request["cold"])
+        return _check(ctx, rt, dom, _ledger(ctx, state), request["files"], imports, request["cold"])
     from vstor.runtime.incoming import prepare_incoming, reserve_cold
     source = request["from"]
+    # The ledger is read under the planning lock (runtime.incoming.ledger_now).
     if request["cold"]:
-        rec, arriving = reserve_cold(rt, state, ctx.host, dom, ledger, source)
+        rec, arriving = reserve_cold(rt, state, ctx.host, dom, lambda: _ledger(ctx, state), source)
     else:
-        rec, arriving = prepare_incoming(rt, state, ctx.host, dom, ledger, source, _quiet, imports)
+        rec, arriving = prepare_incoming(rt, state, ctx.host, dom, lambda: _ledger(ctx, state),
+                                         source, _quiet, imports)
     return {"host": ctx.host.hostname, "xml": arriving.to_string(), "steps": len(rec.steps)}
 
 
