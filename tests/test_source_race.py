@@ -27,6 +27,7 @@ import pytest
 
 from tests import qsd_fds
 from tests.test_contract import hook, rendered, vstor, work  # noqa: F401 (work: a fixture)
+from tests.test_lifecycle import env  # noqa: F401 (a fixture)
 from vstor.errors import BadInput
 from vstor.host import sources
 from vstor.host.sysfs import SysFS
@@ -296,3 +297,21 @@ def test_a_start_in_a_socket_directory_others_can_write_is_refused(work):  # noq
     assert out.returncode == 5 and b"is not root's alone" in out.stderr, out.stderr
     assert qsd_fds.serving(img) == []
     assert os.listdir(os.path.join(work.dir, "vhost")) == []
+
+
+def test_attach_of_a_fifo_is_refused_at_once_and_changes_nothing(env, tmp_path):  # noqa: F811
+    from tests.test_hotplug import GuestDouble, disk, running
+    from tests.test_lifecycle import file_disk, file_disks
+    from vstor.runtime.hotplug import attach
+    from vstor.runtime.lifecycle import release
+    _, paths = file_disks(env, "b", size=8 << 20)
+    dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
+    fifo = os.path.join(env.work, "fifo.raw")
+    os.mkfifo(fifo)
+    guest = GuestDouble(dom)
+    before = env.state.load("vm1").steps
+    with bounded(BOUND), pytest.raises(BadInput, match="is a FIFO, not a regular file"):
+        attach(env.rt(), env.state, env.host(), dom, disk(file_disk(fifo, "vdc"), tmp_path), guest)
+    assert guest.calls == [] and env.state.load("vm1").steps == before
+    assert sorted(os.listdir(env.cfg.vhost_dir)) == ["vm1-vdb"]
+    release(env.rt(), env.state, "vm1")
