@@ -581,8 +581,20 @@ def test_offline_apply_writes_only_the_files_it_was_given(pve, tmp_path, capsys)
     assert pve.config() == CONF and not os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")
 
 
+@pytest.mark.parametrize("line", ["numa0: cpus=0,memory=1", "affinity: 0-3", "hugepages: any",
+                                  "numa: 0", "numa1: cpus=1,memory=512"])
+def test_a_users_numa_affinity_or_hugepages_line_is_refused_never_replaced(pve, capsys, line):
+    pve.vm(CONF.replace("cores: 2", f"cores: 2\n{line}"))
+    pve.intent(pve.file_disk())
+    before = pve.config()
+    assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 2
+    err = capsys.readouterr().err
+    assert f"'{line}' is a line of yours" in err and err.count("\n") == 1, err
+    assert pve.config() == before and not os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")
+
+
 def test_a_key_written_twice_counts_as_qemu_server_reads_it(pve, capsys):
-    pve.vm(CONF.replace("cores: 2", "cores: 2\nnuma0: cpus=0,memory=1") + "")
+    pve.vm()
     pve.intent(pve.file_disk())
     assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
     text = pve.config()
