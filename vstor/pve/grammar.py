@@ -83,6 +83,12 @@ MACHINE = {
     "viommu": Prop(enum=("intel", "virtio")),
     "aw-bits": Prop(NUM), "enable-s3": Prop(BOOL), "enable-s4": Prop(BOOL),
 }
+_B64 = r"[A-Za-z0-9+\/]+={0,2}"
+SMBIOS1 = {     # QS:PVE/QemuServer.pm $smbios1_fmt
+    "uuid": Prop(pattern=r"[a-fA-F0-9]{8}(?:-[a-fA-F0-9]{4}){3}-[a-fA-F0-9]{12}"),
+    **{k: Prop(pattern=_B64) for k in ("version", "serial", "manufacturer", "product", "sku", "family")},
+    "base64": Prop(BOOL),
+}
 MAP = {         # GC:PVE/Mapping/PCI.pm $map_fmt
     "node": Prop(pattern=r"(?:(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9\-]*[a-zA-Z0-9])\.)*"
                          r"(?:[A-Za-z0-9]|[A-Za-z0-9][A-Za-z0-9\-]*[A-Za-z0-9])", optional=False),

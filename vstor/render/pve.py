@@ -29,7 +29,7 @@ from vstor.host.model import format_cpulist
 from vstor.meta.plan import Plan
 from vstor.pve import grammar
 from vstor.pve.config import PveConfig
-from vstor.pve.vm import machine_of, viommu_of
+from vstor.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of
 from vstor.pve.words import shellwords
 
 ID = "vstor-"
@@ -44,9 +44,6 @@ _CONFLICTS = ("-m", "-numa", "-smp", "-mem-path", "-mem-prealloc")
 _START = re.compile(r"(?:^|\s)-chardev\s+['\"]?socket,id=" + ID)
 
 
-# qemu-server's hugepages_topology reads a numaN's hostnodes with m/^(\d)$/
-# (QS:PVE/QemuServer/Memory.pm): hugepages bind only to host nodes 0-9.
-HUGEPAGE_NODES = 10
 
 
 @record
@@ -95,7 +92,10 @@ def placement(plan: Plan) -> dict[str, str | None]:
     out["hugepages"] = PAGES.get(plan.hugepage_kib) if plan.hugepage_kib else None
     cores = set(plan.vcpu_pins) | set(plan.emulator) if plan.cpus == "dedicated" else \
         set(plan.shared_cpus) | set(plan.emulator)
-    out["affinity"] = format_cpulist(sorted(cores)) if cores else None
+    # qemu-server tests `if ($conf->{affinity})`: Perl takes "0" as false and
+    # would run the VM unpinned; "0-0" is the same set, and true.
+    affinity = format_cpulist(sorted(cores)) if cores else None
+    out["affinity"] = "0-0" if affinity == "0" else affinity
     return out
 
 
