@@ -110,3 +110,16 @@ def agrees_with_plan(start: Start, plan, mib: int, user_vfio=()) -> None:
         assert device == f"vhost-user-blk-pci,id=vstor-{t},chardev=vstor-{t},num-queues={d.get('queues', '1')}"
     passed = [d.get("controller") for d in disks if d.get("mode") == "passthrough"]
     assert sorted(vfio_hosts(start)) == sorted(passed + list(user_vfio)), vfio_hosts(start)
+
+
+def perl(script: str, lines: list[str]) -> list:
+    """Run a Perl script with the oracle's Proxmox modules on the path: one
+    JSON answer per input line (read from stdin, JSON-encoded strings)."""
+    require()
+    env_sh = os.path.join(HOME, "lib", "env.sh")
+    shell = f'PVEORACLE_HOME="{HOME}"; . "{env_sh}"; exec perl -e "$0"'
+    done = subprocess.run(["sh", "-c", shell, script], input="\n".join(json.dumps(x) for x in lines) + "\n",
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        pytest.fail(f"the oracle's Perl did not run: {done.stderr.strip()[:300]}")
+    return [json.loads(line) for line in done.stdout.splitlines()]

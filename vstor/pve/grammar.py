@@ -47,6 +47,7 @@ class Prop:
     default_key: bool = False
     optional: bool = True
     minimum: int | None = None
+    maximum: int | None = None
     max_length: int | None = None
 
 
@@ -81,7 +82,7 @@ MACHINE = {
                          r"(\+pve\d+)?(\.pxe)?|virt(?:-\d+(\.\d+)+)?(\+pve\d+)?)",
                  default_key=True, max_length=40),
     "viommu": Prop(enum=("intel", "virtio")),
-    "aw-bits": Prop(NUM), "enable-s3": Prop(BOOL), "enable-s4": Prop(BOOL),
+    "aw-bits": Prop(NUM, minimum=32, maximum=64), "enable-s3": Prop(BOOL), "enable-s4": Prop(BOOL),
 }
 _B64 = r"[A-Za-z0-9+\/]+={0,2}"
 SMBIOS1 = {     # QS:PVE/QemuServer.pm $smbios1_fmt
@@ -158,8 +159,10 @@ def _check(key: str, prop: Prop, value: str) -> None:
         raise Invalid(f"{key}: value does not match the regex pattern")
     if prop.max_length is not None and len(value) > prop.max_length:
         raise Invalid(f"{key}: value may only be {prop.max_length} characters long")
-    if prop.minimum is not None and int(value) < prop.minimum:
+    if prop.minimum is not None and float(value) < prop.minimum:
         raise Invalid(f"{key}: value must have a minimum value of {prop.minimum}")
+    if prop.maximum is not None and float(value) > prop.maximum:
+        raise Invalid(f"{key}: value must have a maximum value of {prop.maximum}")
 
 
 def number_sets(text: str) -> list[tuple[int, int]]:
