@@ -212,14 +212,16 @@ def _hostpci(conf: PveConfig, plan: Plan, previous: tuple[Plan, ...], vm: int,
     pcie = ",pcie=1" if machine.startswith(("q35", "pc-q35")) else ""
     out: dict[str, str | None] = {}
     placed: dict[str, str] = {}
+    seen: set[str] = set()
     for key in HOSTPCI_KEYS:
         value = conf.get(key)
         if value is None:
             continue
         host = vstors_line(value, ours_before)
-        if host is not None and host not in placed.values():
+        if host is not None and host not in seen:     # a second line of it is not vstor's
+            seen.add(host)
             out[key] = None             # vstor's line: kept below if still planned
-            if host in wanted and host not in placed:
+            if host in wanted:
                 placed[host] = key
             continue
         ids = grammar.handed(key, value, guard.mappings, f"VM {vm}: {key}")
