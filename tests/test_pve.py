@@ -275,12 +275,14 @@ def test_vstors_args_are_replaced_and_removed_with_its_disks(pve, capsys):
     assert pve.vstor("pve", "apply", "100", "--qemu-version", "7.2") == 0
     args = PveConfig.parse(pve.config()).get("args")
     assert args.count("-chardev") == 2 and args.count("reconnect=10 ") == 2
+    judge(pve, pve.config(), user_vfio=["0000:17:00.0"], qemu="7.2")
     pve.intent(disk)
     assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
     args = PveConfig.parse(pve.config()).get("args")
     assert args == ("-msg timestamp=on -set 'device.x.y=a b' -chardev socket,id=vstor-vdb,"
                     f"path={pve.root}/vhost/pve-100-vdb,reconnect-ms=10000 -device vhost-user-blk-pci,"
                     "id=vstor-vdb,chardev=vstor-vdb,num-queues=2")
+    judge(pve, pve.config(), user_vfio=["0000:17:00.0"])
 
 
 def test_an_args_line_that_was_all_vstors_goes_with_its_disks(pve_nvme, capsys):
@@ -290,11 +292,13 @@ def test_an_args_line_that_was_all_vstors_goes_with_its_disks(pve_nvme, capsys):
                     vm="<vstor:vm/>")
     assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
     assert "vhost-user-blk-pci" in PveConfig.parse(pve_nvme.config()).get("args")
+    judge(pve_nvme, pve_nvme.config(), 2048)
     pve_nvme.intent("<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='0000:5e:00.0'/>"
                     "</vstor:disk>", vm="<vstor:vm/>")
     assert pve_nvme.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
     conf = PveConfig.parse(pve_nvme.config())
     assert conf.get("args") is None and conf.get("hostpci0") == "0000:5e:00.0"    # i440fx: no pcie=1
+    judge(pve_nvme, pve_nvme.config(), 2048)
 
 
 # -- hostpci: vstor's lines recognised by their controller --------------------------------
@@ -592,6 +596,8 @@ def test_offline_apply_writes_only_the_files_it_was_given(pve, tmp_path, capsys)
     assert pve.vstor("pve", "apply", "100", "--conf", str(conf), "--intent", str(intent),
                      "--qemu-version", "9.2") == 0
     assert "numa0:" in conf.read_text() and (tmp_path / "copy.plan.xml").exists()
+    plan = etree.parse(str(tmp_path / "copy.plan.xml")).getroot()
+    agrees_with_plan(showcmd(conf.read_text(), PCI), plan, 1024, ["0000:17:00.0"])
     assert pve.config() == CONF and not os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")
 
 
@@ -612,6 +618,7 @@ def test_a_key_written_twice_counts_as_qemu_server_reads_it(pve, capsys):
     pve.intent(pve.file_disk())
     assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
     text = pve.config()
+    judge(pve, text, user_vfio=["0000:17:00.0"])
     assert text.count("numa0:") == 1 and "numa0: cpus=0-1,hostnodes=0,memory=1024" in text
     doubled = text.replace("boot:", "numa0: cpus=0,hostnodes=0,memory=1024,policy=bind\nboot:", 1)
     pve.vm(doubled.replace("numa0: cpus=0-1", "numa0: cpus=0-1", 1))

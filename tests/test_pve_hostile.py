@@ -64,7 +64,7 @@ def _refused(done_code: int, err: str, ctrl: str, key: str) -> None:
 
 @pytest.mark.parametrize("ctrl", [PASSED, SERVED])
 @pytest.mark.parametrize("form", FORMS)
-def test_no_hostpci_form_hands_a_held_controller_to_a_vm_without_an_intent(node, form, ctrl):
+def test_no_hostpci_form_hands_a_held_controller_to_a_vm_without_an_intent(node, form, ctrl, capsys):
     line = _line(form, ctrl)
     _map(node, ctrl)
     text = BASE + f"hostpci0: {line}\n"
@@ -75,6 +75,9 @@ def test_no_hostpci_form_hands_a_held_controller_to_a_vm_without_an_intent(node,
     _refused(done.returncode, done.stderr, ctrl, "hostpci0")
     assert "which vstor holds for a VM" in done.stderr
     assert not os.path.exists(f"{node.root}/state/pve-101.json")
+    if form == FORMS[0]:          # the CLI's check of the node says it too
+        assert node.vstor("pve", "doctor") == 3
+        assert f"PROBLEM: VM 101 has no vstor intent but its hostpci0 passes {ctrl}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("ctrl", [PASSED, SERVED])
