@@ -199,3 +199,20 @@ def test_an_apply_killed_before_its_config_leaves_no_line_unknown(node, monkeypa
     assert not [k for k in conf.keys() if k.startswith("hostpci")]
     assert not os.path.exists(f"{node.snippets}/vstor-100.plan.prev.xml")
     judge(node, node.config(), 2048, qemu=QEMU)
+
+
+def test_a_plan_recorded_on_node_11_before_is_refused_at_pre_start(big, monkeypatch, capsys):
+    """A plan an earlier vstor recorded there (hugepages on node 11): Proxmox's
+    start would die in hugepages_topology; pre-start says why first."""
+    import vstor.pve.vm
+    import vstor.render.pve
+    big.vm("cores: 2\nmemory: 1024\nhookscript: local:snippets/vstor\n")
+    big.intent("<vstor:disk target='vdb'><vstor:nvme controller='0000:5e:00.0'/></vstor:disk>", vm="<vstor:vm/>")
+    with monkeypatch.context() as m:            # the planner and renderer before the fix
+        m.setattr(vstor.pve.vm, "HUGEPAGE_NODES", None)
+        m.setattr(vstor.render.pve, "HUGEPAGE_NODES", 1 << 20)
+        assert big.vstor("pve", "apply", "100", "--qemu-version", QEMU) == 0, capsys.readouterr().err
+    assert "hostnodes=11" in big.config() and showcmd(big.config(), qemu=QEMU).code == 4
+    done = big.hook(100, "pre-start")
+    assert done.returncode == 2 and "hugepages on host node 11, which Proxmox cannot bind" in done.stderr
+    assert "vstor pve apply 100" in done.stderr and done.stderr.count("\n") == 1
