@@ -216,3 +216,22 @@ def test_a_plan_recorded_on_node_11_before_is_refused_at_pre_start(big, monkeypa
     done = big.hook(100, "pre-start")
     assert done.returncode == 2 and "hugepages on host node 11, which Proxmox cannot bind" in done.stderr
     assert "vstor pve apply 100" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_while_a_config_write_is_pending_no_other_plan_takes_the_old_controller(node, monkeypatch, capsys):
+    from vstor.pve.node import Node
+    node.intent(node.file_disk(), vm="<vstor:vm/>")
+
+    def killed(self, path, text):
+        raise SystemExit(9)
+    with monkeypatch.context() as m:
+        m.setattr(Node, "write_config", killed)
+        with pytest.raises(SystemExit):
+            node.vstor("pve", "apply", "100", "--qemu-version", QEMU)
+    node.vm(BASE, 102)
+    node.intent(f"<vstor:disk target='vdb' mode='passthrough'><vstor:nvme controller='{PASSED}'/></vstor:disk>",
+                102, vm="<vstor:vm/>")
+    capsys.readouterr()
+    assert node.vstor("pve", "apply", "102", "--qemu-version", QEMU) == 3
+    err = capsys.readouterr().err
+    assert PASSED in err and "pve-100" in err, err

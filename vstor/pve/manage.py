@@ -19,7 +19,7 @@ from vstor.pve import grammar, snippet
 from vstor.pve.config import PveConfig
 from vstor.pve.node import Node
 from vstor.pve.vm import name_of, request_of
-from vstor.records import field, record
+from vstor.records import field, record, replace
 from vstor.render import pve as render
 
 
@@ -127,7 +127,8 @@ def check_config(vm: Vm, plan: Plan, qemu: tuple[int, int], starting: bool = Fal
 
 def holdings(node: Node, skip: int | None = None) -> list[Holding]:
     """What every other vstor VM whose config is on this node was planned
-    to hold, running or not (a stopped VM keeps its cores for its next start)."""
+    to hold, running or not (a stopped VM keeps its cores for its next start);
+    while a config write is pending, the devices of the plan before too."""
     out = []
     try:
         where = intent_dir(node)
@@ -146,8 +147,23 @@ def holdings(node: Node, skip: int | None = None) -> list[Holding]:
             print(f"vstor: warning: ledger skips VM {vmid}: {e}", file=sys.stderr)
             continue
         if plan is not None:
-            out.append(Holding.from_plan(plan, active=node.running(vmid)))
+            out.append(_with_earlier(Holding.from_plan(plan, active=node.running(vmid)),
+                                     snippet.prev_path(snippet.path_of(where, vmid)), vmid))
     return out
+
+
+def _with_earlier(held: Holding, prev: str, vmid: int) -> Holding:
+    """The controllers and volumes of the plan whose lines the config may
+    still carry (an apply killed before its config) stay held with the new."""
+    try:
+        earlier = snippet.read_plan("", name_of(vmid), None, "", prev)
+    except VstorError:
+        earlier = None
+    if earlier is None:
+        return held
+    old = Holding.from_plan(earlier)
+    return replace(held, passthrough=held.passthrough | old.passthrough, volumes=held.volumes | old.volumes,
+                   spdk_controllers=held.spdk_controllers | old.spdk_controllers)
 
 
 def ledger(node: Node, records, skip: int | None = None) -> Ledger:
@@ -192,20 +208,6 @@ def claimed_controllers(node: Node, records, skip: int | None = None) -> set[str
     from vstor.runtime.lifecycle import holding_of
     held = holdings(node, skip) + [holding_of(r) for r in records
                                    if r.holding and (skip is None or r.domain != name_of(skip))]
-    try:
-        where = intent_dir(node)
-    except BadInput:
-        where = None
-    for vmid in vstor_vms(node) if where else ():
-        if vmid == skip:
-            continue
-        try:
-            prev = snippet.read_plan("", name_of(vmid), None, "",
-                                     snippet.prev_path(snippet.path_of(where, vmid)))
-        except VstorError:
-            continue
-        if prev is not None:
-            held.append(Holding.from_plan(prev, active=False))
     out = set()
     for h in held:
         out |= h.passthrough | h.spdk_controllers
