@@ -19,6 +19,17 @@ if [ -n "$missing" ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 fi
 
+# Proxmox VE's real qemu-server judges the configs `vstor pve` writes
+# (tests/pve/oracle.py): its Perl packages, by its own installer, run where
+# it is (../shared/pve/oracle; never copied into this project).
+PVE_ORACLE=../shared/pve/oracle
+if [ -x "$PVE_ORACLE/install-deps.sh" ]; then
+    "$PVE_ORACLE/install-deps.sh"
+elif [ -n "${CI:-}" ]; then
+    echo "vstor: $PVE_ORACLE/install-deps.sh is missing: CI needs ../shared/pve" >&2
+    exit 1
+fi
+
 PY=$(sh scripts/python.sh)
 if [ "$PY" = ".venv/bin/python3" ] && [ ! -x .venv/bin/python3 ]; then
     # Debian's own python3 refuses system-wide pip installs (PEP 668):

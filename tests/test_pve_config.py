@@ -79,3 +79,9 @@ def test_what_qemu_server_would_not_read_is_refused():
         PveConfig.parse("a: b\n" * 300000)
     with pytest.raises(BadInput, match="NUL"):
         PveConfig.parse("memory: 1\0\n")
+
+
+def test_lines_after_a_section_header_qemu_server_skips_are_not_the_main_sections():
+    cfg = PveConfig.parse("cores: 2\n[not a snapshot]\nhostpci0: 5e:00.0\n[special:fleecing]\nx: 1\n")
+    assert cfg.get("hostpci0") is None and cfg.keys() == ["cores"]
+    assert cfg.snapshots() == [] and cfg.to_text().endswith("x: 1\n")

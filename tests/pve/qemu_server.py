@@ -8,7 +8,11 @@ without memory hotplug or virtiofs (vstor writes neither); hostpciN for one
 host function, with or without pcie=1 (QS:PCI); affinity, the taskset
 prefix (QS:Srv:3202-3206); args, split shell-style and appended last
 (QS:Srv:3813-3836).  cfg2cmd has cases for the first two; the last two are
-modelled from FACTS.md alone."""
+modelled from FACTS.md alone.
+
+The unit tests judge vstor's configs by Proxmox's real qemu-server instead
+(tests/pve/oracle.py); this model builds the QEMU command line the e2e test
+(tests/e2e/test_pve.py) starts without Proxmox's own files."""
 
 from __future__ import annotations
 

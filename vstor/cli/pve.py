@@ -117,14 +117,11 @@ def _apply_planned(ctx, args, node) -> int:
                          hint=f"wait for it, or: qm unlock {vmo.vmid}")
     old = vmo.conf.to_text()
     new, changed = manage.new_config(vmo, plan, _qemu(node, args))
-    data = snippet.plan_bytes(plan)
     if args.dry_run:
         _diff(old, new, vmo.conf_path)
         print(f"would record the plan in {snippet.plan_path(vmo.intent_path)}")
         return 0
-    snippet.write(snippet.plan_path(vmo.intent_path), data)
-    if new != old:
-        node.write_config(vmo.conf_path, new)
+    manage.write(node, vmo, plan, old, new, _qemu(node, args))
     print(f"VM {vmo.vmid}: " + ", ".join(f"{d.target} {d.mode}/{d.backend}" for d in plan.disks)
           + f", node {plan.node}; " + (f"wrote {', '.join(changed)}" if changed else "config unchanged"))
     hook = f"{ctx.config.pve_storage}:snippets/vstor"

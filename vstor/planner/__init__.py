@@ -53,6 +53,9 @@ class Request:
     title: str = ""
     # The platform pins the vCPUs (a Nova instance): cpus='external' allowed.
     external_cpus: bool = False
+    # The platform binds hugepages only on host nodes below this (Proxmox's
+    # qemu-server: 0-9); None: any node.
+    hugepage_nodes: int | None = None
 
     @property
     def fix(self) -> str:
@@ -159,6 +162,9 @@ def _place_on(host, cfg, req, choices, ledger, node_id, page_kib):
     if isinstance(cpus, NoFit):
         return cpus
     pages = 0
+    if page_kib and req.hugepage_nodes is not None and node_id >= req.hugepage_nodes:
+        return NoFit(f"node {node_id}: {req.who}'s platform binds hugepages only on host nodes "
+                     f"0-{req.hugepage_nodes - 1} (Proxmox's qemu-server, hugepages_topology)")
     if page_kib:
         pages = place_hugepages(node, page_kib, req.memory_kib, ledger, grow_pool(cfg, req))
         if isinstance(pages, NoFit):

@@ -22,8 +22,10 @@ from vstor.records import field, record
 # a section header is [PENDING], [special:cloudinit] or [snapshot-name]; a
 # line starting with # is description; anything else qemu-server warns about
 # and ignores, and so does vstor (kept as it is).
+# Any other [...] line starts a section qemu-server skips whole (with a
+# warning): its lines are kept here, and never read as the main section's.
 _KEY_LINE = re.compile(r"^([a-z][a-z_]*\d*):\s*(.+?)\s*$")
-_SECTION = re.compile(r"^\[(PENDING|special:cloudinit|[a-z][a-z0-9_\-]+)\]\s*$", re.IGNORECASE)
+_SECTION = re.compile(r"^\[([^\]]*)\]\s*$")
 MAX_BYTES = 1 << 20         # qemu-server refuses configs over 1 MiB
 
 
@@ -98,7 +100,7 @@ class PveConfig:
 
     def snapshots(self) -> list[str]:
         return [s.name for s in self.sections[1:]
-                if s.name.lower() not in ("pending", "special:cloudinit")]
+                if re.fullmatch(r"(?i:[a-z][a-z0-9_\-]+)", s.name) and s.name.lower() != "pending"]
 
     def set(self, key: str, value: str) -> None:
         """Replace the key's line where it is, or add it at the end of the

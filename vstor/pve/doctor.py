@@ -82,4 +82,30 @@ def _vms(node: Node, hook: str) -> list[tuple[bool, str]]:
             out.append((False, f"VM {vm}: {e}"))
             continue
         out.append((True, f"VM {vm}: hookscript set, config carries its plan"))
+    return out + _others(node, set(manage.vstor_vms(node)))
+
+
+def _others(node: Node, ours: set[int]) -> list[tuple[bool, str]]:
+    """The VMs without a vstor intent: none may hand over what vstor holds
+    (its pre-start refuses that only where the hookscript is set)."""
+    import glob
+    import re
+    from vstor.pve import manage
+    from vstor.runtime.state import StateDir
+    out = []
+    claimed = manage.claimed_controllers(node, StateDir(node.cfg.state_dir).records())
+    mappings = node.pci_mappings()
+    for path in sorted(glob.glob(os.path.join(glob.escape(node.etc), "qemu-server", "*.conf"))):
+        m = re.fullmatch(r"([1-9][0-9]{2,8})\.conf", os.path.basename(path))
+        if not m or int(m.group(1)) in ours:
+            continue
+        vm = int(m.group(1))
+        try:
+            conf, _ = node.read_config(vm, path)
+            theirs = manage.carries_vstor(conf, claimed, mappings, vm)
+        except VstorError as e:
+            out.append((False, str(e)))
+            continue
+        if theirs:
+            out.append((False, f"VM {vm} has no vstor intent but its {theirs}: remove it from its config"))
     return out

@@ -75,7 +75,8 @@ def pre_start(vm: int, migrated_from: str | None) -> None:
     path = node.config_path(vm, migrated_from)
     conf, _ = node.read_config(vm, path)
     if not _exists(snippet.path_of(manage.intent_dir(node), vm)):
-        theirs = manage.carries_vstor(conf, manage.claimed_controllers(node, state.records()))
+        theirs = manage.carries_vstor(conf, manage.claimed_controllers(node, state.records()),
+                                      node.pci_mappings(), vm)
         if theirs:
             raise BadInput(f"VM {vm} has no vstor intent but its {theirs} (a clone or a restore "
                            "of another VM?)", hint=f"write its intent and run vstor pve apply {vm}, "

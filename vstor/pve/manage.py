@@ -15,11 +15,11 @@ from vstor.host.model import Host
 from vstor.meta.plan import Plan
 from vstor.planner import Request, fit, plan_domain
 from vstor.planner.ledger import Holding, Ledger
-from vstor.pve import snippet
+from vstor.pve import grammar, snippet
 from vstor.pve.config import PveConfig
 from vstor.pve.node import Node
 from vstor.pve.vm import name_of, request_of
-from vstor.records import record
+from vstor.records import field, record, replace
 from vstor.render import pve as render
 
 
@@ -31,6 +31,13 @@ class Vm:
     intent_path: str
     req: Request
     recorded: Plan | None        # the plan `vstor pve apply` last wrote
+    earlier: Plan | None = None  # the plan before it, while its config write is pending
+    guard: render.Guard = field(default_factory=render.Guard)
+
+    @property
+    def previous(self) -> tuple[Plan, ...]:
+        """The plans whose lines the config may carry."""
+        return tuple(p for p in (self.recorded, self.earlier) if p is not None)
 
     @property
     def fix(self) -> str:
@@ -50,13 +57,22 @@ def load(node: Node, vmid: int, conf_path: str | None = None, intent_path: str |
         conf, path = node.read_config(vmid, path)
     ipath = intent_path or snippet.path_of(intent_dir(node), vmid)
     req = request_of(vmid, conf, snippet.intent_of(snippet.read(ipath, vmid)))
-    try:
-        recorded = snippet.read_plan(ipath, req.name, req.uuid, f"run: {req.fix}")
-    except BadInput:
-        if not tolerant:
-            raise
-        recorded = None
-    return Vm(vmid, conf, path, ipath, req, recorded)
+    plans = []
+    for where in (snippet.plan_path(ipath), snippet.prev_path(ipath)):
+        try:
+            plans.append(snippet.read_plan(ipath, req.name, req.uuid, f"run: {req.fix}", where))
+        except BadInput:
+            if not tolerant and not plans:
+                raise
+            plans.append(None)
+    guard = render.Guard(frozenset(claimed_controllers(node, _records(node), skip=vmid)),
+                         node.pci_mappings())
+    return Vm(vmid, conf, path, ipath, req, plans[0], plans[1], guard)
+
+
+def _records(node: Node):
+    from vstor.runtime.state import StateDir
+    return StateDir(node.cfg.state_dir).records()
 
 
 def make_plan(host: Host, cfg: Config, vm: Vm, ledger: Ledger) -> Plan:
@@ -72,12 +88,20 @@ def recorded_plan(vm: Vm) -> Plan:
 
 
 def new_config(vm: Vm, plan: Plan, qemu: tuple[int, int]) -> tuple[str, list[str]]:
-    """The config text with every vstor key as `plan` says; the keys changed."""
-    want = render.render(vm.conf, plan, vm.recorded, qemu, vm.vmid)
+    """The config text with every vstor key as `plan` says; the keys changed.
+    A numaN, hugepages or affinity line vstor did not write is never
+    replaced: refused with the line named."""
+    want = render.render(vm.conf, plan, vm.previous, qemu, vm.vmid, vm.guard)
+    ours = [render.placement(p) for p in vm.previous]
     changed = []
     for key, value in want.items():
-        if vm.conf.get(key) == value:
+        have = vm.conf.get(key)
+        if have == value:
             continue
+        if key in render.PLACEMENT_KEYS and have is not None and all(o[key] != have for o in ours):
+            raise BadInput(f"VM {vm.vmid}: '{key}: {have[:60]}' is a line of yours; vstor writes {key} "
+                           "from its plan and replaces no line it did not write",
+                           hint=f"qm set {vm.vmid} --delete {key}, then apply again")
         changed.append(key)
         if value is None:
             vm.conf.delete(key)
@@ -95,7 +119,7 @@ def check_config(vm: Vm, plan: Plan, qemu: tuple[int, int], starting: bool = Fal
     if vm.conf.get("lock") and not starting:
         raise BadInput(f"VM {vm.vmid} is locked ({vm.conf.get('lock')[:20]})",
                        hint=f"wait for it, or: qm unlock {vm.vmid}")
-    drift = render.drift(vm.conf, plan, qemu, vm.vmid)
+    drift = render.drift(vm.conf, plan, qemu, vm.vmid, vm.guard)
     if drift:
         raise BadInput(f"VM {vm.vmid}'s config does not carry its vstor plan ({', '.join(drift)} "
                        "changed since vstor pve apply)", hint=f"run: {vm.fix}")
@@ -103,7 +127,8 @@ def check_config(vm: Vm, plan: Plan, qemu: tuple[int, int], starting: bool = Fal
 
 def holdings(node: Node, skip: int | None = None) -> list[Holding]:
     """What every other vstor VM whose config is on this node was planned
-    to hold, running or not (a stopped VM keeps its cores for its next start)."""
+    to hold, running or not (a stopped VM keeps its cores for its next start);
+    while a config write is pending, the devices of the plan before too."""
     out = []
     try:
         where = intent_dir(node)
@@ -122,8 +147,23 @@ def holdings(node: Node, skip: int | None = None) -> list[Holding]:
             print(f"vstor: warning: ledger skips VM {vmid}: {e}", file=sys.stderr)
             continue
         if plan is not None:
-            out.append(Holding.from_plan(plan, active=node.running(vmid)))
+            out.append(_with_earlier(Holding.from_plan(plan, active=node.running(vmid)),
+                                     snippet.prev_path(snippet.path_of(where, vmid)), vmid))
     return out
+
+
+def _with_earlier(held: Holding, prev: str, vmid: int) -> Holding:
+    """The controllers and volumes of the plan whose lines the config may
+    still carry (an apply killed before its config) stay held with the new."""
+    try:
+        earlier = snippet.read_plan("", name_of(vmid), None, "", prev)
+    except VstorError:
+        earlier = None
+    if earlier is None:
+        return held
+    old = Holding.from_plan(earlier)
+    return replace(held, passthrough=held.passthrough | old.passthrough, volumes=held.volumes | old.volumes,
+                   spdk_controllers=held.spdk_controllers | old.spdk_controllers)
 
 
 def ledger(node: Node, records, skip: int | None = None) -> Ledger:
@@ -143,25 +183,48 @@ def vstor_vms(node: Node) -> list[int]:
     return sorted(out)
 
 
-def carries_vstor(conf: PveConfig, claimed: set[str]) -> str | None:
+def carries_vstor(conf: PveConfig, claimed: set[str], mappings: grammar.Mappings,
+                  vm: int) -> str | None:
     """What in a config without a vstor intent is vstor's (a clone or a
     restore of a vstor VM, say): its args pairs, or a hostpci line passing a
-    controller a vstor plan or record holds (`claimed`)."""
+    controller a vstor plan or record holds (`claimed`), read as qemu-server
+    reads it (any key order, short or full address, a whole slot, a `;`
+    list, a mapping: one that cannot be resolved is refused)."""
     if render.has_vstor_args(conf.get("args")):
         return "args hold vstor's vhost-user disks"
-    for key, hosts in render.hostpci_hosts(conf):
-        taken = sorted(c for c in claimed if any(render.names(h, c) for h in hosts))
-        if taken:
-            return f"{key} passes {taken[0]} through, which vstor holds for a VM"
+    for key in render.HOSTPCI_KEYS:
+        if conf.get(key) is not None:
+            ids = grammar.handed(key, conf.get(key), mappings, f"VM {vm}: {key}")
+            taken = sorted(c for c in claimed if grammar.names(ids, c))
+            if taken:
+                return f"{key} passes {taken[0]} through, which vstor holds for a VM"
     return None
 
 
-def claimed_controllers(node: Node, records) -> set[str]:
-    """Every local controller a vstor plan on this node or a state record holds."""
+def claimed_controllers(node: Node, records, skip: int | None = None) -> set[str]:
+    """Every local controller a vstor plan on this node (and the plan before
+    it, while its config write is pending) or a state record holds; of all
+    VMs but `skip`."""
     from vstor.runtime.lifecycle import holding_of
-    held = holdings(node) + [holding_of(r) for r in records if r.holding]
+    held = holdings(node, skip) + [holding_of(r) for r in records
+                                   if r.holding and (skip is None or r.domain != name_of(skip))]
     out = set()
     for h in held:
         out |= h.passthrough | h.spdk_controllers
         out |= {key[5:].split("/")[0] for key, _ in h.volumes if key.startswith("nvme:")}
     return out
+
+
+def write(node: Node, vm: Vm, plan: Plan, old: str, new: str, qemu: tuple[int, int]) -> None:
+    """The plan record first (the next start and the other VMs' plans read
+    it), then the config.  The plan whose lines the config carries stays
+    beside it until the config is written, so a run killed in between
+    leaves no line of the old plan that is not known as vstor's."""
+    prev = snippet.prev_path(vm.intent_path)
+    if new != old and vm.recorded is not None and (
+            vm.earlier is None or not render.drift(PveConfig.parse(old), vm.recorded, qemu, vm.vmid)):
+        snippet.write(prev, snippet.plan_bytes(vm.recorded))
+    snippet.write(snippet.plan_path(vm.intent_path), snippet.plan_bytes(plan))
+    if new != old:
+        node.write_config(vm.conf_path, new)
+    snippet.remove(prev)

@@ -135,6 +135,21 @@ class Node:
                            hint="is this a Proxmox VE node? ([pve] etc in vstor.conf)") from None
         return storage_mod.snippets_storage(storage_mod.parse(text), self.cfg.pve_storage, path)
 
+    def pci_mappings(self):
+        """/etc/pve/mapping/pci.cfg as this node reads it (qemu-server's
+        mapping= lines): its name is the host name up to the first dot
+        (PVE::INotify::nodename)."""
+        from vstor.pve.grammar import Mappings
+        path = os.path.join(self.etc, "mapping", "pci.cfg")
+        name = os.uname().nodename.split(".")[0]
+        try:
+            with open(path, "rb") as f:
+                return Mappings(f.read(MAX_BYTES).decode(errors="replace"), name)
+        except FileNotFoundError:
+            return Mappings("", name)       # no mapping at all: each one named is unresolved
+        except OSError as e:
+            return Mappings(None, name, e.strerror)
+
     def qemu_version(self) -> tuple[int, int]:
         """The version of the QEMU qemu-server starts (`kvm --version`)."""
         try:

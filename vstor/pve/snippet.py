@@ -47,6 +47,13 @@ def plan_path(intent_path: str) -> str:
     return intent_path.removesuffix(".xml") + ".plan.xml"
 
 
+def prev_path(intent_path: str) -> str:
+    """The plan whose lines the config carries, kept while `vstor pve apply`
+    writes a new plan and then the config (a run killed between the two
+    leaves both sets of lines recognised as vstor's)."""
+    return intent_path.removesuffix(".xml") + ".plan.prev.xml"
+
+
 def read(path: str, vmid: int) -> etree._Element:
     """The intent file's <vstor:vstor>; a missing file is a refusal naming
     what to write."""
@@ -86,9 +93,10 @@ def intent_of(root: etree._Element) -> Intent:
     return metadata.load_intent(root)
 
 
-def read_plan(intent_path: str, name: str, uuid: str | None, fix: str) -> Plan | None:
+def read_plan(intent_path: str, name: str, uuid: str | None, fix: str,
+              path: str | None = None) -> Plan | None:
     """The plan `vstor pve apply` recorded, or None if it never did."""
-    path = plan_path(intent_path)
+    path = path or plan_path(intent_path)
     data = _read(path)
     if data is None:
         return None
@@ -107,3 +115,12 @@ def plan_bytes(plan: Plan) -> bytes:
 def write(path: str, data: bytes) -> None:
     """Atomically, root's: a reader sees the old file or the new one."""
     write_file(path, data, hint="run as root")
+
+
+def remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise BadInput(f"cannot remove {path}: {e.strerror}", hint="run as root") from None

@@ -13,10 +13,13 @@ import re
 from vstor.errors import BadInput
 from vstor.meta.intent import Intent
 from vstor.planner import Request
+from vstor.pve import grammar
 from vstor.pve.config import PveConfig
 
 _VMID = re.compile(r"[1-9][0-9]{2,8}", re.ASCII)        # Proxmox: 100 .. 999999999
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+# qemu-server's hugepages_topology reads a numaN's hostnodes with m/^(\d)$/
+# (QS:PVE/QemuServer/Memory.pm): hugepages bind only to host nodes 0-9.
+HUGEPAGE_NODES = 10
 _COUNT = re.compile(r"[1-9][0-9]{0,3}", re.ASCII)
 
 
@@ -51,46 +54,33 @@ def request_of(vm: int, conf: PveConfig, intent: Intent) -> Request:
     return Request(name=name_of(vm), safe_name=name_of(vm), uuid=uuid_of(conf, where),
                    vcpus=vcpus, memory_kib=memory_mib(conf, where) * 1024,
                    machine=machine_of(conf, where), intent=intent,
-                   vhost_memory="hugepages", grows_hugepages=True, replan=f"vstor pve apply {vm}",
+                   vhost_memory="hugepages", grows_hugepages=True,
+                   hugepage_nodes=HUGEPAGE_NODES, replan=f"vstor pve apply {vm}",
                    title=f"VM {vm}")
 
 
 def memory_mib(conf: PveConfig, where: str) -> int:
     raw = conf.get("memory") or "512"
-    props = _props(raw, "memory", where, bare="current")
-    text = props.get("current", "")
-    if not re.fullmatch(r"[0-9]{1,9}", text, re.ASCII) or int(text) < 16:
-        raise BadInput(f"{where}: memory '{raw[:40]}' is not a size in MiB (16 or more)",
-                       hint="qm set VMID --memory 4096")
-    return int(text)
+    return int(_props(grammar.MEMORY, raw, "memory", where, "qm set VMID --memory 4096")["current"])
 
 
 def machine_of(conf: PveConfig, where: str = "the VM") -> str:
     """'q35' or 'pc' (with the version Proxmox pins, if any): the type only."""
     raw = conf.get("machine") or "pc"
-    kind = _props(raw, "machine", where, bare="type").get("type", "pc")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9_.+-]{0,63}", kind, re.ASCII):
-        raise BadInput(f"{where}: machine '{raw[:40]}' is not a machine type",
-                       hint="qm set VMID --machine q35")
-    return kind
+    return _props(grammar.MACHINE, raw, "machine", where, "qm set VMID --machine q35").get("type", "pc")
 
 
 def viommu_of(conf: PveConfig) -> str | None:
-    raw = conf.get("machine") or ""
-    return _props(raw, "machine", "the VM", bare="type").get("viommu") if raw else None
+    raw = conf.get("machine")
+    return _props(grammar.MACHINE, raw, "machine", "the VM", "").get("viommu") if raw else None
 
 
 def uuid_of(conf: PveConfig, where: str) -> str | None:
     raw = conf.get("smbios1")
     if raw is None:
         return None
-    value = dict(p.split("=", 1) for p in raw.split(",") if "=" in p).get("uuid")
-    if value is None:
-        return None
-    if not _UUID.fullmatch(value.lower()):
-        raise BadInput(f"{where}: smbios1 uuid '{value[:40]}' is not a UUID",
-                       hint="qm set VMID --smbios1 uuid=$(uuidgen)")
-    return value.lower()
+    value = _props(grammar.SMBIOS1, raw, "smbios1", where, "qm set VMID --smbios1 uuid=$(uuidgen)").get("uuid")
+    return value.lower() if value else None
 
 
 def _count(conf: PveConfig, key: str, where: str) -> int:
@@ -100,14 +90,10 @@ def _count(conf: PveConfig, key: str, where: str) -> int:
     return int(raw)
 
 
-def _props(raw: str, key: str, where: str, bare: str) -> dict[str, str]:
-    """Proxmox's property strings: `[bare=]value,key=value,...`."""
-    out: dict[str, str] = {}
-    for i, part in enumerate(raw.split(",")):
-        k, sep, v = part.partition("=")
-        if not sep and i == 0:
-            k, v = bare, part
-        elif not sep:
-            raise BadInput(f"{where}: {key} '{raw[:40]}' is not a Proxmox property string")
-        out[k.strip()] = v.strip()
-    return out
+def _props(fmt: dict, raw: str, key: str, where: str, fix: str) -> dict[str, str]:
+    """A property string as qemu-server reads it, or refused with its reason."""
+    try:
+        return grammar.parse(fmt, raw)
+    except grammar.Invalid as e:
+        raise BadInput(f"{where}: {key} '{raw[:40]}' is not as Proxmox reads it ({e})",
+                       hint=fix or None) from None

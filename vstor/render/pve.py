@@ -8,7 +8,9 @@ vstor owns, in the main section only:
 - `affinity`: the plan's vCPU and emulator cores (Proxmox runs every QEMU
   thread on the set: it pins no single vCPU);
 - the `hostpciN` lines that pass a planned controller through (recognised by
-  the controller, so a user's own GPU or NIC line is never touched);
+  the controller, so a user's own GPU or NIC line is never touched; read
+  with Proxmox's grammar, vstor/pve/grammar.py, and refused when a user's
+  line hands the VM a controller vstor holds);
 - in `args`, a suffix of `-chardev socket,id=vstor-<disk>,...` and
   `-device vhost-user-blk-pci,id=vstor-<disk>,...` pairs; the user's own
   arguments before it are kept byte for byte.
@@ -22,17 +24,19 @@ import re
 import shlex
 
 from vstor.errors import BadInput
+from vstor.records import field, record
 from vstor.host.model import format_cpulist
-from vstor.meta.names import normalise_bdf
 from vstor.meta.plan import Plan
+from vstor.pve import grammar
 from vstor.pve.config import PveConfig
-from vstor.pve.vm import machine_of, viommu_of
+from vstor.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of
 from vstor.pve.words import shellwords
 
 ID = "vstor-"
 PAGES = {2048: "2", 1048576: "1024"}
 NUMA_KEYS = ("numa",) + tuple(f"numa{i}" for i in range(8))
 HOSTPCI_KEYS = tuple(f"hostpci{i}" for i in range(16))
+PLACEMENT_KEYS = NUMA_KEYS + ("hugepages", "affinity")
 RECONNECT_SECONDS = 10
 # QEMU options that decide guest memory, NUMA or vCPUs: vstor's numa0 and
 # hugepages say those, and a second say in args would override or break them.
@@ -40,21 +44,34 @@ _CONFLICTS = ("-m", "-numa", "-smp", "-mem-path", "-mem-prealloc")
 _START = re.compile(r"(?:^|\s)-chardev\s+['\"]?socket,id=" + ID)
 
 
-def render(conf: PveConfig, plan: Plan, previous: Plan | None, qemu: tuple[int, int],
-           vm: int) -> dict[str, str | None]:
+
+
+@record
+class Guard:
+    """What else a hostpci line must not hand over: the controllers vstor
+    holds for other VMs, and this node's PCI mappings to resolve mapping=."""
+    others: frozenset = frozenset()
+    mappings: grammar.Mappings = field(default_factory=lambda: grammar.Mappings(None, ""))
+
+
+def render(conf: PveConfig, plan: Plan, previous: tuple[Plan, ...], qemu: tuple[int, int],
+           vm: int, guard: Guard | None = None) -> dict[str, str | None]:
     """Every key vstor owns -> its value under `plan` (None: no such line).
-    `previous`: the plan vstor last wrote, whose hostpci lines are vstor's."""
+    `previous`: the plans whose lines the config may carry (the one vstor
+    last wrote, and the one before while a config write is pending): their
+    hostpci lines are vstor's."""
     out = placement(plan)
-    out.update(_hostpci(conf, plan, previous, vm))
+    out.update(_hostpci(conf, plan, previous, vm, guard or Guard()))
     out["args"] = merge_args(conf.get("args"), vhost_args(plan, qemu), vm)
     return out
 
 
-def drift(conf: PveConfig, plan: Plan, qemu: tuple[int, int], vm: int) -> list[str]:
+def drift(conf: PveConfig, plan: Plan, qemu: tuple[int, int], vm: int,
+          guard: Guard | None = None) -> list[str]:
     """The keys whose line is not what `plan` writes: the config was edited
     (or written for another QEMU) since `vstor pve apply`."""
     try:
-        want = render(conf, plan, plan, qemu, vm)
+        want = render(conf, plan, (plan,), qemu, vm, guard)
     except BadInput as e:
         return [e.message]
     return [k for k, v in want.items() if conf.get(k) != v]
@@ -64,6 +81,10 @@ def placement(plan: Plan) -> dict[str, str | None]:
     out: dict[str, str | None] = dict.fromkeys(NUMA_KEYS)
     mib = plan.memory_kib // 1024
     if plan.node is not None and (plan.hugepage_kib or plan.numa != "none"):
+        if plan.hugepage_kib and plan.node >= HUGEPAGE_NODES:
+            raise BadInput(f"{plan.domain}: hugepages on host node {plan.node}, which Proxmox cannot "
+                           "bind (qemu-server's hugepages_topology takes nodes 0-9 only)",
+                           hint=f"plan it again ({plan.domain} then lands on nodes 0-9)")
         cpus = "0" if plan.vcpus == 1 else f"0-{plan.vcpus - 1}"
         policy = "bind" if plan.numa == "strict" else "preferred"
         out["numa"] = "1"
@@ -71,7 +92,10 @@ def placement(plan: Plan) -> dict[str, str | None]:
     out["hugepages"] = PAGES.get(plan.hugepage_kib) if plan.hugepage_kib else None
     cores = set(plan.vcpu_pins) | set(plan.emulator) if plan.cpus == "dedicated" else \
         set(plan.shared_cpus) | set(plan.emulator)
-    out["affinity"] = format_cpulist(sorted(cores)) if cores else None
+    # qemu-server tests `if ($conf->{affinity})`: Perl takes "0" as false and
+    # would run the VM unpinned; "0-0" is the same set, and true.
+    affinity = format_cpulist(sorted(cores)) if cores else None
+    out["affinity"] = "0-0" if affinity == "0" else affinity
     return out
 
 
@@ -175,10 +199,12 @@ def _memory_backend(value: str) -> bool:
     return value.startswith("memory-backend")
 
 
-def _hostpci(conf: PveConfig, plan: Plan, previous: Plan | None, vm: int) -> dict[str, str | None]:
+def _hostpci(conf: PveConfig, plan: Plan, previous: tuple[Plan, ...], vm: int,
+             guard: Guard) -> dict[str, str | None]:
     wanted = [d.controller for d in plan.disks if d.mode == "passthrough"]
-    served = {d.controller: d.target for d in plan.disks if d.controller}
-    ours_before = {d.controller for d in (previous.disks if previous else ()) if d.mode == "passthrough"}
+    served = {d.controller: f"vstor serves as {d.target}" for d in plan.disks if d.controller}
+    held = {c: "vstor holds for another VM" for c in guard.others if c not in served}
+    ours_before = {d.controller for p in previous for d in p.disks if d.mode == "passthrough"}
     machine = machine_of(conf)
     if any(d.guest == "spdk" for d in plan.disks if d.mode == "passthrough") and not viommu_of(conf):
         raise BadInput(f"VM {vm}: a disk with guest='spdk' needs a vIOMMU in the guest",
@@ -186,16 +212,22 @@ def _hostpci(conf: PveConfig, plan: Plan, previous: Plan | None, vm: int) -> dic
     pcie = ",pcie=1" if machine.startswith(("q35", "pc-q35")) else ""
     out: dict[str, str | None] = {}
     placed: dict[str, str] = {}
-    for key, hosts in hostpci_hosts(conf):
-        host = _host_of(conf.get(key))
-        if host in ours_before and host not in placed.values():
+    seen: set[str] = set()
+    for key in HOSTPCI_KEYS:
+        value = conf.get(key)
+        if value is None:
+            continue
+        host = vstors_line(value, ours_before)
+        if host is not None and host not in seen:     # a second line of it is not vstor's
+            seen.add(host)
             out[key] = None             # vstor's line: kept below if still planned
-            if host in wanted and host not in placed:
+            if host in wanted:
                 placed[host] = key
             continue
-        for ctrl, target in served.items():
-            if any(names(h, ctrl) for h in hosts):
-                raise BadInput(f"VM {vm}: {key} passes {ctrl} through, which vstor serves as {target}",
+        ids = grammar.handed(key, value, guard.mappings, f"VM {vm}: {key}")
+        for ctrl, why in {**served, **held}.items():
+            if grammar.names(ids, ctrl):
+                raise BadInput(f"VM {vm}: {key} passes {ctrl} through, which {why}",
                                hint=f"qm set {vm} --delete {key} (vstor writes its own line for a "
                                     "passthrough disk)")
     free = [k for k in HOSTPCI_KEYS if conf.get(k) is None or out.get(k, "") is None]
@@ -211,39 +243,14 @@ def _hostpci(conf: PveConfig, plan: Plan, previous: Plan | None, vm: int) -> dic
     return out
 
 
-def hostpci_hosts(conf: PveConfig) -> list[tuple[str, list[str]]]:
-    """Each hostpciN line with the host functions it passes: full addresses,
-    or a slot ('0000:5e:00.') for a line that passes every function of one.
-    A mapping names no address in the config: []."""
-    out = []
-    for key in HOSTPCI_KEYS:
-        value = conf.get(key)
-        if value is None:
-            continue
-        first = value.split(",")[0].removeprefix("host=")
-        hosts = []
-        for part in first.split(";") if "=" not in first else ():
-            part = part.strip().lower()
-            if re.fullmatch(r"([0-9a-f]{4}:)?[0-9a-f]{2}:[0-9a-f]{2}", part):
-                hosts.append(("0000:" if part.count(":") == 1 else "") + part + ".")
-            else:
-                try:
-                    hosts.append(normalise_bdf(part))
-                except BadInput:
-                    pass
-        out.append((key, hosts))
-    return out
-
-
-def names(host: str, controller: str) -> bool:
-    """Does a hostpci host (a function, or a whole slot) include `controller`?"""
-    return controller == host or (host.endswith(".") and controller.startswith(host))
-
-
-def _host_of(value: str) -> str | None:
-    first = value.split(",")[0]
-    first = first.removeprefix("host=")
+def vstors_line(value: str, controllers: set[str]) -> str | None:
+    """The controller of a line vstor wrote: one full function it planned to
+    pass through, by `host` (whatever options were added since)."""
     try:
-        return normalise_bdf(first)
-    except BadInput:
-        return None             # a mapping, several functions, or a whole slot: not vstor's
+        line = grammar.hostpci("hostpci", value)
+    except grammar.Invalid:
+        return None
+    if line.mapping or len(line.hosts) != 1 or not re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]",
+                                                                  line.hosts[0]):
+        return None
+    return line.hosts[0] if line.hosts[0] in controllers else None
