@@ -55,9 +55,16 @@ def show_disk(domain_xml: str) -> None:
 def show_daemon(pidfile: Path) -> None:
     pid = pidfile.read_text().strip()
     args = (Path("/proc") / pid / "cmdline").read_bytes().split(b"\0")
-    export = next((a.decode() for a in args if a.startswith(b"type=vhost-user-blk")), "?")
-    socket = next((p[len("addr.path="):] for p in export.split(",") if p.startswith("addr.path=")), "?")
-    print(f"  pid {pid}: {args[0].decode()} serving {socket}")
+    # vstor opened the image and bound the socket itself; the daemon was
+    # handed both descriptors, so its command line names neither path.
+    opts = dict(o.split("=", 1) for a in args for o in a.decode().split(",") if "=" in o)
+    src_fd, sock_fd = opts.get("filename", "?").rsplit("/", 1)[-1], opts.get("addr.str", "?")
+    source = os.readlink(f"/proc/{pid}/fd/{src_fd}")
+    inode = str(os.stat(f"/proc/{pid}/fd/{sock_fd}").st_ino)
+    socket = next((line.split()[7] for line in open(f"/proc/{pid}/net/unix").read().splitlines()[1:]
+                   if len(line.split()) == 8 and line.split()[6] == inode), "?")
+    print(f"  pid {pid}: {args[0].decode()} serving {source} (fd {src_fd}) on {socket} (fd {sock_fd}),"
+          " both opened by vstor and handed over")
 
 
 def wait_for(console: Path, ready, timeout: float = 180) -> dict:
