@@ -13,7 +13,7 @@ import stat
 
 from vstor import records
 from vstor.backends import ownership
-from vstor.errors import ActionFailed, BadInput, DoesNotFit
+from vstor.errors import ActionFailed, BadInput, DoesNotFit, InUse
 from vstor.meta.names import inside, nvme_path
 from vstor.runtime import actions
 from vstor.runtime.actions import NvmfExport, QsdExport, SpdkAttach, SpdkVhost, VfioBind
@@ -135,7 +135,7 @@ def undo(a, rt, others) -> None:
         if sessions and not rt.force:
             # SPDK would retry the deletion until QEMU lets go, logging a line
             # per retry: never sent while QEMU is connected, unless forced.
-            raise ActionFailed(f"QEMU is still connected to SPDK vhost controller {a.ctrlr}",
+            raise InUse(f"QEMU is still connected to SPDK vhost controller {a.ctrlr}",
                                hint="stop the domain first")
         spdk.vhost_delete_controller(a.ctrlr, wait=rt.cfg.spdk_timeout)
     elif isinstance(a, QsdExport):
