@@ -14,7 +14,7 @@ from tests.doubles.kernel_sysfs import KernelSysfsDouble
 from tests.doubles.spdk_target import SpdkTargetDouble
 from vstor.config import Config
 from vstor.meta.document import Domain
-from vstor.errors import ActionFailed, BadInput, DoesNotFit, EXIT_UNAVAILABLE
+from vstor.errors import ActionFailed, BadInput, DoesNotFit, EXIT_UNAVAILABLE, InUse
 from vstor.host.read import read_host
 from vstor.planner.ledger import Ledger
 from vstor.runtime.lifecycle import Runtime, health, prepare, reconnect, release
@@ -152,10 +152,11 @@ def test_a_forced_release_while_connected_is_followed_until_spdk_deletes(env):
     prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
     env.spdk.mark_connected("vm1-vdb")
     forced = Runtime(records.replace(env.cfg, spdk_timeout=1.0), env.sysfs, force=True)
-    with pytest.raises(ActionFailed) as e:
+    with pytest.raises(InUse) as e:       # in use, as the unforced refusal: exit 3
         release(forced, env.state, "vm1")
-    why = "Device or resource busy" if env.spdk.version == "v24.01" else "SPDK deferred deleting vhost controller vm1-vdb"
-    assert why in str(e.value) and "vstor release vm1" in str(e.value)
+    why = ("SPDK refused deleting vhost controller vm1-vdb" if env.spdk.version == "v24.01"
+           else "SPDK deferred deleting vhost controller vm1-vdb")
+    assert why in str(e.value) and "vstor release vm1" in str(e.value) and e.value.exit_code == 3
     kept = env.state.load("vm1")
     assert [s["kind"] for s in kept.steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
     assert "vs_0000_5f_00_0" in env.spdk.nvme and env.sysfs.driver_of(LOCAL) == "vfio-pci"
