@@ -222,7 +222,7 @@ def disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor: tuple[int, str]
     if c.mode == "vhost":
         socket = socket_path(cfg.vhost_dir, req.safe_name, d.target)
     if c.backend == "spdk":
-        attach = attach_paths(cfg, d.source)
+        attach = c.attach or attach_paths(cfg, d.source)
         spdk_ctrl = spdk_controller_name(d.source, attach)
         bdev = bdev_name(spdk_ctrl, d.source.namespace)
         if reactor:
