@@ -492,3 +492,29 @@ def test_a_name_with_spaces_around_it_finds_the_record_an_earlier_vstor_made_und
     assert env.state.load("web") is not None
     assert release(env.rt(), env.state, spaced.safe_name, domain=spaced.name, uuid=uuid) is not None
     assert env.state.records() == [] and os.listdir(env.cfg.qsd_dir) == [".lock"]
+
+
+def test_a_plan_recorded_without_a_host_nqn_starts_as_it_was_and_says_to_replan(env):
+    """A plan an earlier vstor recorded attaches with SPDK's default host NQN
+    (no hostnqn sent): it still starts, as it was, and the start check says
+    how to record this host's NQN; a plan made now always sends one."""
+    from vstor import records
+    from vstor.meta.names import bdev_name, spdk_controller_name
+    dom = domain(env, nvmf().replace(" hostnqn='nqn.2014-08.org.nvmexpress:uuid:1'", ""))
+    plan = dom.recorded_plan()
+    d = plan.disks[0]
+    assert {p.hostnqn for p in d.attach} == {env.host().hostnqn} != {None}
+    attach = tuple(records.replace(p, hostnqn=None) for p in d.attach)
+    ctrl = spdk_controller_name(d.source, attach)
+    old = records.replace(plan, disks=(records.replace(d, attach=attach, spdk_controller=ctrl,
+                                                       bdev=bdev_name(ctrl, d.source.namespace)),))
+    said = []
+    prepare(env.rt(), env.state, env.host(), render(dom, old), progress=said.append)
+    assert [p.get("hostnqn") for p in env.spdk.params_of("bdev_nvme_attach_controller")] == [None, None]
+    assert [m for m in said if m.startswith("warning:")] == [
+        "warning: vdb: attaches with SPDK's default host NQN, which SPDK makes anew at every start of "
+        "its app (no target can be told to allow it); run vstor apply vm1 to plan it with this host's NQN"]
+    release(env.rt(), env.state, "vm1")
+    prepare(env.rt(), env.state, env.host(), dom, progress=said.append)     # re-planned: named
+    assert {p.get("hostnqn") for p in env.spdk.params_of("bdev_nvme_attach_controller")[2:]} == {
+        env.host().hostnqn}
