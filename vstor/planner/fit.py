@@ -18,6 +18,7 @@ from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
+from vstor.meta.names import migration_subnqn
 from vstor.meta.plan import Plan
 from vstor.planner import Request, candidate_nodes, check_request, disk_plan, grow_pool, page_size
 from vstor.planner.disks import NoFit, choose_all
@@ -74,7 +75,7 @@ def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
     req = records.replace(req, imports=tuple(
         (d.target, planned[d.target].source) for d in req.intent.disks
         if d.source.kind == "nvme" and planned[d.target].source.kind == "nvmf"
-        and planned[d.target].source.subnqn == f"nqn.2016-06.io.vstor:migrate:{req.safe_name}-{d.target}"))
+        and planned[d.target].source.subnqn == migration_subnqn(req.safe_name, d.target)))
     pinned = []
     for d in req.disks():
         was = planned[d.target]

@@ -313,6 +313,13 @@ def _nvmf_export(a: NvmfExport, rt) -> None:
     if namespaces - {a.bdev}:
         raise ActionFailed(f"SPDK's NVMe-oF subsystem {a.nqn} serves {', '.join(sorted(namespaces))}, "
                            f"not {a.bdev}", hint=f"rpc.py nvmf_delete_subsystem {a.nqn} if nothing uses it")
+    admitted = {h.get("nqn") for h in sub.get("hosts", ())} - {a.host}
+    if sub.get("allow_any_host") or admitted:
+        # Only the migration's own host NQN: one admitted besides (an
+        # earlier migration's, or added by hand) could reach the disk.
+        raise ActionFailed(f"SPDK's NVMe-oF subsystem {a.nqn} admits "
+                           f"{'any host' if sub.get('allow_any_host') else ', '.join(sorted(admitted))}, "
+                           f"not only {a.host}", hint=f"rpc.py nvmf_delete_subsystem {a.nqn} if nothing uses it")
     if not namespaces:
         spdk.nvmf_subsystem_add_ns(a.nqn, a.bdev, nsid=1)
     if not any(la.get("traddr") == a.traddr and str(la.get("trsvcid")) == str(a.trsvcid)
