@@ -518,3 +518,26 @@ def test_a_plan_recorded_without_a_host_nqn_starts_as_it_was_and_says_to_replan(
     prepare(env.rt(), env.state, env.host(), dom, progress=said.append)     # re-planned: named
     assert {p.get("hostnqn") for p in env.spdk.params_of("bdev_nvme_attach_controller")[2:]} == {
         env.host().hostnqn}
+
+
+def test_a_damaged_record_leaves_what_is_shared_and_refuses_starts(env):
+    """Another domain's record that cannot be read may hold the same
+    controller: a release undoes only what is the domain's alone and keeps
+    the rest recorded (exit 4); no other domain starts (its ledger is not
+    known); once the record is dealt with, everything goes."""
+    from vstor.errors import Unavailable
+    prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    damaged = os.path.join(env.cfg.state_dir, "domains", "other.json")
+    with open(damaged, "w") as f:
+        f.write("{")
+    with pytest.raises(Unavailable) as e:
+        prepare(env.rt(), env.state, env.host(), domain(env, local_spdk("0000:60:00.0"), name="vm2"))
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "other.json is damaged" in str(e.value)
+    with pytest.raises(Unavailable) as e:
+        release(env.rt(), env.state, "vm1")
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "another domain may still use it" in str(e.value)
+    assert [s["kind"] for s in env.state.load("vm1").steps] == ["vfio-bind", "spdk-attach"]
+    assert env.spdk.vhost == {} and env.sysfs.driver_of(LOCAL) == "vfio-pci"
+    os.unlink(damaged)
+    release(env.rt(), env.state, "vm1")
+    nothing_left(env)

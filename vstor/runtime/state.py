@@ -148,7 +148,7 @@ class StateDir:
 
     def load(self, key: str) -> Record | None:
         """The record, None when there is none; a damaged one blocks its
-        domain (DamagedRecord, exit 4) and nobody else."""
+        domain (DamagedRecord, exit 4); records() says what else it blocks."""
         path = self._file(key)
         try:
             with open(path) as f:
