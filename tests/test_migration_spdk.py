@@ -250,3 +250,20 @@ def test_abort_takes_the_export_down_and_keeps_the_running_domain(two, capsys):
     assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 0
     assert migration_nqn(t) != first                            # another migration, another NQN
     assert on(t, "a", "migrate", "abort", "vm") == 0
+
+
+def test_an_export_subsystem_that_admits_another_host_is_refused_and_left(two, capsys):
+    """A subsystem of the export's name found already there that admits any
+    host (made by hand, say) is not reused, and not deleted either: its
+    serial number is not the one vstor gives its exports."""
+    from vstor.backends.spdk import SpdkClient
+    t = two
+    xml_path = running_on_a(t)
+    with SpdkClient(t.a_spdk.socket_path) as client:
+        client.nvmf_create_subsystem(EXPORT, serial_number="OPERATOR1", allow_any_host=True)
+    capsys.readouterr()
+    assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 5
+    assert f"SPDK's NVMe-oF subsystem {EXPORT} admits any host" in capsys.readouterr().err
+    assert t.a_spdk.subsystems[EXPORT].serial_number == "OPERATOR1"     # left as it was
+    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost"])
+    assert kinds(t, "b") == (None, [])
