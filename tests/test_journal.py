@@ -149,7 +149,10 @@ def test_the_lock_serialises_two_processes(tmp_path):
 @pytest.mark.parametrize("content", ["{", "[]", '{"key": "vm2"}', '{"key": "vm2", "domain": "vm2", "steps": [1]}',
                                      '{"key": "other", "domain": "vm2"}',
                                      '{"key": "vm2", "domain": "vm2", "holding": {"domain": "vm2", "cpus": 5}}'])
-def test_a_damaged_record_blocks_its_domain_and_nobody_else(tmp_path, content):
+def test_a_damaged_record_is_named_and_refuses_what_needs_every_record(tmp_path, content):
+    """What a damaged record holds cannot be known: a reader of every record
+    (a ledger, the others of a start) is refused; one that only reports
+    (status, gc) gets the rest and the damaged ones named."""
     from vstor.errors import EXIT_UNAVAILABLE
     from vstor.runtime.state import DamagedRecord
     state = StateDir(str(tmp_path / "state"))
@@ -159,6 +162,10 @@ def test_a_damaged_record_blocks_its_domain_and_nobody_else(tmp_path, content):
     damaged = []
     assert [r.key for r in state.records(damaged)] == ["vm1"]
     assert len(damaged) == 2 and any("vm2.json is damaged" in d for d in damaged)
+    assert any("bad name.json: 'bad name' cannot name a state record" in d for d in damaged)
+    with pytest.raises(DamagedRecord) as e:
+        state.records()
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "cannot be known" in str(e.value)
     with pytest.raises(DamagedRecord) as e:
         state.load("vm2")
     assert e.value.exit_code == EXIT_UNAVAILABLE and "\n" not in str(e.value)

@@ -14,7 +14,7 @@ from tests.doubles.kernel_sysfs import KernelSysfsDouble
 from tests.doubles.spdk_target import SpdkTargetDouble
 from vstor.config import Config
 from vstor.meta.document import Domain
-from vstor.errors import ActionFailed, BadInput, DoesNotFit, EXIT_UNAVAILABLE
+from vstor.errors import ActionFailed, BadInput, DoesNotFit, EXIT_UNAVAILABLE, InUse
 from vstor.host.read import read_host
 from vstor.planner.ledger import Ledger
 from vstor.runtime.lifecycle import Runtime, health, prepare, reconnect, release
@@ -152,10 +152,11 @@ def test_a_forced_release_while_connected_is_followed_until_spdk_deletes(env):
     prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
     env.spdk.mark_connected("vm1-vdb")
     forced = Runtime(records.replace(env.cfg, spdk_timeout=1.0), env.sysfs, force=True)
-    with pytest.raises(ActionFailed) as e:
+    with pytest.raises(InUse) as e:       # in use, as the unforced refusal: exit 3
         release(forced, env.state, "vm1")
-    why = "Device or resource busy" if env.spdk.version == "v24.01" else "SPDK deferred deleting vhost controller vm1-vdb"
-    assert why in str(e.value) and "vstor release vm1" in str(e.value)
+    why = ("SPDK refused deleting vhost controller vm1-vdb" if env.spdk.version == "v24.01"
+           else "SPDK deferred deleting vhost controller vm1-vdb")
+    assert why in str(e.value) and "vstor release vm1" in str(e.value) and e.value.exit_code == 3
     kept = env.state.load("vm1")
     assert [s["kind"] for s in kept.steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
     assert "vs_0000_5f_00_0" in env.spdk.nvme and env.sysfs.driver_of(LOCAL) == "vfio-pci"
@@ -491,3 +492,52 @@ def test_a_name_with_spaces_around_it_finds_the_record_an_earlier_vstor_made_und
     assert env.state.load("web") is not None
     assert release(env.rt(), env.state, spaced.safe_name, domain=spaced.name, uuid=uuid) is not None
     assert env.state.records() == [] and os.listdir(env.cfg.qsd_dir) == [".lock"]
+
+
+def test_a_plan_recorded_without_a_host_nqn_starts_as_it_was_and_says_to_replan(env):
+    """A plan an earlier vstor recorded attaches with SPDK's default host NQN
+    (no hostnqn sent): it still starts, as it was, and the start check says
+    how to record this host's NQN; a plan made now always sends one."""
+    from vstor import records
+    from vstor.meta.names import bdev_name, spdk_controller_name
+    dom = domain(env, nvmf().replace(" hostnqn='nqn.2014-08.org.nvmexpress:uuid:1'", ""))
+    plan = dom.recorded_plan()
+    d = plan.disks[0]
+    assert {p.hostnqn for p in d.attach} == {env.host().hostnqn} != {None}
+    attach = tuple(records.replace(p, hostnqn=None) for p in d.attach)
+    ctrl = spdk_controller_name(d.source, attach)
+    old = records.replace(plan, disks=(records.replace(d, attach=attach, spdk_controller=ctrl,
+                                                       bdev=bdev_name(ctrl, d.source.namespace)),))
+    said = []
+    prepare(env.rt(), env.state, env.host(), render(dom, old), progress=said.append)
+    assert [p.get("hostnqn") for p in env.spdk.params_of("bdev_nvme_attach_controller")] == [None, None]
+    assert [m for m in said if m.startswith("warning:")] == [
+        "warning: vdb: attaches with SPDK's default host NQN, which SPDK makes anew at every start of "
+        "its app (no target can be told to allow it); run vstor apply vm1 to plan it with this host's NQN"]
+    release(env.rt(), env.state, "vm1")
+    prepare(env.rt(), env.state, env.host(), dom, progress=said.append)     # re-planned: named
+    assert {p.get("hostnqn") for p in env.spdk.params_of("bdev_nvme_attach_controller")[2:]} == {
+        env.host().hostnqn}
+
+
+def test_a_damaged_record_leaves_what_is_shared_and_refuses_starts(env):
+    """Another domain's record that cannot be read may hold the same
+    controller: a release undoes only what is the domain's alone and keeps
+    the rest recorded (exit 4); no other domain starts (its ledger is not
+    known); once the record is dealt with, everything goes."""
+    from vstor.errors import Unavailable
+    prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    damaged = os.path.join(env.cfg.state_dir, "domains", "other.json")
+    with open(damaged, "w") as f:
+        f.write("{")
+    with pytest.raises(Unavailable) as e:
+        prepare(env.rt(), env.state, env.host(), domain(env, local_spdk("0000:60:00.0"), name="vm2"))
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "other.json is damaged" in str(e.value)
+    with pytest.raises(Unavailable) as e:
+        release(env.rt(), env.state, "vm1")
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "another domain may still use it" in str(e.value)
+    assert [s["kind"] for s in env.state.load("vm1").steps] == ["vfio-bind", "spdk-attach"]
+    assert env.spdk.vhost == {} and env.sysfs.driver_of(LOCAL) == "vfio-pci"
+    os.unlink(damaged)
+    release(env.rt(), env.state, "vm1")
+    nothing_left(env)

@@ -8,6 +8,7 @@ tests/test_migration.py.  Exact RPCs, their order, and the undo of each."""
 from tests import installed_hook  # noqa: E402
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -109,6 +110,12 @@ def running_on_a(t) -> str:
     return out
 
 
+def migration_nqn(t) -> str:
+    """The host NQN A's export admits, as A's record holds it."""
+    with open(f"{t.work}/a/state/domains/vm.json") as f:
+        return next(e["data"]["host"] for e in json.load(f)["steps"] if e["kind"] == "nvmf-export")
+
+
 def kinds(t, who) -> tuple:
     path = f"{t.work}/{who}/state/domains/vm.json"
     if not os.path.exists(path):
@@ -135,18 +142,35 @@ def test_local_nvme_is_exported_to_the_destination_and_the_export_outlives_the_m
     sent = len(t.a_spdk.requests)
     assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 0
     listen = {"trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1", "trsvcid": "4420"}
+    # The export admits this migration's own host NQN alone (a random UUID,
+    # recorded on both sides), never B's shared [nvmf] hostnqn.
+    mig = migration_nqn(t)
+    assert re.fullmatch(r"nqn\.2014-08\.org\.nvmexpress:uuid:[0-9a-f-]{36}", mig) and mig != B_NQN
     assert changes(t.a_spdk, sent) == [
         ("nvmf_create_transport", {"trtype": "TCP"}),
         ("nvmf_create_subsystem", {"nqn": EXPORT, "serial_number": SERIAL,
                                    "model_number": "vstor migration export", "allow_any_host": False}),
         ("nvmf_subsystem_add_ns", {"nqn": EXPORT, "namespace": {"bdev_name": "vs_0000_5f_00_0n1", "nsid": 1}}),
         ("nvmf_subsystem_add_listener", {"nqn": EXPORT, "listen_address": listen}),
-        ("nvmf_subsystem_add_host", {"nqn": EXPORT, "host": B_NQN})]
+        ("nvmf_subsystem_add_host", {"nqn": EXPORT, "host": mig})]
     assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "nvmf-export"])
     assert kinds(t, "b") == ("incoming", ["spdk-attach", "spdk-vhost"])
     attach = t.b_spdk.params_of("bdev_nvme_attach_controller")
     assert [(a["trtype"], a["traddr"], a["trsvcid"], a["subnqn"], a["hostnqn"]) for a in attach] == [
-        ("TCP", "127.0.0.1", "4420", EXPORT, B_NQN)]
+        ("TCP", "127.0.0.1", "4420", EXPORT, mig)]
+    assert mig in open(f"{t.work}/o.xml").read()                  # the arriving plan records it
+    # Another domain on B that names the export (and B's own NQN, or even
+    # this one) is refused at plan time: only the migration's import reads it.
+    other = f"{t.work}/other.xml"
+    with open(other, "w") as f:
+        f.write(f"""<domain type='kvm'><name>thief</name><memory unit='MiB'>1024</memory><vcpu>1</vcpu>
+          <os><type arch='x86_64' machine='q35'>hvm</type></os><metadata><vstor:vstor xmlns:vstor='{NS}'>
+          <vstor:vm cpus='shared'/><vstor:disk target='vdb'><vstor:nvmf transport='tcp' traddr='127.0.0.1'
+          subnqn='{EXPORT}' hostnqn='{mig}'/></vstor:disk></vstor:vstor></metadata><devices/></domain>""")
+    capsys.readouterr()
+    assert on(t, "b", "plan", other) == 2
+    assert "names nqn.2016-06.io.vstor:migrate:vm-vdb, a subsystem vstor exports for a migration" in \
+        capsys.readouterr().err
 
     # the move, as libvirt runs the hooks on both sides
     source_xml = open(xml_path).read()
@@ -214,9 +238,32 @@ def test_abort_takes_the_export_down_and_keeps_the_running_domain(two, capsys):
     t = two
     xml_path = running_on_a(t)
     assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 0
+    first = migration_nqn(t)
     assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 0
     assert kinds(t, "a")[1].count("nvmf-export") == 1          # a second prepare adds nothing
+    assert migration_nqn(t) == first and first in open(f"{t.work}/o.xml").read()   # and keeps its NQN
+    assert t.a_spdk.subsystems[EXPORT].hosts == [first]
     assert on(t, "a", "migrate", "abort", "vm") == 0
     assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost"])
     assert kinds(t, "b") == (None, []) and EXPORT not in t.a_spdk.subsystems
     assert list(t.a_spdk.vhost) == ["vm-vdb"] and t.b_spdk.nvme == {}
+    assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 0
+    assert migration_nqn(t) != first                            # another migration, another NQN
+    assert on(t, "a", "migrate", "abort", "vm") == 0
+
+
+def test_an_export_subsystem_that_admits_another_host_is_refused_and_left(two, capsys):
+    """A subsystem of the export's name found already there that admits any
+    host (made by hand, say) is not reused, and not deleted either: its
+    serial number is not the one vstor gives its exports."""
+    from vstor.backends.spdk import SpdkClient
+    t = two
+    xml_path = running_on_a(t)
+    with SpdkClient(t.a_spdk.socket_path) as client:
+        client.nvmf_create_subsystem(EXPORT, serial_number="OPERATOR1", allow_any_host=True)
+    capsys.readouterr()
+    assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 5
+    assert f"SPDK's NVMe-oF subsystem {EXPORT} admits any host" in capsys.readouterr().err
+    assert t.a_spdk.subsystems[EXPORT].serial_number == "OPERATOR1"     # left as it was
+    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost"])
+    assert kinds(t, "b") == (None, [])

@@ -1,5 +1,7 @@
 """The planner's decisions and refusals on realistic host layouts."""
 
+import os
+
 import pytest
 
 from vstor.config import Config
@@ -454,3 +456,39 @@ def test_two_disks_of_one_domain_on_one_volume_are_both_readonly_or_refused(host
     both = plan_domain(host, SPDK_CFG, request(qsd_file(readonly="yes") + qsd_file(target="vdc", readonly="yes")),
                        Ledger())
     assert [d.target for d in both.disks] == ["vdb", "vdc"]
+
+
+def test_a_remote_disk_always_names_its_host_nqn(host_layout, tmp_path):
+    """Never SPDK's default (random at every start of SPDK's app): the
+    disk's hostnqn, else [nvmf] hostnqn, else the host's /etc/nvme/hostnqn,
+    else one made from /etc/machine-id (the same at every read); a host with
+    none of them is refused with the fix."""
+    import shutil
+    from vstor import records
+    from vstor.host.read import read_host
+    from vstor.host.sysfs import SysFS
+    root = str(tmp_path / "h")
+    shutil.copytree(host_layout("two-socket"), root, symlinks=True)
+
+    def nqns(cfg=SPDK_CFG, hostnqn=None):
+        disk = nvmf() if hostnqn is None else nvmf().replace("subnqn=", f"hostnqn='{hostnqn}' subnqn=")
+        plan = plan_domain(read_host(SysFS(root)), cfg, request(disk), Ledger())
+        return {p.hostnqn for p in plan.disks[0].attach}
+
+    made = nqns()
+    assert len(made) == 1 and made.pop().startswith("nqn.2014-08.org.nvmexpress:uuid:")
+    assert nqns() == nqns() != {None}                                   # made once, the same after
+    machine_id = open(f"{root}/etc/machine-id").read().strip()
+    assert machine_id[:8] not in str(nqns()).replace("-", "")           # the machine ID stays here
+    os.makedirs(f"{root}/etc/nvme")
+    with open(f"{root}/etc/nvme/hostnqn", "w") as f:
+        f.write("nqn.2014-08.org.nvmexpress:uuid:11111111-2222-3333-4444-555555555555\n")
+    assert nqns() == {"nqn.2014-08.org.nvmexpress:uuid:11111111-2222-3333-4444-555555555555"}
+    cfg = records.replace(SPDK_CFG, hostnqn="nqn.2026-01.example:cfg")
+    assert nqns(cfg) == {"nqn.2026-01.example:cfg"}
+    assert nqns(cfg, hostnqn="nqn.2026-01.example:disk") == {"nqn.2026-01.example:disk"}
+    os.unlink(f"{root}/etc/nvme/hostnqn")
+    os.unlink(f"{root}/etc/machine-id")
+    why = refused(read_host(SysFS(root)), SPDK_CFG, request(nvmf()))
+    assert "vdb: this host has no NVMe host NQN to attach with" in why and "[nvmf] hostnqn" in why
+    assert nqns(cfg) == {"nqn.2026-01.example:cfg"}

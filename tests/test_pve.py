@@ -453,6 +453,8 @@ def test_a_migration_source_gets_no_stop_phase_and_gc_releases_what_it_held(pve,
     try:
         assert pve.vstor("gc") == 0
         assert "Nothing to collect" in capsys.readouterr().out      # it runs: kept
+        assert pve.vstor("release", "pve-100") == 3                 # in use: 3, as on libvirt
+        assert "VM 100: it runs on this node; its backends are in use" in capsys.readouterr().err
     finally:
         qemu.kill()
         qemu.wait()

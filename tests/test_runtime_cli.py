@@ -5,6 +5,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import socket
 import tempfile
 
@@ -77,8 +79,11 @@ def test_status_shows_a_dead_daemon_and_names_unknown_domains(work, capsys):
     pid = int(open(f"{work.dir}/qsd/cli1-vdb.pid").read())
     os.kill(pid, signal.SIGKILL)
     capsys.readouterr()
-    assert vstor(work, "status", "cli1") == 0
+    assert vstor(work, "status", "cli1") == 1           # a problem reported is not success
     assert "PROBLEM: qemu-storage-daemon is not running" in capsys.readouterr().out
+    assert vstor(work, "status", "--json") == 1         # and --json still prints everything
+    rows = json.loads(capsys.readouterr().out)
+    assert [s["problem"] for s in rows[0]["steps"]] == ["qemu-storage-daemon is not running", None]
     assert vstor(work, "status", "nosuch") == 2
     assert "vstor holds nothing for domain 'nosuch'" in capsys.readouterr().err
 
@@ -218,3 +223,98 @@ def test_gc_leaves_what_is_not_provably_vstors(work, capsys):
         assert os.listdir(qsd) == ["other.conf"]
     finally:
         live.close()
+
+
+def test_a_damaged_record_refuses_starts_and_gc_leaves_what_it_may_own(work, capsys):
+    """The threat model: a record that cannot be read is not "holds nothing".
+    Another domain's start (its ledger) is refused, exit 4; status prints
+    everything else and exits 1; gc releases what it can prove stale and
+    leaves every file in vstor's directories (the damaged record may own
+    them), exit 4."""
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    os.makedirs(f"{work.dir}/state/domains", exist_ok=True)
+    with open(f"{work.dir}/state/domains/other.json", "w") as f:
+        f.write('{"key": "other", "domain": "other", "steps": [1]}')
+    capsys.readouterr()
+    assert vstor(work, "prepare", rendered) == 4
+    err = capsys.readouterr().err
+    assert "other.json is damaged" in err and "cannot be known" in err and "remove it" in err
+    assert not os.path.exists(f"{work.dir}/vhost/cli1-vdb")          # nothing made
+    os.rename(f"{work.dir}/state/domains/other.json", f"{work.dir}/other.json")
+    assert vstor(work, "prepare", rendered) == 0
+    os.rename(f"{work.dir}/other.json", f"{work.dir}/state/domains/other.json")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(f"{work.dir}/vhost/other-vdb")        # no readable record owns it
+    dead.close()
+    capsys.readouterr()
+    assert vstor(work, "status") == 1
+    out, err = capsys.readouterr()
+    assert "cli1: prepared" in out and "other.json is damaged" in err
+    assert vstor(work, "gc") == 4
+    out, err = capsys.readouterr()
+    assert "Releasing cli1 (not running)" in out and "other.json is damaged" in out
+    assert "gc left what 1 state records that cannot be read may hold" in err
+    assert os.listdir(f"{work.dir}/vhost") == ["other-vdb"]         # released cli1, left the rest
+    os.unlink(f"{work.dir}/state/domains/other.json")
+    assert vstor(work, "gc") == 0 and os.listdir(f"{work.dir}/vhost") == []
+
+
+@pytest.mark.parametrize("version", ["v24.01", "v26.09"])
+def test_in_use_is_exit_3_on_every_path(work, capsys, host_layout, version):
+    """One cause, one code: a release while libvirt says the domain runs,
+    and one while QEMU (the SPDK double's initiator) is still connected to
+    an SPDK disk, by hand, by gc and by the hook's release, are all exit 3
+    and leave everything; a forced release SPDK refuses or defers is too."""
+    from tests.doubles.spdk_target import SpdkTargetDouble
+    spdk = SpdkTargetDouble(f"{work.dir}/spdk.sock", f"{work.dir}/vhost", cores=tuple(range(64)),
+                            version=version)
+    spdk.add_fabric("TCP", "192.168.100.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1,))
+    spdk.start()
+    with open(work.conf, "a") as f:
+        f.write(f"[cpu]\nreactors = 2,18\n[spdk]\nrpc_socket = {spdk.socket_path}\ntimeout = 1\n")
+    xml = os.path.join(work.dir, "spdk.xml")
+    with open(xml, "w") as f:
+        f.write(f"""<domain type='kvm'><name>cli1</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
+          <vstor:disk target='vdb'><vstor:nvmf transport='tcp' traddr='192.168.100.8'
+            subnqn='nqn.2016-06.io.spdk:cnode1'/></vstor:disk>
+          </vstor:vstor></metadata><os><type>hvm</type></os><devices/></domain>""")
+    host = ["-c", "test:///default", "--config", work.conf, "--host-root", host_layout("two-socket")]
+    try:
+        rendered = os.path.join(work.dir, "r.xml")
+        assert main([*host, "render", xml, "-o", rendered]) == 0
+        assert main([*host, "prepare", rendered]) == 0, capsys.readouterr().err
+        conn = libvirt.open("test:///default")
+        dom = conn.defineXML("<domain type='test'><name>cli1</name><memory>262144</memory>"
+                             "<os><type>hvm</type></os></domain>")
+        dom.create()
+        capsys.readouterr()
+        assert main([*host, "release", "cli1"]) == 3                 # libvirt says it runs
+        assert "domain 'cli1' is running; its backends are in use" in capsys.readouterr().err
+        dom.destroy()
+        dom.undefine()
+        conn.close()
+        spdk.mark_connected("cli1-vdb")                             # yet QEMU is connected
+        assert main([*host, "release", "cli1"]) == 3
+        assert "still using its storage: QEMU is connected" in capsys.readouterr().err
+        assert main([*host, "gc"]) == 3
+        out, err = capsys.readouterr()
+        assert "Leaving cli1: domain 'cli1' is still using its storage" in out
+        assert "gc left cli1: not running, yet its storage is still in use" in err
+        hook = subprocess.run([sys.executable, "-c", "import sys; from vstor.hook import run; "
+                               "sys.exit(run(sys.argv[1:], open(sys.argv[-1], 'rb').read()))",
+                               "cli1", "release", "end", "-", rendered],
+                              env={**os.environ, "VSTOR_CONFIG": work.conf,
+                                   "VSTOR_HOST_ROOT": host_layout("two-socket"),
+                                   "PYTHONPATH": os.getcwd()}, capture_output=True, text=True, timeout=60)
+        assert hook.returncode == 3 and "still using its storage" in hook.stderr
+        assert main([*host, "release", "--force", "cli1"]) == 3     # SPDK refuses or defers it
+        assert "an initiator (QEMU) is still connected" in capsys.readouterr().err
+        assert [s["kind"] for s in json.loads(open(f"{work.dir}/state/domains/cli1.json").read())["steps"]] \
+            == ["spdk-attach", "spdk-vhost"]
+        spdk.mark_connected("cli1-vdb", False)
+        assert main([*host, "release", "cli1"]) == 0
+        assert spdk.vhost == {} and spdk.nvme == {}
+    finally:
+        spdk.stop()

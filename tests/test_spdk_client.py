@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from tests.doubles.spdk_target import check_params, load_facts, spdk_target_double  # noqa: F401
-from vstor.errors import EXIT_ACTION_FAILED, EXIT_UNAVAILABLE, ActionFailed, Unavailable
+from vstor.errors import EXIT_ACTION_FAILED, EXIT_UNAVAILABLE, ActionFailed, InUse, Unavailable
 from vstor.backends.spdk import SpdkClient, SpdkRpcError
 
 SUBNQN = "nqn.2016-06.io.spdk:cnode1"
@@ -185,10 +185,10 @@ def test_delete_refused_while_qemu_is_connected(spdk, client):
     client.attach_nvme_controller("nvme0", "PCIe", "0000:5e:00.0")
     client.vhost_create_blk_controller("vm1-vdb", "nvme0n1")
     spdk.mark_connected("vm1-vdb")
-    with pytest.raises(SpdkRpcError) as e:
+    with pytest.raises(InUse) as e:         # SPDK's -32602 "Device or resource busy": in use, exit 3
         client.vhost_delete_controller("vm1-vdb")
-    assert (e.value.code, e.value.rpc_message) == (-32602, "Device or resource busy")
-    assert "stop the domain first" in str(e.value)
+    assert e.value.exit_code == 3 and "an initiator (QEMU) is still connected" in str(e.value)
+    assert "stop the domain's QEMU" in str(e.value)
     spdk.mark_connected("vm1-vdb", False)
     client.vhost_delete_controller("vm1-vdb")
 

@@ -160,12 +160,24 @@ def test_a_multipath_domain_gets_every_path_or_is_refused(site):
 
 
 def test_a_path_a_controller_vstor_did_not_make_has_is_refused_before_anything_changes(site, capsys):
-    """An operator's own controller to the same target (rpc.py
-    bdev_nvme_attach_controller -b nvme0 ...): SPDK would refuse vstor's
-    attach half-way; vstor names it before the first change."""
+    """An operator's own controller to the same target with this host's NQN
+    (rpc.py bdev_nvme_attach_controller -b nvme0 ... -q <it>): SPDK would
+    refuse vstor's attach half-way; vstor names it before the first change.
+    One with SPDK's default NQN is another connection: vstor, which always
+    names its host NQN, attaches beside it."""
     from vstor.backends.spdk import SpdkClient
-    SpdkClient(site.spdk.socket_path).attach_nvme_controller(
-        name="nvme0", trtype="RDMA", traddr="127.0.0.2", trsvcid="4420", subnqn=NQN)
+    from vstor.host.read import read_hostnqn
+    from vstor.host.sysfs import SysFS
+    client = SpdkClient(site.spdk.socket_path)
+    client.attach_nvme_controller(name="nvme1", trtype="RDMA", traddr="127.0.0.2", trsvcid="4420",
+                                  subnqn=NQN)
+    assert vstor(site, "prepare", rendered(site, "b", nvmf("127.0.0.2"))) == 0
+    hostnqn = read_hostnqn(SysFS(site.host))
+    assert [p.get("hostnqn") for p in site.spdk.params_of("bdev_nvme_attach_controller")] == [None, hostnqn]
+    assert vstor(site, "release", "--force", "b") == 0
+    client.detach_nvme_controller("nvme1")
+    client.attach_nvme_controller(name="nvme0", trtype="RDMA", traddr="127.0.0.2", trsvcid="4420",
+                                  subnqn=NQN, hostnqn=hostnqn)
     sent = len(site.spdk.requests)
     capsys.readouterr()
     assert vstor(site, "prepare", rendered(site, "a", nvmf("127.0.0.2"))) == EXIT_DOES_NOT_FIT

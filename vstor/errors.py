@@ -58,6 +58,13 @@ class DoesNotFit(VstorError):
         self.reasons = reasons
 
 
+class InUse(DoesNotFit):
+    """What the request would take or undo is in use: a domain or VM that
+    runs, a QEMU still connected to a backend, a start or migration under
+    way.  One class on every path (release, gc, detach, the hooks), so "in
+    use" is one exit code: does not fit, 3."""
+
+
 class Unavailable(VstorError):
     """A component vstor needs cannot be reached (libvirt, SPDK, qsd)."""
 

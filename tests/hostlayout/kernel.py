@@ -31,6 +31,10 @@ def write_procfs(b: Build) -> None:
     t = b.t
     t.write("/proc/cmdline", b.cmdline)
     t.write("/proc/sys/kernel/hostname", b.layout.get("hostname", "vstor-test"))
+    # Every installed host has one (systemd-machine-id-setup); vstor's host
+    # NQN is made from it when there is no /etc/nvme/hostnqn.
+    import hashlib
+    t.write("/etc/machine-id", hashlib.md5(b.layout.get("hostname", "vstor-test").encode()).hexdigest())
     t.write("/proc/swaps", "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority" + "".join(
         f"\n{dev:<40}partition\t{kib}\t\t0\t\t-2" for dev, kib in b.swaps))
     processes = {1: "systemd", 2: "kthreadd", 512: "systemd-journal", 801: "sshd",

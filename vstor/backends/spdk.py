@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 from vstor.backends.spdk_app import (_TRANSPORT_ERRORS, CONFIG_FILE, DEFAULT_SOCKET,
                                      DEFAULT_VHOST_DIR, connect)
-from vstor.errors import ActionFailed, Unavailable
+from vstor.errors import ActionFailed, InUse, Unavailable
 
 # JSON-RPC error codes SPDK uses (include/spdk/jsonrpc.h).
 METHOD_NOT_FOUND = -32601
@@ -225,7 +225,7 @@ class SpdkClient:
         v24.09 it sends no answer and retries until QEMU disconnects (logging
         a line per retry), then deletes and drops the answer.  So the request
         gets a short timeout, and then vstor watches vhost_get_controllers for
-        up to `wait` seconds: gone is done; still there is an ActionFailed
+        up to `wait` seconds: gone is done; still there is an InUse
         saying SPDK will finish when QEMU lets go.  Callers check `sessions`
         first and do not send this while QEMU is connected."""
         try:
@@ -234,6 +234,10 @@ class SpdkClient:
         except SpdkRpcError as e:
             if e.code == INVALID_PARAMS and e.rpc_message == os.strerror(errno.ENODEV):
                 return      # gone already (an earlier, deferred delete finished)
+            if e.code == INVALID_PARAMS and e.rpc_message == os.strerror(errno.EBUSY):
+                raise InUse(f"SPDK refused deleting vhost controller {ctrlr}: an initiator (QEMU) "
+                            "is still connected", hint="stop the domain's QEMU, then run vstor "
+                                                       "release again") from None
             raise
         except Unavailable as e:
             if "no answer" not in e.message:
@@ -241,9 +245,9 @@ class SpdkClient:
         deadline = time.monotonic() + wait
         while self.vhost_get_controllers(ctrlr):
             if time.monotonic() >= deadline:
-                raise ActionFailed(f"SPDK deferred deleting vhost controller {ctrlr}: an initiator "
-                                   "(QEMU) is still connected, and SPDK deletes it when it disconnects",
-                                   hint="stop the domain's QEMU, then run vstor release again")
+                raise InUse(f"SPDK deferred deleting vhost controller {ctrlr}: an initiator "
+                            "(QEMU) is still connected, and SPDK deletes it when it disconnects",
+                            hint="stop the domain's QEMU, then run vstor release again")
             time.sleep(0.1)
 
     def vhost_sessions(self, ctrlr: str) -> int | None:

@@ -11,7 +11,7 @@ import re
 import sys
 from contextlib import nullcontext
 
-from vstor.errors import BadInput, DoesNotFit
+from vstor.errors import BadInput, DoesNotFit, InUse
 
 
 def register(sub) -> None:
@@ -99,7 +99,7 @@ def cmd_apply(ctx, args) -> int:
         return _apply(ctx, args, node)
     with nullcontext() if args.dry_run else node.lock(vm):     # as `qm set` does
         if node.running(vm):
-            raise DoesNotFit(f"VM {vm} is running; its backends are in use and its config was read "
+            raise InUse(f"VM {vm} is running; its backends are in use and its config was read "
                              "at its start", hint=f"stop it first (qm shutdown {vm}), then apply")
         return _apply(ctx, args, node)
 

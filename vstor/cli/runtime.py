@@ -7,7 +7,7 @@ import os
 import sys
 
 from vstor.cli.hooks import register as hooks_register
-from vstor.errors import BadInput, DoesNotFit
+from vstor.errors import BadInput, InUse
 
 def register(sub) -> None:
     p = sub.add_parser("status", help="what vstor holds on this host, per domain")
@@ -71,10 +71,13 @@ def cmd_status(ctx, args) -> int:
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
              "steps": [{"step": s, "state": st, "problem": p} for s, st, p in health(rt, r)]}
             for r in records]
+    # Like doctor's failed check: a step with a problem, or a record that
+    # cannot be read, is exit 1 once everything has been printed.
+    code = 1 if damaged or any(s["problem"] for row in rows for s in row["steps"]) else 0
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()
-        return 0
+        return code
     if not rows:
         print("vstor holds nothing on this host")
     for row in rows:
@@ -96,7 +99,7 @@ def cmd_status(ctx, args) -> int:
         for s in row["steps"]:
             mark = "ok" if s["problem"] is None else f"PROBLEM: {s['problem']}"
             print(f"  {s['step']}: {mark}")
-    return 0
+    return code
 
 
 def _libvirt_says(ctx, names: list[str]) -> dict[str, str]:
@@ -185,7 +188,7 @@ def cmd_release(ctx, args) -> int:
         # Under the VM's config lock: no start between the check and the release.
         with RunGuard(node, args.domain) as why:
             if why:
-                raise DoesNotFit(f"VM {vmid_of(args.domain)}: {why}; its backends are in use",
+                raise InUse(f"VM {vmid_of(args.domain)}: {why}; its backends are in use",
                                  hint="stop it first (post-stop then releases), or --force")
             return _release(ctx, args)
     return _release(ctx, args)
@@ -200,7 +203,7 @@ def _release(ctx, args) -> int:
             raise Unavailable(f"cannot tell from libvirt whether domain '{args.domain}' runs",
                               hint="start libvirtd, or --force if you know it is stopped")
         if running:
-            raise BadInput(f"domain '{args.domain}' is running; its backends are in use",
+            raise InUse(f"domain '{args.domain}' is running; its backends are in use",
                            hint="stop it first (the hook then releases), or --force")
     key = _key_of(ctx, args.domain)
     print(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
@@ -213,9 +216,13 @@ def _release(ctx, args) -> int:
 
 
 def _key_of(ctx, name: str) -> str:
-    for rec in _state(ctx).records():
+    damaged: list[str] = []
+    for rec in _state(ctx).records(damaged):
         if rec.domain == name:
             return rec.key
+    if damaged:     # one of them may be this domain's
+        from vstor.runtime.state import DamagedRecord
+        raise DamagedRecord(f"{damaged[0]}; it may be domain '{name}''s")
     from vstor.meta.names import is_safe_name
     if not is_safe_name(name):
         raise BadInput(f"vstor holds nothing for domain '{name}'")

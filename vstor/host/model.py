@@ -141,6 +141,7 @@ class Host:
     vfio_available: bool = False    # vfio-pci driver or module present
     thp: str = ""                   # transparent hugepages mode: always|madvise|never
     irqbalance_running: bool | None = False     # None: not looked at (read_host)
+    hostnqn: str | None = None      # the NVMe host NQN SPDK attaches with (read_hostnqn)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def controller(self, address: str) -> NvmeController | None:

@@ -45,7 +45,34 @@ def read_host(sysfs: SysFS, processes: bool = True) -> Host:
                         or sysfs.exists("/sys/module/vfio_pci")),
         thp=bracketed(sysfs.read("/sys/kernel/mm/transparent_hugepage/enabled", "", optional=True)),
         irqbalance_running=irqbalance_running(sysfs) if processes else None,
+        hostnqn=read_hostnqn(sysfs),
     )
+
+
+HOSTNQN_FILE = "/etc/nvme/hostnqn"
+MACHINE_ID = "/etc/machine-id"
+_NQN = re.compile(r"nqn\.[!-~]{1,219}")
+
+
+def read_hostnqn(sysfs: SysFS) -> str | None:
+    """This host's NVMe host NQN, what SPDK attaches with unless a disk or
+    [nvmf] hostnqn names one: the host's own (/etc/nvme/hostnqn, which
+    nvme-cli writes once at install and NVMe-oF targets already allow), or
+    else one made from the machine ID, the same at every boot without any
+    file of vstor's (the state directory is on /run), the ID itself hashed
+    as systemd's application-specific IDs are, so it never leaves the host;
+    None when the host has neither (the planner then asks for one)."""
+    given = sysfs.read(HOSTNQN_FILE, "", optional=True)
+    if given and _NQN.fullmatch(given):
+        return given
+    machine = sysfs.read(MACHINE_ID, "", optional=True)
+    if not re.fullmatch(r"[0-9a-f]{32}", machine or ""):
+        return None
+    import hashlib
+    import hmac
+    import uuid
+    digest = hmac.new(bytes.fromhex(machine), b"vstor NVMe host NQN", hashlib.sha256).digest()
+    return f"nqn.2014-08.org.nvmexpress:uuid:{uuid.UUID(bytes=digest[:16], version=4)}"
 
 
 def bracketed(text: str) -> str:

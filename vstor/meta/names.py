@@ -97,6 +97,16 @@ def nvme_path(trtype, traddr, trsvcid, subnqn, hostnqn=None) -> str:
     return f"{str(trtype).upper()} {str(where).lower()} {subnqn or ''} {hostnqn or ''}".strip()
 
 
+#: The subsystem NQNs of vstor's migration exports: only a migration's
+#: import names one, never a domain's metadata (planner.check_request).
+MIGRATION_SUBNQN = "nqn.2016-06.io.vstor:migrate:"
+
+
+def migration_subnqn(safe_name: str, target: str) -> str:
+    """The subsystem a migration exports a domain's local NVMe disk as."""
+    return f"{MIGRATION_SUBNQN}{safe_name}-{target}"
+
+
 def bdev_name(controller: str, namespace: int) -> str:
     """SPDK names a controller's namespaces <controller>n<nsid>."""
     return f"{controller}n{namespace}"

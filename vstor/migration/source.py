@@ -11,6 +11,7 @@ from vstor import records
 from vstor.config import Config
 from vstor.errors import DoesNotFit
 from vstor.meta.document import Domain
+from vstor.meta.names import MIGRATION_SUBNQN, migration_subnqn
 from vstor.migration import storage
 from vstor.migration.peer import Peer
 from vstor.migration.verdict import MAKE_READY, Verdict, judge
@@ -20,7 +21,7 @@ def imported(plan) -> dict:
     """target -> the NVMe-oF namespace a disk of this host's plan reads
     another host's local NVMe through (it arrived here by migration)."""
     return {d.target: d.source for d in plan.disks
-            if d.source.kind == "nvmf" and d.source.subnqn.startswith("nqn.2016-06.io.vstor:migrate:")}
+            if d.source.kind == "nvmf" and d.source.subnqn.startswith(MIGRATION_SUBNQN)}
 
 
 def plan_of(dom: Domain):
@@ -49,17 +50,18 @@ def check(cfg: Config, dom: Domain, peer: Peer, sysfs) -> Verdict:
     return _check(cfg, dom, peer, sysfs)[0]
 
 
-def _check(cfg: Config, dom: Domain, peer: Peer, sysfs, cold: bool = False):
-    """(verdict, the destination's answer, its SPDK's host NQN).  Local NVMe
-    under SPDK is asked about as the NVMe-oF namespace this host would
-    export it as, which needs the destination's host NQN first."""
+def _check(cfg: Config, dom: Domain, peer: Peer, sysfs, cold: bool = False,
+           hostnqn: str | None = None):
+    """(verdict, the destination's answer, the migration's host NQN).  Local
+    NVMe under SPDK is asked about as the NVMe-oF namespace this host would
+    export it as, to the migration's own host NQN (`hostnqn`, or a new one)."""
     plan = plan_of(dom)
     files = files_to_check(cfg, plan, sysfs)
     facts = {t: storage.shared(f) for t, f in files.items()}
-    hostnqn, imports = None, {}
+    imports = {}
     if not cold and cfg.export_address and any(d.source.kind == "nvme" and d.backend == "spdk"
                                                for d in plan.disks):
-        hostnqn = expect(peer.call("facts"), "hostnqn", str, None)
+        hostnqn = hostnqn or new_hostnqn()
         imports = {t: x for t, (_, x) in exports_for(cfg, dom, plan, hostnqn).items()}
     there = peer.call("check", xml=dom.to_string(), files=files, imports=imports, cold=cold)
     said = expect(there, "seen", dict, {})
@@ -108,6 +110,27 @@ def _mismatches(plan, theirs: dict, host: str) -> list[str]:
     return out
 
 
+def new_hostnqn() -> str:
+    """A host NQN for one migration alone: what its exports admit, and what
+    the destination's SPDK attaches them with.  Not the destination's own
+    host NQN (every domain there attaches with that one, so any of them
+    could reach the export by its predictable name after the move): a
+    random UUID nobody can guess, recorded in the export steps here and in
+    the arriving domain's plan there."""
+    import uuid
+    return f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+
+
+def recorded_hostnqn(state, dom: Domain) -> str | None:
+    """The host NQN an earlier run of this migration's prepare exported to
+    (a re-run keeps it: the destination may have attached with it)."""
+    from vstor.runtime.lifecycle import own_record
+    rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
+    hosts = sorted({e["data"].get("host") for e in (rec.steps if rec else ())
+                    if e.get("kind") == "nvmf-export"} - {None})
+    return hosts[0] if hosts else None
+
+
 def exports_for(cfg: Config, dom: Domain, plan, hostnqn: str | None) -> dict:
     """target -> (the NvmfExport step, the import the destination plans with)
     for each local NVMe disk under SPDK; {} until both ends are known."""
@@ -117,7 +140,7 @@ def exports_for(cfg: Config, dom: Domain, plan, hostnqn: str | None) -> dict:
     out = {}
     for d in plan.disks:
         if d.source.kind == "nvme" and d.backend == "spdk" and d.mode == "vhost":
-            nqn = f"nqn.2016-06.io.vstor:migrate:{dom.safe_name}-{d.target}"
+            nqn = migration_subnqn(dom.safe_name, d.target)
             adrfam = "IPv6" if ":" in cfg.export_address else "IPv4"
             step = NvmfExport(nqn, d.bdev, cfg.export_transport.upper(), adrfam,
                               cfg.export_address, cfg.export_port, hostnqn)
@@ -132,7 +155,8 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
     """The destination's backends made and held, local NVMe exported to it
     first; the XML the domain will arrive with.  Refused, with every reason,
     unless the verdict allows it; a failure on either side undoes both."""
-    verdict, there, hostnqn = _check(cfg, dom, peer, rt.sysfs, cold)
+    verdict, there, hostnqn = _check(cfg, dom, peer, rt.sysfs, cold,
+                                     None if cold else recorded_hostnqn(state, dom))
     elsewhere = recorded_destination(state, dom.name)
     if elsewhere not in (None, peer.host):
         raise DoesNotFit(f"domain '{dom.name}' is already prepared to migrate to {elsewhere}",
@@ -159,9 +183,6 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
         if not cfg.export_address:
             raise DoesNotFit(f"domain '{dom.name}' has local NVMe to export to {peer.host}, and this "
                              "host has no export address", hint=f"set [migrate] export_address in {cfg.file}")
-        if not hostnqn:
-            raise DoesNotFit(f"{peer.host} names no host NQN for its SPDK, and an export allows "
-                             "only a named host", hint=f"set [nvmf] hostnqn in vstor.conf on {peer.host}")
         exports = exports_for(cfg, dom, plan_of(dom), hostnqn)
     added = _export(state, dom, rt, [step for step, _ in exports.values()]) if exports else []
     try:

@@ -14,7 +14,7 @@ from vstor.host.model import Host, format_cpulist
 from vstor.meta.document import Domain
 from vstor.meta.intent import Intent, NvmfSource
 from vstor.meta.metadata import digest
-from vstor.meta.names import bdev_name, socket_path, spdk_controller_name
+from vstor.meta.names import MIGRATION_SUBNQN, bdev_name, socket_path, spdk_controller_name
 from vstor.meta.plan import DiskPlan, Plan
 from vstor.planner.disks import DiskChoice, NoFit, choose_all
 from vstor.planner.ledger import Ledger
@@ -106,6 +106,11 @@ def check_request(req: Request) -> None:
     if req.intent.vm.cpus == "external" and not req.external_cpus:
         raise BadInput(f"{req.who}: cpus='external' is for Nova instances (Nova pins their vCPUs); "
                        "vstor places every other domain's", hint="use cpus='dedicated' or 'shared'")
+    for d in req.intent.disks:
+        if d.source.kind == "nvmf" and d.source.subnqn.startswith(MIGRATION_SUBNQN):
+            raise BadInput(f"{req.who}: disk {d.target} names {d.source.subnqn}, a subsystem vstor "
+                           "exports for a migration: only that migration's destination reads it",
+                           hint="name the domain's own NVMe-oF subsystem")
 
 
 def _check_config(cfg: Config) -> None:
@@ -228,7 +233,7 @@ def disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor: tuple[int, str]
     if c.mode == "vhost":
         socket = socket_path(cfg.vhost_dir, req.safe_name, d.target)
     if c.backend == "spdk":
-        attach = attach_paths(cfg, d.source)
+        attach = c.attach or attach_paths(cfg, d.source)
         spdk_ctrl = spdk_controller_name(d.source, attach)
         bdev = bdev_name(spdk_ctrl, d.source.namespace)
         if reactor:

@@ -13,7 +13,7 @@ from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.meta.names import inside, volume_keys
 from vstor.planner.ledger import Ledger
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
-from vstor.planner.spdk_paths import connections_of
+from vstor.planner.spdk_paths import attach_paths, connections_of, host_nqn
 from vstor.records import record
 
 
@@ -29,6 +29,7 @@ class DiskChoice:
     bind: bool = False         # vstor moves the controller to vfio-pci
     device: str | None = None  # qsd on a namespace: its block device
     connections: tuple[tuple[str, str], ...] = ()   # NVMe-oF: (path, SPDK controller)
+    attach: tuple = ()         # NVMe-oF: bdev_nvme_attach_controller's parameters per path
 
 
 @record
@@ -116,7 +117,13 @@ def _nvmf(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger, taken: _Tak
         return NoFit(f"{t}: namespace {src.namespace} of {src.subnqn} at {src.traddr}:{src.trsvcid} "
                      f"is already used by domain '{other}'; two writers would corrupt it "
                      "(make both readonly='yes' or pick another)")
-    connections, reason = connections_of(cfg, src, ledger, taken.connections)
+    hostnqn = host_nqn(cfg, host, src)
+    if not hostnqn:
+        return NoFit(f"{t}: this host has no NVMe host NQN to attach with (no /etc/nvme/hostnqn, "
+                     "no /etc/machine-id), and SPDK's default one changes at every start of SPDK; "
+                     "set [nvmf] hostnqn in vstor.conf, or give the disk hostnqn=")
+    attach = attach_paths(cfg, src, hostnqn)
+    connections, reason = connections_of(src, attach, ledger, taken.connections)
     if reason:
         return NoFit(f"{t}: {reason}")
     reasons = [f"NVMe-oF over {src.transport.upper()}: vhost-user-blk from SPDK "
@@ -127,7 +134,7 @@ def _nvmf(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger, taken: _Tak
     if why:
         reasons.append(why)
     return DiskChoice(disk, "vhost", "spdk", None, node, node_from, tuple(reasons),
-                      connections=connections)
+                      connections=connections, attach=attach)
 
 
 def _nic_node(host: Host, src) -> tuple[int | None, str, str | None]:

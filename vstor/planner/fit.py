@@ -18,10 +18,12 @@ from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
+from vstor.meta.names import migration_subnqn
 from vstor.meta.plan import Plan
 from vstor.planner import Request, candidate_nodes, check_request, disk_plan, grow_pool, page_size
 from vstor.planner.disks import NoFit, choose_all
 from vstor.planner.ledger import Ledger
+from vstor.planner.spdk_paths import attach_paths
 from vstor.planner.placement import (cpu_problems, place_cpus, place_hugepages, place_memory,
                                      reactor_candidates)
 
@@ -73,7 +75,7 @@ def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
     req = records.replace(req, imports=tuple(
         (d.target, planned[d.target].source) for d in req.intent.disks
         if d.source.kind == "nvme" and planned[d.target].source.kind == "nvmf"
-        and planned[d.target].source.subnqn == f"nqn.2016-06.io.vstor:migrate:{req.safe_name}-{d.target}"))
+        and planned[d.target].source.subnqn == migration_subnqn(req.safe_name, d.target)))
     pinned = []
     for d in req.disks():
         was = planned[d.target]
@@ -94,6 +96,8 @@ def _disks(cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]
     out = []
     for c in choices:
         was = planned[c.disk.target]
+        if default_hostnqn(was):    # recorded before vstor always named one: as it was (advice)
+            c = records.replace(c, attach=attach_paths(cfg, c.disk.source))
         now = disk_plan(cfg, req, c, None)
         for f in records.fields(now):
             if f.name not in ("reactor", "reasons") and getattr(now, f.name) != getattr(was, f.name):
@@ -103,6 +107,19 @@ def _disks(cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]
             out.append(f"{was.target}: socket {was.socket} belongs to running domain "
                        f"'{running.sockets[was.socket]}'")
     return out
+
+
+def advice(req: Request, plan: Plan) -> list[str]:
+    """What the start check says without refusing: a remote disk whose plan
+    was recorded before vstor always sent a host NQN attaches with SPDK's
+    default one, as it did; re-planning records this host's."""
+    return [f"{d.target}: attaches with SPDK's default host NQN, which SPDK makes anew at every "
+            f"start of its app (no target can be told to allow it); run {req.fix} to plan it with "
+            "this host's NQN" for d in plan.disks if default_hostnqn(d)]
+
+
+def default_hostnqn(d) -> bool:
+    return d.source.kind == "nvmf" and any(p.hostnqn is None for p in d.attach)
 
 
 def _show(value) -> str:

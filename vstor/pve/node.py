@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from vstor.atomic import write_file
 from vstor.config import Config
-from vstor.errors import BadInput, DoesNotFit, Unavailable
+from vstor.errors import BadInput, InUse, Unavailable
 from vstor.pve import storage as storage_mod
 from vstor.pve.config import MAX_BYTES, PveConfig
 
@@ -69,7 +69,7 @@ class Node:
     def lock(self, vm: int, wait: bool = True, timeout: float = LOCK_SECONDS):
         """qemu-server's lock of the VM's config (flock on
         lock-<VMID>.conf): held by every start, stop, migration and `qm set`.
-        DoesNotFit when somebody holds it longer than `timeout` seconds (as
+        InUse when somebody holds it longer than `timeout` seconds (as
         qemu-server gives up), or at once with wait=False."""
         path = os.path.join(self.cfg.pve_lock_dir, f"lock-{vm}.conf")
         try:
@@ -87,7 +87,7 @@ class Node:
                     if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                         raise
                 if time.monotonic() >= deadline:
-                    raise DoesNotFit(f"VM {vm}'s config is locked: a start, stop, migration or "
+                    raise InUse(f"VM {vm}'s config is locked: a start, stop, migration or "
                                      "config change is under way", hint="try again when it is done")
                 time.sleep(0.1)
             yield
@@ -184,7 +184,7 @@ class RunGuard:
         lock = self.node.lock(self.vm, wait=False)
         try:
             lock.__enter__()
-        except DoesNotFit:
+        except InUse:
             return "its config is locked (a start, stop or migration is under way)"
         self._lock = lock
         try:

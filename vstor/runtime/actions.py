@@ -149,8 +149,8 @@ class QsdExport:
 class NvmfExport:
     """A bdev exported over NVMe-oF by this host's SPDK for a migration's
     destination (local NVMe made migratable): one subsystem, its one
-    namespace, one listener, and only the destination's host NQN allowed
-    (never allow_any_host).  SPDK takes the namespace only after the vhost
+    namespace, one listener, and only the migration's own host NQN allowed
+    (never allow_any_host; migration.source.new_hostnqn).  SPDK takes the namespace only after the vhost
     controller has the bdev (the other order fails: "already claimed")."""
     nqn: str
     bdev: str

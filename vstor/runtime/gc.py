@@ -12,7 +12,7 @@ from contextlib import nullcontext
 from typing import Callable
 
 from vstor.config import Config
-from vstor.errors import VstorError
+from vstor.errors import InUse, Unavailable, VstorError
 from vstor.meta.names import is_disk_name
 from vstor.runtime import actions
 from vstor.runtime.lifecycle import Runtime, release
@@ -48,6 +48,7 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
         if state.busy(rec.key):
             say(f"Leaving {rec.domain}: a vstor run for it is under way")
             stale.remove(rec)
+    in_use: list[str] = []
     for rec in stale:
         with guard(rec) if guard else nullcontext() as why:
             if why:
@@ -59,8 +60,20 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
                     say(f"Leaving {rec.domain}: {why}")
                     continue
                 say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
-                release(rt, state, rec.key, progress=step, drop_exports=True)    # still needed: left above
-    orphans, foreign = orphan_files(rt.cfg, state)
+                try:
+                    release(rt, state, rec.key, progress=step, drop_exports=True)  # still needed: left above
+                except InUse as e:      # a QEMU still connected: the others are collected all the same
+                    say(f"Leaving {rec.domain}: {e}")
+                    in_use.append(rec.domain)
+                except Unavailable as e:
+                    if not damaged:
+                        raise
+                    say(f"Leaving what {rec.domain} shares: {e}")     # said again at the end
+    if damaged:     # a record nobody can read may own any of them
+        orphans, foreign = [], [(d, "a state record that cannot be read may own what is there")
+                                for d in (rt.cfg.vhost_dir, rt.cfg.qsd_dir)]
+    else:
+        orphans, foreign = orphan_files(rt.cfg, state)
     for path in orphans:
         say(f"{'Would remove' if rt.dry_run else 'Removing'} orphan {path}")
         if not rt.dry_run:
@@ -69,6 +82,14 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
         say(f"Leaving {path}: {why}")
     for what in spdk_leftovers(rt.cfg, state):
         say(f"Leaving {what}")
+    if damaged:
+        from vstor.runtime.state import DamagedRecord
+        raise DamagedRecord(f"gc left what {len(damaged)} state records that cannot be read may "
+                            "hold, and every file in vstor's directories",
+                            hint="inspect each, undo by hand what it lists, remove it, then vstor gc again")
+    if in_use:
+        raise InUse(f"gc left {', '.join(in_use)}: not running, yet its storage is still in use",
+                    hint="stop what is connected (a QEMU libvirt no longer knows?), then vstor gc again")
     return bool(stale or orphans)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from vstor.errors import ActionFailed, BadInput, DoesNotFit
+from vstor.errors import ActionFailed, BadInput, DoesNotFit, InUse
 from vstor.host.model import Host
 from vstor.host.read import read_host
 from vstor.meta import metadata
@@ -31,7 +31,7 @@ from vstor.records import replace
 from vstor.render.libvirt import device_xml
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
-from vstor.runtime.journal import Journal
+from vstor.runtime.journal import Journal, undo_failed
 from vstor.runtime.lifecycle import Runtime, own_record, plan_of, running_ledger
 from vstor.runtime.recorded import private_only
 from vstor.runtime.state import PREPARED, StateDir
@@ -148,14 +148,15 @@ def _release_disk(rt: Runtime, state: StateDir, dom: Domain, target: str, mine, 
     for step in steps:
         why = executor.in_use(step, rt) if actions.identity(step) in mine and not rt.force else None
         if why:
-            raise DoesNotFit(f"domain '{dom.name}': {target} is gone from the guest but {why}",
+            raise InUse(f"domain '{dom.name}': {target} is gone from the guest but {why}",
                              hint=f"retry vstor detach {dom.name} {target} in a moment")
+    journal = Journal(state, rec, rt, progress)
     errors = _undo_steps(rt, state, rec, lambda i, _entry: actions.identity(steps[i]) not in mine,
-                         progress)
+                         progress, journal=journal)
     if errors:
-        raise ActionFailed(f"domain '{dom.name}': {target} left the guest, but undoing its "
-                           f"backend failed: {'; '.join(errors)}",
-                           hint=f"fix the cause, then: vstor detach {dom.name} {target}")
+        raise undo_failed(journal, f"domain '{dom.name}': {target} left the guest, but undoing its "
+                                   f"backend failed: {'; '.join(errors)}",
+                          f"fix the cause, then: vstor detach {dom.name} {target}")
 
 
 def _unplugged(guest, dom: Domain, say) -> Domain:
@@ -205,11 +206,12 @@ def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan
     return True
 
 
-def _undo_steps(rt: Runtime, state: StateDir, rec, keep, progress, holding: dict | None = None) -> list[str]:
+def _undo_steps(rt: Runtime, state: StateDir, rec, keep, progress, holding: dict | None = None,
+                journal: Journal | None = None) -> list[str]:
     """Undo the record's steps but those keep(index, entry) names; the
     record stays the running domain's (prepared, holding `holding` when
     given).  What could not be undone, as the journal's rollback says it."""
-    errors = Journal(state, rec, rt, progress).rollback(keep=keep)
+    errors = (journal or Journal(state, rec, rt, progress)).rollback(keep=keep)
     rec.status = PREPARED
     if holding is not None:
         rec.holding = holding

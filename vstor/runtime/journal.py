@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from vstor.errors import ActionFailed, VstorError
+from vstor.errors import ActionFailed, InUse, Unavailable, VstorError
 from vstor.runtime.state import PREPARED, RELEASING, Record, StateDir
 
 DOING, DONE = "doing", "done"
@@ -37,6 +37,8 @@ class Journal:
         self.rt = rt
         self._progress = progress or (lambda _msg: None)
         self.x = executor
+        self.failures: list[BaseException] = []     # what the last rollback's undos raised
+        self._damaged: list[str] = []               # the records it could not read
 
     def progress(self, message: str) -> None:
         """Best effort: a reader that went away (a closed pipe) must not stop
@@ -156,9 +158,14 @@ class Journal:
         stay, recorded, for a later release or gc."""
         self.rec.status = RELEASING
         self.state.save(self.rec)
-        # What every other domain holds: a shared controller stays while one uses it.
-        others = [r for r in self.state.records() if r.key != self.rec.key]
+        # What every other domain holds: a shared controller stays while one
+        # uses it.  With a damaged record nobody can tell, so only what is
+        # the domain's own alone is undone (_undo_all).
+        damaged: list[str] = []
+        others = [r for r in self.state.records(damaged) if r.key != self.rec.key]
+        self._damaged = damaged
         errors: list[str] = []
+        self.failures = []
         pending = list(self.rec.steps)
         kept: list[dict] = []
         while pending:
@@ -177,6 +184,7 @@ class Journal:
             for item, (what, error) in zip(group, self._undo_all(group, others)):
                 if error is not None:
                     errors.append(f"{what}: {_one_line(error)}")
+                    self.failures.append(error)
                     failed.insert(0, item)
             if failed:
                 kept = pending + failed + kept
@@ -199,6 +207,12 @@ class Journal:
                 steps.append(None)
                 out.append((entry.get("kind", "step"), e))
                 continue
+            if self._damaged and step.kind not in getattr(self.x, "PRIVATE", ()):
+                from vstor.runtime.state import DamagedRecord
+                steps.append(None)
+                out.append((step.describe(), DamagedRecord(
+                    f"left: another domain may still use it, and {self._damaged[0]}")))
+                continue
             steps.append(step)
             out.append((step.describe(), None))
             self.progress(f"undo: {step.describe()}")
@@ -206,6 +220,19 @@ class Journal:
         results = iter(self._all(self.x.undo, todo, others))
         return [(what, error if step is None else next(results))
                 for (what, error), step in zip(out, steps)]
+
+
+def undo_failed(journal: Journal, message: str, hint: str) -> VstorError:
+    """The error for a rollback that left steps recorded: in use (exit 3)
+    when every undo that failed found QEMU still connected, as a release
+    refused up front is; unavailable (4) when each was refused for what
+    cannot be read (SPDK gone, a damaged record); otherwise a failed host
+    change."""
+    failures = journal.failures
+    for cls in (InUse, Unavailable):
+        if failures and all(isinstance(e, cls) for e in failures):
+            return cls(message, hint=hint)
+    return ActionFailed(message, hint=hint)
 
 
 def _one_line(e: BaseException) -> str:

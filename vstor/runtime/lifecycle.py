@@ -93,6 +93,8 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise DoesNotFit(f"{req.who} cannot start: {problems[0]}{more}",
                              reasons=tuple(problems), hint=f"if the host changed for good: {req.fix}")
+        for line in fit.advice(req, plan):
+            say(f"warning: {line}")
         steps = actions.build(plan, rt.cfg)     # from a plan that passed the check
         executor.preflight(steps, rt)
         if rt.dry_run:

@@ -14,11 +14,11 @@ import contextlib
 from collections.abc import Callable
 
 from vstor.config import Config
-from vstor.errors import ActionFailed, DoesNotFit
+from vstor.errors import ActionFailed, DoesNotFit, InUse
 from vstor.meta.names import is_safe_name
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
-from vstor.runtime.journal import DONE, Journal
+from vstor.runtime.journal import DONE, Journal, undo_failed
 from vstor.runtime.state import EXPORTING, PREPARED, Record, StateDir
 
 
@@ -99,7 +99,7 @@ def release(rt: Runtime, state: StateDir, key: str,
         # has asked it (libvirt before 10.5 gives no 'migrated' reason).
         exports = exported(rec)
         if exports and rec.status == EXPORTING and not (drop_exports or rt.force):
-            raise DoesNotFit(f"domain '{rec.domain}' runs on {rec.migration.get('to') or 'another host'} "
+            raise InUse(f"domain '{rec.domain}' runs on {rec.migration.get('to') or 'another host'} "
                              "and reads its disk through this host's NVMe-oF export",
                              hint="vstor gc removes it once that host no longer holds the domain; "
                                   "vstor release --force removes it now")
@@ -157,7 +157,7 @@ def _check_releasable(rt: Runtime, rec: Record) -> None:
     for step in recorded:
         why = executor.in_use(step, rt)
         if why:
-            raise DoesNotFit(f"domain '{rec.domain}' is still using its storage: {why}",
+            raise InUse(f"domain '{rec.domain}' is still using its storage: {why}",
                              hint="stop the domain first (or vstor release --force, which leaves "
                                   "SPDK to finish when QEMU lets go)")
 
@@ -170,10 +170,11 @@ def _describe(entry: dict) -> str:
 
 
 def _rollback(rt: Runtime, state: StateDir, rec: Record, progress, keep=None) -> None:
-    errors = Journal(state, rec, rt, progress).rollback(keep)
+    journal = Journal(state, rec, rt, progress)
+    errors = journal.rollback(keep)
     if errors:
-        raise ActionFailed(f"domain '{rec.domain}': could not undo everything: {'; '.join(errors)}",
-                           hint=f"fix the cause, then: vstor release {rec.domain}")
+        raise undo_failed(journal, f"domain '{rec.domain}': could not undo everything: "
+                                   f"{'; '.join(errors)}", f"fix the cause, then: vstor release {rec.domain}")
 
 
 def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,

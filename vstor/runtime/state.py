@@ -49,8 +49,12 @@ EXPORTING = "exporting"
 
 
 class DamagedRecord(Unavailable):
-    """A state record that cannot be read: its domain is blocked until an
-    operator looks at it."""
+    """A state record that cannot be read: what it holds is unknown, so its
+    domain, and every decision that needs every record, is refused until an
+    operator looks at it (README: Security model)."""
+
+
+_FIX = "inspect it, undo by hand what it lists, then remove it"
 
 
 @record(frozen=False)
@@ -170,7 +174,7 @@ class StateDir:
 
     def load(self, key: str) -> Record | None:
         """The record, None when there is none; a damaged one blocks its
-        domain (DamagedRecord, exit 4) and nobody else."""
+        domain (DamagedRecord, exit 4); records() says what else it blocks."""
         path = self._file(key)
         try:
             with open(path) as f:
@@ -181,16 +185,20 @@ class StateDir:
             return None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DamagedRecord(f"state record {path} is damaged ({type(e).__name__}: {e})",
-                                hint="inspect it, undo by hand what it lists, then remove it") from None
+                                hint=_FIX) from None
         if rec.key != key:
             raise DamagedRecord(f"state record {path} is damaged (it says key {rec.key!r})",
-                                hint="inspect it, undo by hand what it lists, then remove it")
+                                hint=_FIX)
         return rec
 
     def records(self, damaged: list[str] | None = None) -> list[Record]:
-        """Every readable record.  A damaged one (or a file whose name cannot
-        be a record's) is left where it is and reported in `damaged`, so one
-        bad file never stops vstor for every other domain."""
+        """Every record.  A damaged one (or a file whose name cannot be a
+        record's) holds what nobody can tell, so by default it refuses
+        (DamagedRecord, exit 4): whoever reads every record decides from
+        them what is free or unused, and must not take "unreadable" for
+        "holds nothing".  Only a reader that reports it and decides nothing
+        from the rest alone (status, gc, which then leaves what it may own)
+        passes `damaged`: it is left where it is and named there."""
         try:
             names = sorted(os.listdir(self.domains))
         except FileNotFoundError:
@@ -202,8 +210,12 @@ class StateDir:
             try:
                 rec = self.load(name[:-5])
             except (DamagedRecord, BadInput) as e:
-                if damaged is not None:
-                    damaged.append(str(e))
+                what = e.message if isinstance(e, DamagedRecord) else \
+                    f"{os.path.join(self.domains, name)}: {e.message}"
+                if damaged is None:
+                    raise DamagedRecord(f"{what}; what it holds cannot be known, so vstor decides "
+                                        "nothing that depends on it", hint=_FIX) from None
+                damaged.append(str(e) if isinstance(e, DamagedRecord) else what)
                 continue
             if rec is not None:
                 out.append(rec)

@@ -13,7 +13,7 @@ import stat
 
 from vstor import records
 from vstor.backends import ownership
-from vstor.errors import ActionFailed, DoesNotFit
+from vstor.errors import ActionFailed, DoesNotFit, InUse
 from vstor.meta.names import nvme_path
 from vstor.runtime import actions
 from vstor.runtime.actions import NvmfExport, QsdExport, SpdkAttach, SpdkVhost, VfioBind
@@ -133,7 +133,7 @@ def undo(a, rt, others) -> None:
         if sessions and not rt.force:
             # SPDK would retry the deletion until QEMU lets go, logging a line
             # per retry: never sent while QEMU is connected, unless forced.
-            raise ActionFailed(f"QEMU is still connected to SPDK vhost controller {a.ctrlr}",
+            raise InUse(f"QEMU is still connected to SPDK vhost controller {a.ctrlr}",
                                hint="stop the domain first")
         spdk.vhost_delete_controller(a.ctrlr, wait=rt.cfg.spdk_timeout)
     elif isinstance(a, QsdExport):
@@ -141,7 +141,8 @@ def undo(a, rt, others) -> None:
         daemon.stop(a.export)
     elif isinstance(a, NvmfExport):
         spdk = rt.spdk()
-        if spdk.nvmf_get_subsystems(a.nqn):
+        found = spdk.nvmf_get_subsystems(a.nqn)
+        if found and found[0].get("serial_number") == _serial(a.nqn):    # vstor's, not one refused
             spdk.nvmf_delete_subsystem(a.nqn)     # its namespace, listener and host go with it
 
 
@@ -301,9 +302,7 @@ def _nvmf_export(a: NvmfExport, rt) -> None:
             raise
     found = spdk.nvmf_get_subsystems(a.nqn)
     if not found:
-        import hashlib
-        serial = "VS" + hashlib.sha256(a.nqn.encode()).hexdigest()[:18].upper()   # NVMe: 20 ASCII
-        spdk.nvmf_create_subsystem(a.nqn, serial_number=serial,
+        spdk.nvmf_create_subsystem(a.nqn, serial_number=_serial(a.nqn),
                                    model_number="vstor migration export", allow_any_host=False)
         found = spdk.nvmf_get_subsystems(a.nqn)
     sub = found[0] if found else {}
@@ -311,6 +310,12 @@ def _nvmf_export(a: NvmfExport, rt) -> None:
     if namespaces - {a.bdev}:
         raise ActionFailed(f"SPDK's NVMe-oF subsystem {a.nqn} serves {', '.join(sorted(namespaces))}, "
                            f"not {a.bdev}", hint=f"rpc.py nvmf_delete_subsystem {a.nqn} if nothing uses it")
+    admitted = {h.get("nqn") for h in sub.get("hosts", ())} - {a.host}
+    if sub.get("allow_any_host") or admitted:
+        # Only the migration's own host NQN: any other admitted could reach the disk.
+        raise ActionFailed(f"SPDK's NVMe-oF subsystem {a.nqn} admits "
+                           f"{'any host' if sub.get('allow_any_host') else ', '.join(sorted(admitted))}, "
+                           f"not only {a.host}", hint=f"rpc.py nvmf_delete_subsystem {a.nqn} if nothing uses it")
     if not namespaces:
         spdk.nvmf_subsystem_add_ns(a.nqn, a.bdev, nsid=1)
     if not any(la.get("traddr") == a.traddr and str(la.get("trsvcid")) == str(a.trsvcid)
@@ -318,6 +323,11 @@ def _nvmf_export(a: NvmfExport, rt) -> None:
         spdk.nvmf_subsystem_add_listener(a.nqn, a.trtype, a.traddr, str(a.trsvcid), adrfam=a.adrfam)
     if a.host not in {h.get("nqn") for h in sub.get("hosts", ())}:
         spdk.nvmf_subsystem_add_host(a.nqn, a.host)
+
+
+def _serial(nqn: str) -> str:
+    import hashlib      # NVMe: 20 ASCII; tells vstor's export from another's
+    return "VS" + hashlib.sha256(nqn.encode()).hexdigest()[:18].upper()
 
 
 def _shared(others, a) -> bool:
