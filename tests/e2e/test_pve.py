@@ -56,15 +56,16 @@ class Shape:
     vm: str                     # the intent's <vstor:vm/>
     policy: str                 # what numa0 must say
     affinity: str               # the cores every QEMU thread may run on
+    written: str                # the affinity line vstor writes for them
 
 
 SHAPES = [
     # Core 0 is this 2-core host's housekeeping core: shared vCPUs float on
     # it with the emulator; core 1 is the one a dedicated vCPU can have.
     Shape("q35-shared-1disk", "q35", 2, ("vdb",), '<vstor:vm cpus="shared" numa="preferred"/>',
-          "preferred", "0"),
+          "preferred", "0", "0-0"),     # qemu-server's Perl takes "0" as false
     Shape("pc-dedicated-strict-2disks", "pc", 1, ("vdb", "vdc"),
-          '<vstor:vm cpus="dedicated" numa="strict"/>', "bind", "0-1"),
+          '<vstor:vm cpus="dedicated" numa="strict"/>', "bind", "0-1", "0-1"),
 ]
 
 
@@ -321,7 +322,7 @@ def test_a_proxmox_vm_configured_by_vstor_boots_and_writes_through_its_disks(nod
     vcpus = "0" if shape.cores == 1 else f"0-{shape.cores - 1}"
     assert conf.get("numa") == "1" and conf.get("hugepages") == "2"
     assert conf.get("numa0") == f"cpus={vcpus},hostnodes=0,memory={MEMORY_MIB},policy={shape.policy}"
-    assert conf.get("affinity") == shape.affinity
+    assert conf.get("affinity") == shape.written
     sockets = [node.vhost_dir / f"{NAME}-{t}" for t in shape.disks]
     args = extra_args(conf)
     assert args[:2] == USER_ARGS.split()

@@ -114,16 +114,32 @@ def namespace_holds(test, lab: Lab, address: str, nsid: int, before: str, expect
 
 
 def storage_daemon(socket_path: str) -> int:
-    """The qemu-storage-daemon serving this vhost-user socket."""
+    """The qemu-storage-daemon serving this vhost-user socket: vstor hands
+    the daemon its listening socket as a descriptor, so the name is read
+    from the kernel (the daemon's /proc/PID/net/unix, matched by the inode
+    of each descriptor it holds), not from its command line."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if not (proc / "comm").read_text().startswith("qemu-storage-d"):
+                continue
+            bound = {}
+            with open(proc / "net" / "unix") as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split(None, 7)
+                    if len(fields) == 8:
+                        bound[fields[6]] = fields[7].rstrip("\n")
+            inodes = set()
+            for fd in (proc / "fd").iterdir():
+                try:
+                    inodes.add(str(os.stat(fd).st_ino))
+                except OSError:
+                    pass
         except OSError:
             continue
-        if argv and argv[0].endswith(b"qemu-storage-daemon") and any(
-                socket_path.encode() in a for a in argv):
+        if any(bound.get(i) == socket_path for i in inodes):
             return int(proc.name)
     raise TestFail(f"no qemu-storage-daemon serves {socket_path}")
 
