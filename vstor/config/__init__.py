@@ -1,0 +1,170 @@
+"""The host configuration file, /etc/vstor/vstor.conf (INI).
+
+Every key is optional and declared once, in vstor.config.keys; unknown
+sections or keys are refused so a typo never silently falls back to a
+default.  A refusal names the file, the line, the key and the fix.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+
+from vstor.config.keys import BY_SECTION, KEYS, SECTIONS, Key
+from vstor.config.kinds import Bad
+from vstor.errors import BadInput
+from vstor.records import field, record
+
+DEFAULT_PATH = "/etc/vstor/vstor.conf"
+
+__all__ = ["DEFAULT_PATH", "Config", "KEYS", "SECTIONS", "load", "locate", "parse", "conflicts"]
+
+
+def _make_config():
+    """The Config record: a field per key, with the key's default."""
+    notes: dict[str, str] = {}
+    body: dict = {"__module__": __name__, "__qualname__": "Config", "__annotations__": notes,
+                  "__doc__": "vstor.conf's values (the defaults for keys the file leaves out)."}
+    for key in KEYS:
+        notes[key.attr] = key.kind.annotation + (" | None" if key.default is None else "")
+        body[key.attr] = key.default
+    notes["source"] = "str"
+    body["source"] = field(default="(defaults)", compare=False)
+    body["file"] = property(lambda self: DEFAULT_PATH if self.source == "(defaults)" else self.source,
+                            doc="The file an operator edits to change this configuration.")
+    return record(type("Config", (), body))
+
+
+Config = _make_config()
+
+
+def locate(path: str | None = None) -> tuple[str, bool]:
+    """The config file to read, and whether it was asked for (--config,
+    VSTOR_CONFIG) rather than the default."""
+    explicit = path or os.environ.get("VSTOR_CONFIG")
+    return explicit or DEFAULT_PATH, bool(explicit)
+
+
+def load(path: str | None = None) -> Config:
+    """Read the config file; a missing default file means all defaults."""
+    path, explicit = locate(path)
+    if not os.path.exists(path):
+        if explicit:
+            raise BadInput(f"config file {path} does not exist",
+                           hint="create it or drop --config/VSTOR_CONFIG")
+        return Config()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise BadInput(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise BadInput(f"{path}:{line}: not UTF-8 text", hint="fix: write the file as UTF-8") from None
+    return parse(text, path)
+
+
+def parse(text: str, path: str) -> Config:
+    """A Config from the text of a vstor.conf; `path` names it in errors."""
+    # default_section: no [DEFAULT] whose keys would spill into every section.
+    parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";",),
+                                       default_section="\0none")
+    try:
+        parser.read_string(text, source=path)
+    except configparser.Error as e:
+        raise _syntax_error(e, path) from None
+    lines = _Lines(text)
+    kw: dict = {"source": path}
+    for section in parser.sections():
+        known = BY_SECTION.get(section)
+        if known is None:
+            raise BadInput(f"{path}:{lines.section(section)}: unknown section [{section}]",
+                           hint="fix: " + _suggest(section, SECTIONS, "known sections"))
+        for name, raw in parser.items(section):
+            key = known.get(name)
+            where = f"{path}:{lines.key(section, name)}"
+            if key is None:
+                raise BadInput(f"{where}: unknown key '{name}' in [{section}]",
+                               hint="fix: " + _suggest(name, known, "known keys"))
+            raw = raw.strip()
+            if raw == "" and key.kind.empty_is_default:
+                continue
+            try:
+                kw[key.attr] = key.kind.parse(raw)
+            except Bad as e:
+                raise BadInput(f"{where}: [{section}] {name}: {e.reason}",
+                               hint="fix: " + fix(key, e.hint)) from None
+    return Config(**kw)
+
+
+def fix(key: Key, hint: str | None = None) -> str:
+    """How to write `key` right: the kind's hint and an example line."""
+    example = f"e.g. {key.name} = {key.sample_value()}"
+    hint = hint or key.kind.hint
+    return f"{hint}, {example}" if hint else example
+
+
+def conflicts(cfg: Config) -> str | None:
+    """What no single key shows wrong: a core both a reactor and a
+    housekeeping core (the planner refuses to plan with it)."""
+    from vstor.cpulist import format_cpulist
+    both = set(cfg.reactors) & set(cfg.housekeeping or ())
+    if both:
+        return (f"cores {format_cpulist(both)} are both SPDK reactors and housekeeping cores "
+                "(fix: a core has one owner: change [cpu] reactors or housekeeping)")
+    return None
+
+
+def _suggest(word: str, known, what: str) -> str:
+    import difflib
+    close = difflib.get_close_matches(word, list(known), n=1)
+    listed = f"{what}: " + ", ".join(known)
+    return f"did you mean {close[0]}? {listed}" if close else listed
+
+
+def _syntax_error(e: configparser.Error, path: str) -> BadInput:
+    if isinstance(e, configparser.MissingSectionHeaderError):
+        return BadInput(f"{path}:{e.lineno}: '{e.line.strip()[:60]}' comes before any [section]",
+                        hint="fix: put each key under its section, e.g. [paths]")
+    if isinstance(e, configparser.DuplicateSectionError):
+        return BadInput(f"{path}:{e.lineno}: section [{e.section}] appears twice",
+                        hint="fix: merge its keys into the first [" + e.section + "]")
+    if isinstance(e, configparser.DuplicateOptionError):
+        return BadInput(f"{path}:{e.lineno}: [{e.section}] {e.option} is set twice",
+                        hint="fix: keep one line")
+    if isinstance(e, configparser.ParsingError) and e.errors:
+        lineno, line = e.errors[0]
+        return BadInput(f"{path}:{lineno}: '{line.strip()[:60]}' is neither a [section] nor key = value",
+                        hint="fix: write key = value, or comment the line out with #")
+    return BadInput(f"{path}: {str(e).splitlines()[0]}")
+
+
+class _Lines:
+    """Line numbers of sections and keys, which configparser does not keep:
+    found again by reading the text the way configparser does (a header is
+    [name] on a line of its own, a key ends at the first = or :, lower-cased)."""
+
+    def __init__(self, text: str):
+        self.sections: dict[str, int] = {}
+        self.keys: dict[tuple[str, str], int] = {}
+        section = None
+        for n, line in enumerate(text.splitlines(), 1):
+            stripped = line.strip()
+            if not stripped or stripped[0] in "#;":
+                continue
+            if stripped.startswith("[") and "]" in stripped and line[0] not in " \t":
+                header = stripped.split(" ;")[0].split("\t;")[0].rstrip()
+                section = header[1:header.rindex("]")]
+                self.sections.setdefault(section, n)
+            elif section is not None and line[0] not in " \t":
+                cut = min((i for i in (stripped.find("="), stripped.find(":")) if i >= 0), default=-1)
+                name = (stripped[:cut] if cut >= 0 else stripped).strip().lower()
+                self.keys.setdefault((section, name), n)
+
+    def section(self, name: str) -> int | str:
+        return self.sections.get(name, "?")
+
+    def key(self, section: str, name: str) -> int | str:
+        return self.keys.get((section, name), self.section(section))
