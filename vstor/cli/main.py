@@ -8,10 +8,10 @@ import sys
 
 from vstor import __version__
 from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError, one_line
-from vstor.cli import domains, guestkit, hostcmds, hotplug, migrate, nova, pve, runtime
+from vstor.cli import config, domains, guestkit, hostcmds, hotplug, migrate, nova, pve, runtime
 from vstor.cli.context import Context
 
-COMMAND_MODULES = [hostcmds, domains, guestkit, runtime, hotplug, migrate, pve, nova]
+COMMAND_MODULES = [hostcmds, domains, guestkit, runtime, hotplug, migrate, pve, nova, config]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -106,15 +106,25 @@ def fix(key: Key, hint: str | None = None) -> str:
     return f"{hint}, {example}" if hint else example
 
 
-def conflicts(cfg: Config) -> str | None:
+def conflicts(cfg: Config, path: str | None = None) -> BadInput | None:
     """What no single key shows wrong: a core both a reactor and a
-    housekeeping core (the planner refuses to plan with it)."""
+    housekeeping core (the planner refuses to plan with it).  `path`, the
+    file cfg was read from, for the line of [cpu] reactors."""
     from vstor.cpulist import format_cpulist
     both = set(cfg.reactors) & set(cfg.housekeeping or ())
-    if both:
-        return (f"cores {format_cpulist(both)} are both SPDK reactors and housekeeping cores "
-                "(fix: a core has one owner: change [cpu] reactors or housekeeping)")
-    return None
+    if not both:
+        return None
+    where = path or cfg.file
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                where += f":{_Lines(f.read()).key('cpu', 'reactors')}"
+        except (OSError, UnicodeDecodeError):
+            pass
+    many = len(both) > 1
+    return BadInput(f"{where}: [cpu] reactors: core{'s' if many else ''} {format_cpulist(both)} "
+                    f"{'are' if many else 'is'} also housekeeping",
+                    hint="fix: a core has one owner: take it out of reactors or housekeeping")
 
 
 def _suggest(word: str, known, what: str) -> str:

@@ -98,7 +98,7 @@ KEYS: tuple[Key, ...] = (
         attr="memory_reserved_mib"),
 
     Key("nvmf", "hostnqn", Text(), None, "This host's NVMe Qualified Name.",
-        example="nqn.2014-08.org.nvmexpress:uuid:4c4c4544-0038-5910-8032-b4c04f4e3632",
+        example="nqn.2014-08.com.example:compute-17",
         unset="/etc/nvme/hostnqn, else one made from /etc/machine-id"),
     Key("nvmf", "ctrlr_loss_timeout_sec", Int("seconds"), 60,
         "How long a controller may stay unreachable before its disk fails."),

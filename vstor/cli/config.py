@@ -1,0 +1,55 @@
+"""config check / show: vstor.conf as vstor reads it."""
+
+from __future__ import annotations
+
+import os
+
+from vstor import config as config_mod
+
+
+def register(sub) -> None:
+    p = sub.add_parser("config", help="check or show vstor.conf")
+    csub = p.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    csub.required = True
+    q = csub.add_parser("check", help="read FILE as vstor would: 'FILE: ok', or the first line "
+                        "that is wrong with its fix (exit 2)")
+    q.add_argument("file", metavar="FILE", nargs="?",
+                   help="the file to check (default: --config, $VSTOR_CONFIG or /etc/vstor/vstor.conf)")
+    q.set_defaults(func=cmd_check)
+    q = csub.add_parser("show", help="every key with the value vstor uses, as a vstor.conf")
+    q.set_defaults(func=cmd_show)
+
+
+def cmd_check(ctx, args) -> int:
+    path, explicit = config_mod.locate(args.file or ctx.args.config)
+    if not explicit and not os.path.lexists(path):
+        print(f"{path}: absent, vstor runs on the defaults")
+        return 0
+    cfg = config_mod.load(path)     # an explicit file that is missing: refused
+    problem = config_mod.conflicts(cfg, path)
+    if problem:
+        raise problem
+    print(f"{path}: ok")
+    return 0
+
+
+def cmd_show(ctx, args) -> int:
+    print(show(ctx.config), end="")
+    return 0
+
+
+def show(cfg) -> str:
+    """`cfg` as a vstor.conf that reads back to it; a key left unset is a
+    comment saying what that means."""
+    out = [f"# vstor config show: the values vstor uses (from {cfg.source})\n"]
+    for section in config_mod.SECTIONS:
+        out.append(f"\n[{section}]\n")
+        for key in config_mod.KEYS:
+            if key.section != section:
+                continue
+            value = getattr(cfg, key.attr)
+            if value is None:
+                out.append(f"# {key.name}: {key.unset or 'not set'}\n")
+            else:
+                out.append(f"{key.name} = {key.kind.format(value)}\n".replace(" \n", "\n"))
+    return "".join(out)
