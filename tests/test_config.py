@@ -1,9 +1,14 @@
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
-from vstor import config
+from vstor import config, records
 from vstor.errors import BadInput
+
+SAMPLE = os.path.join(os.path.dirname(__file__), "..", "etc", "vstor.conf")
 
 
 def write(tmp_path, text):
@@ -77,18 +82,161 @@ def test_image_roots_are_a_list_of_absolute_directories(tmp_path):
         config.load(str(p))
 
 
-def test_the_readme_sample_config_loads_as_written(tmp_path, host_model):
-    """README's /etc/vstor/vstor.conf block, inline comments and all; its
-    [cpu] fits the templates' host (tests/hosts/two-socket.toml): a reactor
-    and housekeeping cores on each node."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    block = readme[readme.index("## Configuration: /etc/vstor/vstor.conf"):]
-    start = block.index("```ini") + len("```ini")
-    path = tmp_path / "vstor.conf"
-    path.write_text(block[start:block.index("```", start)])
-    cfg = config.load(str(path))
-    assert cfg.reactors == (2, 18) and cfg.export_address == "192.168.100.7"
+def test_the_sample_file_reads_to_the_defaults():
+    """etc/vstor.conf, as the package installs it: every key commented out."""
+    cfg = config.load(SAMPLE)
+    assert cfg == config.Config() and cfg.source == SAMPLE
     assert cfg.peer_command == "ssh -o BatchMode=yes -- {host} vstor migrate agent"
+
+
+def sample_examples() -> str:
+    """The sample with its '# Example:' lines uncommented."""
+    return re.sub(r"(?m)^# Example: (\w+ = .*)$", r"\1", open(SAMPLE).read())
+
+
+def test_the_samples_examples_load_and_fit_the_templates_host(tmp_path, host_model):
+    """Uncommented, the sample's examples are a working file; its [cpu] fits
+    the templates' host (tests/hosts/two-socket.toml): a reactor and
+    housekeeping cores on each node."""
+    cfg = config.load(write(tmp_path, sample_examples()))
+    assert cfg.reactors == (2, 18) and cfg.export_address == "192.168.100.7"
+    assert cfg.migrate_shared == ("/srv/vmstore", "/dev/mapper/mpatha")
+    assert config.conflicts(cfg) is None
     host = host_model("two-socket")
     for node in host.nodes:
         assert set(cfg.reactors) & set(node.cpus) and set(cfg.housekeeping) & set(node.cpus)
+
+
+@pytest.mark.parametrize("key", config.KEYS, ids=str)
+def test_each_key_reads_its_example_and_writes_it_back(tmp_path, key):
+    """A key's sample value parses, and the value written back parses to
+    the same value (what `vstor config show` and the sample rely on)."""
+    cfg = config.load(write(tmp_path, f"[{key.section}]\n{key.name} = {key.sample_value()}\n"))
+    value = getattr(cfg, key.attr)
+    again = config.load(write(tmp_path, f"[{key.section}]\n{key.name} = {key.kind.format(value)}\n"))
+    assert getattr(again, key.attr) == value
+
+
+@pytest.mark.parametrize("key", [k for k in config.KEYS if type(k.kind).__name__ != "Text"], ids=str)
+def test_each_key_refuses_a_bad_value_with_file_line_and_fix(tmp_path, key):
+    path = write(tmp_path, f"# a comment\n\n[{key.section}]\n; another\n{key.name} = !bad value!\n")
+    with pytest.raises(BadInput) as e:
+        config.load(path)
+    assert str(e.value).startswith(f"{path}:5: [{key.section}] {key.name}: ")
+    assert f"fix: " in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_message_names_file_line_key_and_the_fix(tmp_path):
+    path = write(tmp_path, "[paths]\nstate_dir = /run/x\n\n[cpu]\nhousekeeping = 0-1\n"
+                           "Reactors = 1-x   ; the reactors\n")
+    with pytest.raises(BadInput) as e:
+        config.load(path)
+    assert str(e.value) == f"{path}:6: [cpu] reactors: '1-x' is not a CPU list (fix: e.g. reactors = 2,18)"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[cpu]\nreactor = 2\n", ":2: unknown key 'reactor' in [cpu] (fix: did you mean reactors? "
+                               "known keys: housekeeping, reactors)"),
+    ("[paths]\n[spdkk]\n", ":2: unknown section [spdkk] (fix: did you mean spdk?"),
+    ("[DEFAULT]\nreactors = 2\n", ":1: unknown section [DEFAULT]"),
+    ("[cpu]\nreactors = 2\n[cpu]\n", ":3: section [cpu] appears twice"),
+    ("[cpu]\nreactors = 2\nREACTORS = 3\n", ":3: [cpu] reactors is set twice"),
+    ("\nreactors = 2\n[cpu]\n", ":2: 'reactors = 2' comes before any [section]"),
+    ("[cpu]\nreactors = 2\njunk\n", ":3: 'junk' is neither a [section] nor key = value"),
+    ("[cpu]\nreactors = 2-1\n", ":2: [cpu] reactors: '2-1' is not a CPU list: the range 2-1 runs backwards"),
+    ("[migrate]\nexport_port = 70000\n", ":2: [migrate] export_port: 70000 is not a port "
+                                          "(fix: a number from 1 to 65535, e.g. export_port = 4420)"),
+])
+def test_each_kind_of_mistake_is_one_line_with_its_line(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(BadInput) as e:
+        config.load(path)
+    assert str(e.value).startswith(path + message), str(e.value)
+
+
+def test_a_file_that_is_not_utf8_is_refused_at_its_line(tmp_path):
+    p = tmp_path / "vstor.conf"
+    p.write_bytes(b"[qemu]\nuser = qemu\ngroup = k\xe9vm\n")
+    with pytest.raises(BadInput, match=r"vstor.conf:3: not UTF-8"):
+        config.load(str(p))
+
+
+def test_empty_text_values_keep_the_default_other_empty_values_are_values(tmp_path):
+    cfg = config.load(write(tmp_path, "[nvmf]\nhostnqn =\n[migrate]\npeer_command =\nshared =\n"
+                                      "[cpu]\nhousekeeping =\n"))
+    assert cfg.hostnqn is None and cfg.peer_command == config.Config().peer_command
+    assert cfg.migrate_shared == () and cfg.housekeeping == ()
+    with pytest.raises(BadInput, match="timeout: '' is not a whole number of seconds"):
+        config.load(write(tmp_path, "[migrate]\ntimeout =\n"))
+
+
+def test_reactors_that_are_housekeeping_cores_conflict(tmp_path):
+    path = write(tmp_path, "[cpu]\nhousekeeping = 0-3\nreactors = 2-3,8\n")
+    err = config.conflicts(config.load(path), path)
+    assert str(err) == (f"{path}:3: [cpu] reactors: cores 2-3 are also housekeeping "
+                        "(fix: a core has one owner: take it out of reactors or housekeeping)")
+
+
+def test_the_config_record_has_a_field_per_key_with_its_default():
+    cfg = config.Config()
+    assert [f.name for f in records.fields(cfg)] == [k.attr for k in config.KEYS] + ["source"]
+    for key in config.KEYS:
+        assert getattr(cfg, key.attr) == key.default
+
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def vstor(*args, env=None):
+    """The real command, as an operator runs it."""
+    env = {k: v for k, v in os.environ.items() if k != "VSTOR_CONFIG"} | {"PYTHONPATH": ROOT} | (env or {})
+    out = subprocess.run([sys.executable, "-m", "vstor.cli.main", *args], capture_output=True,
+                         text=True, env=env)
+    assert "Traceback" not in out.stderr
+    return out
+
+
+def test_config_check_says_ok_for_a_good_file(tmp_path):
+    path = write(tmp_path, "[cpu]\nreactors = 2,18\n")
+    out = vstor("config", "check", path)
+    assert (out.returncode, out.stdout, out.stderr) == (0, f"{path}: ok\n", "")
+    # no FILE: --config, then VSTOR_CONFIG
+    assert vstor("--config", path, "config", "check").stdout == f"{path}: ok\n"
+    assert vstor("config", "check", env={"VSTOR_CONFIG": path}).stdout == f"{path}: ok\n"
+
+
+def test_config_check_refuses_a_bad_file_in_one_line_exit_2(tmp_path):
+    path = write(tmp_path, "[cpu]\nreactors = 1-x\n")
+    out = vstor("--config", path, "config", "check")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"vstor: error: {path}:2: [cpu] reactors: '1-x' is not a CPU list "
+                          "(fix: e.g. reactors = 2,18)\n")
+    out = vstor("config", "check", write(tmp_path, "[cpu]\nreactors = 2\nhousekeeping = 2\n"))
+    assert out.returncode == 2 and ":2: [cpu] reactors: core 2 is also housekeeping" in out.stderr
+
+
+def test_config_check_of_a_file_it_cannot_read_is_a_refusal_never_ok(tmp_path):
+    for path in (str(tmp_path), str(tmp_path / "absent.conf")):     # a directory, nothing
+        out = vstor("config", "check", path)
+        assert out.returncode == 2 and "ok" not in out.stdout and path in out.stderr
+        assert out.stderr.count("\n") == 1
+
+
+def test_config_check_without_a_file_says_the_defaults_apply(monkeypatch, tmp_path, capsys):
+    from vstor.cli.main import main
+    monkeypatch.setattr(config, "DEFAULT_PATH", str(tmp_path / "vstor.conf"))
+    monkeypatch.delenv("VSTOR_CONFIG", raising=False)
+    assert main(["config", "check"]) == 0
+    assert capsys.readouterr().out == f"{tmp_path}/vstor.conf: absent, vstor runs on the defaults\n"
+
+
+def test_config_show_reads_back_to_the_same_values(tmp_path):
+    path = write(tmp_path, sample_examples())
+    shown = vstor("--config", path, "config", "show")
+    assert shown.returncode == 0
+    (tmp_path / "shown").mkdir()
+    again = config.load(write(tmp_path / "shown", shown.stdout))
+    assert again == config.load(path) and again.housekeeping == (0, 1, 16, 17, 32, 33, 48, 49)
+    defaults = vstor("--config", write(tmp_path, ""), "config", "show").stdout
+    assert "# housekeeping: the first core of each NUMA node\n" in defaults
+    assert config.load(write(tmp_path, defaults)) == config.Config()

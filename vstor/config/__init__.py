@@ -74,7 +74,7 @@ def parse(text: str, path: str) -> Config:
     try:
         parser.read_string(text, source=path)
     except configparser.Error as e:
-        raise _syntax_error(e, path) from None
+        raise _syntax_error(e, path, text) from None
     lines = _Lines(text)
     kw: dict = {"source": path}
     for section in parser.sections():
@@ -134,7 +134,7 @@ def _suggest(word: str, known, what: str) -> str:
     return f"did you mean {close[0]}? {listed}" if close else listed
 
 
-def _syntax_error(e: configparser.Error, path: str) -> BadInput:
+def _syntax_error(e: configparser.Error, path: str, text: str) -> BadInput:
     if isinstance(e, configparser.MissingSectionHeaderError):
         return BadInput(f"{path}:{e.lineno}: '{e.line.strip()[:60]}' comes before any [section]",
                         hint="fix: put each key under its section, e.g. [paths]")
@@ -145,7 +145,8 @@ def _syntax_error(e: configparser.Error, path: str) -> BadInput:
         return BadInput(f"{path}:{e.lineno}: [{e.section}] {e.option} is set twice",
                         hint="fix: keep one line")
     if isinstance(e, configparser.ParsingError) and e.errors:
-        lineno, line = e.errors[0]
+        lineno = e.errors[0][0]     # with the line as repr() gives it: read it from the text
+        line = text.splitlines()[lineno - 1]
         return BadInput(f"{path}:{lineno}: '{line.strip()[:60]}' is neither a [section] nor key = value",
                         hint="fix: write key = value, or comment the line out with #")
     return BadInput(f"{path}: {str(e).splitlines()[0]}")

@@ -22,8 +22,9 @@ def esc(text: str) -> str:
 
 
 def _th(name: str, section: int, title: str) -> str:
-    # .nh: no hyphenation, so a path or option breaks only at a space.
-    return f'.TH {name} {section} "" "vstor {__version__}" "{title}"\n.nh\n'
+    # .nh .ad l: no hyphenation nor justification, so a path or option breaks
+    # only at a space and a long synopsis keeps single spaces.
+    return f'.TH {name} {section} "" "vstor {__version__}" "{title}"\n.nh\n.ad l\n'
 
 
 def _para(text: str) -> str:
