@@ -94,7 +94,8 @@ def parse(text: str, path: str) -> Config:
             try:
                 kw[key.attr] = key.kind.parse(raw)
             except Bad as e:
-                raise BadInput(f"{where}: [{section}] {name}: {e.reason}",
+                sep = " " if e.reason.startswith("must ") else ": "
+                raise BadInput(f"{where}: [{section}] {name}{sep}{e.reason}",
                                hint="fix: " + fix(key, e.hint)) from None
     return Config(**kw)
 

@@ -13,8 +13,9 @@ import re
 
 
 class Bad(ValueError):
-    """A value the kind refuses: `reason` says what is wrong, `hint` (if any)
-    how to write it instead."""
+    """A value the kind refuses: `reason` says what is wrong (a clause,
+    "'x' is not a CPU list", or a predicate of the key, "must be ..."),
+    `hint` (if any) how to write it instead."""
 
     def __init__(self, reason: str, hint: str | None = None):
         super().__init__(reason)
@@ -46,7 +47,7 @@ class Path(Kind):
 
     def parse(self, raw: str) -> str:
         if not raw.startswith("/") or ".." in raw.split("/"):
-            raise Bad(f"'{raw}' must be an absolute path without '..'")
+            raise Bad(f"must be an absolute path without '..', not '{raw}'")
         return os.path.normpath(raw)
 
 
@@ -116,7 +117,7 @@ class Int(Kind):
 
     def parse(self, raw: str) -> int:
         if not _whole(raw) or len(raw) > 9:
-            raise Bad(f"'{raw}' is not a {self.what}")
+            raise Bad(f"must be a {self.what}, not '{raw}'")
         n = int(raw)
         if not self.lo <= n <= self.hi:
             raise Bad(f"{n} is not a {self.noun or self.what}", f"a number from {self.lo} to {self.hi}")
