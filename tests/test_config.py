@@ -124,7 +124,7 @@ def test_each_key_refuses_a_bad_value_with_file_line_and_fix(tmp_path, key):
         config.load(path)
     assert str(e.value).startswith((f"{path}:5: [{key.section}] {key.name}: ",
                                     f"{path}:5: [{key.section}] {key.name} must be "))
-    assert f"fix: " in str(e.value) and "\n" not in str(e.value)
+    assert "fix: " in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_message_names_file_line_key_and_the_fix(tmp_path):
@@ -214,6 +214,23 @@ def test_config_check_refuses_a_bad_file_in_one_line_exit_2(tmp_path):
                           "(fix: e.g. reactors = 2,18)\n")
     out = vstor("config", "check", write(tmp_path, "[cpu]\nreactors = 2\nhousekeeping = 2\n"))
     assert out.returncode == 2 and ":2: [cpu] reactors: core 2 is also housekeeping" in out.stderr
+
+
+def test_config_check_refuses_a_file_others_may_write(tmp_path):
+    """Root runs the commands the file names: write access to it is root."""
+    path = write(tmp_path, "[migrate]\npeer_command = ssh -- {host} vstor migrate agent\n")
+    os.chmod(path, 0o664)
+    out = vstor("config", "check", path)
+    assert out.returncode == 2 and out.stderr == (
+        f"vstor: error: {path}: group or others may write it (mode 0664), and root runs the "
+        f"commands it names (fix: chmod go-w {path})\n")
+    os.chmod(path, 0o644)
+    assert vstor("config", "check", path).returncode == 0
+    if os.geteuid() == 0:
+        os.chown(path, 65534, -1)
+        out = vstor("config", "check", path)
+        assert out.returncode == 2 and "owned by uid 65534" in out.stderr
+        assert f"(fix: chown root: {path})" in out.stderr
 
 
 def test_config_check_of_a_file_it_cannot_read_is_a_refusal_never_ok(tmp_path):

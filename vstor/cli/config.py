@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from vstor import config as config_mod
+from vstor.errors import BadInput
 
 
 def register(sub) -> None:
@@ -29,8 +30,21 @@ def cmd_check(ctx, args) -> int:
     problem = config_mod.conflicts(cfg, path)
     if problem:
         raise problem
+    _check_owner(path)
     print(f"{path}: ok")
     return 0
+
+
+def _check_owner(path: str) -> None:
+    """Root runs what the file says ([migrate] peer_command, [nova]
+    migrate_command): a file others may write is a way to root."""
+    st = os.stat(path)
+    if st.st_mode & 0o022:
+        raise BadInput(f"{path}: group or others may write it (mode {st.st_mode & 0o777:04o}), and "
+                       "root runs the commands it names", hint=f"fix: chmod go-w {path}")
+    if os.geteuid() == 0 and st.st_uid != 0:
+        raise BadInput(f"{path}: owned by uid {st.st_uid}, and root runs the commands it names",
+                       hint=f"fix: chown root: {path}")
 
 
 def cmd_show(ctx, args) -> int:

@@ -89,23 +89,26 @@ KEYS: tuple[Key, ...] = (
         attr="pci_blocked", example="0000:01:00.0"),
 
     Key("vhost", "default_backend", Choice("qsd", "spdk"), "qsd",
-        "The backend of a vhost-user disk whose intent names none: qemu-storage-daemon "
-        "or SPDK."),
+        "The backend tried first for a vhost-user disk whose intent says backend='auto' "
+        "(qemu-storage-daemon or SPDK); the other is tried when it does not fit."),
 
     Key("memory", "reserved", Int("MiB"), 1024,
         "MiB of each NUMA node's memory outside its hugepage pools that no VM is planned "
         "into: the host's own (kernel, libvirtd, QEMU's overhead, SPDK).",
         attr="memory_reserved_mib"),
 
-    Key("nvmf", "hostnqn", Text(), None, "This host's NVMe Qualified Name.",
+    Key("nvmf", "hostnqn", Text(), None,
+        "The host NQN SPDK attaches NVMe-oF disks with, unless a disk names its own.",
         example="nqn.2014-08.com.example:compute-17",
         unset="/etc/nvme/hostnqn, else one made from /etc/machine-id"),
     Key("nvmf", "ctrlr_loss_timeout_sec", Int("seconds"), 60,
-        "How long a controller may stay unreachable before its disk fails."),
+        "SPDK's ctrlr_loss_timeout_sec for an NVMe-oF disk whose <vstor:reconnect> sets "
+        "none: how long SPDK tries to reconnect a lost controller before the disk fails."),
     Key("nvmf", "reconnect_delay_sec", Int("seconds"), 5,
-        "Seconds between attempts to reconnect a lost controller."),
+        "SPDK's reconnect_delay_sec (likewise): the wait between two reconnect attempts."),
     Key("nvmf", "fast_io_fail_timeout_sec", Int("seconds"), 30,
-        "How long I/O waits for a lost controller before it fails."),
+        "SPDK's fast_io_fail_timeout_sec (likewise): how long I/O to a lost controller "
+        "waits before it fails."),
 
     Key("migrate", "shared", Paths(), (),
         "Storage every migration peer sees at the same path (a cluster or network "

@@ -123,7 +123,8 @@ def vstor_conf5() -> str:
                "\\fBVSTOR_CONFIG\\fR, else this one; when this one is absent, every key has its "
                "default. Check a file with \\fBvstor config check\\fR [\\fIFILE\\fR]: it prints "
                "\\fIFILE\\fB: ok\\fR, or the first line that is wrong, with the key and the fix, "
-               "and exits with 2. \\fBvstor config show\\fR prints the values in use.\n")
+               "and exits with 2; it also refuses a file anyone but root may write, since root "
+               "runs the commands it names. \\fBvstor config show\\fR prints the values in use.\n")
     out.append(".SH KEYS\n")
     for section, about in config.SECTIONS.items():
         out.append(f".SS [{section}]\n{_para(about)}")
