@@ -124,7 +124,7 @@ KEYS: tuple[Key, ...] = (
     Key("migrate", "export_address", Address(), None,
         "Where this host's SPDK exports local NVMe over NVMe-oF to a migration's "
         "destination: an address of this host the destination reaches.",
-        example="192.168.100.7", unset="not set: local NVMe does not live-migrate"),
+        example="192.168.100.7", unset="none (then local NVMe behind SPDK does not live-migrate)"),
     Key("migrate", "export_transport", Choice("rdma", "tcp"), "rdma",
         "The NVMe-oF transport of that export."),
     Key("migrate", "export_port", Int("", 1, 65535, noun="port"), 4420,
