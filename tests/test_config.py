@@ -174,7 +174,7 @@ def test_empty_text_values_keep_the_default_other_empty_values_are_values(tmp_pa
 def test_reactors_that_are_housekeeping_cores_conflict(tmp_path):
     path = write(tmp_path, "[cpu]\nhousekeeping = 0-3\nreactors = 2-3,8\n")
     err = config.conflicts(config.load(path), path)
-    assert str(err) == (f"{path}:3: [cpu] reactors: cores 2-3 are also housekeeping "
+    assert str(err) == (f"{path}:3: [cpu] reactors: cores 2-3 are both SPDK reactors and housekeeping cores "
                         "(fix: a core has one owner: take it out of reactors or housekeeping)")
 
 
@@ -213,7 +213,7 @@ def test_config_check_refuses_a_bad_file_in_one_line_exit_2(tmp_path):
     assert out.stderr == (f"vstor: error: {path}:2: [cpu] reactors: '1-x' is not a CPU list "
                           "(fix: e.g. reactors = 2,18)\n")
     out = vstor("config", "check", write(tmp_path, "[cpu]\nreactors = 2\nhousekeeping = 2\n"))
-    assert out.returncode == 2 and ":2: [cpu] reactors: core 2 is also housekeeping" in out.stderr
+    assert out.returncode == 2 and ":2: [cpu] reactors: cores 2 are both SPDK reactors and housekeeping cores" in out.stderr
 
 
 def test_config_check_refuses_a_file_others_may_write(tmp_path):

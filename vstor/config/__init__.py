@@ -109,8 +109,9 @@ def fix(key: Key, hint: str | None = None) -> str:
 
 def conflicts(cfg: Config, path: str | None = None) -> BadInput | None:
     """What no single key shows wrong: a core both a reactor and a
-    housekeeping core (the planner refuses to plan with it).  `path`, the
-    file cfg was read from, for the line of [cpu] reactors."""
+    housekeeping core.  The planner refuses to plan with it, `vstor config
+    check` refuses the file; `path`, the file cfg was read from, adds the
+    line of [cpu] reactors (the planner, pure, reads no file)."""
     from vstor.cpulist import format_cpulist
     both = set(cfg.reactors) & set(cfg.housekeeping or ())
     if not both:
@@ -122,9 +123,8 @@ def conflicts(cfg: Config, path: str | None = None) -> BadInput | None:
                 where += f":{_Lines(f.read()).key('cpu', 'reactors')}"
         except (OSError, UnicodeDecodeError):
             pass
-    many = len(both) > 1
-    return BadInput(f"{where}: [cpu] reactors: core{'s' if many else ''} {format_cpulist(both)} "
-                    f"{'are' if many else 'is'} also housekeeping",
+    return BadInput(f"{where}: [cpu] reactors: cores {format_cpulist(both)} are both SPDK reactors "
+                    "and housekeeping cores",
                     hint="fix: a core has one owner: take it out of reactors or housekeeping")
 
 

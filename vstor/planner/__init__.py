@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vstor.config import Config
+from vstor.config import Config, conflicts
 from vstor.errors import BadInput, DoesNotFit
-from vstor.host.model import Host, format_cpulist
+from vstor.host.model import Host
 from vstor.meta.document import Domain
 from vstor.meta.intent import Intent, NvmfSource
 from vstor.meta.metadata import digest
@@ -114,10 +114,9 @@ def check_request(req: Request) -> None:
 
 
 def _check_config(cfg: Config) -> None:
-    both = set(cfg.reactors) & set(cfg.housekeeping or ())
-    if both:
-        raise BadInput(f"{cfg.source}: cores {format_cpulist(both)} are both SPDK reactors and "
-                       "housekeeping cores", hint="a core has one owner: fix [cpu]")
+    problem = conflicts(cfg)
+    if problem:
+        raise problem
 
 
 def page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
