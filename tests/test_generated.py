@@ -129,15 +129,20 @@ def test_the_reference_table_has_a_row_per_key():
 
 # --- bash completion --------------------------------------------------------
 
-def complete(*words, uri=None, env=None):
-    """The candidates bash's completion offers after `words` (the last one
-    being completed), from completion/vstor sourced into a real bash."""
-    line = " ".join(f"'{w}'" for w in words)
+def complete(*words, env=None):
+    """The candidates bash offers after `words` (the last one being
+    completed), from completion/vstor sourced into a real bash, called as
+    readline calls it: COMP_LINE and COMP_POINT, and COMP_WORDS split at
+    COMP_WORDBREAKS (so test:///default is three words there)."""
+    line = " ".join(words)
     script = (f"source {ROOT}/completion/vstor\n"
-              f"COMP_WORDS=({line}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1))\n"
+              'COMP_LINE=$1; COMP_POINT=${#1}\n'
+              # what readline would put in COMP_WORDS: split at blanks, ':' and '='
+              'COMP_WORDS=($(sed "s/[:=]/ & /g" <<< "$1")); [[ $1 == *" " ]] && COMP_WORDS+=("")\n'
+              "COMP_CWORD=$((${#COMP_WORDS[@]} - 1))\n"
               "_vstor; printf '%s\\n' \"${COMPREPLY[@]}\"\n")
-    out = subprocess.run(["bash", "--norc", "-c", script], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], **(env or {})})
+    out = subprocess.run(["bash", "--norc", "-c", script, "bash", line], capture_output=True,
+                         text=True, env={"PATH": os.environ["PATH"], **(env or {})})
     assert out.returncode == 0 and out.stderr == ""
     return sorted(line for line in out.stdout.splitlines() if line)
 
@@ -170,6 +175,7 @@ def test_completion_offers_every_option_of_every_command():
 def test_completion_offers_an_options_choices():
     assert complete("vstor", "nova", "config", "--page-size", "") == ["1G", "2M"]
     assert complete("vstor", "nova", "config", "--page-size=1") == ["1G"]
+    assert complete("vstor", "nova", "config", "--page-size=") == ["1G", "2M"]
     assert complete("vstor", "nova", "migrate", "") == ["abort", "finish", "prepare"]
 
 
@@ -179,12 +185,16 @@ def test_completion_offers_files_and_directories(tmp_path):
     assert complete("vstor", "define", f"{tmp_path}/") == [f"{tmp_path}/a.xml", f"{tmp_path}/sub"]
     assert complete("vstor", "hooks", "install", "--dir", f"{tmp_path}/") == [f"{tmp_path}/sub"]
     assert complete("vstor", "attach", "dom", f"{tmp_path}/a") == [f"{tmp_path}/a.xml"]
+    # readline replaces what follows the word's last ':' (a COMP_WORDBREAKS character)
+    (tmp_path / "vm:1.xml").write_text("")
+    assert complete("vstor", "define", f"{tmp_path}/vm:") == ["1.xml"]
 
 
 @pytest.mark.skipif(not shutil.which("virsh"), reason="needs virsh (libvirt-clients)")
 def test_completion_offers_the_domains_virsh_lists():
     """libvirt's test:///default driver has one domain, "test"."""
     assert complete("vstor", "-c", "test:///default", "release", "") == ["test"]
+    assert complete("vstor", "-c", "test:///default", "hooks", "") == ["install", "uninstall"]
     assert complete("vstor", "--connect=test:///default", "migrate", "abort", "t") == ["test"]
     assert complete("vstor", "status", "", env={"LIBVIRT_DEFAULT_URI": "test:///default"}) == ["test"]
     # a DOMAIN|FILE argument: domains and files

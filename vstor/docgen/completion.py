@@ -48,14 +48,20 @@ _vstor_values() {
 }
 
 _vstor() {
-    local cur=${COMP_WORDS[COMP_CWORD]} cmd="" word npos=0 i
+    # The words from the line itself: readline's COMP_WORDS splits at the
+    # ':' and '=' of COMP_WORDBREAKS (test:///default, --page-size=2M).
+    local line=${COMP_LINE:0:COMP_POINT} words
+    read -ra words <<< "$line"
+    [[ -z $line || $line == *[[:space:]] ]] && words+=("")
+    local cword=$((${#words[@]} - 1))
+    local cur=${words[cword]} cmd="" word npos=0 i
     local _vstor_uri=${LIBVIRT_DEFAULT_URI-}
     COMPREPLY=()
-    for ((i = 1; i < COMP_CWORD; i++)); do
-        word=${COMP_WORDS[i]}
+    for ((i = 1; i < cword; i++)); do
+        word=${words[i]}
         if [[ $word == -* ]]; then
             if [[ -z $cmd && ($word == -c || $word == --connect) ]]; then
-                _vstor_uri=${COMP_WORDS[i+1]}
+                _vstor_uri=${words[i+1]}
             elif [[ -z $cmd && $word == --connect=* ]]; then
                 _vstor_uri=${word#--connect=}
             fi
@@ -70,31 +76,40 @@ _vstor() {
             ((npos++))
         fi
     done
-    if ((COMP_CWORD > 1)) && [[ ${COMP_WORDS[COMP_CWORD-1]} == -* ]]; then
-        _vstor_option "$cmd" "${COMP_WORDS[COMP_CWORD-1]}"
+    _vstor_candidates
+    # readline replaces only the part of the word after its last ':'.
+    if [[ $cur == *:* && $COMP_WORDBREAKS == *:* && $cur != --*=* ]]; then
+        local done=${cur%"${cur##*:}"}
+        COMPREPLY=("${COMPREPLY[@]#"$done"}")
+    fi
+    return 0
+}
+
+# COMPREPLY for the word $cur after command $cmd (with $npos positionals
+# before it), the previous word being ${words[cword-1]}.
+_vstor_candidates() {
+    if ((cword > 1)) && [[ ${words[cword-1]} == -* && ${words[cword-1]} != *=* ]]; then
+        _vstor_option "$cmd" "${words[cword-1]}"
         if [[ -n $REPLY ]]; then
             _vstor_values "$REPLY" "$cur"
-            return 0
+            return
         fi
     fi
     if [[ $cur == --*=* ]]; then
         _vstor_option "$cmd" "${cur%%=*}"
         _vstor_values "$REPLY" "${cur#*=}"
-        return 0
-    fi
-    if [[ $cur == -* ]]; then
+    elif [[ $cur == -* ]]; then
         _vstor_options "$cmd"
         COMPREPLY=($(compgen -W "$REPLY" -- "$cur"))
-        return 0
+    else
+        _vstor_subcommands "$cmd"
+        if [[ -n $REPLY ]]; then
+            COMPREPLY=($(compgen -W "$REPLY" -- "$cur"))
+        else
+            _vstor_positional "$cmd" "$npos"
+            _vstor_values "$REPLY" "$cur"
+        fi
     fi
-    _vstor_subcommands "$cmd"
-    if [[ -n $REPLY ]]; then
-        COMPREPLY=($(compgen -W "$REPLY" -- "$cur"))
-        return 0
-    fi
-    _vstor_positional "$cmd" "$npos"
-    _vstor_values "$REPLY" "$cur"
-    return 0
 }
 
 complete -F _vstor vstor
