@@ -1,6 +1,6 @@
 """`vstor migrate agent`, the real process, fed every request a hostile or
 broken source could send (issue 21): each gets exactly one JSON answer on
-stdout and the exit code the README documents (2 for a request that is
+stdout and the exit code docs/migration.md documents (2 for a request that is
 not one), no traceback, nothing on the host changed, and no block source
 opened that is not one of the host model's block devices."""
 

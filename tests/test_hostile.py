@@ -6,7 +6,7 @@ plan records, go through every entry point:
     vstor prepare FILE (in-process, with the kernel sysfs double), and
     hooks/vstor DOMAIN prepare begin - (a subprocess, the XML on stdin)
 
-and each must be refused with the documented exit code (README "Exit codes")
+and each must be refused with the documented exit code (docs/troubleshooting.md)
 and one line on stderr, no traceback, within a time bound, and with NOTHING
 changed on the host: the state, vhost and qsd directories, the image root and
 the decoys a hostile input points at (a secret file, a listening socket),
@@ -341,7 +341,7 @@ ONE_LINE_BREAKS = re.compile("[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
 
 
 def problems_with(o: Outcome, expect: set[int]) -> list[str]:
-    """Everything wrong with an outcome; [] when it is what the README documents."""
+    """Everything wrong with an outcome; [] when it is what docs/troubleshooting.md documents."""
     out = []
     if o.code not in expect:
         out.append(f"exit {o.code}, expected {sorted(expect)}")

@@ -1,4 +1,4 @@
-"""One open per source (README "Security model"): the file vstor checks is
+"""One open per source (docs/security.md): the file vstor checks is
 the very file qemu-storage-daemon serves, whoever renames, replaces or
 symlinks inside an image root while a domain starts.
 

@@ -4,7 +4,7 @@ hook return for it."""
 
 from __future__ import annotations
 
-# Exit codes, documented in README.md ("Exit codes").
+# Exit codes, documented in docs/troubleshooting.md.
 EXIT_OK = 0
 EXIT_ERROR = 1          # an unexpected failure (still one line, no traceback)
 EXIT_BAD_INPUT = 2      # usage, malformed XML or metadata, unknown device

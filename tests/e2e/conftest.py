@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(items):
         if HERE in Path(item.fspath).parents:
             item.add_marker(pytest.mark.e2e)
     # The live migrations run first: their TCG guests were lost after the move
-    # far more often late in a full run (the README's Tests section has the
+    # far more often late in a full run (docs/testing.md has the
     # figures; see test_migration.GuestLost).
     first = HERE / "test_migration.py"
     items.sort(key=lambda item: Path(item.fspath) != first)

@@ -45,8 +45,8 @@ class GuestLost(Exception):
     rss counters found corrupt, as if a page the guest CPU wrote last had
     not been carried), or its I/O stops. It was seen with guests that have
     no vstor disk too (bench_migrate.py's hand-made daemons), never on the
-    disk's data (no wrong byte read back). How often varies; the README's
-    Tests section has the figures as measured."""
+    disk's data (no wrong byte read back). How often varies; docs/testing.md
+    ("Guests lost after a live migration") has the figures as measured."""
 
 
 def once_more_if_guest_lost(test):

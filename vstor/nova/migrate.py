@@ -2,7 +2,7 @@
 driver carries it: nova-compute runs as the nova user, vstor's migration
 needs root, so the driver runs `vstor nova migrate STEP INSTANCE` through
 `[nova] migrate_command` (`sudo -n vstor` by default; the sudoers line is
-in the README).  No nova import here.
+in docs/nova.md).  No nova import here.
 
     prepare  before Nova's migration: the destination plans the instance's
              vstor disks and makes their backends (vstor migrate prepare)

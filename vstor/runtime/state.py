@@ -51,7 +51,7 @@ EXPORTING = "exporting"
 class DamagedRecord(Unavailable):
     """A state record that cannot be read: what it holds is unknown, so its
     domain, and every decision that needs every record, is refused until an
-    operator looks at it (README: Security model)."""
+    operator looks at it (docs/security.md)."""
 
 
 _FIX = "inspect it, undo by hand what it lists, then remove it"
