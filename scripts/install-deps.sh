@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 PKGS="libvirt-daemon-system libvirt-clients libvirt-dev pkg-config gcc python3-dev python3-venv
       qemu-system-x86 qemu-system-common qemu-utils libxml2-utils
-      busybox-static cpio kmod xz-utils tcpdump arping iproute2 util-linux"
+      busybox-static cpio kmod xz-utils tcpdump arping iproute2 util-linux groff-base man-db"
 
 missing=""
 for p in $PKGS; do
