@@ -3,9 +3,11 @@ tree in a temporary directory (/etc/pve, the snippets storage, qemu-server's
 run and lock directories), `vstor pve apply` and `vstor pve hooks install`
 run on it, then what qemu-server would do at the VM's start and stop done
 here: the installed hookscript called as `<script> 100 pre-start`, the
-hugepage pool grown and mounted, QEMU started with the arguments the config
-turns into (tests/pve/qemu_server.py, the model held to Proxmox's own cfg2cmd
-cases), `<script> 100 post-stop` when it exits.
+hugepage pool grown and mounted, QEMU started with the arguments Proxmox's
+real qemu-server turns the config into (../shared/pve/oracle's showcmd, as
+`qm showcmd` prints them: its taskset prefix, -smp, -m, memory objects, -numa
+nodes and the `args` it appends last; what needs Proxmox's own files or KVM
+is left out), `<script> 100 post-stop` when it exits.
 
 The guest boots under TCG on real qemu-storage-daemons, writes a pattern to
 every vstor disk and reads it back; the pattern must be in the backing files,
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pve.qemu_server import extra_args, hostpci_args, memory_args, prefix
+from tests.pve import oracle
 from vstor.pve.config import PveConfig
 
 from .conftest import unavailable
@@ -324,7 +326,8 @@ def test_a_proxmox_vm_configured_by_vstor_boots_and_writes_through_its_disks(nod
     assert conf.get("numa0") == f"cpus={vcpus},hostnodes=0,memory={MEMORY_MIB},policy={shape.policy}"
     assert conf.get("affinity") == shape.written
     sockets = [node.vhost_dir / f"{NAME}-{t}" for t in shape.disks]
-    args = extra_args(conf)
+    start = qemu_server_argv(node)
+    args = start["args"]
     assert args[:2] == USER_ARGS.split()
     assert [a.split(",")[2] for a in args if a.startswith("socket,id=vstor-")] == \
         [f"path={s}" for s in sockets]
@@ -341,13 +344,13 @@ def test_a_proxmox_vm_configured_by_vstor_boots_and_writes_through_its_disks(nod
     devs = ",".join(f"vd{chr(ord('a') + i)}" for i in range(len(shape.disks)))     # PCI order
     cmdline = ("console=ttyS0 panic=-1 quiet printk.devkmsg=on "
                + job("write-verify", dev=devs, seed=seed, size=SIZE))
-    argv = prefix(conf) + [
+    argv = start["prefix"] + [
         node.qemu, "-machine", f"{shape.machine},accel=tcg",
-        "-smp", f"{shape.cores},sockets=1,cores={shape.cores},maxcpus={shape.cores}",
         "-nodefaults", "-display", "none", "-no-reboot",
         "-kernel", str(guest_image.kernel), "-initrd", str(guest_image.initrd), "-append", cmdline,
         "-serial", f"file:{console}", "-pidfile", str(node.run_dir / f"{VMID}.pid"),
-    ] + memory_args(conf) + hostpci_args(conf) + args
+    ] + start["options"] + args
+    assert start["prefix"] == ["/usr/bin/taskset", "--cpu-list", "--all-tasks", shape.written]
     assert "mem-path=/run/hugepages/kvm/2048kB,share=on,prealloc=yes" in " ".join(argv)
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -379,6 +382,23 @@ def test_a_proxmox_vm_configured_by_vstor_boots_and_writes_through_its_disks(nod
     assert post.returncode == 0, post.stderr
     assert node.leftovers() == []
     assert "vstor holds nothing on this host" in node.vstor("status")
+
+
+def qemu_server_argv(node: Node) -> dict[str, list[str]]:
+    """What Proxmox's real qemu-server makes of the VM's config (the oracle,
+    as `qm showcmd` prints it), in the parts a QEMU under TCG without
+    Proxmox's files can run: `prefix` (taskset for `affinity`), `options`
+    (-smp, -m, the memory-backend objects, -numa nodes) and `args` (the
+    config's `args`, which qemu-server appends after -machine, last)."""
+    start = oracle.showcmd(node.vm_conf.read_text(), qemu=_qemu_version(node.qemu), vmid=VMID)
+    assert start.code == 0, f"qemu-server refused the config vstor wrote: {start.err}"
+    argv = start.argv
+    kvm, machine = argv.index("/usr/bin/kvm"), argv.index("-machine")
+    options = []
+    for option, value in zip(argv[kvm + 1:machine], argv[kvm + 2:machine]):
+        if option in ("-smp", "-m", "-numa") or (option == "-object" and value.startswith("memory-backend-")):
+            options += [option, value]
+    return {"prefix": argv[:kvm], "options": options, "args": argv[machine + 2:]}
 
 
 def allowed_cpus(pid: int) -> set[str]:
