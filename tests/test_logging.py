@@ -116,6 +116,11 @@ def test_no_journal_and_no_syslog_logs_nothing_and_fails_nothing(tmp_path, monke
     monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", dead.path)
     log.setup("test")
     log.change("vm1", "touch f0", log.DONE)
+    log.refusal("vm1 cannot start", 3, "vm1")
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", str(tmp_path / "none"))
+    log.setup("test")
+    log.refusal("vm1 cannot start", 3, "vm1")       # nowhere to log: not logging's stderr either
     assert capsys.readouterr() == ("", "")
 
 

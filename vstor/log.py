@@ -49,9 +49,10 @@ def setup(command: str, verbose: bool = False) -> None:
         _logger = None
 
 
-def change(domain: str, step: str, result: str, error: str | None = None) -> None:
-    """A host change: `step` (its description) for `domain`, with its result."""
-    text = f"{domain}: {step}: {result}" + (f": {error}" if error else "")
+def change(domain: str | None, step: str, result: str, error: str | None = None) -> None:
+    """A host change: `step` (its description) for `domain` (None: for no
+    domain, e.g. the hook installed), with its result."""
+    text = (f"{domain}: " if domain else "") + f"{step}: {result}" + (f": {error}" if error else "")
     ok = result in (DONE, UNDONE)
     _emit(INFO if ok else ERR, text, VSTOR_DOMAIN=domain, VSTOR_STEP=step, VSTOR_RESULT=result)
 
@@ -97,8 +98,9 @@ def _make():
     handler = journal_handler(journal, _settings["command"]) if journal else None
     if handler is None:
         handler = syslog_handler(os.environ.get("VSTOR_SYSLOG_SOCKET", SYSLOG_SOCKET))
-    if handler is not None:
-        logger.addHandler(handler)
+    # NullHandler when there is nowhere: a logger without handlers falls to
+    # logging's last resort, stderr.
+    logger.addHandler(handler or logging.NullHandler())
     if _settings["verbose"]:
         stream = quiet(logging.StreamHandler(sys.stderr))
         stream.setFormatter(logging.Formatter("vstor: %(message)s"))
