@@ -265,3 +265,29 @@ def test_the_hook_imports_no_logging_when_it_has_nothing_to_log():
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "False", out.stderr
+
+
+@needs_root
+def test_the_proxmox_hookscript_logs_its_changes_and_refusals(tmp_path, journal):
+    from tests.test_pve import Pve, _applied
+    pve = Pve(tmp_path / "pve")
+    try:
+        text = _applied(pve)
+        journal.entries()
+        env = {"VSTOR_JOURNAL_SOCKET": journal.path}
+        assert pve.hook(100, "pre-start", env=env).returncode == 0
+        entries = journal.entries()
+        assert [(e["VSTOR_DOMAIN"], e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in entries
+                if "VSTOR_RESULT" in e] == [("pve-100", "done", "hookscript pre-start")]
+        assert entries[-1]["MESSAGE"] == "pve-100: VM 100: pre-start: 1 host changes recorded"
+        assert pve.hook(100, "post-stop", env=env).returncode == 0
+        assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in journal.entries()
+                if "VSTOR_RESULT" in e] == [("undone", "hookscript post-stop")]
+        pve.vm(text.replace("cores: 2", "cores: 4"))
+        done = pve.hook(100, "pre-start", env=env)
+        assert done.returncode == 2
+        (entry,) = journal.entries()
+        assert (entry["VSTOR_DOMAIN"], entry["VSTOR_RESULT"], entry["VSTOR_EXIT"]) == ("pve-100", "refused", "2")
+        assert entry["MESSAGE"] == f"refused (exit 2): VM 100: pre-start failed: {done.stderr.strip()[len('vstor: '):]}"
+    finally:
+        pve.vstor("release", "--force", "pve-100")
