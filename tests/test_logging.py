@@ -291,3 +291,46 @@ def test_the_proxmox_hookscript_logs_its_changes_and_refusals(tmp_path, journal)
         assert entry["MESSAGE"] == f"refused (exit 2): VM 100: pre-start failed: {done.stderr.strip()[len('vstor: '):]}"
     finally:
         pve.vstor("release", "--force", "pve-100")
+
+
+JOURNALD = "/lib/systemd/systemd-journald"
+REAL_JOURNAL = r"""
+set -e
+mount -t tmpfs tmpfs /run/systemd
+mkdir -p /run/log && mount -t tmpfs tmpfs /run/log
+mkdir -p /run/systemd/journal
+{journald} >/dev/null 2>&1 &
+pid=$!
+trap 'kill $pid; wait $pid || true' EXIT
+for i in $(seq 100); do [ -S /run/systemd/journal/socket ] && break; sleep 0.05; done
+{python} -c "$1"
+sleep 0.3
+journalctl --directory=/run/log/journal SYSLOG_IDENTIFIER=vstor -o json --no-pager
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(JOURNALD) or not shutil.which("unshare")
+                    or not shutil.which("journalctl"), reason="needs root, systemd-journald, unshare")
+def test_a_real_journald_keeps_the_fields():
+    """Optional: the real systemd-journald, in a mount namespace of its own
+    (its sockets and journal on tmpfs), reads what vstor sends."""
+    import json
+    code = ("from vstor import log; from vstor.log_handlers import journal_fields; import socket\n"
+            "log.setup('prepare')\n"
+            "log.change('web1', 'bind 0000:5e:00.0 to vfio-pci', log.DONE)\n"
+            "log.refusal('web1 cannot start: no free core', 3, 'web1')\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+            "s.sendto(journal_fields({'MESSAGE': 'two\\nlines', 'SYSLOG_IDENTIFIER': 'vstor'}),"
+            " log.JOURNAL_SOCKET)\n")
+    script = REAL_JOURNAL.format(journald=JOURNALD, python=sys.executable)
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", code],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={"PATH": os.environ["PATH"], "PYTHONPATH": ROOT})
+    if out.returncode and "mount" in out.stderr:
+        pytest.skip(f"cannot make a private journal here: {out.stderr.strip()[:200]}")
+    entries = [json.loads(line) for line in out.stdout.splitlines()]
+    got = [(e["MESSAGE"], e.get("VSTOR_DOMAIN"), e.get("VSTOR_RESULT"), e.get("VSTOR_EXIT"),
+            e.get("VSTOR_COMMAND"), e.get("PRIORITY")) for e in entries]
+    assert got == [("web1: bind 0000:5e:00.0 to vfio-pci: done", "web1", "done", None, "prepare", "6"),
+                   ("refused (exit 3): web1 cannot start: no free core", "web1", "refused", "3", "prepare", "4"),
+                   ("two\nlines", None, None, None, None, None)]
