@@ -147,3 +147,9 @@ def test_the_proxmox_hookscript_is_recognised_as_vstors():
     from vstor.cli.hooks import is_vstor_hook
     assert is_vstor_hook(render_hook(None, "proxmox/vstor"))
     assert is_vstor_hook(render_hook("/etc/vstor/vstor.conf"))
+
+
+def test_no_hook_is_nothing_to_remove_even_while_domains_are_held(site, capsys):
+    site.state.save(Record("web1", "web1", None))
+    assert vstor(site, "uninstall") == 0
+    assert f"No vstor hook at {site.hooks}/vstor: nothing to remove" in capsys.readouterr().out

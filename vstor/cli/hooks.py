@@ -152,6 +152,8 @@ def _would_install(directory: str, target: str, text: str) -> list[str]:
 def cmd_hooks_uninstall(ctx, args) -> int:
     _check_dir(args)
     target = os.path.join(args.dir, "vstor")
+    if not check_hook(target, "hook"):
+        return 0
     held = _held_domains(ctx)
     if held and not args.force:
         raise InUse(f"vstor holds backends for {_names(held)}: without the hook, libvirt's stop of "
@@ -199,14 +201,33 @@ def is_vstor_hook(text: str) -> bool:
 
 def remove_hook(target: str, noun: str, then: str, dry_run: bool = False) -> int:
     """`hooks uninstall` (libvirt's hook, Proxmox's hookscript): only a file
-    vstor wrote (a regular file with vstor's hook in it), never one someone
-    else put there under that name."""
+    vstor wrote (check_hook), never one someone else put there under that name."""
+    if not check_hook(target, noun):
+        return 0
+    if dry_run:
+        print(f"would remove {target}; then: {then}")
+        return 0
+    try:
+        os.unlink(target)
+    except OSError as e:
+        raise BadInput(f"cannot remove {target}: {e.strerror}",
+                       hint="run as root" if os.geteuid() else None) from None
+    from vstor import log
+    log.change(None, f"remove the {noun} {target}", log.DONE)
+    print(f"Removed {target}; {then}")
+    return 0
+
+
+def check_hook(target: str, noun: str) -> bool:
+    """True when `target` is a hook vstor wrote (a regular file with vstor's
+    hook in it); False, said, when there is none; BadInput when it is
+    someone else's file."""
     import stat
     try:
         st = os.lstat(target)
     except FileNotFoundError:
         print(f"No vstor {noun} at {target}: nothing to remove")
-        return 0
+        return False
     except OSError as e:
         raise BadInput(f"cannot read {target}: {e.strerror}", hint="run as root" if os.geteuid() else None) from None
     if not stat.S_ISREG(st.st_mode):
@@ -220,15 +241,4 @@ def remove_hook(target: str, noun: str, then: str, dry_run: bool = False) -> int
     if not is_vstor_hook(text):
         raise BadInput(f"{target} is not vstor's {noun} (someone else's file by that name): left as it is",
                        hint="remove it by hand if it is no longer wanted")
-    if dry_run:
-        print(f"would remove {target}; then: {then}")
-        return 0
-    try:
-        os.unlink(target)
-    except OSError as e:
-        raise BadInput(f"cannot remove {target}: {e.strerror}",
-                       hint="run as root" if os.geteuid() else None) from None
-    from vstor import log
-    log.change(None, f"remove the {noun} {target}", log.DONE)
-    print(f"Removed {target}; {then}")
-    return 0
+    return True

@@ -76,6 +76,10 @@ def _domain(args) -> str | None:
     name = getattr(args, "domain", None)
     if isinstance(name, str):
         return name
+    source = getattr(args, "source", None)      # FILE|DOMAIN: a domain when it is not a file
+    if isinstance(source, str):
+        from vstor.cli.domains import is_file
+        return None if is_file(source) else source
     vm = getattr(args, "vmid", None)
     return f"pve-{vm}" if isinstance(vm, str) and vm.isdigit() else None
 
