@@ -334,3 +334,14 @@ def test_a_real_journald_keeps_the_fields():
     assert got == [("web1: bind 0000:5e:00.0 to vfio-pci: done", "web1", "done", None, "prepare", "6"),
                    ("refused (exit 3): web1 cannot start: no free core", "web1", "refused", "3", "prepare", "4"),
                    ("two\nlines", None, None, None, None, None)]
+
+
+def test_vstors_other_loggers_keep_their_hosts_handlers(journal, caplog):
+    """In nova-compute, vstor.nova.driver logs through Nova's handlers (the
+    root logger's): making vstor's change log must not take them over."""
+    import logging
+    log.change("vm1", "touch f0", log.DONE)
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("vstor.nova.driver").info("driver line")
+    assert [r.getMessage() for r in caplog.records] == ["driver line"]
+    assert [e["MESSAGE"] for e in journal.entries()] == ["vm1: touch f0: done"]

@@ -90,7 +90,9 @@ def _make():
     global _logger
     import logging
     from vstor.log_handlers import journal_handler, quiet, syslog_handler
-    logger = logging.getLogger("vstor")
+    # vstor.log, not vstor: the Nova driver logs as vstor.nova.driver through
+    # Nova's own handlers, and must keep doing so in nova-compute.
+    logger = logging.getLogger(__name__)
     logger.propagate = False        # never to the root logger (or its stderr default)
     logger.setLevel(logging.DEBUG)
     _close(logger)
