@@ -1,15 +1,16 @@
 """The libvirt hook, past its fast path (hooks/vstor): a domain with vstor
-metadata.  Never calls back into libvirt (that deadlocks libvirtd); logs to
-syslog with the domain name; one line on stderr when it refuses, which
-libvirt shows as the reason `virsh start` failed."""
+metadata.  Never calls back into libvirt (that deadlocks libvirtd); logs
+each host change and refusal with the domain name (vstor.log: the journal,
+else syslog); one line on stderr when it refuses, which libvirt shows as
+the reason `virsh start` failed."""
 
 from __future__ import annotations
 
 import os
 import sys
-import syslog
 
 from vstor import config as config_mod
+from vstor import log as vlog
 from vstor.errors import EXIT_ERROR, VstorError, one_line
 
 
@@ -26,9 +27,18 @@ def missing() -> list[str]:
     return [name for name in NEEDS if PathFinder.find_spec(name) is None]
 
 
-def log(domain: str, message: str, priority=syslog.LOG_INFO) -> None:
-    syslog.openlog("vstor", syslog.LOG_PID, syslog.LOG_DAEMON)
-    syslog.syslog(priority, one_line(f"{domain}: {message}"))
+def log(domain: str, message: str, priority: int = vlog.INFO) -> None:
+    vlog.note(domain, message, priority)
+
+
+def progress(domain: str):
+    """What the hook does with a run's progress lines: each host change is
+    logged with its result by the journal (vstor.runtime.journal), so only
+    the warnings are logged here."""
+    def say(message: str) -> None:
+        if message.startswith("warning: "):
+            vlog.note(domain, message[len("warning: "):], vlog.WARNING)
+    return say
 
 
 def run(argv: list[str], xml: bytes) -> int:
@@ -39,14 +49,15 @@ def run(argv: list[str], xml: bytes) -> int:
     if op not in ("prepare", "release", "reconnect", "migrate"):
         # restore (and anything newer): print nothing, libvirt keeps the XML.
         return 0
+    vlog.setup(f"hook {op}")
     try:
         return _dispatch(name, op, xml, argv[3] if len(argv) > 3 else "-")
     except VstorError as e:
-        log(name, f"{op} failed: {e}", syslog.LOG_ERR)
+        vlog.refusal(f"{name}: {op} failed: {e}", e.exit_code, name)
         print(f"vstor: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:      # never a traceback into libvirt's error message
-        log(name, f"{op} failed: {type(e).__name__}: {e}", syslog.LOG_ERR)
+        vlog.refusal(f"{name}: {op} failed: internal error: {type(e).__name__}: {e}", EXIT_ERROR, name)
         print(one_line(f"vstor: internal error in {op}: {type(e).__name__}: {e}"), file=sys.stderr)
         return EXIT_ERROR
 
@@ -83,7 +94,7 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
         from vstor.host.read import read_host
         from vstor.runtime.lifecycle import prepare
         rec = prepare(rt, state, read_host(SysFS(root), processes=False), dom,
-                      progress=lambda m: log(name, m))
+                      progress=progress(name))
         log(name, f"prepared: {len(rec.steps)} host changes recorded")
     return 0
 
@@ -91,12 +102,12 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
 def _recorded(name: str, op: str, dom, rt, state, extra: str) -> int:
     from vstor.runtime.recorded import reconnect, release
     if op == "release":
-        rec = release(rt, state, dom.safe_name, progress=lambda m: log(name, m),
+        rec = release(rt, state, dom.safe_name, progress=progress(name),
                       domain=dom.name, uuid=dom.uuid, migrated=extra == "migrated")
         log(name, "released" if rec else "nothing to release")
     else:
         for finding in reconnect(rt, state, dom.safe_name, dom.name, dom.uuid):
-            log(name, f"reconnect: {finding}", syslog.LOG_WARNING)
+            log(name, f"reconnect: {finding}", vlog.WARNING)
     return 0
 
 

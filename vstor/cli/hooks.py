@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from vstor.errors import BadInput
+from vstor.errors import BadInput, InUse
 
 HOOK_DIR = "/etc/libvirt/hooks/qemu.d"     # where libvirt (libvirtd, virtqemud) looks
 
@@ -17,9 +17,14 @@ def register(sub) -> None:
     hsub.required = True
     p = hsub.add_parser("install", help="install the hook into libvirt's qemu.d")
     p.add_argument("--dir", default=HOOK_DIR, help="hook directory")
+    p.add_argument("--dry-run", action="store_true", help="print what would be written, write nothing")
     p.set_defaults(func=cmd_hooks_install)
-    p = hsub.add_parser("uninstall", help="remove the hook")
+    p = hsub.add_parser("uninstall", help="remove the hook `hooks install` wrote (refused while "
+                                          "vstor holds backends for domains)")
     p.add_argument("--dir", default=HOOK_DIR, help="hook directory")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    p.add_argument("--force", action="store_true",
+                   help="even while vstor holds backends for domains (their stop then releases nothing)")
     p.set_defaults(func=cmd_hooks_uninstall)
 
 
@@ -84,12 +89,17 @@ def installed_hook_text(ctx) -> str:
     return render_hook(ctx.args.config or os.environ.get("VSTOR_CONFIG"))
 
 
-def cmd_hooks_install(ctx, args) -> int:
+def _check_dir(args) -> None:
+    verb = f"hooks {args.hooks_command}"
     if not args.dir:
-        raise BadInput("hooks install --dir is empty", hint=f"leave it out for libvirt's {HOOK_DIR}")
+        raise BadInput(f"{verb} --dir is empty", hint=f"leave it out for libvirt's {HOOK_DIR}")
     if not args.dir.isprintable():      # a newline or an escape: a slip, never a directory meant
-        raise BadInput(f"hooks install --dir {args.dir} holds a control character",
+        raise BadInput(f"{verb} --dir {args.dir} holds a control character",
                        hint=f"check the path, or leave out --dir for libvirt's {HOOK_DIR}")
+
+
+def cmd_hooks_install(ctx, args) -> int:
+    _check_dir(args)
     target = os.path.join(args.dir, "vstor")
     where = os.path.normpath(args.dir)
     parent = os.path.dirname(where)
@@ -98,9 +108,14 @@ def cmd_hooks_install(ctx, args) -> int:
         # down from a directory that exists: a mistyped path gets no hook nobody reads.
         raise BadInput(f"cannot install the hook into {args.dir}: neither it nor {parent} exists",
                        hint=f"check the path, or leave out --dir for libvirt's {HOOK_DIR}")
+    text = installed_hook_text(ctx)
+    if args.dry_run:
+        for line in _would_install(args.dir, target, text):
+            print(line)
+        return 0
     from vstor.atomic import write_file
     try:
-        write_file(target, installed_hook_text(ctx), mode=0o755, makedirs=True,
+        write_file(target, text, mode=0o755, makedirs=True,
                    failure=f"cannot install the hook into {args.dir}")
     except BadInput as e:
         if os.geteuid() != 0:
@@ -111,24 +126,119 @@ def cmd_hooks_install(ctx, args) -> int:
         else:
             hint = None
         raise BadInput(e.message, hint=hint) from None
+    from vstor import log
+    log.change(None, f"install the libvirt hook {target}", log.DONE)
     print(f"Installed {target}; restart libvirtd (or virtqemud) so it picks the hook up")
     return 0
 
 
+def _would_install(directory: str, target: str, text: str) -> list[str]:
+    out = [] if os.path.isdir(directory) else [f"would create {directory} (mode 0755)"]
+    try:
+        with open(target) as f:
+            now = f.read()
+    except OSError:
+        now = None
+    if now == text:
+        return out + [f"{target} is already this hook: nothing to write"]
+    verb = "replace" if now is not None else "write"
+    python = next((line.split("=", 1)[1] for line in text.splitlines() if line.startswith("PYTHON=")), "?")
+    config = next((line.split("=", 1)[1] for line in text.splitlines() if line.startswith("CONFIG=")), "")
+    return out + [f"would {verb} {target} (mode 0755, {len(text.encode())} bytes): the libvirt hook, "
+                  f"run by {python}, config {config or 'the default'}",
+                  "then: restart libvirtd (or virtqemud) so it picks the hook up"]
+
+
 def cmd_hooks_uninstall(ctx, args) -> int:
-    return remove_hook(os.path.join(args.dir, "vstor"), "hook",
-                       "restart libvirtd (or virtqemud) so it forgets the hook")
+    _check_dir(args)
+    target = os.path.join(args.dir, "vstor")
+    if not check_hook(target, "hook"):
+        return 0
+    held = _held_domains(ctx)
+    if held and not args.force:
+        raise InUse(f"vstor holds backends for {_names(held)}: without the hook, libvirt's stop of "
+                    "each would not release them (its sockets, daemons, devices stay until "
+                    "`vstor release`)", hint="stop those domains first, or `vstor gc` for ones that "
+                                            "no longer run; or --force, then `vstor release DOMAIN` "
+                                            "for each after it stops")
+    then = "restart libvirtd (or virtqemud) so it forgets the hook"
+    if held:
+        then += (f"; vstor still holds backends for {_names(held)}: release each after it stops "
+                 "(vstor release DOMAIN), as no hook will")
+    return remove_hook(target, "hook", then, dry_run=args.dry_run)
 
 
-def remove_hook(target: str, noun: str, then: str) -> int:
-    """`hooks uninstall` (libvirt's hook, Proxmox's hookscript)."""
-    if not os.path.exists(target):
-        print(f"No vstor {noun} at {target}")
+def _held_domains(ctx) -> list[str]:
+    """The libvirt domains vstor holds backends for (its state records; a
+    Proxmox VM's are released by the hookscript, not this hook).  A record
+    that cannot be read may be one: it counts."""
+    from vstor.pve.vm import vmid_of
+    from vstor.runtime.state import StateDir
+    damaged: list[str] = []
+    try:
+        records = StateDir(ctx.config.state_dir).records(damaged)
+    except OSError as e:
+        raise BadInput(f"cannot read {ctx.config.state_dir} ({e.strerror}): cannot tell which "
+                       "domains vstor holds backends for", hint="run as root") from None
+    return ([r.domain for r in records if not vmid_of(r.domain)]
+            + [f"a domain of a damaged record ({d})" for d in damaged])
+
+
+def _names(held: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+    return f"{len(held)} domain{'s' if len(held) != 1 else ''} ({shown})"
+
+
+# The lines each hook `hooks install` (and `pve hooks install`) writes opens
+# with, whatever vstor version wrote it: a file without one is not vstor's.
+MARKERS = ("# vstor's libvirt QEMU hook", "# vstor's Proxmox VE hookscript")
+
+
+def is_vstor_hook(text: str) -> bool:
+    head = text.splitlines()[:3]
+    return any(line.startswith(MARKERS) for line in head) and "from vstor.hook import" in text
+
+
+def remove_hook(target: str, noun: str, then: str, dry_run: bool = False) -> int:
+    """`hooks uninstall` (libvirt's hook, Proxmox's hookscript): only a file
+    vstor wrote (check_hook), never one someone else put there under that name."""
+    if not check_hook(target, noun):
+        return 0
+    if dry_run:
+        print(f"would remove {target}; then: {then}")
         return 0
     try:
         os.unlink(target)
     except OSError as e:
         raise BadInput(f"cannot remove {target}: {e.strerror}",
                        hint="run as root" if os.geteuid() else None) from None
+    from vstor import log
+    log.change(None, f"remove the {noun} {target}", log.DONE)
     print(f"Removed {target}; {then}")
     return 0
+
+
+def check_hook(target: str, noun: str) -> bool:
+    """True when `target` is a hook vstor wrote (a regular file with vstor's
+    hook in it); False, said, when there is none; BadInput when it is
+    someone else's file."""
+    import stat
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        print(f"No vstor {noun} at {target}: nothing to remove")
+        return False
+    except OSError as e:
+        raise BadInput(f"cannot read {target}: {e.strerror}", hint="run as root" if os.geteuid() else None) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput(f"{target} is not the {noun} vstor installs (not a regular file): left as it is",
+                       hint="look at what it is, and remove it by hand if it is no longer wanted")
+    try:
+        with open(target, errors="replace") as f:
+            text = f.read(1 << 20)
+    except OSError as e:
+        raise BadInput(f"cannot read {target}: {e.strerror}", hint="run as root" if os.geteuid() else None) from None
+    if not is_vstor_hook(text):
+        raise BadInput(f"{target} is not vstor's {noun} (someone else's file by that name): left as it is",
+                       hint="remove it by hand if it is no longer wanted")
+    return True

@@ -66,10 +66,13 @@ def cmd_status(ctx, args) -> int:
     rt = _runtime(ctx)
     elsewhere = _pve_elsewhere(ctx, records)
     said = _libvirt_says(ctx, [r.domain for r in records if r.domain not in elsewhere])
+    spdk_pid = _spdk_pid(rt) if any(e.get("kind", "").startswith("spdk")
+                                    for r in records for e in r.steps) else None
     rows = [{"domain": r.domain, "status": r.status, "libvirt": said.get(r.domain),
              "holding": r.holding, "elsewhere": elsewhere.get(r.domain),
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
-             "steps": [{"step": s, "state": st, "problem": p} for s, st, p in health(rt, r)]}
+             "steps": [{"step": s, "state": st, "problem": p, **labelled(entry, spdk_pid)}
+                       for entry, (s, st, p) in zip(r.steps, health(rt, r))]}
             for r in records]
     # Like doctor's failed check: a step with a problem, or a record that
     # cannot be read, is exit 1 once everything has been printed.
@@ -98,8 +101,46 @@ def cmd_status(ctx, args) -> int:
             print(f"  {row['elsewhere']}")
         for s in row["steps"]:
             mark = "ok" if s["problem"] is None else f"PROBLEM: {s['problem']}"
-            print(f"  {s['step']}: {mark}")
+            pid = f" ({s['daemon']} pid {s['pid']})" if s.get("pid") and s["problem"] is None else ""
+            print(f"  {s['step']}: {mark}{pid}")
     return code
+
+
+def labelled(entry: dict, spdk_pid: int | None) -> dict:
+    """A recorded step as labelled fields (docs/operations.md, `status
+    --json`): its kind, what it made, and the daemon serving it with its
+    pid (None when it does not run)."""
+    from vstor.errors import ActionFailed
+    from vstor.runtime import actions
+    try:
+        a = actions.from_json(entry)
+    except ActionFailed:
+        return {"kind": entry.get("kind")}
+    if a.kind == "qsd-export":
+        from vstor.backends.qsd import daemon
+        e = a.export
+        return {"kind": a.kind, "name": e.name, "source": e.source, "socket": e.socket_path,
+                "daemon": "qemu-storage-daemon", "pid": daemon.pid(e)}
+    if a.kind == "spdk-vhost":
+        return {"kind": a.kind, "name": a.ctrlr, "bdev": a.bdev, "socket": a.socket,
+                "reactor": a.reactor, "daemon": "spdk", "pid": spdk_pid}
+    if a.kind == "spdk-attach":
+        return {"kind": a.kind, "name": a.name, "addresses": [p.traddr for p in a.paths],
+                "daemon": "spdk", "pid": spdk_pid}
+    if a.kind == "nvmf-export":
+        return {"kind": a.kind, "name": a.nqn, "bdev": a.bdev,
+                "address": f"{a.trtype} {a.traddr}:{a.trsvcid}", "host": a.host,
+                "daemon": "spdk", "pid": spdk_pid}
+    return {"kind": a.kind, "name": actions.identity(a)[1]}
+
+
+def _spdk_pid(rt) -> int | None:
+    """The SPDK application's pid as it reports it; None when it cannot be
+    asked (its steps then say what is wrong)."""
+    try:
+        return rt.spdk().app_pid()
+    except Exception:       # noqa: BLE001 (health() reports SPDK's absence per step)
+        return None
 
 
 def _libvirt_says(ctx, names: list[str]) -> dict[str, str]:

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import os
 import sys
-import syslog
 
+from vstor import log as vlog
 from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, BadInput, DoesNotFit, VstorError, one_line
 
 PHASES = ("pre-start", "post-start", "pre-stop", "post-stop")
 
 
-def log(vmid: str, message: str, priority=syslog.LOG_INFO) -> None:
-    syslog.openlog("vstor", syslog.LOG_PID, syslog.LOG_DAEMON)
-    syslog.syslog(priority, one_line(f"VM {vmid}: {message}"))
+def log(vmid: str, message: str, priority: int = vlog.INFO) -> None:
+    """vstor's log (vstor.log), with the VM's record name as its domain."""
+    vlog.note(f"pve-{vmid}" if vmid.isdigit() else None, f"VM {vmid}: {message}", priority)
 
 
 def run(argv: list[str]) -> int:
@@ -36,6 +36,7 @@ def run(argv: list[str]) -> int:
     vmid, phase = argv
     if phase not in ("pre-start", "post-stop"):
         return 0
+    vlog.setup(f"hookscript {phase}")
     try:
         from vstor.pve.vm import vmid as parse_vmid
         vm = parse_vmid(vmid)
@@ -45,11 +46,12 @@ def run(argv: list[str]) -> int:
             post_stop(vm)
         return 0
     except VstorError as e:
-        log(vmid, f"{phase} failed: {e}", syslog.LOG_ERR)
+        vlog.refusal(f"VM {vmid}: {phase} failed: {e}", e.exit_code, f"pve-{vmid}" if vmid.isdigit() else None)
         print(f"vstor: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:      # never a traceback into the task log
-        log(vmid, f"{phase} failed: {type(e).__name__}: {e}", syslog.LOG_ERR)
+        vlog.refusal(f"VM {vmid}: {phase} failed: internal error: {type(e).__name__}: {e}", EXIT_ERROR,
+                     f"pve-{vmid}" if vmid.isdigit() else None)
         print(one_line(f"vstor: internal error in {phase}: {type(e).__name__}: {e}"), file=sys.stderr)
         return EXIT_ERROR
 
@@ -88,7 +90,7 @@ def pre_start(vm: int, migrated_from: str | None) -> None:
     if migrated_from:
         _check_movable(cfg, vm, plan, migrated_from)
     rec = carry_out(rt, state, read_host(SysFS(root)), vmo.req, plan,
-                    progress=lambda m: log(str(vm), m))
+                    progress=_progress(vm))
     log(str(vm), f"pre-start: {len(rec.steps)} host changes recorded"
         + (f" (incoming migration from {migrated_from})" if migrated_from else ""))
 
@@ -130,5 +132,12 @@ def post_stop(vm: int) -> None:
         return
     if rec.domain != name:
         raise DoesNotFit(f"state record {name} belongs to '{rec.domain}', not VM {vm}")
-    release(rt, state, name, progress=lambda m: log(str(vm), m))
+    release(rt, state, name, progress=_progress(vm))
     log(str(vm), "post-stop: released")
+
+
+def _progress(vm: int):
+    """Each host change is logged with its result by the journal; only a
+    run's warnings are logged here."""
+    from vstor.hook import progress
+    return progress(f"pve-{vm}")

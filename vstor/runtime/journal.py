@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from vstor import log
 from vstor.errors import ActionFailed, InUse, Unavailable, VstorError
 from vstor.runtime.state import PREPARED, RELEASING, Record, StateDir
 
@@ -85,8 +86,11 @@ class Journal:
             for i, (step, error) in enumerate(zip(group, self._all(self.x.do, group))):
                 if error is None:
                     self.rec.steps[at + i] = self.x.encode(step, DONE)
-                elif failed is None:
-                    failed = step, error
+                    log.change(self.rec.domain, step.describe(), log.DONE)
+                else:
+                    log.change(self.rec.domain, step.describe(), log.FAILED, _one_line(error))
+                    if failed is None:
+                        failed = step, error
             if failed is not None:
                 step, e = failed
                 errors = self.rollback(keep=lambda i, _entry: i < first)
@@ -182,6 +186,8 @@ class Journal:
                 group.append(pending.pop())
             failed = []
             for item, (what, error) in zip(group, self._undo_all(group, others)):
+                log.change(self.rec.domain, what, log.UNDONE if error is None else log.UNDO_FAILED,
+                           None if error is None else _one_line(error))
                 if error is not None:
                     errors.append(f"{what}: {_one_line(error)}")
                     self.failures.append(error)

@@ -1,0 +1,347 @@
+"""The log of host changes and refusals (vstor.log): one journal entry per
+change and per refusal, in journald's native protocol, read back from a
+datagram socket bound where the journal's would be; real
+qemu-storage-daemons for the CLI's changes, the real installed hook for
+the hook's."""
+
+import os
+import pathlib
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from tests.test_journal import J, steps
+from vstor import log
+from vstor.cli.main import main
+from vstor.errors import ActionFailed
+from vstor.runtime.state import Record, StateDir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_root = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
+                                reason="starts qemu-storage-daemons handed to root:kvm (needs root)")
+
+
+def parse(datagram: bytes) -> dict[str, str]:
+    """One entry of the native protocol, read as journald reads it."""
+    out, i = {}, 0
+    while i < len(datagram):
+        nl = datagram.index(b"\n", i)
+        line = datagram[i:nl]
+        if b"=" in line:
+            key, value = line.split(b"=", 1)
+            i = nl + 1
+        else:       # KEY\n<u64 le length><value>\n
+            key = line
+            (n,) = struct.unpack("<Q", datagram[nl + 1:nl + 9])
+            value = datagram[nl + 9:nl + 9 + n]
+            assert datagram[nl + 9 + n:nl + 10 + n] == b"\n"
+            i = nl + 10 + n
+        assert key.isupper() or key.replace(b"_", b"").isalnum(), key
+        out[key.decode()] = value.decode()
+    return out
+
+
+class FakeJournal:
+    """A datagram socket where journald's would be."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.setblocking(False)
+
+    def entries(self) -> list[dict]:
+        out = []
+        while True:
+            try:
+                out.append(parse(self.sock.recv(1 << 16)))
+            except BlockingIOError:
+                return out
+
+
+@pytest.fixture
+def journal(tmp_path, monkeypatch):
+    j = FakeJournal(tmp_path / "journal.sock")
+    monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", j.path)
+    monkeypatch.setenv("VSTOR_SYSLOG_SOCKET", str(tmp_path / "no-syslog"))
+    log.setup("test")
+    yield j
+    j.sock.close()
+    log.setup("")
+
+
+def test_the_native_protocol_carries_a_value_with_a_newline_length_prefixed():
+    from vstor.log_handlers import journal_fields
+    data = journal_fields({"MESSAGE": "a\nb", "PRIORITY": "6"})
+    assert data == b"MESSAGE\n" + struct.pack("<Q", 3) + b"a\nb\nPRIORITY=6\n"
+    assert parse(data) == {"MESSAGE": "a\nb", "PRIORITY": "6"}
+
+
+def test_each_journaled_change_is_one_entry_with_its_domain_step_and_result(tmp_path, journal):
+    state = StateDir(str(tmp_path / "state"))
+    with pytest.raises(ActionFailed):
+        J(state, Record("vm1", "vm1", None), None).run(steps(tmp_path, 3, {2: {"fail_do": True}}))
+    got = [(e["VSTOR_DOMAIN"], e["VSTOR_STEP"], e["VSTOR_RESULT"], e["PRIORITY"]) for e in journal.entries()]
+    assert got == [("vm1", "touch f0", "done", "6"), ("vm1", "touch f1", "done", "6"),
+                   ("vm1", "touch f2", "failed", "3"),
+                   ("vm1", "touch f2", "undone", "6"), ("vm1", "touch f1", "undone", "6"),
+                   ("vm1", "touch f0", "undone", "6")]
+
+
+def test_an_undo_that_fails_is_logged_as_such(tmp_path, journal):
+    state = StateDir(str(tmp_path / "state"))
+    with pytest.raises(ActionFailed):
+        J(state, Record("vm1", "vm1", None), None).run(
+            steps(tmp_path, 3, {1: {"fail_undo": True}, 2: {"fail_do": True}}))
+    last = journal.entries()[-2:]
+    assert [(e["VSTOR_STEP"], e["VSTOR_RESULT"]) for e in last] == [("touch f2", "undone"),
+                                                                    ("touch f1", "undo failed")]
+    assert last[1]["MESSAGE"] == "vm1: touch f1: undo failed: [Errno 16] injected busy"
+
+
+def test_no_journal_and_no_syslog_logs_nothing_and_fails_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", str(tmp_path / "none"))
+    monkeypatch.setenv("VSTOR_SYSLOG_SOCKET", str(tmp_path / "none"))
+    log.setup("test")
+    J(StateDir(str(tmp_path / "state")), Record("vm1", "vm1", None), None).run(steps(tmp_path, 2))
+    assert capsys.readouterr() == ("", "")
+    # a journal socket nobody reads any more: still nothing on stderr, no failure
+    dead = FakeJournal(tmp_path / "dead.sock")
+    dead.sock.close()
+    monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", dead.path)
+    log.setup("test")
+    log.change("vm1", "touch f0", log.DONE)
+    log.refusal("vm1 cannot start", 3, "vm1")
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", str(tmp_path / "none"))
+    log.setup("test")
+    log.refusal("vm1 cannot start", 3, "vm1")       # nowhere to log: not logging's stderr either
+    assert capsys.readouterr() == ("", "")
+
+
+def test_without_a_journal_lines_go_to_syslog(tmp_path, monkeypatch):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "log"))
+    monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", str(tmp_path / "none"))
+    monkeypatch.setenv("VSTOR_SYSLOG_SOCKET", str(tmp_path / "log"))
+    log.setup("test")
+    log.change("vm1", "bind 0000:01:00.0 to vfio-pci", log.DONE)
+    line = sock.recv(4096)
+    sock.close()
+    log.setup("")
+    # <30>: facility daemon (3) * 8 + info (6)
+    assert line.startswith(b"<30>vstor[%d]: " % os.getpid())
+    assert line.rstrip(b"\0").endswith(b"vm1: bind 0000:01:00.0 to vfio-pci: done")
+
+
+def test_a_refusal_is_one_entry_with_its_exit_code(journal, tmp_path, capsys):
+    conf = tmp_path / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n")
+    assert main(["--config", str(conf), "status", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    (entry,) = journal.entries()
+    assert entry["VSTOR_RESULT"] == "refused" and entry["VSTOR_EXIT"] == "2"
+    assert entry["VSTOR_COMMAND"] == "status" and entry["SYSLOG_IDENTIFIER"] == "vstor"
+    assert entry["MESSAGE"] == "refused (exit 2): vstor holds nothing for domain 'nosuch' (see: vstor status)"
+    assert err.count("\n") == 1         # the error's one line, and no other
+
+
+def test_verbose_prints_the_changes_on_stderr_and_a_refusal_once(journal, tmp_path, capsys):
+    conf = tmp_path / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n")
+    assert main(["--verbose", "--config", str(conf), "status", "nosuch"]) == 2
+    assert capsys.readouterr().err.count("vstor holds nothing") == 1
+    log.change("vm1", "touch f0", log.DONE)
+    assert capsys.readouterr().err == "vstor: vm1: touch f0: done\n"
+    assert len(journal.entries()) == 2
+
+
+# -- the CLI and the hook, changing the host for real ---------------------------------------
+
+NS = "https://vstor.dev/xmlns/domain/1"
+
+
+def make_site(d):
+    conf = d / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\n"
+                    f"images = {d}\n")
+    for i in (0, 1):
+        with open(d / f"d{i}.raw", "wb") as f:
+            f.truncate(16 << 20)
+    (d / "vm.xml").write_text(f"""<domain type='kvm'><name>log1</name><memory unit='MiB'>256</memory>
+      <vcpu>1</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
+      <vstor:disk target='vdb'><vstor:file path='{d}/d0.raw'/></vstor:disk>
+      <vstor:disk target='vdc' readonly='yes'><vstor:file path='{d}/d1.raw'/></vstor:disk>
+      </vstor:vstor></metadata><devices/></domain>""")
+    assert vstor(d, "render", str(d / "vm.xml"), "-o", str(d / "r.xml")) == 0
+    return d
+
+
+def vstor(d, *args):
+    return main(["-c", "test:///default", "--config", str(d / "vstor.conf"), *args])
+
+
+@pytest.fixture
+def site():
+    d = tempfile.mkdtemp(prefix="vs-log-", dir="/tmp")     # QEMU's group must reach the sockets
+    os.chmod(d, 0o755)
+    yield make_site(pathlib.Path(d))
+    vstor(pathlib.Path(d), "release", "--force", "log1")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@needs_root
+def test_cli_prepare_and_release_log_each_change(site, journal, capsys):
+    assert journal.entries() == []          # rendered: nothing changed, nothing logged
+    assert vstor(site, "prepare", str(site / "r.xml")) == 0
+    entries = journal.entries()
+    assert [(e["VSTOR_DOMAIN"], e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in entries] == \
+        [("log1", "done", "prepare")] * 2
+    assert sorted(e["VSTOR_STEP"] for e in entries) == [
+        f"start qemu-storage-daemon for {site}/d{i}.raw on {site}/vhost/log1-vd{'bc'[i]}" for i in (0, 1)]
+    assert vstor(site, "release", "log1", "--dry-run") == 0
+    assert journal.entries() == []          # a dry run changes nothing and logs nothing
+    assert vstor(site, "release", "log1") == 0
+    assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in journal.entries()] == [("undone", "release")] * 2
+    assert "vstor:" not in capsys.readouterr().err
+
+
+@needs_root
+def test_a_failed_start_logs_the_failure_each_undo_and_the_refusal(tmp_path, journal, capsys):
+    site = make_site(tmp_path)      # pytest's 0700 directory: QEMU's group cannot reach the socket
+    assert vstor(site, "prepare", str(site / "r.xml")) == 5
+    entries = journal.entries()
+    *changes, refusal = entries
+    # both daemons (started side by side) failed, and each was undone (a half-done step is undone too)
+    assert [(e["VSTOR_DOMAIN"], e["VSTOR_RESULT"]) for e in changes] == \
+        [("log1", "failed")] * 2 + [("log1", "undone")] * 2
+    assert {e["VSTOR_STEP"] for e in changes[:2]} == {e["VSTOR_STEP"] for e in changes[2:]}
+    assert "Permission denied" in changes[0]["MESSAGE"] and changes[0]["PRIORITY"] == "3"
+    assert (refusal["VSTOR_RESULT"], refusal["VSTOR_EXIT"]) == ("refused", "5")
+    assert capsys.readouterr().err.count("vstor: error:") == 1
+
+
+@needs_root
+def test_the_hook_logs_its_changes_and_a_refused_start(site, journal):
+    from vstor.cli.hooks import render_hook
+    conf = str(site / "vstor.conf")
+    hook = site / "hook"
+    hook.write_text(render_hook(conf))
+    hook.chmod(0o755)
+    xml = (site / "r.xml").read_bytes()
+    env = {"PATH": "/usr/bin:/bin", "VSTOR_JOURNAL_SOCKET": journal.path}     # libvirt's scrubbed one
+
+    def run(*argv, stdin=xml):
+        return subprocess.run([str(hook), "log1", *argv], input=stdin, env=env, capture_output=True)
+    done = run("prepare", "begin", "-")
+    assert done.returncode == 0, done.stderr
+    entries = journal.entries()
+    changes = [e for e in entries if "VSTOR_RESULT" in e]
+    assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"], e["VSTOR_DOMAIN"]) for e in changes] == \
+        [("done", "hook prepare", "log1")] * 2
+    assert entries[-1]["MESSAGE"] == "log1: prepared: 2 host changes recorded"
+    assert run("started", "begin", "-").returncode == 0 and journal.entries() == []
+    # a domain never rendered (no plan): refused before any change, one line
+    unplanned = (site / "vm.xml").read_bytes().replace(b"<name>log1</name>", b"<name>log2</name>")
+    done = subprocess.run([str(hook), "log2", "prepare", "begin", "-"], input=unplanned, env=env,
+                          capture_output=True)
+    assert done.returncode == 2 and done.stderr.decode().count("\n") == 1
+    (entry,) = journal.entries()
+    assert (entry["VSTOR_DOMAIN"], entry["VSTOR_RESULT"], entry["VSTOR_EXIT"]) == ("log2", "refused", "2")
+    assert entry["MESSAGE"].startswith("refused (exit 2): log2: prepare failed: domain 'log2' has vstor")
+    assert run("release", "end", "-").returncode == 0
+    assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in journal.entries()
+            if "VSTOR_RESULT" in e] == [("undone", "hook release")] * 2
+
+
+def test_the_hook_imports_no_logging_when_it_has_nothing_to_log():
+    code = ("import sys; from vstor.hook import run; "
+            "run(['x', 'started', 'begin', '-'], b''); print('logging' in sys.modules)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "False", out.stderr
+
+
+@needs_root
+def test_the_proxmox_hookscript_logs_its_changes_and_refusals(tmp_path, journal):
+    from tests.test_pve import Pve, _applied
+    pve = Pve(tmp_path / "pve")
+    try:
+        text = _applied(pve)
+        journal.entries()
+        env = {"VSTOR_JOURNAL_SOCKET": journal.path}
+        assert pve.hook(100, "pre-start", env=env).returncode == 0
+        entries = journal.entries()
+        assert [(e["VSTOR_DOMAIN"], e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in entries
+                if "VSTOR_RESULT" in e] == [("pve-100", "done", "hookscript pre-start")]
+        assert entries[-1]["MESSAGE"] == "pve-100: VM 100: pre-start: 1 host changes recorded"
+        assert pve.hook(100, "post-stop", env=env).returncode == 0
+        assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in journal.entries()
+                if "VSTOR_RESULT" in e] == [("undone", "hookscript post-stop")]
+        pve.vm(text.replace("cores: 2", "cores: 4"))
+        done = pve.hook(100, "pre-start", env=env)
+        assert done.returncode == 2
+        (entry,) = journal.entries()
+        assert (entry["VSTOR_DOMAIN"], entry["VSTOR_RESULT"], entry["VSTOR_EXIT"]) == ("pve-100", "refused", "2")
+        assert entry["MESSAGE"] == f"refused (exit 2): VM 100: pre-start failed: {done.stderr.strip()[len('vstor: '):]}"
+    finally:
+        pve.vstor("release", "--force", "pve-100")
+
+
+JOURNALD = "/lib/systemd/systemd-journald"
+REAL_JOURNAL = r"""
+set -e
+mount -t tmpfs tmpfs /run/systemd
+mkdir -p /run/log && mount -t tmpfs tmpfs /run/log
+mkdir -p /run/systemd/journal
+{journald} >/dev/null 2>&1 &
+pid=$!
+trap 'kill $pid; wait $pid || true' EXIT
+for i in $(seq 100); do [ -S /run/systemd/journal/socket ] && break; sleep 0.05; done
+{python} -c "$1"
+sleep 0.3
+journalctl --directory=/run/log/journal SYSLOG_IDENTIFIER=vstor -o json --no-pager
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(JOURNALD) or not shutil.which("unshare")
+                    or not shutil.which("journalctl"), reason="needs root, systemd-journald, unshare")
+def test_a_real_journald_keeps_the_fields():
+    """Optional: the real systemd-journald, in a mount namespace of its own
+    (its sockets and journal on tmpfs), reads what vstor sends."""
+    import json
+    code = ("from vstor import log; from vstor.log_handlers import journal_fields; import socket\n"
+            "log.setup('prepare')\n"
+            "log.change('web1', 'bind 0000:5e:00.0 to vfio-pci', log.DONE)\n"
+            "log.refusal('web1 cannot start: no free core', 3, 'web1')\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+            "s.sendto(journal_fields({'MESSAGE': 'two\\nlines', 'SYSLOG_IDENTIFIER': 'vstor'}),"
+            " log.JOURNAL_SOCKET)\n")
+    script = REAL_JOURNAL.format(journald=JOURNALD, python=sys.executable)
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", code],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={"PATH": os.environ["PATH"], "PYTHONPATH": ROOT})
+    if out.returncode and "mount" in out.stderr:
+        pytest.skip(f"cannot make a private journal here: {out.stderr.strip()[:200]}")
+    entries = [json.loads(line) for line in out.stdout.splitlines()]
+    got = [(e["MESSAGE"], e.get("VSTOR_DOMAIN"), e.get("VSTOR_RESULT"), e.get("VSTOR_EXIT"),
+            e.get("VSTOR_COMMAND"), e.get("PRIORITY")) for e in entries]
+    assert got == [("web1: bind 0000:5e:00.0 to vfio-pci: done", "web1", "done", None, "prepare", "6"),
+                   ("refused (exit 3): web1 cannot start: no free core", "web1", "refused", "3", "prepare", "4"),
+                   ("two\nlines", None, None, None, None, None)]
+
+
+def test_vstors_other_loggers_keep_their_hosts_handlers(journal, caplog):
+    """In nova-compute, vstor.nova.driver logs through Nova's handlers (the
+    root logger's): making vstor's change log must not take them over."""
+    import logging
+    log.change("vm1", "touch f0", log.DONE)
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("vstor.nova.driver").info("driver line")
+    assert [r.getMessage() for r in caplog.records] == ["driver line"]
+    assert [e["MESSAGE"] for e in journal.entries()] == ["vm1: touch f0: done"]
