@@ -65,9 +65,9 @@ def make_ledger(host: Host, count: int) -> Ledger:
         ctrl = host.controllers[i % len(host.controllers)].address
         holdings.append(Holding(
             domain=f"vm{i}", uuid=None, active=i % 2 == 0, node=node, cpus=cpus,
-            reactors=(node * 32,), hugepages=(node, 2048, 64),
+            reactors=(node * 32,), hugepages=(node, 2048, 64), memory=None,
             passthrough=frozenset(), spdk_controllers=frozenset({ctrl}),
-            volumes=frozenset({(f"file:/var/lib/vstor/vm{i}.raw", False),
+            volumes=frozenset({(f"file:/var/lib/vstor/images/vm{i}.raw", False),
                                (f"nvme:{ctrl}/{i}", False)}),
             sockets=frozenset({f"/run/vstor/vhost/vm{i}-vdb"})))
     return Ledger(holdings)
@@ -76,14 +76,14 @@ def make_ledger(host: Host, count: int) -> Ledger:
 REQUEST = """<domain type='kvm'><name>newvm</name><memory unit='GiB'>8</memory><vcpu>4</vcpu>
 <metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'>
 <vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='{ctrl}'/></vstor:disk>
-<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/newvm.raw'/></vstor:disk>
+<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/images/newvm.raw'/></vstor:disk>
 </vstor:vstor></metadata><devices/></domain>"""
 
 
 LEDGER_DOMAIN = """<domain type='kvm'><name>vm{i}</name><memory unit='GiB'>1</memory><vcpu>1</vcpu>
 <metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'><vstor:vm cpus='shared'/>
 <vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='{ctrl}'/></vstor:disk>
-<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/vm{i}.raw'/></vstor:disk>
+<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/images/vm{i}.raw'/></vstor:disk>
 </vstor:vstor></metadata><os><type arch='x86_64'>hvm</type></os><devices/></domain>"""
 
 
