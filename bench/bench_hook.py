@@ -89,15 +89,28 @@ FOUR_DISKS = """<domain type='kvm'><name>bench4</name><memory unit='MiB'>512</me
 
 YARDSTICK = """#!{python}
 # The yardstick: a minimal hook that starts four qemu-storage-daemons
-# (daemonized, with a pidfile) at prepare and stops them at release.
-import os, signal, subprocess, sys, time
+# (daemonized, with a pidfile) at prepare and stops them at release.  Where a
+# daemon's command line takes descriptors (vstor's: the source opened and the
+# socket listening, handed over), it opens and binds them first, as vstor does.
+import os, signal, socket, subprocess, sys, time
 sys.stdin.buffer.read()
-DAEMONS = {daemons!r}     # (argv, pidfile)
+DAEMONS = {daemons!r}     # (argv, pidfile, source or None, socket or None)
 if sys.argv[2] == "prepare":
-    for argv, _ in DAEMONS:
-        subprocess.run(argv, check=True)
+    for argv, _, source, path in DAEMONS:
+        if source is None:
+            subprocess.run(argv, check=True)
+            continue
+        fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+        with socket.socket(socket.AF_UNIX) as sock:
+            if os.path.exists(path):
+                os.unlink(path)
+            sock.bind(path)
+            sock.listen()
+            subprocess.run([a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(sock.fileno()))
+                            for a in argv], check=True, pass_fds=(fd, sock.fileno()))
+        os.close(fd)
 elif sys.argv[2] == "release":
-    pids = [int(open(p).read()) for _, p in DAEMONS]
+    pids = [int(open(p).read()) for _, p, _, _ in DAEMONS]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     for pid in pids:     # gone, or a zombie its new parent has not reaped yet
@@ -109,25 +122,30 @@ elif sys.argv[2] == "release":
             except FileNotFoundError:
                 break
             time.sleep(0.002)
+    for _, _, _, path in DAEMONS:
+        if path and os.path.exists(path):
+            os.unlink(path)
 """
 
 
 def same_daemons(work: str, dom, cfg) -> list:
     """The four daemons exactly as vstor starts them for `dom` (its plan's
-    command lines: aio=native, the plan's pinning, a QMP monitor), on
-    sockets and pidfiles of the yardstick's own."""
+    command lines: the source and the listening socket handed over as
+    descriptors, aio=native where O_DIRECT works, the plan's pinning, a QMP
+    monitor), on sockets and pidfiles of the yardstick's own."""
     from vstor.backends.qsd.daemon import _resolved
+    from vstor.host import sources
     from vstor.runtime.actions import build
     from vstor.runtime.lifecycle import plan_of
     out = []
     for i, step in enumerate(build(plan_of(dom)[1], cfg)):
-        spec = _resolved(step.export)
-        argv = spec.argv()
-        for mine, theirs in ((spec.socket_path, f"{work}/y{i}.sock"), (spec.qmp_path, f"{work}/y{i}.qmp"),
-                             (spec.pidfile, f"{work}/y{i}.pid")):
+        with sources.open_file(step.export.source, cfg.images) as src:
+            spec = _resolved(step.export, src)
+        argv = spec.argv("SRC_FD", "SOCK_FD")
+        for mine, theirs in ((spec.qmp_path, f"{work}/y{i}.qmp"), (spec.pidfile, f"{work}/y{i}.pid")):
             argv = [a.replace(mine, theirs) for a in argv]
         pin = ["taskset", "--cpu-list", ",".join(map(str, spec.cpus))] if spec.cpus else []
-        out.append((pin + argv, f"{work}/y{i}.pid"))
+        out.append((pin + argv, f"{work}/y{i}.pid", spec.source, f"{work}/y{i}.sock"))
     return out
 
 
@@ -137,7 +155,8 @@ def plain_daemons(work: str) -> list:
               f"driver=file,node-name=f{i},filename={work}/d{i}.raw,aio=threads,cache.direct=on",
               "--export", f"type=vhost-user-blk,id=e{i},node-name=f{i},addr.type=unix,"
               f"addr.path={work}/p{i}.sock,writable=on",
-              "--daemonize", "--pidfile", f"{work}/p{i}.pid"], f"{work}/p{i}.pid") for i in range(4)]
+              "--daemonize", "--pidfile", f"{work}/p{i}.pid"], f"{work}/p{i}.pid", None, None)
+            for i in range(4)]
 
 
 def through_hook(runs: int, work: str, dom, cfg) -> None:
