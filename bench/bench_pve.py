@@ -89,10 +89,10 @@ def measure(root: str, runs: int, sanity: Sanity) -> None:
         stops.append(time.perf_counter() - t1)
         if holders([f"{root}/d0.raw"]):
             sanity.problem("a process still holds the VM's disk after post-stop")
-    sanity.figure("post-start", idle), sanity.figure("python3 -c pass", bare)
-    start, stop = sanity.figure("pre-start", statistics.median(starts)), \
-        sanity.figure("post-stop", statistics.median(stops))
-    sanity.figure("pve apply", apply)
+    start, stop = statistics.median(starts), statistics.median(stops)
+    for label, value in (("post-start", idle), ("python3 -c pass", bare), ("pre-start", start),
+                         ("post-stop", stop), ("pve apply", apply)):
+        sanity.figure(label, value)
     print(f"hookscript, a phase it ignores (post-start): {idle * 1000:.1f} ms vs python3 -c pass "
           f"{bare * 1000:.1f} ms: ratio {idle / bare:.2f}")
     print(f"pre-start, one qemu-storage-daemon disk: {start * 1000:.0f} ms")
