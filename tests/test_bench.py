@@ -8,17 +8,19 @@ time.  Full runs stay manual (docs/performance.md has the commands).
 The benches that start real qemu-storage-daemons need root and QEMU, as
 tests/test_qsd.py does; bench_migrate needs the e2e migration lab (two
 libvirtd) and is marked e2e.  They skip without those, and fail instead
-when CI is set.  About 40 s in all on the 2-core development machine, 30
-of them bench_migrate's two TCG guests.
+when CI is set.  About 45 s in all on the 2-core development machine (at a
+load of 4 to 6), 35 to 45 of them bench_migrate's two TCG guests.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import pytest
 
@@ -27,6 +29,8 @@ from bench.sanity import Sanity, leftovers
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
 QSD = "/usr/bin/qemu-storage-daemon"
+# tests/e2e/migration_lab.py, Lab.migrate, on a migration it had to abort
+STALLED = re.compile(r"migrating \S+ A->B took over \d+s; aborted")
 
 
 def _need(ok: bool, why: str) -> None:
@@ -41,15 +45,20 @@ def _need_qsd() -> None:
     _need(os.access(QSD, os.X_OK), f"{QSD} is not installed")
 
 
-def quick(name: str, timeout: float) -> str:
-    """Run bench/<name> --quick; its stdout, after checking it passed its own check."""
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", name), "--quick"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def quick(name: str, timeout: float, done=None) -> str:
+    """Run bench/<name> --quick (unless `done` is that run); its stdout,
+    after checking it passed its own check."""
+    done = done or _run(name, timeout)
     out = done.stdout.strip().splitlines()
     assert done.returncode == 0, f"{name} --quick exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     assert "Traceback" not in done.stderr, done.stderr
     assert out and out[-1].startswith("quick: ok"), done.stdout
     return done.stdout
+
+
+def _run(name: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", name), "--quick"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_bench_plan_quick():
@@ -80,7 +89,15 @@ def test_bench_migrate_quick():
     _need(not missing, "not installed: " + ", ".join(missing))
     # The lab waits up to 900 s for another e2e session's lock (never for
     # this session's: the bench runs under its parent's lock).
-    out = quick("bench_migrate.py", 1200)
+    done = _run("bench_migrate.py", 1200)
+    if done.returncode and STALLED.search(done.stderr):
+        # QEMU 7.2 under TCG stalls a migration now and then, with vstor or
+        # without (tests/e2e/test_migration.py, GuestLost): said, and run
+        # once more; any other failure is never rerun.
+        warnings.warn(f"bench_migrate --quick: a migration stalled, run again: "
+                      f"{done.stderr.strip().splitlines()[-1]}", pytest.PytestWarning)
+        done = _run("bench_migrate.py", 1200)
+    out = quick("bench_migrate.py", 1200, done)
     assert "vstor migrate prepare" in out and "downtime with vstor" in out
 
 
