@@ -10,9 +10,13 @@
    needs root and qemu-storage-daemon);
 3. the same `prepare` and `release` in-process (no interpreter start).
 
-    python3 bench/bench_hook.py [--runs N]
+    python3 bench/bench_hook.py [--runs N] [--quick]
 
-Figures go into README.md ("Performance"); nothing here asserts a time.
+Figures go into docs/performance.md; nothing here asserts a time.  `--quick`
+runs each case once and checks the bench's own sanity (bench/sanity.py):
+tests/test_bench.py runs it so.  Full or quick, every timed `prepare` is
+checked (untimed) to have left four daemons serving the four disks, and every
+`release` to have stopped them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
+
+from bench.sanity import Sanity, holders  # noqa: E402
 
 PLAIN_DOMAIN = b"""<domain type='kvm'><name>plain</name><memory unit='GiB'>4</memory><vcpu>2</vcpu>
 <devices><disk type='file' device='disk'><source file='/var/lib/libvirt/images/plain.qcow2'/>
@@ -65,19 +71,19 @@ def installed_hook(where: str, config: str | None = None) -> str:
     return path
 
 
-def pass_through(runs: int) -> None:
-    where = tempfile.mkdtemp(prefix="vstor-bench-")
+def pass_through(runs: int, sanity: Sanity) -> None:
+    where = sanity.watch(tempfile.mkdtemp(prefix="vstor-bench-"))
     try:
-        _pass_through(runs, installed_hook(where))
+        _pass_through(runs, installed_hook(where), sanity)
     finally:
         shutil.rmtree(where, ignore_errors=True)
 
 
-def _pass_through(runs: int, hook: str) -> None:
+def _pass_through(runs: int, hook: str, sanity: Sanity) -> None:
     for what, xml in (("plain", PLAIN_DOMAIN), ("Nova instance", NOVA_DOMAIN)):
         for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
-            python = _time([sys.executable, "-c", "pass"], b"", runs)
-            hooked = _time([hook, "plain", *op], xml, runs)
+            python = sanity.figure("python3 -c pass", _time([sys.executable, "-c", "pass"], b"", runs))
+            hooked = sanity.figure(f"pass-through {what} {op[0]}", _time([hook, "plain", *op], xml, runs))
             print(f"hook pass-through, {what} ({op[0]}): {hooked * 1000:.1f} ms vs python3 -c pass "
                   f"{python * 1000:.1f} ms: ratio {hooked / python:.2f}")
 
@@ -89,15 +95,28 @@ FOUR_DISKS = """<domain type='kvm'><name>bench4</name><memory unit='MiB'>512</me
 
 YARDSTICK = """#!{python}
 # The yardstick: a minimal hook that starts four qemu-storage-daemons
-# (daemonized, with a pidfile) at prepare and stops them at release.
-import os, signal, subprocess, sys, time
+# (daemonized, with a pidfile) at prepare and stops them at release.  Where a
+# daemon's command line takes descriptors (vstor's: the source opened and the
+# socket listening, handed over), it opens and binds them first, as vstor does.
+import os, signal, socket, subprocess, sys, time
 sys.stdin.buffer.read()
-DAEMONS = {daemons!r}     # (argv, pidfile)
+DAEMONS = {daemons!r}     # (argv, pidfile, source or None, socket or None)
 if sys.argv[2] == "prepare":
-    for argv, _ in DAEMONS:
-        subprocess.run(argv, check=True)
+    for argv, _, source, path in DAEMONS:
+        if source is None:
+            subprocess.run(argv, check=True)
+            continue
+        fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+        with socket.socket(socket.AF_UNIX) as sock:
+            if os.path.exists(path):
+                os.unlink(path)
+            sock.bind(path)
+            sock.listen()
+            subprocess.run([a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(sock.fileno()))
+                            for a in argv], check=True, pass_fds=(fd, sock.fileno()))
+        os.close(fd)
 elif sys.argv[2] == "release":
-    pids = [int(open(p).read()) for _, p in DAEMONS]
+    pids = [int(open(p).read()) for _, p, _, _ in DAEMONS]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     for pid in pids:     # gone, or a zombie its new parent has not reaped yet
@@ -109,25 +128,30 @@ elif sys.argv[2] == "release":
             except FileNotFoundError:
                 break
             time.sleep(0.002)
+    for _, _, _, path in DAEMONS:
+        if path and os.path.exists(path):
+            os.unlink(path)
 """
 
 
 def same_daemons(work: str, dom, cfg) -> list:
     """The four daemons exactly as vstor starts them for `dom` (its plan's
-    command lines: aio=native, the plan's pinning, a QMP monitor), on
-    sockets and pidfiles of the yardstick's own."""
+    command lines: the source and the listening socket handed over as
+    descriptors, aio=native where O_DIRECT works, the plan's pinning, a QMP
+    monitor), on sockets and pidfiles of the yardstick's own."""
     from vstor.backends.qsd.daemon import _resolved
+    from vstor.host import sources
     from vstor.runtime.actions import build
     from vstor.runtime.lifecycle import plan_of
     out = []
     for i, step in enumerate(build(plan_of(dom)[1], cfg)):
-        spec = _resolved(step.export)
-        argv = spec.argv()
-        for mine, theirs in ((spec.socket_path, f"{work}/y{i}.sock"), (spec.qmp_path, f"{work}/y{i}.qmp"),
-                             (spec.pidfile, f"{work}/y{i}.pid")):
+        with sources.open_file(step.export.source, cfg.images) as src:
+            spec = _resolved(step.export, src)
+        argv = spec.argv("SRC_FD", "SOCK_FD")
+        for mine, theirs in ((spec.qmp_path, f"{work}/y{i}.qmp"), (spec.pidfile, f"{work}/y{i}.pid")):
             argv = [a.replace(mine, theirs) for a in argv]
         pin = ["taskset", "--cpu-list", ",".join(map(str, spec.cpus))] if spec.cpus else []
-        out.append((pin + argv, f"{work}/y{i}.pid"))
+        out.append((pin + argv, f"{work}/y{i}.pid", spec.source, f"{work}/y{i}.sock"))
     return out
 
 
@@ -137,10 +161,19 @@ def plain_daemons(work: str) -> list:
               f"driver=file,node-name=f{i},filename={work}/d{i}.raw,aio=threads,cache.direct=on",
               "--export", f"type=vhost-user-blk,id=e{i},node-name=f{i},addr.type=unix,"
               f"addr.path={work}/p{i}.sock,writable=on",
-              "--daemonize", "--pidfile", f"{work}/p{i}.pid"], f"{work}/p{i}.pid") for i in range(4)]
+              "--daemonize", "--pidfile", f"{work}/p{i}.pid"], f"{work}/p{i}.pid", None, None)
+            for i in range(4)]
 
 
-def through_hook(runs: int, work: str, dom, cfg) -> None:
+def _serving(sanity: Sanity, disks: list[str], after: str, count: int) -> None:
+    """Untimed: after `after`, `count` of the disks are held by a process."""
+    held = sum(1 for d in disks if holders([d]))
+    if held != count:
+        sanity.problem(f"after {after}, {held} of the {len(disks)} disks are held by a process, "
+                       f"not {count}")
+
+
+def through_hook(runs: int, work: str, dom, cfg, sanity: Sanity) -> None:
     """prepare begin + release end as libvirt runs them, vs the yardstick
     (started on the same daemons vstor starts, and on minimal ones)."""
     conf = os.path.join(work, "vstor.conf")
@@ -158,21 +191,27 @@ def through_hook(runs: int, work: str, dom, cfg) -> None:
         os.chmod(path, 0o755)
         sticks.append((what, path))
 
+    disks = _disks(work)
+
     def cycle(argv0: str) -> float:
-        t0 = time.perf_counter()
+        took = 0.0
         for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
+            t0 = time.perf_counter()
             done = subprocess.run([argv0, dom.name, *op], input=xml, capture_output=True)
+            took += time.perf_counter() - t0
             if done.returncode:
                 raise SystemExit(f"{argv0} {op[0]}: {done.stderr.decode().strip()}")
-        return time.perf_counter() - t0
+            _serving(sanity, disks, f"{os.path.basename(argv0)} {op[0]}",
+                     len(disks) if op[0] == "prepare" else 0)
+        return took
     ours, theirs = [], [[] for _ in sticks]
     for _ in range(runs):
         ours.append(cycle(hook))
         for i, (_, path) in enumerate(sticks):
             theirs[i].append(cycle(path))
-    a = statistics.median(ours)
+    a = sanity.figure("through the hook", statistics.median(ours))
     for (what, _), samples in zip(sticks, theirs):
-        b = statistics.median(samples)
+        b = sanity.figure(f"yardstick on {what}", statistics.median(samples))
         # Each cycle of ours ran right before one of the yardstick's: the
         # median of those pairs' ratios holds still on a busy machine.
         paired = statistics.median(x / y for x, y in zip(ours, samples))
@@ -180,15 +219,19 @@ def through_hook(runs: int, work: str, dom, cfg) -> None:
               f"{what} {b * 1000:.0f} ms: ratio {a / b:.2f}, paired {paired:.2f} (median of {runs})")
 
 
-def prepare_release(runs: int) -> None:
+def prepare_release(runs: int, sanity: Sanity) -> None:
     if os.geteuid() != 0:
         print("prepare+release: skipped (needs root)")
         return
-    work = tempfile.mkdtemp(prefix="vstor-bench-", dir="/var/tmp")
+    work = sanity.watch(tempfile.mkdtemp(prefix="vstor-bench-", dir="/var/tmp"))
     try:
-        _prepare_release(runs, work)
+        _prepare_release(runs, work, sanity)
     finally:
         _clean(work)
+
+
+def _disks(work: str) -> list[str]:
+    return [os.path.join(work, f"d{i}.raw") for i in range(4)]
 
 
 def _config(work: str):
@@ -198,7 +241,7 @@ def _config(work: str):
                   images=(work,))
 
 
-def _prepare_release(runs: int, work: str) -> None:
+def _prepare_release(runs: int, work: str, sanity: Sanity) -> None:
     from vstor.meta.document import Domain
     from vstor.host.read import read_host
     from vstor.planner.ledger import Ledger
@@ -209,8 +252,7 @@ def _prepare_release(runs: int, work: str) -> None:
     from vstor.host.sysfs import SysFS
     os.chmod(work, 0o755)
     disks = ""
-    for i, t in enumerate("bcde"):
-        path = os.path.join(work, f"d{i}.raw")
+    for path, t in zip(_disks(work), "bcde"):
         with open(path, "wb") as f:
             f.truncate(64 << 20)
         disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
@@ -220,17 +262,20 @@ def _prepare_release(runs: int, work: str) -> None:
     dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))
     state = StateDir(cfg.state_dir)
     rt = Runtime(cfg, SysFS("/"))
-    through_hook(runs, work, dom, cfg)
+    through_hook(runs, work, dom, cfg, sanity)
     prep, rel = [], []
     for _ in range(runs):
         t0 = time.perf_counter()
         prepare(rt, state, read_host(SysFS("/"), processes=False), dom)
+        prep.append(time.perf_counter() - t0)
+        _serving(sanity, _disks(work), "prepare in-process", 4)
         t1 = time.perf_counter()
         release(rt, state, dom.safe_name)
         rel.append(time.perf_counter() - t1)
-        prep.append(t1 - t0)
-    print(f"prepare, 4 qsd disks: {statistics.median(prep) * 1000:.0f} ms; "
-          f"release: {statistics.median(rel) * 1000:.0f} ms (median of {runs})")
+        _serving(sanity, _disks(work), "release in-process", 0)
+    p = sanity.figure("prepare in-process", statistics.median(prep))
+    r = sanity.figure("release in-process", statistics.median(rel))
+    print(f"prepare, 4 qsd disks: {p * 1000:.0f} ms; release: {r * 1000:.0f} ms (median of {runs})")
 
 
 def _clean(work: str) -> None:
@@ -256,15 +301,21 @@ def _clean(work: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--quick", action="store_true",
+                    help="each case once; check the bench's own sanity (needs root)")
     args = ap.parse_args()
+    if args.quick and os.geteuid() != 0:
+        sys.exit("bench_hook --quick: needs root (real qemu-storage-daemons)")
+    sanity = Sanity(args.quick)
     # Byte-code written first, as pip's install does: with PYTHONDONTWRITEBYTECODE
     # set (it is, in this project's shells), every hook would compile vstor anew.
     import compileall
     compileall.compile_dir(os.path.join(ROOT, "vstor"), quiet=1)
-    pass_through(args.runs)
-    prepare_release(max(3, args.runs // 2))
+    pass_through(1 if args.quick else args.runs, sanity)
+    prepare_release(1 if args.quick else max(3, args.runs // 2), sanity)
+    sanity.finish(expected=8 + 3 + 2)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Time `plan` on a small and a large host, and its growth with the ledger.
 
-    python3 bench/bench_plan.py [--repeat N]
+    python3 bench/bench_plan.py [--repeat N] [--quick]
 
 Large host: 8 NUMA nodes x 32 cores (SMT2, 512 CPUs), 64 NVMe controllers,
 4 RDMA NICs, and a ledger of up to 1000 existing vstor domains.  The figures
-go into README.md ("Performance").  Not a test: nothing here asserts a time.
+go into docs/performance.md.  Not a test: nothing here asserts a time.
+`--quick` plans each case once and loads 20 domains from libvirt, then checks
+the bench's own sanity (bench/sanity.py); tests/test_bench.py runs it so.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from vstor.config import Config                                   # noqa: E402
 from vstor.meta.document import Domain                                   # noqa: E402
@@ -23,6 +25,7 @@ from vstor.planner.ledger import Holding, Ledger                          # noqa
 from vstor.host.model import (Cpu, Host, HugepagePool, Namespace, NetDev,  # noqa: E402
                          NumaNode, NvmeController, RdmaNic)
 from vstor.planner import Request, plan_domain                    # noqa: E402
+from bench.sanity import Sanity                                   # noqa: E402
 
 
 def make_host(nodes: int, cores: int, controllers: int) -> Host:
@@ -65,9 +68,9 @@ def make_ledger(host: Host, count: int) -> Ledger:
         ctrl = host.controllers[i % len(host.controllers)].address
         holdings.append(Holding(
             domain=f"vm{i}", uuid=None, active=i % 2 == 0, node=node, cpus=cpus,
-            reactors=(node * 32,), hugepages=(node, 2048, 64),
+            reactors=(node * 32,), hugepages=(node, 2048, 64), memory=None,
             passthrough=frozenset(), spdk_controllers=frozenset({ctrl}),
-            volumes=frozenset({(f"file:/var/lib/vstor/vm{i}.raw", False),
+            volumes=frozenset({(f"file:/var/lib/vstor/images/vm{i}.raw", False),
                                (f"nvme:{ctrl}/{i}", False)}),
             sockets=frozenset({f"/run/vstor/vhost/vm{i}-vdb"})))
     return Ledger(holdings)
@@ -76,26 +79,31 @@ def make_ledger(host: Host, count: int) -> Ledger:
 REQUEST = """<domain type='kvm'><name>newvm</name><memory unit='GiB'>8</memory><vcpu>4</vcpu>
 <metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'>
 <vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='{ctrl}'/></vstor:disk>
-<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/newvm.raw'/></vstor:disk>
+<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/images/newvm.raw'/></vstor:disk>
 </vstor:vstor></metadata><devices/></domain>"""
 
 
 LEDGER_DOMAIN = """<domain type='kvm'><name>vm{i}</name><memory unit='GiB'>1</memory><vcpu>1</vcpu>
 <metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'><vstor:vm cpus='shared'/>
 <vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='{ctrl}'/></vstor:disk>
-<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/vm{i}.raw'/></vstor:disk>
+<vstor:disk target='vdc' backend='qsd'><vstor:file path='/var/lib/vstor/images/vm{i}.raw'/></vstor:disk>
 </vstor:vstor></metadata><os><type arch='x86_64'>hvm</type></os><devices/></domain>"""
 
 
 def time_plan(host: Host, cfg: Config, count: int, repeat: int) -> float:
     """Median seconds for one plan, ledger construction included (as the CLI does)."""
     holdings_source = make_ledger(host, count).holdings
+    assert len(holdings_source) == count
     req = Request.from_domain(Domain.parse(REQUEST.format(ctrl=host.controllers[-1].address)))
     samples = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        plan_domain(host, cfg, req, Ledger(holdings_source))
+        plan = plan_domain(host, cfg, req, Ledger(holdings_source))
         samples.append(time.perf_counter() - t0)
+    # What was timed is a whole plan: both disks placed, the SPDK one on its controller's node.
+    spdk = [d for d in plan.disks if d.backend == "spdk"]
+    assert len(plan.disks) == 2 and len(spdk) == 1, plan.disks
+    assert plan.node == host.controllers[-1].numa_node, (plan.node, host.controllers[-1])
     return statistics.median(samples)
 
 
@@ -123,21 +131,30 @@ def time_libvirt_ledger(count: int) -> tuple[float, float]:
     return define_s, load_s
 
 
+COUNTS = (0, 125, 250, 500, 1000)      # domains in the large host's ledger
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--quick", action="store_true",
+                    help="each case once, 20 domains in libvirt; check the bench's own sanity")
     args = ap.parse_args()
+    sanity = Sanity(args.quick)
+    repeat, defined = (1, 20) if args.quick else (args.repeat, 500)
     small = make_host(1, 4, 1)
     large = make_host(8, 32, 64)
     cfg_small = Config(reactors=(1,))
     cfg_large = Config(reactors=tuple(n * 32 for n in range(8)))
-    print(f"small host (1 node x 4 cores, 1 NVMe), empty ledger: "
-          f"{time_plan(small, cfg_small, 0, args.repeat) * 1000:.2f} ms")
-    for count in (0, 125, 250, 500, 1000):
-        ms = time_plan(large, cfg_large, count, args.repeat) * 1000
+    ms = sanity.figure("small host", time_plan(small, cfg_small, 0, repeat) * 1000)
+    print(f"small host (1 node x 4 cores, 1 NVMe), empty ledger: {ms:.2f} ms")
+    for count in COUNTS:
+        ms = sanity.figure(f"large host, {count}", time_plan(large, cfg_large, count, repeat) * 1000)
         print(f"large host (8 nodes x 32 cores, 64 NVMe), {count:4d} domains in the ledger: {ms:.2f} ms")
-    _, load_s = time_libvirt_ledger(500)
-    print(f"loading the ledger from libvirt (test driver), 500 defined vstor domains: {load_s * 1000:.0f} ms")
+    _, load_s = time_libvirt_ledger(defined)
+    ms = sanity.figure("libvirt ledger", load_s * 1000)
+    print(f"loading the ledger from libvirt (test driver), {defined} defined vstor domains: {ms:.0f} ms")
+    sanity.finish(expected=2 + len(COUNTS))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+"""A bench's own sanity, checked at the end of its quick mode (`--quick`).
+
+A quick run takes the same code paths as a full one with tiny counts, so
+that a bench broken by a change of vstor fails CI (tests/test_bench.py runs
+each bench that way) instead of rotting until someone re-measures.  Its
+figures mean nothing; what it checks is that the bench still works:
+
+- every figure it promised was measured (a positive, finite number: a
+  section that silently skipped or timed nothing is caught);
+- it left nothing behind: for every path the bench worked under, the path
+  itself is gone, and no process holds it (in its command line, as its
+  working directory or root, or as an open descriptor: a daemon started with
+  its source or socket handed over names neither), and nothing is mounted
+  there.
+
+The last line of a quick run is `quick: ok (...)`, or `quick: FAILED: ...`
+with exit status 1.  A full run checks nothing here and prints no such line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+
+class Sanity:
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.figures: list[tuple[str, float]] = []
+        self.paths: list[str] = []
+        self.problems: list[str] = []
+
+    def figure(self, label: str, value: float) -> float:
+        """Record one measured figure; returns it unchanged."""
+        self.figures.append((label, value))
+        return value
+
+    def watch(self, path: str) -> str:
+        """A path the bench works under: it must be gone when the bench ends."""
+        self.paths.append(os.path.realpath(path))
+        return path
+
+    def problem(self, what: str) -> None:
+        """Something the bench saw go wrong that does not raise by itself."""
+        self.problems.append(what)
+
+    def finish(self, expected: int) -> None:
+        """In quick mode: check, print the verdict, exit 1 on a problem."""
+        if not self.quick:
+            return
+        problems = list(self.problems)
+        if len(self.figures) != expected:
+            problems.append(f"{len(self.figures)} figures measured, {expected} expected")
+        problems += [f"figure '{label}' is {value!r}" for label, value in self.figures
+                     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0)]
+        problems += leftovers(self.paths)
+        if problems:
+            print("quick: FAILED: " + "; ".join(problems), flush=True)
+            sys.exit(1)
+        where = (f"nothing left under {', '.join(self.paths)}" if self.paths
+                 else "it works under no path")
+        print(f"quick: ok ({len(self.figures)} figures; {where})", flush=True)
+
+
+def leftovers(paths: list[str]) -> list[str]:
+    """What of `paths` is still on the machine: the paths themselves,
+    processes holding something below them, mounts there."""
+    out = [f"{p} still exists" for p in paths if os.path.lexists(p)]
+    out += [f"process {pid} ({what}) holds {held}" for pid, what, held in holders(paths)]
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split()[4] for line in f]
+    except OSError:
+        mounts = []
+    out += [f"{m} is still mounted" for m in mounts if any(_below(m, p) for p in paths)]
+    return out
+
+
+def holders(paths: list[str]) -> list[tuple[int, str, str]]:
+    """(pid, command, what it holds) of every other process that names a
+    path below one of `paths` in its command line, or has its working
+    directory, root or an open descriptor there."""
+    if not paths:
+        return []
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        pid = int(entry)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            continue        # gone meanwhile
+        held = [a for a in argv if any(p in a for p in paths)]
+        links = ["cwd", "root"] + [f"fd/{n}" for n in _fds(pid)]
+        for link in links:
+            try:
+                target = os.readlink(f"/proc/{pid}/{link}")
+            except OSError:
+                continue
+            if any(_below(target, p) for p in paths):
+                held.append(f"{link} -> {target}")
+        if held:
+            found.append((pid, " ".join(argv)[:80], held[0]))
+    return found
+
+
+def _fds(pid: int) -> list[str]:
+    try:
+        return os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return []
+
+
+def _below(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
