@@ -14,7 +14,7 @@ import re
 import pytest
 
 from tests.pve.oracle import showcmd
-from tests.test_pve import CONF, PCI, Pve, _running_qemu, judge
+from tests.test_pve import CONF, PCI, Pve, _applied, _left, _running_qemu, judge, needs_root
 from vstor.pve.config import PveConfig
 
 CASES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "pve", "cfg2cmd")
@@ -205,3 +205,37 @@ def test_apply_refuses_a_hookscript_of_the_vms_own_that_does_not_call_vstors(pve
     assert pve.vstor("pve", "unapply", "100") == 0
     assert pve.config() == CONF.replace("boot:", "hookscript: local:snippets/mine.sh\nboot:", 1)
     assert "hookscript local:snippets/mine.sh is yours" in capsys.readouterr().out
+
+
+def test_doctor_takes_a_hookscript_that_calls_vstors(pve, capsys):
+    with open(f"{pve.snippets}/mine.sh", "w") as f:
+        f.write(f"#!/bin/sh\n{pve.snippets}/vstor \"$1\" \"$2\" || exit $?\n")
+    pve.vm(CONF.replace("boot:", "hookscript: local:snippets/mine.sh\nboot:", 1))
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100") == 0     # for the QEMU here, as doctor reads it
+    pve.vstor("pve", "doctor")
+    out = capsys.readouterr().out
+    assert "VM 100: hookscript of its own calls vstor's" in out, out
+    with open(f"{pve.snippets}/mine.sh", "w") as f:
+        f.write("#!/bin/sh\nexit 0\n")
+    pve.vstor("pve", "doctor")
+    out = capsys.readouterr().out
+    assert "PROBLEM: VM 100: hookscript is local:snippets/mine.sh; vstor makes no backends at its " \
+           f"start: make yours call {pve.snippets}/vstor with its two arguments first" in out, out
+
+
+@needs_root
+def test_backends_a_start_left_are_released_with_the_plan(pve, capsys):
+    """A start whose post-stop never ran (QEMU failed, a migration's
+    source) left its daemons: unapply releases them, so nothing of the VM
+    stays held."""
+    _applied(pve)
+    done = pve.hook(100, "pre-start")
+    assert done.returncode == 0, done.stderr
+    assert _left(pve)
+    assert pve.vstor("pve", "unapply", "100", "--dry-run") == 0
+    assert "would release what vstor holds for pve-100" in capsys.readouterr().out
+    assert _left(pve)
+    assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
+    assert _left(pve) == []
+    assert "hookscript" not in pve.config() and "vstor-" not in pve.config()

@@ -191,7 +191,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
             print(f"would release what vstor holds for {r.domain} (state record {r.key})")
         return 0
     for r in held:
-        release(_runtime(ctx), _state(ctx), r.key, progress=_say, domain=r.domain)
+        release(_runtime(ctx), _state(ctx), r.key, progress=_say, domain=r.domain, uuid=r.uuid)
     if new != old:
         node.write_config(path, new)
     for p in records:
