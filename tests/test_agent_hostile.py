@@ -296,7 +296,9 @@ def test_a_block_device_of_the_number_sysfs_gives_is_opened_and_described(dest):
     assert answer["ok"] and opens == ["/dev/nvme2n1"], (answer, opens)
     # opened and described: then compared (a local block device is not shared storage)
     assert answer["seen"]["vdc"] == (f"has it with another size ({size} bytes, not 0)" if size else
-                                     "has it on block /dev/nvme2n1, not on block /dev/nvme2n1")
+                                     "has its own block /dev/nvme2n1 at that path (a local block device is "
+                                     "another disk on each host: put it on storage both hosts see, "
+                                     "listed in [migrate] shared on both)")
 
 
 def test_an_error_vstor_did_not_foresee_is_still_one_answer_exit_1(dest, tmp_path):

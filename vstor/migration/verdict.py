@@ -93,6 +93,7 @@ def _disk(d: DiskPlan, shared, seen: str | None, dest: str, domain: str) -> Disk
         return DiskVerdict(d.target, IMPOSSIBLE, f"{src.path} is {why}, which {dest} cannot see",
                            "put it on storage both hosts see and list that in [migrate] shared")
     if seen is not None:
-        return DiskVerdict(d.target, IMPOSSIBLE, f"{src.path} is {why}, but {dest} {seen}",
-                           f"mount the same storage at the same path on {dest}")
+        fix = (f"add that root to [migrate] shared in vstor.conf on {dest}" if "[migrate] shared" in seen
+               else f"mount the same storage at the same path on {dest}")
+        return DiskVerdict(d.target, IMPOSSIBLE, f"{src.path} is {why}, but {dest} {seen}", fix)
     return DiskVerdict(d.target, READY, f"{src.path} is {why}, and {dest} sees it")
