@@ -14,7 +14,7 @@ import stat
 
 from vstor.config import Config
 from vstor.errors import BadInput
-from vstor.host.blocks import is_listed
+from vstor.host.blocks import is_listed, unlisted
 from vstor.host.sysfs import SysFS
 from vstor.meta.names import inside
 
@@ -63,6 +63,8 @@ def _block_device(sysfs: SysFS, path: str) -> int:
     name = path[len("/dev/"):] if path.startswith("/dev/") else ""
     known = _KERNEL_NAME.fullmatch(name) and is_listed(name)
     devnum = sysfs.read(f"/sys/class/block/{name}/dev") if known else None
+    if devnum is None and unlisted(path):
+        raise BadInput(unlisted(path)[0], hint=unlisted(path)[1])
     if devnum is None:
         raise BadInput(f"{path} is not a disk or partition vstor can see on this host",
                        hint="name the kernel device, like /dev/sdb or /dev/nvme0n1p3")
