@@ -44,3 +44,45 @@ def test_host_show_lists_the_block_sources_vstor_would_take(host_layout, capsys)
             assert use[0] in refused(host, Config(), req)
         else:
             assert plan_domain(host, Config(), req, Ledger()).disks[0].source.path == path
+
+
+# -- define over a defined domain ------------------------------------------------------------
+
+def test_define_over_a_defined_domain_points_at_replace_which_plans_the_new_file(host_layout, tmp_path, capsys):
+    """`vstor apply NAME` re-plans the definition libvirt has, not the new
+    file: the advice is `define --replace FILE`, which keeps the UUID."""
+    import os
+    import libvirt
+    from tests.test_cli import TEMPLATES, URI
+    from vstor.meta.document import Domain
+    conn = libvirt.open(URI)        # the test driver's domains live while a connection is open
+    cfg = tmp_path / "vstor.conf"
+    cfg.write_text(f"[cpu]\nreactors = 2,18\n[paths]\nstate_dir = {tmp_path}/state\nvhost_dir = /run/vstor/vhost\n")
+    base = ["-c", URI, "--config", str(cfg), "--host-root", host_layout("two-socket")]
+    first = open(os.path.join(TEMPLATES, "vhost-local-nvme.xml")).read()
+    (tmp_path / "a.xml").write_text(first)
+    try:
+        assert main([*base, "define", str(tmp_path / "a.xml")]) == 0
+        uuid = conn.lookupByName("web1").UUIDString()
+        new = tmp_path / "b.xml"
+        new.write_text(first.replace("0000:5f:00.0", "0000:60:00.0"))
+        if "<uuid>" in first:
+            new.write_text(new.read_text().split("<uuid>")[0] + new.read_text().split("</uuid>")[1])
+        capsys.readouterr()
+        assert main([*base, "define", str(new)]) == 2
+        err = capsys.readouterr().err
+        assert f"vstor define --replace {new}" in err and "vstor apply" not in err and err.count("\n") == 1
+        assert main([*base, "define", "--replace", str(new)]) == 0
+        now = Domain.parse(conn.lookupByName("web1").XMLDesc(0))
+        assert now.uuid == uuid.lower()
+        assert [d.controller for d in now.recorded_plan().disks] == ["0000:60:00.0"]
+        other = tmp_path / "c.xml"
+        other.write_text(new.read_text().replace("<name>web1</name>",
+                                                 "<name>web1</name><uuid>0d2f7a4e-0000-4000-8000-000000000001</uuid>"))
+        assert main([*base, "define", "--replace", str(other)]) == 2
+        assert "another domain of the same name" in capsys.readouterr().err
+    finally:
+        for name in conn.listDefinedDomains():
+            if name == "web1":
+                conn.lookupByName(name).undefine()
+        conn.close()
