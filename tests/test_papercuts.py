@@ -128,3 +128,33 @@ def test_hot_plug_into_an_i440fx_guest_without_acpi_names_acpi_not_q35(env, tmp_
         attach(env.rt(), env.state, env.host(), guest_dom, disk(local_spdk("0000:60:00.0", "vdc"), tmp_path), guest)
     assert "pci-bridge" in e.value.hint and "q35" not in e.value.hint
     assert env.state.load("vm1").steps == rec.steps
+
+
+# -- doctor: a venv's python and python3 are one Python ------------------------------------------
+
+def test_doctor_takes_a_venvs_python_and_python3_as_one(tmp_path):
+    import os
+    import sys
+    from vstor.cli.hooks import render_hook
+    from vstor.host import doctor
+    venv, other = tmp_path / "venv", tmp_path / "other"
+    for v in (venv, other):
+        (v / "bin").mkdir(parents=True)
+        (v / "pyvenv.cfg").write_text(f"home = {os.path.dirname(sys.executable)}\n")
+        os.symlink(sys.executable, v / "bin" / "python3")
+        os.symlink("python3", v / "bin" / "python")
+    py3, py = str(venv / "bin" / "python3"), str(venv / "bin" / "python")
+    assert doctor.same_python(py, py3) and doctor.same_python(py3, py3)
+    assert not doctor.same_python(py, str(other / "bin" / "python3"))     # another venv, one base
+    assert not doctor.same_python(py, py3 + " -I") and not doctor.same_python(py, "/nonexistent/python")
+
+    now = render_hook(None)
+    expected = now.replace(f"PYTHON={sys.executable}", f"PYTHON={py3}")
+    hook = tmp_path / "vstor"
+    hook.write_text(now.replace(f"PYTHON={sys.executable}", f"PYTHON={py}"))
+    hook.chmod(0o755)
+    check = doctor.check_hook(str(hook), expected, [])
+    assert check.status == "ok", check
+    hook.write_text(now.replace(f"PYTHON={sys.executable}", f"PYTHON={other}/bin/python3"))
+    check = doctor.check_hook(str(hook), expected, [])
+    assert check.status == "warn" and f"runs {other}/bin/python3; this vstor runs under {py3}" in check.detail
