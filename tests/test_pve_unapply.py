@@ -239,3 +239,25 @@ def test_backends_a_start_left_are_released_with_the_plan(pve, capsys):
     assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
     assert _left(pve) == []
     assert "hookscript" not in pve.config() and "vstor-" not in pve.config()
+
+
+def test_plan_json_is_one_stable_object(pve, capsys):
+    import json
+    pve.vm()
+    pve.intent(pve.file_disk())
+    before = pve.config()
+    assert pve.vstor("pve", "plan", "100", "--json", *QEMU) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"version", "vmid", "domain", "config_path", "intent_path", "plan", "keys",
+                         "changed", "config"}
+    assert (data["version"], data["vmid"], data["domain"]) == (1, 100, "pve-100")
+    assert data["config_path"] == f"{pve.etc}/qemu-server/100.conf" and pve.config() == before
+    assert data["plan"]["disks"][0]["target"] == "vdb"
+    assert data["changed"] == ["affinity", "args", "hugepages", "numa", "numa0"]
+    assert data["keys"]["hostpci0"] == "0000:17:00.0" and data["keys"]["numa"] == "1"
+    assert data["keys"]["args"].startswith("-msg timestamp=on -set 'device.x.y=a b' -chardev socket,id=vstor-vdb,")
+    # What it says apply writes, apply writes.
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    assert pve.config() == data["config"]
+    conf = PveConfig.parse(pve.config())
+    assert all(conf.get(k) == v for k, v in data["keys"].items())

@@ -83,12 +83,40 @@ def cmd_plan(ctx, args) -> int:
     old = vmo.conf.to_text()
     new, _ = manage.new_config(vmo, plan, _qemu(node, args))
     if args.json:
-        json.dump({"plan": plan_to_json(plan), "config": new}, sys.stdout, indent=2)
+        json.dump(plan_json(vmo, plan, old, new, plan_to_json(plan)), sys.stdout, indent=2)
         print()
         return 0
     print(format_plan(plan).replace(f"Domain {plan.domain}", f"VM {vmo.vmid} ({plan.domain})", 1))
     _diff(old, new, vmo.conf_path)
     return 0
+
+
+def plan_json(vmo, plan, old: str, new: str, plan_data: dict) -> dict:
+    """`vstor pve plan --json`, version 1:
+
+        {"version": 1, "vmid": int, "domain": "pve-VMID",
+         "config_path": str, "intent_path": str,
+         "plan": {...},                 # as `vstor plan --json` prints a plan
+         "keys": {key: str | null},     # every config key vstor owns, as apply would
+                                        # leave it (null: no such line)
+         "changed": [key],              # the keys apply would write or remove
+         "config": str}                 # the whole config apply would write
+    """
+    from vstor.pve.config import PveConfig
+    after, before = PveConfig.parse(new), PveConfig.parse(old)
+    keys = sorted({k for k in after.keys() + before.keys() if _owned(k)} | set(_PLACEMENT))
+    return {"version": 1, "vmid": vmo.vmid, "domain": plan.domain, "config_path": vmo.conf_path,
+            "intent_path": vmo.intent_path, "plan": plan_data,
+            "keys": {k: after.get(k) for k in keys},
+            "changed": [k for k in keys if after.get(k) != before.get(k)], "config": new}
+
+
+def _owned(key: str) -> bool:
+    from vstor.render import pve as render
+    return key in render.PLACEMENT_KEYS or key in render.HOSTPCI_KEYS or key == "args"
+
+
+_PLACEMENT = ("numa", "numa0", "hugepages", "affinity", "args")
 
 
 def cmd_apply(ctx, args) -> int:
