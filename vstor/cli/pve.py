@@ -1,5 +1,6 @@
 """vstor pve: Proxmox VE VMs, planned like libvirt domains, their plan
-written into the VM config; the hookscript; doctor for a Proxmox node."""
+written into the VM config (and taken out again: unapply); the hookscript;
+doctor for a Proxmox node."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from vstor.errors import BadInput, DoesNotFit, InUse
 
 
 def register(sub) -> None:
-    p = sub.add_parser("pve", help="Proxmox VE: plan and apply VMs, the hookscript, doctor")
+    p = sub.add_parser("pve", help="Proxmox VE: plan, apply and unapply VMs, the hookscript, doctor")
     psub = p.add_subparsers(dest="pve_command", metavar="COMMAND")
     psub.required = True
     for name, helptext in (("plan", "show what vstor would do for a VM, and why"),

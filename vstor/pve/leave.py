@@ -64,8 +64,11 @@ def _user_args(text: str | None, vm: int) -> str | None:
     m = render._START.search(text or "")
     if not m:
         return text
-    words = render._split(text[m.start():], "vstor's part of args", vm)
-    render._check_vstor_part(words, vm)
+    try:
+        render._check_vstor_part(render._split(text[m.start():], "vstor's part of args", vm), vm)
+    except BadInput as e:       # not vstor's shape: which words are vstor's is not known
+        raise BadInput(e.message, hint=f"put args right by hand (qm set {vm} --args '...'), "
+                                       "then unapply again") from None
     return text[:m.start()].rstrip() or None
 
 
