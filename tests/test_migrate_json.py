@@ -158,3 +158,21 @@ def test_a_dry_run_prepare_exports_nothing_from_spdk(two, capsys):
     assert ops(log) == ["check"] and tree(t.work) == before
     assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost"])
     assert kinds(t, "b") == (None, [])
+
+
+def test_a_destination_without_the_shared_root_is_told_to_add_it(hosts, capsys):
+    """Both hosts have the file on the same local filesystem names; only A
+    lists the root in [migrate] shared: the refusal names that, and the fix."""
+    h = hosts
+    xml_path = running_on_a(h)
+    with open(h.b_conf) as f:
+        text = f.read()
+    with open(h.b_conf, "w") as f:
+        f.write(text.replace(f"shared = {h.shared}\n", "shared =\n"))
+    capsys.readouterr()
+    assert on_a(h, "migrate", "check", xml_path, "--to", "hostb", "--json") == 3
+    [disk] = json.loads(capsys.readouterr().out)["disks"]
+    assert disk["needs"] == "shared" and disk["verdict"] == "impossible"
+    assert f"but hostb has {h.shared} on " in disk["reason"] and "not in its [migrate] shared" in disk["reason"]
+    assert disk["fix"] == "add that root to [migrate] shared in vstor.conf on hostb"
+    assert ", not on " not in disk["reason"]
