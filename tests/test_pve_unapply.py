@@ -261,3 +261,33 @@ def test_plan_json_is_one_stable_object(pve, capsys):
     assert pve.config() == data["config"]
     conf = PveConfig.parse(pve.config())
     assert all(conf.get(k) == v for k, v in data["keys"].items())
+
+
+@pytest.mark.parametrize("lock", ["config", "planning"])
+def test_unapply_waits_for_qemu_servers_config_lock_and_the_planning_lock(pve, capsys, lock):
+    """As apply: under qemu-server's lock of the VM's config (no start, qm
+    set or migration meanwhile) and the host's planning lock (no plan reads
+    the ledger while the VM's holding goes)."""
+    import subprocess
+    import sys
+    import time
+    from vstor import config as config_mod
+    from vstor.pve.node import Node
+    from vstor.runtime.state import StateDir
+    pve.vm()
+    pve.intent(pve.file_disk())
+    before = pve.config()
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    applied = pve.config()
+    cfg = config_mod.load(pve.conf)
+    held = Node(cfg).lock(100) if lock == "config" else StateDir(cfg.state_dir).planning()
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with held:
+        proc = subprocess.Popen([sys.executable, "-m", "vstor.cli.main", "--config", pve.conf, "pve",
+                                 "unapply", "100"], cwd=root, env={**os.environ, "PYTHONPATH": root},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2)
+        assert proc.poll() is None and pve.config() == applied
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert pve.config() == before
