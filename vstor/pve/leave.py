@@ -102,5 +102,5 @@ def own_hookscript(vm: int, value: str, vstor_script: str) -> BadInput:
         f"VM {vm} has a hookscript of its own ({value[:60]}) that does not call vstor's; "
         "Proxmox runs one hookscript per VM, so vstor's would never run and the VM would start "
         "without its vstor disks",
-        hint=f"make yours call vstor's first with the same arguments and stop on its failure "
-             f"(sh: {vstor_script} \"$1\" \"$2\" || exit $?), then apply again")
+        hint=f"make yours call vstor's first with its two arguments and stop when it fails, "
+             f"as in sh: {vstor_script} \"$1\" \"$2\" || exit $? -- then apply again")
