@@ -291,3 +291,19 @@ def test_unapply_waits_for_qemu_servers_config_lock_and_the_planning_lock(pve, c
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert pve.config() == before
+
+
+def test_hooks_install_never_tells_to_replace_a_hookscript_that_calls_vstors(pve, capsys):
+    with open(f"{pve.snippets}/mine.sh", "w") as f:
+        f.write(f"#!/bin/sh\n{pve.snippets}/vstor \"$1\" \"$2\" || exit $?\n")
+    pve.vm(CONF.replace("boot:", "hookscript: local:snippets/mine.sh\nboot:", 1))
+    pve.intent(pve.file_disk())
+    pve.vm("cores: 1\nmemory: 512\nhookscript: local:snippets/theirs.sh\n", 101)
+    pve.intent(pve.file_disk("d1.raw"), 101)
+    pve.vm("cores: 1\nmemory: 512\n", 102)
+    pve.intent(pve.file_disk("d2.raw"), 102)
+    assert pve.vstor("pve", "hooks", "install") == 0
+    out = capsys.readouterr().out
+    assert "qm set 100" not in out and "VM 100" not in out
+    assert f"VM 101's own hookscript local:snippets/theirs.sh must call {pve.snippets}/vstor" in out
+    assert "qm set 102 --hookscript local:snippets/vstor" in out

@@ -255,10 +255,14 @@ def cmd_hooks_install(ctx, args) -> int:
     print(f"Installed {target}" + ("" if store.shared else
                                    f" (storage '{store.id}' is not shared: install it on every node "
                                    "a vstor VM may start or migrate to)"))
+    from vstor.pve.leave import chains_vstor
     for vm in manage.vstor_vms(node):
         conf, _ = node.read_config(vm)
-        if conf.get("hookscript") != f"{store.id}:snippets/vstor":
+        own = conf.get("hookscript")
+        if not own:
             print(f"qm set {vm} --hookscript {store.id}:snippets/vstor")
+        elif own != f"{store.id}:snippets/vstor" and not chains_vstor(node.etc, own, target):
+            print(f"VM {vm}'s own hookscript {own} must call {target} \"$1\" \"$2\" first")
     return 0
 
 
@@ -266,7 +270,8 @@ def cmd_hooks_uninstall(ctx, args) -> int:
     store = _node(ctx).snippets()
     from vstor.cli.hooks import remove_hook
     return remove_hook(os.path.join(store.snippets, "vstor"), "hookscript",
-                       "VMs that name it no longer start (qm set VMID --delete hookscript)")
+                       "VMs that name it no longer start (vstor pve unapply VMID takes vstor's lines, "
+                       "its hookscript included, out of each)")
 
 
 def cmd_doctor(ctx, args) -> int:
