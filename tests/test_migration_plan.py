@@ -103,3 +103,18 @@ def test_two_hosts_copies_of_a_source_are_compared_by_size_and_filesystem():
     declared = {**local_copy, "shared_root": "/v"}
     assert differs({**nfs, "shared_root": "/v"}, declared) is None       # both operators say so
     assert shared({**local_copy})[0] is False
+
+
+def test_a_refusal_names_what_the_destination_lacks():
+    """The source declared the root shared, the destination did not: the
+    same local names on both hosts (ext4 /dev/vda) are not the answer."""
+    from vstor.migration.storage import differs
+    src = {"path": "/srv/shared/a.raw", "kind": "file", "size": 10, "fstype": "ext4", "mount": "/dev/vda",
+           "shared_root": "/srv/shared"}
+    dest = {**src, "shared_root": ""}
+    why = differs(src, dest)
+    assert why == ("has /srv/shared on ext4 /dev/vda, not in its [migrate] shared (add /srv/shared to "
+                   "[migrate] shared in its vstor.conf, if it is the same storage there)")
+    assert "not on ext4 /dev/vda" not in why
+    # Neither declared it, the same local names: another disk, said so.
+    assert differs(dest, dict(dest)).startswith("has its own ext4 /dev/vda at that path")

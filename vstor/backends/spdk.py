@@ -174,10 +174,6 @@ class SpdkClient:
         pid = self.framework_get_reactors().get("pid")
         return pid if isinstance(pid, int) and pid > 0 else None
 
-    def get_bdevs(self, name: str | None = None) -> list[dict]:
-        # bdev_get_bdevs with an unknown name answers -ENODEV (lib/bdev/bdev_rpc.c).
-        return self._lookup("bdev_get_bdevs", {"name": name}, {(-errno.ENODEV, None)})
-
     def attach_nvme_controller(self, name: str, trtype: str, traddr: str, adrfam: str | None = None,
                                trsvcid: str | None = None, subnqn: str | None = None,
                                hostnqn: str | None = None, multipath: str | None = None,
@@ -322,7 +318,6 @@ def _without_none(params: dict) -> dict:
 
 _DRY_RUN_RESULTS: dict[str, Any] = {
     "spdk_get_version": {"version": "(dry run)", "fields": {}},
-    "bdev_get_bdevs": [],
     "bdev_nvme_get_controllers": [],
     "vhost_get_controllers": [],
     "nvmf_get_subsystems": [],

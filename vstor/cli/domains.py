@@ -28,6 +28,8 @@ def register(sub) -> None:
     p = sub.add_parser("define", help="render an annotated domain and define it in libvirt")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--dry-run", action="store_true", help="print the XML, define nothing")
+    p.add_argument("--replace", action="store_true", help="replace the definition of the domain of "
+                   "that name with FILE, planned anew (its UUID kept)")
     p.set_defaults(func=cmd_define)
 
     p = sub.add_parser("apply", help="re-plan a defined domain (e.g. after `virsh define` "
@@ -100,8 +102,47 @@ def cmd_render(ctx, args) -> int:
 
 
 def cmd_define(ctx, args) -> int:
+    from vstor.errors import BadInput
     dom = Domain.load(args.file)
-    return _define(ctx, dom, args.dry_run)
+    running = _replacing(ctx, dom, args.file) if args.replace else False
+    try:
+        code = _define(ctx, dom, args.dry_run)
+    except BadInput as e:
+        if "already exists" not in e.message:
+            raise
+        # `vstor apply NAME` would re-plan the definition libvirt has, not FILE.
+        raise BadInput(e.message, hint=f"to replace domain '{dom.name}' with {args.file}: vstor define "
+                                       f"--replace {args.file} (or virsh undefine {dom.name} first)") from None
+    if running and not args.dry_run:
+        print(f"Domain '{dom.name}' is running: the new definition and plan take effect at its next start")
+    return code
+
+
+def _replacing(ctx, dom: Domain, path: str) -> bool:
+    """The FILE as the new definition of the defined domain of its name:
+    that domain's UUID (libvirt replaces a definition of the same name and
+    UUID); whether it runs.  A FILE with another UUID is another domain."""
+    import libvirt
+    from vstor.errors import BadInput
+    from vstor.runtime import virt
+    try:
+        old = ctx.conn.lookupByName(dom.name)
+    except libvirt.libvirtError as e:
+        if e.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+            return False            # nothing to replace: a plain define
+        return virt.lookup(ctx.conn, dom.name).isActive()      # its refusal, in vstor's words
+    uuid = old.UUIDString()
+    if dom.uuid and dom.uuid.lower() != uuid.lower():
+        raise BadInput(f"{path} has UUID {dom.uuid[:36]}, and the defined domain '{dom.name}' has {uuid}: "
+                       "another domain of the same name", hint=f"remove <uuid> from {path} to replace "
+                                                               f"'{dom.name}', or give it another name")
+    if not dom.uuid:
+        from lxml import etree
+        elem = etree.Element("uuid")
+        elem.text = uuid
+        name = dom.root.find("name")
+        name.addnext(elem) if name is not None else dom.root.insert(0, elem)
+    return bool(old.isActive())
 
 
 def cmd_apply(ctx, args) -> int:

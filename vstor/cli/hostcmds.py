@@ -103,6 +103,8 @@ def cmd_host_show(ctx, args) -> int:
     for nic in host.rdma_nics:
         nets = ", ".join(f"{n.name} mtu {n.mtu}" for n in nic.netdevs)
         print(f"  rdma {nic.name} {nic.address} node {nic.numa_node} {nets}")
+    from vstor.host.read import block_source_lines
+    print("\n".join(block_source_lines(host)))
     return 0
 
 

@@ -32,19 +32,27 @@ def register(sub) -> None:
                    "qemu+ssh://DEST/system (qemu+tls://..., a local socket)")
     p.add_argument("--migrate-uri", metavar="URI", help="with --run: QEMU's migration stream address "
                    "(virsh --migrateuri), e.g. tcp://10.0.0.2")
+    _dry_run(p)
     p.set_defaults(func=cmd_prepare)
     p = msub.add_parser("abort", help="give up what migrate prepare holds on the destination")
     p.add_argument("domain", metavar="DOMAIN")
     p.add_argument("--to", metavar="DEST", help="(default: the destination prepare recorded)")
+    _dry_run(p)
     p.set_defaults(func=cmd_abort)
     p = msub.add_parser("finish", help="after a migration: check the domain arrived, clean this host")
     p.add_argument("domain", metavar="DOMAIN")
     p.add_argument("--to", metavar="DEST", help="(default: the destination prepare recorded, while "
                                                 "this host still holds the domain)")
+    _dry_run(p)
     p.set_defaults(func=cmd_finish)
     p = msub.add_parser("agent", help="(run by migrate on the destination) one JSON request "
                                       "on stdin, one JSON answer on stdout")
     p.set_defaults(func=cmd_agent)
+
+
+def _dry_run(p) -> None:
+    p.add_argument("--dry-run", action="store_true", help="say what would be done, on both hosts; "
+                   "change nothing (the destination is only asked read-only questions)")
 
 
 def _peer(ctx, dest: str):
@@ -71,24 +79,41 @@ def migrating(ctx, name: str):
 
 
 def cmd_check(ctx, args) -> int:
+    """This host's side first (what each disk needs on the destination),
+    then the destination's answer; --json: one object (verdict.report),
+    also when the destination does not answer."""
+    from vstor.errors import VstorError
     from vstor.host.sysfs import SysFS
     from vstor.migration import source
+    from vstor.migration.verdict import report
     dom = _domain(ctx, args.domain)
     peer, _ = _peer(ctx, args.to)
-    verdict = source.check(ctx.config, dom, peer, SysFS(ctx.host_root))
+    looked = source.look(ctx.config, dom, SysFS(ctx.host_root))
+    side = looked[2]
+    if not args.json:
+        print(f"{dom.name} -> {peer.host}: on this host")
+        for n in side:
+            print(f"  {n.target}: needs {n.needs}: {n.reason}")
+        print(f"asking {peer.host} ...", flush=True)
+    try:
+        verdict = source.check(ctx.config, dom, peer, SysFS(ctx.host_root), looked)
+    except VstorError as e:
+        if args.json:
+            print(json.dumps(report(dom.name, peer.host, side, None, str(e)), indent=1))
+        raise
     if args.json:
-        print(json.dumps(verdict.to_json(), indent=1))
-    else:
-        print(f"{dom.name} -> {peer.host}: {verdict.verdict}"
-              f"{'' if not verdict.problems else ', and it does not fit there'}")
-        for d in verdict.disks:
-            print(f"  {d.target}: {d.verdict}: {d.reason}")
-            if d.fix:
-                print(f"      fix: {d.fix}")
-        for why in verdict.problems:
-            print(f"  {peer.host} cannot take it: {why}")
-        for line in verdict.placement:
-            print(f"  on {peer.host}: {line}")
+        print(json.dumps(report(dom.name, peer.host, side, verdict), indent=1))
+        return 0 if verdict.live else 3
+    print(f"{dom.name} -> {peer.host}: {verdict.verdict}"
+          f"{'' if not verdict.problems else ', and it does not fit there'}")
+    for d in verdict.disks:
+        print(f"  {d.target}: {d.verdict}: {d.reason}")
+        if d.fix:
+            print(f"      fix: {d.fix}")
+    for why in verdict.problems:
+        print(f"  {peer.host} cannot take it: {why}")
+    for line in verdict.placement:
+        print(f"  on {peer.host}: {line}")
     return 0 if verdict.live else 3
 
 
@@ -103,6 +128,8 @@ def cmd_prepare(ctx, args) -> int:
     dom = _domain(ctx, args.domain)
     peer, uri = _peer(ctx, args.to)
     uri = args.dest_uri or uri
+    if args.dry_run:
+        return _prepare_dry(ctx, args, dom, peer, uri)
     print(f"Preparing {peer.host} for {dom.name}:")
     verdict, xml = source.prepare(ctx.config, _state(ctx), dom, peer, uri, _runtime(ctx), cold=args.cold)
     for d in verdict.disks:
@@ -131,6 +158,28 @@ def cmd_prepare(ctx, args) -> int:
     return 0
 
 
+def _prepare_dry(ctx, args, dom, peer, uri: str) -> int:
+    """What prepare would do, after every check it makes (the destination's
+    read-only `check`): nothing is exported, held, written or recorded."""
+    from vstor.cli.runtime import _state
+    from vstor.host.sysfs import SysFS
+    from vstor.migration import source
+    print(f"Preparing {peer.host} for {dom.name} (dry run):")
+    verdict, exports = source.preflight(ctx.config, _state(ctx), dom, peer, SysFS(ctx.host_root), args.cold)
+    for d in verdict.disks:
+        print(f"  {d.target}: {d.reason}")
+    for target, (step, _) in exports.items():
+        print(f"  would export {target} ({step.bdev}) over NVMe-oF as {step.nqn} at {step.traddr} port "
+              f"{step.trsvcid}, to host NQN {step.host} alone")
+    print(f"  would ask {peer.host} to {'reserve a place for' if args.cold else 'make and hold the backends of'} "
+          f"{dom.name}" + "".join(f"; {line}" for line in verdict.placement[:1]))
+    print(f"  would write the XML it arrives with to {args.output or f'{dom.name}.{peer.host}.xml'}")
+    print(f"  would record the migration to {peer.host} in {dom.name}'s state record")
+    if args.run:
+        print(f"  would then migrate it live to {uri}, and finish (or abort both sides on failure)")
+    return 0
+
+
 def _run(ctx, args, dom, peer, uri: str, xml: str) -> int:
     """Migrate now; finish on success, give both sides back on failure."""
     from vstor.migration import run
@@ -141,12 +190,12 @@ def _run(ctx, args, dom, peer, uri: str, xml: str) -> int:
     except BaseException:
         print(f"Giving up: releasing what {peer.host} holds for {dom.name}", flush=True)
         try:
-            cmd_abort(ctx, argparse.Namespace(domain=dom.name, to=peer.host))
+            cmd_abort(ctx, argparse.Namespace(domain=dom.name, to=peer.host, dry_run=False))
         except Exception as e:      # the migration's own failure is the one to report
             print(f"vstor: warning: the abort failed too: {e}", file=sys.stderr)
         raise
     print(f"{dom.name} runs on {peer.host}: {run.completed(stats)}")
-    return cmd_finish(ctx, argparse.Namespace(domain=dom.name, to=peer.host))
+    return cmd_finish(ctx, argparse.Namespace(domain=dom.name, to=peer.host, dry_run=False))
 
 
 def _recorded_peer(ctx, args):
@@ -164,12 +213,31 @@ def cmd_abort(ctx, args) -> int:
     from vstor.migration import source
     peer = _recorded_peer(ctx, args)
     uuid = _uuid_of(ctx, args.domain)
+    if args.dry_run:
+        return _abort_dry(ctx, args, peer, uuid)
     answer = peer.call("abort", name=args.domain, uuid=uuid)
     if source.unexport_all(_state(ctx), args.domain, _runtime(ctx)):
         print(f"removed the NVMe-oF exports made for {peer.host}")
     source.forget(_state(ctx), args.domain)
     print(f"{peer.host}: {'released what was held for' if answer.get('aborted') else 'held nothing for'} "
           f"{args.domain}")
+    return 0
+
+
+def _abort_dry(ctx, args, peer, uuid) -> int:
+    from vstor.cli.runtime import _state
+    there = peer.call("status", name=args.domain, uuid=uuid)     # a read
+    held = there.get("status")
+    print(f"Aborting the migration of {args.domain} to {peer.host} (dry run):")
+    print(f"  {peer.host}: " + (f"would release what it holds for {args.domain} ({held})" if held
+                                else f"holds nothing for {args.domain}"))
+    for rec in _state(ctx).records():
+        if rec.domain == args.domain:
+            nqns = [e["data"].get("nqn") for e in rec.steps if e.get("kind") == "nvmf-export"]
+            for nqn in nqns:
+                print(f"  would remove the NVMe-oF export {nqn} made for {peer.host}")
+            if rec.migration:
+                print(f"  would forget the migration in {args.domain}'s state record")
     return 0
 
 
@@ -196,6 +264,8 @@ def cmd_finish(ctx, args) -> int:
         raise DoesNotFit(f"domain '{args.domain}' still runs here (or libvirt cannot say)",
                          hint="wait for the migration to complete")
     state = _state(ctx)
+    if args.dry_run:
+        return _finish_dry(ctx, args, peer, state)
     if not any(r.domain == args.domain for r in state.records()):
         source.forget(state, args.domain)
         print(f"{args.domain} runs on {peer.host}; nothing of it is left here")
@@ -207,6 +277,24 @@ def cmd_finish(ctx, args) -> int:
     rec = release(_runtime(ctx), state, _key_of(ctx, args.domain), progress=lambda m: print(f"  {m}"))
     source.forget(state, args.domain)
     print(f"{args.domain} runs on {peer.host}; {'released its backends here' if rec else 'nothing left here'}")
+    return 0
+
+
+def _finish_dry(ctx, args, peer, state) -> int:
+    """finish's checks passed (the destination asked read-only): what it would release here."""
+    from vstor.cli.runtime import _key_of, _runtime
+    from vstor.runtime.lifecycle import release
+    recs = [r for r in state.records() if r.domain == args.domain]
+    print(f"{args.domain} runs on {peer.host} (dry run):")
+    if not recs:
+        print("  nothing of it is left here")
+    elif any(r.status == "exporting" for r in recs):
+        print(f"  its NVMe-oF export here stays while it runs on {peer.host} (vstor gc removes it then)")
+    else:
+        release(_runtime(ctx, dry_run=True), state, _key_of(ctx, args.domain),
+                progress=lambda m: print(f"  {m}"))
+    if any(r.migration for r in recs):
+        print(f"  would forget the migration in {args.domain}'s state record")
     return 0
 
 

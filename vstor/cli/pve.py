@@ -1,5 +1,6 @@
 """vstor pve: Proxmox VE VMs, planned like libvirt domains, their plan
-written into the VM config; the hookscript; doctor for a Proxmox node."""
+written into the VM config (and taken out again: unapply); the hookscript;
+doctor for a Proxmox node."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from vstor.errors import BadInput, DoesNotFit, InUse
 
 
 def register(sub) -> None:
-    p = sub.add_parser("pve", help="Proxmox VE: plan and apply VMs, the hookscript, doctor")
+    p = sub.add_parser("pve", help="Proxmox VE: plan, apply and unapply VMs, the hookscript, doctor")
     psub = p.add_subparsers(dest="pve_command", metavar="COMMAND")
     psub.required = True
     for name, helptext in (("plan", "show what vstor would do for a VM, and why"),
@@ -34,6 +35,10 @@ def register(sub) -> None:
         else:
             q.add_argument("--dry-run", action="store_true", help="print the config diff, write nothing")
             q.set_defaults(func=cmd_apply)
+    q = psub.add_parser("unapply", help="remove the lines vstor wrote into a VM's config, and its plan")
+    q.add_argument("vmid", metavar="VMID")
+    q.add_argument("--dry-run", action="store_true", help="print the config diff, change nothing")
+    q.set_defaults(func=cmd_unapply)
     q = psub.add_parser("hooks", help="install the hookscript into the snippets storage")
     hsub = q.add_subparsers(dest="hooks_command", metavar="COMMAND")
     hsub.required = True
@@ -79,12 +84,40 @@ def cmd_plan(ctx, args) -> int:
     old = vmo.conf.to_text()
     new, _ = manage.new_config(vmo, plan, _qemu(node, args))
     if args.json:
-        json.dump({"plan": plan_to_json(plan), "config": new}, sys.stdout, indent=2)
+        json.dump(plan_json(vmo, plan, old, new, plan_to_json(plan)), sys.stdout, indent=2)
         print()
         return 0
     print(format_plan(plan).replace(f"Domain {plan.domain}", f"VM {vmo.vmid} ({plan.domain})", 1))
     _diff(old, new, vmo.conf_path)
     return 0
+
+
+def plan_json(vmo, plan, old: str, new: str, plan_data: dict) -> dict:
+    """`vstor pve plan --json`, version 1:
+
+        {"version": 1, "vmid": int, "domain": "pve-VMID",
+         "config_path": str, "intent_path": str,
+         "plan": {...},                 # as `vstor plan --json` prints a plan
+         "keys": {key: str | null},     # every config key vstor owns, as apply would
+                                        # leave it (null: no such line)
+         "changed": [key],              # the keys apply would write or remove
+         "config": str}                 # the whole config apply would write
+    """
+    from vstor.pve.config import PveConfig
+    after, before = PveConfig.parse(new), PveConfig.parse(old)
+    keys = sorted({k for k in after.keys() + before.keys() if _owned(k)} | set(_PLACEMENT))
+    return {"version": 1, "vmid": vmo.vmid, "domain": plan.domain, "config_path": vmo.conf_path,
+            "intent_path": vmo.intent_path, "plan": plan_data,
+            "keys": {k: after.get(k) for k in keys},
+            "changed": [k for k in keys if after.get(k) != before.get(k)], "config": new}
+
+
+def _owned(key: str) -> bool:
+    from vstor.render import pve as render
+    return key in render.PLACEMENT_KEYS or key in render.HOSTPCI_KEYS or key == "args"
+
+
+_PLACEMENT = ("numa", "numa0", "hugepages", "affinity", "args")
 
 
 def cmd_apply(ctx, args) -> int:
@@ -115,19 +148,91 @@ def _apply_planned(ctx, args, node) -> int:
     if vmo.conf.get("lock"):
         raise DoesNotFit(f"VM {vmo.vmid} is locked ({vmo.conf.get('lock')[:20]})",
                          hint=f"wait for it, or: qm unlock {vmo.vmid}")
+    hook = f"{ctx.config.pve_storage}:snippets/vstor"
+    if not args.conf:
+        _check_hookscript(node, vmo.vmid, vmo.conf.get("hookscript"), hook)
     old = vmo.conf.to_text()
     new, changed = manage.new_config(vmo, plan, _qemu(node, args))
     if args.dry_run:
         _diff(old, new, vmo.conf_path)
         print(f"would record the plan in {snippet.plan_path(vmo.intent_path)}")
         return 0
-    manage.write(node, vmo, plan, old, new, _qemu(node, args))
+    manage.write(node, vmo, plan, old, new, _qemu(node, args), changed)
     print(f"VM {vmo.vmid}: " + ", ".join(f"{d.target} {d.mode}/{d.backend}" for d in plan.disks)
           + f", node {plan.node}; " + (f"wrote {', '.join(changed)}" if changed else "config unchanged"))
-    hook = f"{ctx.config.pve_storage}:snippets/vstor"
-    if vmo.conf.get("hookscript") != hook:
+    if not vmo.conf.get("hookscript"):
         print(f"Set the hookscript, or vstor makes no backends at its start: "
               f"qm set {vmo.vmid} --hookscript {hook}")
+    return 0
+
+
+def _check_hookscript(node, vm: int, have: str | None, hook: str) -> None:
+    """Proxmox runs one hookscript per VM: a VM's own must call vstor's."""
+    from vstor.pve import leave
+    if have and have != hook:
+        script = os.path.join(node.snippets().snippets, "vstor")
+        if not leave.chains_vstor(node.etc, have, script):
+            raise leave.own_hookscript(vm, have, script)
+
+
+def cmd_unapply(ctx, args) -> int:
+    from vstor.pve.vm import vmid
+    node = _node(ctx)
+    vm = vmid(args.vmid)
+    with nullcontext() if args.dry_run else node.lock(vm):     # as `qm set` does
+        if node.running(vm):
+            raise InUse(f"VM {vm} is running; its backends are in use and its config was read "
+                        "at its start", hint=f"stop it first (qm shutdown {vm}), then unapply")
+        with ctx.planning(args.dry_run):
+            return _unapply(ctx, args, node, vm)
+
+
+def _unapply(ctx, args, node, vm: int) -> int:
+    """Backends a start left (no post-stop) first, then the config, then the
+    plan records: a run killed on the way leaves what the next one finishes."""
+    from vstor.cli.runtime import _runtime, _say, _state
+    from vstor.pve import leave, manage, snippet
+    from vstor.pve.vm import name_of
+    from vstor.runtime.recorded import release
+    conf, path = node.read_config(vm)
+    if conf.get("lock"):
+        raise DoesNotFit(f"VM {vm} is locked ({conf.get('lock')[:20]})",
+                         hint=f"wait for it, or: qm unlock {vm}")
+    ipath = snippet.path_of(manage.intent_dir(node), vm)
+    records = [p for p in (snippet.plan_path(ipath), snippet.prev_path(ipath), snippet.written_path(ipath))
+               if os.path.lexists(p)]
+    plans = tuple(p for p in (snippet.read_plan(ipath, name_of(vm), None,
+                                                "restore it, or remove it and vstor's lines by hand", where)
+                              for where in records if where.endswith(".xml")) if p is not None)
+    old = conf.to_text()
+    written = snippet.read_written(ipath)
+    removed = leave.strip(conf, plans, f"{ctx.config.pve_storage}:snippets/vstor", vm, written)
+    new = conf.to_text()
+    held = [r for r in _state(ctx).records() if r.domain == name_of(vm)]
+    if not removed and not records and not held:
+        print(f"nothing of vstor's in {path}")
+        return 0
+    if args.dry_run:
+        _diff(old, new, path)
+        for p in records:
+            print(f"would remove {p}")
+        for r in held:
+            print(f"would release what vstor holds for {r.domain} (state record {r.key})")
+        return 0
+    for r in held:
+        release(_runtime(ctx), _state(ctx), r.key, progress=_say, domain=r.domain, uuid=r.uuid)
+    if new != old:
+        node.write_config(path, new)
+    for p in records:
+        snippet.remove(p)
+    print(f"VM {vm}: " + (f"removed {', '.join(removed)}" if removed else "config unchanged")
+          + (f"; removed its plan ({', '.join(os.path.basename(p) for p in records)})" if records else ""))
+    if os.path.lexists(ipath):
+        print(f"Kept your intent {ipath}: remove it to leave vstor, or run vstor pve apply {vm} again")
+    own = conf.get("hookscript")
+    if own:
+        print(f"The VM's hookscript {own} is yours: if it calls vstor's, remove that call "
+              "(with an intent and no plan, vstor's pre-start refuses the start)")
     return 0
 
 
@@ -150,10 +255,14 @@ def cmd_hooks_install(ctx, args) -> int:
     print(f"Installed {target}" + ("" if store.shared else
                                    f" (storage '{store.id}' is not shared: install it on every node "
                                    "a vstor VM may start or migrate to)"))
+    from vstor.pve.leave import chains_vstor
     for vm in manage.vstor_vms(node):
         conf, _ = node.read_config(vm)
-        if conf.get("hookscript") != f"{store.id}:snippets/vstor":
+        own = conf.get("hookscript")
+        if not own:
             print(f"qm set {vm} --hookscript {store.id}:snippets/vstor")
+        elif own != f"{store.id}:snippets/vstor" and not chains_vstor(node.etc, own, target):
+            print(f"VM {vm}'s own hookscript {own} must call {target} \"$1\" \"$2\" first")
     return 0
 
 
@@ -161,7 +270,8 @@ def cmd_hooks_uninstall(ctx, args) -> int:
     store = _node(ctx).snippets()
     from vstor.cli.hooks import remove_hook
     return remove_hook(os.path.join(store.snippets, "vstor"), "hookscript",
-                       "VMs that name it no longer start (qm set VMID --delete hookscript)")
+                       "VMs that name it no longer start (vstor pve unapply VMID takes vstor's lines, "
+                       "its hookscript included, out of each)")
 
 
 def cmd_doctor(ctx, args) -> int:

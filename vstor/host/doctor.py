@@ -258,6 +258,27 @@ def _interpreter(hook: str) -> str:
     return _baked("PYTHON", hook) or (first[2:].strip() if first.startswith("#!") else "")
 
 
+def same_python(a: str, b: str) -> bool:
+    """Two interpreter commands that run the same Python with the same
+    packages: the same file (through symlinks: a venv's python, python3 and
+    python3.11 are one) in the same environment (a venv's directory: two
+    venvs of one base Python are not the same), and the same arguments."""
+    import shlex
+    try:
+        (x, *xs), (y, *ys) = shlex.split(a), shlex.split(b)
+        if xs != ys or not os.path.samefile(x, y):
+            return False
+    except (ValueError, OSError):
+        return False
+    return _environment(x) == _environment(y)
+
+
+def _environment(python: str) -> str | None:
+    """The venv an interpreter path is in (its bin/../pyvenv.cfg), else None."""
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+    return os.path.realpath(venv) if os.path.isfile(os.path.join(venv, "pyvenv.cfg")) else None
+
+
 def check_hook(path: str, expected: str, daemons: list[tuple[int, str, float]]) -> Check:
     """The libvirt hook at `path`: there, vstor's, what `vstor hooks install`
     writes now (`expected`), and installed before the running libvirt daemon
@@ -279,8 +300,10 @@ def check_hook(path: str, expected: str, daemons: list[tuple[int, str, float]]) 
     if not st.st_mode & 0o111:
         return Check(name, FAIL, f"{path} is not executable (libvirt skips it)",
                      f"vstor hooks install, then {RESTART}")
+    interp, want = _interpreter(text), _interpreter(expected)
+    if text != expected and interp != want and same_python(interp, want):
+        text = text.replace(interp, want)       # one Python by two names (a venv's python, python3)
     if text != expected:
-        interp, want = _interpreter(text), _interpreter(expected)
         config, ours = _baked("CONFIG", text), _baked("CONFIG", expected)
         if interp == want and config != ours:
             return Check(name, WARN, f"{path} reads config {config or 'from the default path'}; "

@@ -250,3 +250,30 @@ def read_rdma_nics(sysfs: SysFS) -> tuple[RdmaNic, ...]:
 def irqbalance_running(sysfs: SysFS) -> bool:
     return any(sysfs.read(f"/proc/{pid}/comm", optional=True) == "irqbalance"
                for pid in sysfs.listdir("/proc") if pid.isdigit())
+
+
+def block_sources(host: Host) -> list[tuple[str, int, tuple[str, ...]]]:
+    """Every block device the planner would consider as a <vstor:block>
+    source, as (path, bytes, what the host uses it for: empty when vstor
+    would take it), in the planner's order: an NVMe namespace by its
+    controller's reading, any other disk or partition by the host model's.
+    Loop, RAM and multipath path devices are never block sources
+    (host.blocks.unlisted)."""
+    out, seen = [], set()
+    for ctrl in host.controllers:
+        for ns in ctrl.namespaces:
+            seen.add(ns.name)
+            out.append((f"/dev/{ns.name}", ns.size_bytes, tuple(ns.in_use)))
+    for dev in host.block_devices:
+        if dev.name not in seen:
+            out.append((f"/dev/{dev.name}", dev.size_bytes, tuple(dev.in_use)))
+    return out
+
+
+def block_source_lines(host: Host) -> list[str]:
+    """`vstor host show`'s lines for block_sources."""
+    rows = block_sources(host)
+    free = [f"{p} ({size // 10**9} GB)" for p, size, use in rows if not use]
+    lines = [f"  block sources vstor would take: {', '.join(free) or 'none'}"]
+    lines += [f"    not {p}: {'; '.join(use)}" for p, _, use in rows if use]
+    return lines + ["    (never a loop, RAM or multipath path device: serve a loop's file as <vstor:file>)"]

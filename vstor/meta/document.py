@@ -115,10 +115,6 @@ class Domain:
         return kib
 
     @property
-    def domain_type(self) -> str:
-        return self.root.get("type", "")
-
-    @property
     def machine(self) -> str:
         e = self.root.find("os/type")
         return e.get("machine", "") if e is not None else ""

@@ -46,17 +46,27 @@ def files_to_check(cfg: Config, plan, sysfs) -> dict:
             for d in plan.disks if d.source.kind in ("file", "block")}
 
 
-def check(cfg: Config, dom: Domain, peer: Peer, sysfs) -> Verdict:
-    return _check(cfg, dom, peer, sysfs)[0]
+def check(cfg: Config, dom: Domain, peer: Peer, sysfs, looked=None) -> Verdict:
+    return _check(cfg, dom, peer, sysfs, looked=looked)[0]
+
+
+def look(cfg: Config, dom: Domain, sysfs):
+    """This host's side, before the destination is asked: (plan, files,
+    what each disk needs on the destination)."""
+    from vstor.migration.verdict import source_side
+    plan = plan_of(dom)
+    files = files_to_check(cfg, plan, sysfs)
+    facts = {t: storage.shared(f) for t, f in files.items()}
+    return plan, files, source_side(plan, facts, set(imported(plan)), bool(cfg.export_address))
 
 
 def _check(cfg: Config, dom: Domain, peer: Peer, sysfs, cold: bool = False,
-           hostnqn: str | None = None):
+           hostnqn: str | None = None, looked=None):
     """(verdict, the destination's answer, the migration's host NQN).  Local
     NVMe under SPDK is asked about as the NVMe-oF namespace this host would
-    export it as, to the migration's own host NQN (`hostnqn`, or a new one)."""
-    plan = plan_of(dom)
-    files = files_to_check(cfg, plan, sysfs)
+    export it as, to the migration's own host NQN (`hostnqn`, or a new one).
+    `looked`: what look() found, if it ran already."""
+    plan, files, _ = looked or look(cfg, dom, sysfs)
     facts = {t: storage.shared(f) for t, f in files.items()}
     imports = {}
     if not cold and cfg.export_address and any(d.source.kind == "nvme" and d.backend == "spdk"
@@ -150,13 +160,12 @@ def exports_for(cfg: Config, dom: Domain, plan, hostnqn: str | None) -> dict:
     return out
 
 
-def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
-            cold: bool = False) -> tuple[Verdict, str]:
-    """The destination's backends made and held, local NVMe exported to it
-    first; the XML the domain will arrive with.  Refused, with every reason,
-    unless the verdict allows it; a failure on either side undoes both."""
-    verdict, there, hostnqn = _check(cfg, dom, peer, rt.sysfs, cold,
-                                     None if cold else recorded_hostnqn(state, dom))
+def preflight(cfg: Config, state, dom: Domain, peer: Peer, sysfs, cold: bool = False):
+    """Everything prepare checks before it acts, acting on nothing (the
+    destination is asked its read-only `check`): (verdict, the exports this
+    host would make: target -> (NvmfExport step, import)).  Refused, with
+    every reason, unless the verdict allows the migration."""
+    verdict, _, hostnqn = _check(cfg, dom, peer, sysfs, cold, None if cold else recorded_hostnqn(state, dom))
     elsewhere = recorded_destination(state, dom.name)
     if elsewhere not in (None, peer.host):
         raise DoesNotFit(f"domain '{dom.name}' is already prepared to migrate to {elsewhere}",
@@ -167,10 +176,7 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
             reasons += list(verdict.problems)
             raise DoesNotFit(f"domain '{dom.name}' cannot move to {peer.host}: {reasons[0]}",
                              reasons=tuple(reasons), hint="see vstor migrate check")
-        xml = _arriving(peer, dom, peer.call("prepare", xml=dom.to_string(), cold=True,
-                                             **{"from": socket.gethostname()}))
-        _remember(state, dom, {"role": "outgoing", "to": peer.host, "uri": dest_uri, "cold": "yes"})
-        return verdict, xml
+        return verdict, {}
     if not verdict.live:
         reasons = [f"{d.target}: {d.verdict}: {d.reason}" for d in verdict.disks if d.verdict != "ready"]
         reasons += list(verdict.problems)
@@ -184,6 +190,20 @@ def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
             raise DoesNotFit(f"domain '{dom.name}' has local NVMe to export to {peer.host}, and this "
                              "host has no export address", hint=f"set [migrate] export_address in {cfg.file}")
         exports = exports_for(cfg, dom, plan_of(dom), hostnqn)
+    return verdict, exports
+
+
+def prepare(cfg: Config, state, dom: Domain, peer: Peer, dest_uri: str, rt=None,
+            cold: bool = False) -> tuple[Verdict, str]:
+    """The destination's backends made and held, local NVMe exported to it
+    first; the XML the domain will arrive with.  Refused as preflight
+    refuses; a failure on either side undoes both."""
+    verdict, exports = preflight(cfg, state, dom, peer, rt.sysfs, cold)
+    if cold:
+        xml = _arriving(peer, dom, peer.call("prepare", xml=dom.to_string(), cold=True,
+                                             **{"from": socket.gethostname()}))
+        _remember(state, dom, {"role": "outgoing", "to": peer.host, "uri": dest_uri, "cold": "yes"})
+        return verdict, xml
     added = _export(state, dom, rt, [step for step, _ in exports.values()]) if exports else []
     try:
         xml = _arriving(peer, dom, peer.call("prepare", xml=dom.to_string(), **{"from": socket.gethostname()},

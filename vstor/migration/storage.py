@@ -14,7 +14,7 @@ import stat
 
 from vstor.config import Config
 from vstor.errors import BadInput
-from vstor.host.blocks import is_listed
+from vstor.host.blocks import is_listed, unlisted
 from vstor.host.sysfs import SysFS
 from vstor.meta.names import inside
 
@@ -63,6 +63,8 @@ def _block_device(sysfs: SysFS, path: str) -> int:
     name = path[len("/dev/"):] if path.startswith("/dev/") else ""
     known = _KERNEL_NAME.fullmatch(name) and is_listed(name)
     devnum = sysfs.read(f"/sys/class/block/{name}/dev") if known else None
+    if devnum is None and unlisted(path):
+        raise BadInput(unlisted(path)[0], hint=unlisted(path)[1])
     if devnum is None:
         raise BadInput(f"{path} is not a disk or partition vstor can see on this host",
                        hint="name the kernel device, like /dev/sdb or /dev/nvme0n1p3")
@@ -102,8 +104,21 @@ def differs(theirs: dict, mine: dict) -> str | None:
         return None         # both operators say so
     if mine["fstype"] in NETWORK_FS and (mine["fstype"], mine["mount"]) == (theirs.get("fstype"), theirs.get("mount")):
         return None
-    return (f"has it on {mine['fstype'] or 'unknown'} {mine['mount']}, not on "
-            f"{theirs.get('fstype') or 'unknown'} {theirs.get('mount')}")
+    if theirs.get("shared_root"):
+        # The source's operator declared it shared; this host's did not (the
+        # same local names on both, /dev/vda say, prove nothing).
+        return (f"has {theirs['shared_root']} on {_where(mine)}, not in its [migrate] shared "
+                f"(add {theirs['shared_root']} to [migrate] shared in its vstor.conf, if it is the same "
+                "storage there)")
+    if (mine["fstype"], mine["mount"]) == (theirs.get("fstype"), theirs.get("mount")):
+        local = "block device" if mine.get("kind") == "block" else "filesystem"
+        return (f"has its own {_where(mine)} at that path (a local {local} is another disk on each host: "
+                "put it on storage both hosts see, listed in [migrate] shared on both)")
+    return f"has it on {_where(mine)}, not on {_where(theirs)}"
+
+
+def _where(d: dict) -> str:
+    return f"{d.get('fstype') or 'unknown'} {d.get('mount') or ''}".strip()
 
 
 def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str | None, str | None]:

@@ -7,6 +7,23 @@ destination sees, or not) and the destination's answer in; a verdict out.
                        over NVMe-oF from the source)
     cold only          shut down here, start there (passthrough)
     impossible         not without moving the data (a local file)
+
+Before the destination is asked, this host says what each disk needs there
+(`source_side`): attach (an NVMe-oF namespace it attaches too), export (local
+NVMe under SPDK, exported from here), shared (a file or block device the
+destination must see on the same storage), copy (on local storage: its data
+would have to be copied, which vstor does not do), cold (passed through),
+re-plan (local NVMe under qemu-storage-daemon), relayed (another host's NVMe).
+
+`vstor migrate check --json` prints `report`: one object, version 1,
+
+    {"version": 1, "domain": str, "destination": str,
+     "answered": bool,              # did the destination answer?
+     "error": str | null,           # why not (then verdict/live/cold are null)
+     "verdict": str | null, "live": bool | null, "cold": bool | null,
+     "disks": [{"target": str, "needs": str, "source": str,   # this host's side
+                "verdict": str | null, "reason": str | null, "fix": str | null}],
+     "destination_problems": [str], "placement": [str]}
 """
 
 from __future__ import annotations
@@ -59,6 +76,61 @@ class Verdict:
                 "destination_problems": list(self.problems), "placement": list(self.placement)}
 
 
+@record
+class DiskNeed:
+    """What a disk needs on the destination, as this host alone can tell."""
+    target: str
+    needs: str
+    reason: str
+
+
+def source_side(plan: Plan, shared: dict[str, tuple[bool, str]], relayed: set[str],
+                export_address: bool) -> tuple[DiskNeed, ...]:
+    """Per disk, before the destination is asked.  `shared`: as for judge;
+    `relayed`: targets that read another host's NVMe through its export."""
+    out = []
+    for d in plan.disks:
+        src = d.source
+        if d.target in relayed:
+            need, why = "relayed", f"it reads another host's local NVMe through {src.traddr}'s export"
+        elif d.mode == "passthrough":
+            need, why = "cold", f"NVMe {d.controller} is passed through: shut down here, start there"
+        elif src.kind == "nvmf":
+            need, why = "attach", f"the destination attaches NVMe-oF {src.subnqn} namespace {src.namespace}"
+        elif src.kind == "nvme" and d.backend == "spdk":
+            need, why = "export", (f"local NVMe {src.controller} namespace {src.namespace}: this host exports "
+                                   "it over NVMe-oF" + ("" if export_address else
+                                                        " (set [migrate] export_address here first)"))
+        elif src.kind == "nvme":
+            need, why = "re-plan", (f"local NVMe {src.controller} under qemu-storage-daemon cannot be "
+                                    "exported: re-plan it with backend='spdk'")
+        else:
+            on_shared, where = shared.get(d.target) or (False, "not looked at")
+            need = "shared" if on_shared else "copy"
+            why = (f"{src.path} is {where}: the destination must see it at the same path" if on_shared
+                   else f"{src.path} is {where}: its data would have to be copied, which vstor does not do")
+        out.append(DiskNeed(d.target, need, why))
+    return tuple(out)
+
+
+def report(domain: str, destination: str, side: tuple[DiskNeed, ...], verdict: "Verdict | None",
+           error: str | None = None) -> dict:
+    """The `migrate check --json` object (see the module's docstring)."""
+    theirs = {d.target: d for d in verdict.disks} if verdict else {}
+    disks = []
+    for n in side:
+        v = theirs.get(n.target)
+        disks.append({"target": n.target, "needs": n.needs, "source": n.reason,
+                      "verdict": v.verdict if v else None, "reason": v.reason if v else None,
+                      "fix": v.fix if v else None})
+    return {"version": 1, "domain": domain, "destination": destination,
+            "answered": verdict is not None, "error": error,
+            "verdict": verdict.verdict if verdict else None, "live": verdict.live if verdict else None,
+            "cold": verdict.cold if verdict else None, "disks": disks,
+            "destination_problems": list(verdict.problems) if verdict else [],
+            "placement": list(verdict.placement) if verdict else []}
+
+
 def judge(plan: Plan, shared: dict[str, tuple[bool, str]], seen: dict[str, str | None],
           destination: str, problems=(), placement=()) -> Verdict:
     """`shared`: target -> (on storage the destination can see, why) for file
@@ -93,6 +165,7 @@ def _disk(d: DiskPlan, shared, seen: str | None, dest: str, domain: str) -> Disk
         return DiskVerdict(d.target, IMPOSSIBLE, f"{src.path} is {why}, which {dest} cannot see",
                            "put it on storage both hosts see and list that in [migrate] shared")
     if seen is not None:
-        return DiskVerdict(d.target, IMPOSSIBLE, f"{src.path} is {why}, but {dest} {seen}",
-                           f"mount the same storage at the same path on {dest}")
+        fix = (f"add that root to [migrate] shared in vstor.conf on {dest}" if "[migrate] shared" in seen
+               else f"mount the same storage at the same path on {dest}")
+        return DiskVerdict(d.target, IMPOSSIBLE, f"{src.path} is {why}, but {dest} {seen}", fix)
     return DiskVerdict(d.target, READY, f"{src.path} is {why}, and {dest} sees it")

@@ -7,6 +7,7 @@ import os
 
 from vstor.config import Config
 from vstor.errors import VstorError
+from vstor.pve.leave import chains_vstor
 from vstor.pve.node import Node
 
 HUGEPAGES = "/run/hugepages/kvm"        # qemu-server's mount points: <dir>/<kB>kB
@@ -71,9 +72,12 @@ def _vms(node: Node, hook: str) -> list[tuple[bool, str]]:
         except VstorError as e:
             out.append((False, f"VM {vm}: {e}"))
             continue
-        if conf.get("hookscript") != hook:
-            out.append((False, f"VM {vm}: hookscript is {conf.get('hookscript') or 'not set'}; "
-                               f"vstor makes no backends at its start: qm set {vm} --hookscript {hook}"))
+        own = conf.get("hookscript")
+        if own != hook and not (own and chains_vstor(node.etc, own, _script(node))):
+            fix = (f"make yours call {_script(node)} with its two arguments first" if own
+                   else f"qm set {vm} --hookscript {hook}")
+            out.append((False, f"VM {vm}: hookscript is {own or 'not set'}; "
+                               f"vstor makes no backends at its start: {fix}"))
             continue
         try:
             qemu = qemu or node.qemu_version()
@@ -81,8 +85,13 @@ def _vms(node: Node, hook: str) -> list[tuple[bool, str]]:
         except VstorError as e:
             out.append((False, f"VM {vm}: {e}"))
             continue
-        out.append((True, f"VM {vm}: hookscript set, config carries its plan"))
+        said = "set" if own == hook else "of its own calls vstor's"
+        out.append((True, f"VM {vm}: hookscript {said}, config carries its plan"))
     return out + _others(node, set(manage.vstor_vms(node)))
+
+
+def _script(node: Node) -> str:
+    return os.path.join(node.snippets().snippets, "vstor")
 
 
 def _others(node: Node, ours: set[int]) -> list[tuple[bool, str]]:

@@ -215,9 +215,11 @@ def claimed_controllers(node: Node, records, skip: int | None = None) -> set[str
     return out
 
 
-def write(node: Node, vm: Vm, plan: Plan, old: str, new: str, qemu: tuple[int, int]) -> None:
+def write(node: Node, vm: Vm, plan: Plan, old: str, new: str, qemu: tuple[int, int],
+          changed: list[str] = ()) -> None:
     """The plan record first (the next start and the other VMs' plans read
-    it), then the config.  The plan whose lines the config carries stays
+    it), with the placement keys vstor wrote (`changed` now, and before: a
+    superset until the config is written), then the config.  The plan whose lines the config carries stays
     beside it until the config is written, so a run killed in between
     leaves no line of the old plan that is not known as vstor's."""
     prev = snippet.prev_path(vm.intent_path)
@@ -225,6 +227,16 @@ def write(node: Node, vm: Vm, plan: Plan, old: str, new: str, qemu: tuple[int, i
             vm.earlier is None or not render.drift(PveConfig.parse(old), vm.recorded, qemu, vm.vmid)):
         snippet.write(prev, snippet.plan_bytes(vm.recorded))
     snippet.write(snippet.plan_path(vm.intent_path), snippet.plan_bytes(plan))
+    before = snippet.read_written(vm.intent_path) or set()
+    keys = {k for k in render.PLACEMENT_KEYS if k in changed or k in before}
+    if keys:
+        snippet.write(snippet.written_path(vm.intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
     if new != old:
         node.write_config(vm.conf_path, new)
+    now = PveConfig.parse(new)
+    keys = {k for k in keys if now.get(k) is not None}
+    if keys:
+        snippet.write(snippet.written_path(vm.intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
+    else:
+        snippet.remove(snippet.written_path(vm.intent_path))
     snippet.remove(prev)

@@ -54,6 +54,28 @@ def prev_path(intent_path: str) -> str:
     return intent_path.removesuffix(".xml") + ".plan.prev.xml"
 
 
+def written_path(intent_path: str) -> str:
+    """The placement keys (numaN, hugepages, affinity) vstor wrote into the
+    config, one a line: a line the user had before the first apply, equal
+    to vstor's, is the user's, and `vstor pve unapply` keeps it."""
+    return intent_path.removesuffix(".xml") + ".plan.keys"
+
+
+def read_written(intent_path: str) -> set[str] | None:
+    """The keys of written_path, or None where apply recorded none (an
+    older vstor): then every placement line equal to a plan's is vstor's."""
+    data = _read(written_path(intent_path))
+    if data is None:
+        return None
+    keys = set(data.decode(errors="replace").split())
+    from vstor.render.pve import PLACEMENT_KEYS
+    if not keys <= set(PLACEMENT_KEYS):
+        raise BadInput(f"{written_path(intent_path)} names keys vstor does not write",
+                       hint="restore it, or remove it (vstor then takes every placement line "
+                            "equal to its plan's as its own)")
+    return keys
+
+
 def read(path: str, vmid: int) -> etree._Element:
     """The intent file's <vstor:vstor>; a missing file is a refusal naming
     what to write."""

@@ -54,6 +54,9 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
     with contextlib.ExitStack() as host_lock:
         host_lock.enter_context(state.lock(dry_run=rt.dry_run))
         req, plan = plan_of(dom)
+        problem = pci_hotplug_problem(dom)
+        if problem:
+            raise DoesNotFit(problem[0], hint=problem[1])
         if persistent:
             _check_persistent(guest, dom, plan)
         rec = _running_record(state, dom)
@@ -98,8 +101,41 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
                 raise ActionFailed(f"domain '{dom.name}': {disk.target} was not added, and undoing "
                                    f"its backend failed: {'; '.join(errors)}",
                                    hint=f"fix the cause, then: vstor release {dom.name} after it stops") from e
+            if isinstance(e, ActionFailed) and not _q35(dom):     # libvirt's hint is for q35
+                raise ActionFailed(e.message, hint="an i440fx guest takes hot-plugged devices in the free "
+                                   "slots of pci.0 (32 in all) or of a pci-bridge controller: free a slot, "
+                                   "or add a pci-bridge while it is stopped") from None
             raise
         return new
+
+
+def _q35(dom: Domain) -> bool:
+    found = dom.root.find("os/type")
+    return "q35" in ((found.get("machine") if found is not None else "") or "")
+
+
+def pci_hotplug_problem(dom: Domain) -> tuple[str, str] | None:
+    """(why, fix) when the running guest, as its XML says, cannot take a
+    hot-plugged PCI device (every vstor disk is one: vhost-user-blk-pci or
+    a passed-through controller); None when it can.  An i440fx guest
+    ('pc', 'pc-i440fx-*') hot-plugs on pci.0 through ACPI (PIIX4's ACPI PCI
+    hot-plug): without <acpi/>, or with hot-plug off on pci-root, QEMU has
+    no hot-plug for the device; both are set when the guest starts.  A q35
+    guest hot-plugs into a free pcie-root-port (libvirt's refusal says so)."""
+    found = dom.root.find("os/type")
+    arch = found.get("arch") if found is not None else None
+    if _q35(dom) or arch not in (None, "x86_64", "i686"):
+        return None
+    restart = f"then shut it down and start it again (virsh edit {dom.name}; it takes effect at a start)"
+    if dom.root.find("features/acpi") is None:
+        return (f"domain '{dom.name}' is an i440fx guest without ACPI, and i440fx hot-plugs PCI devices "
+                "through ACPI", f"add <acpi/> to its <features>, {restart}")
+    for ctrl in dom.root.findall("devices/controller[@type='pci']"):
+        target = ctrl.find("target")
+        if ctrl.get("model") == "pci-root" and target is not None and target.get("hotplug") == "off":
+            return (f"domain '{dom.name}' has hot-plug off on its pci-root controller",
+                    f"remove <target hotplug='off'/> from that controller, {restart}")
+    return None
 
 
 def detach(rt: Runtime, state: StateDir, dom: Domain, target: str, guest, timeout: float,

@@ -1,0 +1,106 @@
+"""Leaving a Proxmox VM: which lines of its config `vstor pve apply` wrote
+(so `vstor pve unapply` removes exactly those), and whose hookscript it has.
+
+A line is vstor's when it is what a plan vstor recorded for the VM renders
+(numaN, hugepages, affinity; a hostpciN line passing a planned controller,
+recognised as `render.vstors_line` recognises it), the `-chardev`/`-device`
+suffix of `args` in the exact shape vstor writes, or `hookscript:` naming
+vstor's hookscript.  Every other line is the user's and stays byte for
+byte.  A placement line the user wrote that equals vstor's own (`numa: 1`
+before the first apply, say) stays: apply records the placement keys it
+wrote (snippet.written_path).
+
+Proxmox runs one hookscript per VM.  A VM with a hookscript of its own gets
+vstor's backends only if that script calls vstor's with the same two
+arguments; `chains_vstor` looks for that call in the script.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vstor.errors import BadInput
+from vstor.meta.plan import Plan
+from vstor.pve import storage as storage_mod
+from vstor.pve.config import MAX_BYTES, PveConfig
+from vstor.render import pve as render
+
+
+def strip(conf: PveConfig, plans: tuple[Plan, ...], hook: str, vm: int,
+          written: set[str] | None = None) -> list[str]:
+    """Remove vstor's lines from the config's main section; the keys removed
+    or changed, in config order.  `written`: the placement keys apply
+    recorded writing (None: not recorded, every one equal to a plan's).  Refused (nothing changed) when the args
+    line holds vstor's id prefix in a shape vstor does not write."""
+    ours = [render.placement(p) for p in plans]
+    changed: list[str] = []
+    args = _user_args(conf.get("args"), vm)
+    controllers = {d.controller for p in plans for d in p.disks if d.mode == "passthrough"}
+    seen: set[str] = set()
+    for key in conf.keys():
+        value = conf.get(key)
+        if key in render.PLACEMENT_KEYS:
+            mine = (written is None or key in written) and any(o.get(key) == value for o in ours)
+        elif key in render.HOSTPCI_KEYS:
+            host = render.vstors_line(value, controllers)
+            mine = host is not None and host not in seen    # a second line of it is the user's
+            seen |= {host} if mine else set()
+        elif key == "args":
+            mine = args != value
+        else:
+            mine = key == "hookscript" and value == hook
+        if mine and key not in changed:
+            changed.append(key)
+    for key in changed:
+        if key == "args" and args:
+            conf.set(key, args)
+        else:
+            conf.delete(key)
+    return changed
+
+
+def _user_args(text: str | None, vm: int) -> str | None:
+    """The args line without vstor's suffix (None: nothing left)."""
+    m = render._START.search(text or "")
+    if not m:
+        return text
+    try:
+        render._check_vstor_part(render._split(text[m.start():], "vstor's part of args", vm), vm)
+    except BadInput as e:       # not vstor's shape: which words are vstor's is not known
+        raise BadInput(e.message, hint=f"put args right by hand (qm set {vm} --args '...'), "
+                                       "then unapply again") from None
+    return text[:m.start()].rstrip() or None
+
+
+def hook_value(storage_id: str) -> str:
+    """The `hookscript:` value that names vstor's hookscript."""
+    return f"{storage_id}:snippets/vstor"
+
+
+def chains_vstor(etc: str, value: str, vstor_script: str) -> bool:
+    """Does the hookscript `value` (`<storage>:snippets/<file>`) name vstor's
+    hookscript (its path, or `snippets/vstor` relative to its storage), as a
+    script that calls it must?  A script that cannot be read does not."""
+    sid, sep, rel = value.partition(":")
+    if not sep or not rel.startswith("snippets/") or "/" in rel[9:] or rel[9:] in ("", ".", ".."):
+        return False
+    try:
+        with open(os.path.join(etc, "storage.cfg")) as f:
+            store = storage_mod.parse(f.read(MAX_BYTES)).get(sid)
+        if store is None or store.path is None:
+            return False
+        with open(os.path.join(store.path, rel), "rb") as f:
+            text = f.read(MAX_BYTES).decode(errors="replace")
+    except OSError:
+        return False
+    return vstor_script in text
+
+
+def own_hookscript(vm: int, value: str, vstor_script: str) -> BadInput:
+    """The refusal for a VM whose own hookscript does not call vstor's."""
+    return BadInput(
+        f"VM {vm} has a hookscript of its own ({value[:60]}) that does not call vstor's; "
+        "Proxmox runs one hookscript per VM, so vstor's would never run and the VM would start "
+        "without its vstor disks",
+        hint=f"make yours call vstor's first with its two arguments and stop when it fails, "
+             f"as in sh: {vstor_script} \"$1\" \"$2\" || exit $? -- then apply again")
