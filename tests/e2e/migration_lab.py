@@ -283,8 +283,8 @@ class Lab:
                 f"qsd_dir = {h.qsd_dir}\nimages = {self.shared} {h.local}\n"
                 f"[cpu]\nhousekeeping = {online}\nreactors =\n"
                 f"[migrate]\nshared = {self.shared}\n")
-        from vstor.config import _KEYS
-        if "local_peers" in _KEYS["migrate"]:
+        from vstor.config import Config
+        if hasattr(Config(), "local_peers"):
             # Both hosts are on this machine: B's daemon may share the disk
             # file with A's during the hand-over (another mount namespace, a
             # socket of the same name). Real hosts never need this.
