@@ -52,8 +52,10 @@ def plan(nova_virt_dir: str) -> DriverSetup:
     dist = _vstor_dist()
     site = os.path.dirname(dist)
     record_file = os.path.join(dist, "RECORD")
+    recorded = {line.split(",", 1)[0] for line in (_read(record_file) or "").splitlines()}
+    # A file with other bytes, or one vstor's RECORD does not list (nobody would remove it).
     write = tuple(name for name, text in ((PTH, PTH_TEXT), (FINDER, _finder_text()))
-                  if _read(os.path.join(site, name)) != text)
+                  if _read(os.path.join(site, name)) != text or name not in recorded)
     if write and not os.path.exists(record_file):
         raise BadInput(f"vstor's installation in {site} has no RECORD ({record_file}), so files "
                        "written for it would belong to nobody",
@@ -95,15 +97,14 @@ def apply(s: DriverSetup) -> None:
 
 
 def _vstor_dist() -> str:
-    """The .dist-info directory of the vstor this interpreter imports."""
+    """The .dist-info directory of vstor's installation in this environment
+    (a checkout's vstor.egg-info, found first when run from the checkout,
+    is not one: it lists no files)."""
     from importlib import metadata
     import vstor
-    try:
-        dist = metadata.distribution("vstor")
-    except metadata.PackageNotFoundError:
-        dist = None
-    path = getattr(dist, "_path", None)
-    if dist is None or path is None:
+    path = next((p for p in (getattr(d, "_path", None) for d in metadata.distributions(name="vstor"))
+                 if p is not None and str(p).endswith(".dist-info")), None)
+    if path is None:
         raise BadInput(f"vstor (imported from {os.path.dirname(vstor.__file__)}) is not installed "
                        "in this environment", hint="pip install 'vstor[nova]' into nova-compute's "
                                                    "environment, then run install-driver again")
