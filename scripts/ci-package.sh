@@ -13,6 +13,7 @@
 #      Nova is reinstalled over it).
 # Exit status: 0, or the first failure with a line saying what failed.
 set -euo pipefail
+t0=$(date +%s)
 cd "$(dirname "$0")/.."
 SRC=$PWD
 # Debian's tools with Debian's python3 (pybuild), never a pyenv or venv one.
@@ -20,9 +21,8 @@ DEBPATH=/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin
 WORK=$(mktemp -d /tmp/vstor-package.XXXXXX)
 LOCK=/run/vstor-e2e.lock
 trap 'rm -rf "$WORK"' EXIT
-step() { printf '\n== %s\n' "$*"; }
+step() { printf '\n== [%ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
 fail() { echo "ci-package: FAILED: $*" >&2; exit 1; }
-t0=$(date +%s)
 
 step "build dependencies (Debian packages)"
 BUILD_DEPS="debhelper dh-python python3-all python3-setuptools python3-wheel pybuild-plugin-pyproject
@@ -95,7 +95,9 @@ smoke_failed=""
 bash "$SRC/scripts/smoke-installed.sh" || smoke_failed=1
 if [ -z "$smoke_failed" ]; then
     step "the demo against the installed package (scripts/demo.py --installed)"
-    (cd / && VSTOR_E2E_LOCK_HELD=1 "$SRC/$(sh "$SRC/scripts/python.sh")" "$SRC/scripts/demo.py" --installed) \
+    PY=$(sh scripts/python.sh)
+    case $PY in /*) ;; */*) PY=$SRC/$PY ;; esac     # .venv/bin/python3, relative to the checkout
+    (cd / && VSTOR_E2E_LOCK_HELD=1 "$PY" "$SRC/scripts/demo.py" --installed) \
         || smoke_failed=1
 fi
 purge || smoke_failed=1

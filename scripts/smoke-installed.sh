@@ -4,6 +4,8 @@
 # imported.  Prints each check; exit 1 at the end if any failed.
 set -uo pipefail
 cd /
+# Debian's PATH: `vstor` and `python3` are the package's and Debian's, never a venv's.
+export PATH=/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin
 failed=0
 ok()  { printf '  ok    %s\n' "$*"; }
 bad() { printf '  FAIL  %s\n' "$*"; failed=1; }
@@ -20,7 +22,7 @@ HOOK=/etc/libvirt/hooks/qemu.d/vstor
 NS=https://vstor.dev/xmlns/domain/1
 
 echo "== smoke of the installed package"
-check "vstor is /usr/bin/vstor" test "$(command -v vstor)" = /usr/bin/vstor
+check "vstor is /usr/bin/vstor" test "$(command -v vstor)" = /usr/bin/vstor -a ! -e /usr/local/bin/vstor
 check "vstor --version" sh -c 'vstor --version | grep -qx "vstor [0-9][0-9.]*"'
 check "vstor is imported from Debian's dist-packages" sh -c \
     '/usr/bin/python3 -c "import vstor; print(vstor.__file__)" | grep -q "^/usr/lib/python3/dist-packages/vstor/"'
@@ -45,9 +47,9 @@ check "the Proxmox hookscript ignores a phase it does not handle" \
     /usr/bin/python3 /usr/share/vstor/hooks/proxmox/vstor 100 post-start
 check "vstor pve hooks install --help" sh -c 'vstor pve hooks install --help >/dev/null'
 check "the migration agent answers a facts request" sh -c \
-    "echo '{\"op\": \"facts\"}' | vstor migrate agent | python3 -c 'import json, sys; a = json.load(sys.stdin); sys.exit(0 if a[\"ok\"] and \"hostnqn\" in a else 1)'"
+    "echo '{\"vstor_agent\": 1, \"op\": \"facts\"}' | vstor migrate agent | python3 -c 'import json, sys; a = json.load(sys.stdin); sys.exit(0 if a[\"ok\"] and \"hostnqn\" in a else 1)'"
 codes "the migration agent refuses a malformed request with one JSON answer" "2" sh -c \
-    "echo '{\"op\": 1}' | vstor migrate agent | python3 -c 'import json, sys; a = json.load(sys.stdin); sys.exit(a[\"exit_code\"] if not a[\"ok\"] else 0)'"
+    "echo '{\"vstor_agent\": 1, \"op\": 1}' | vstor migrate agent | python3 -c 'import json, sys; a = json.load(sys.stdin); sys.exit(a[\"exit_code\"] if not a[\"ok\"] else 0)'"
 # Nova is not installed here: the driver cannot load, and says so in one line.
 if /usr/bin/python3 -c 'import nova' 2>/dev/null; then
     echo "  skip  the Nova driver's absence: nova is installed for /usr/bin/python3"
