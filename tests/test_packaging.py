@@ -195,3 +195,52 @@ def test_the_wheel_into_a_venv_with_nova_survives_novas_upgrade(wheel, tmp_path)
         assert not os.path.exists(os.path.join(site, name)), name
     gone = _run([python, "-c", "import nova.virt.vstor"], cwd="/")
     assert gone.returncode == 1 and "No module named 'nova.virt.vstor'" in gone.stderr, gone.stderr
+
+
+# -- upgrades: what an older vstor recorded still loads ------------------------------
+
+RECORDS = os.path.join(ROOT, "tests", "records")
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(RECORDS, "0.1.0"))))
+def test_plan_records_of_vstor_0_1_0_still_load(name):
+    """Domains planned by vstor 0.1.0 (tests/records/0.1.0: frozen copies of
+    what it wrote, never regenerated) start and stop with this vstor: an
+    upgrade must not ask for a re-plan of a running domain."""
+    from vstor.meta.document import Domain
+    dom = Domain.load(os.path.join(RECORDS, "0.1.0", name))
+    plan = dom.recorded_plan()
+    assert plan is not None and plan.version == "2" and plan.disks
+
+
+def test_a_plan_record_from_a_newer_vstor_is_refused_not_replanned():
+    from vstor.errors import BadInput
+    from vstor.meta.document import Domain
+    with open(os.path.join(RECORDS, "0.1.0", "qsd-file.xml")) as f:
+        text = f.read().replace('<vstor:plan version="2"', '<vstor:plan version="3"')
+    with pytest.raises(BadInput) as e:
+        Domain.parse(text).recorded_plan()
+    assert "newer than this vstor's 2" in e.value.message and "install the vstor release" in e.value.hint
+
+
+def test_state_records_without_a_format_load_and_newer_ones_are_refused(tmp_path):
+    """A record vstor 0.1.0 wrote has no "format" (format 0): read as before;
+    new records say format 1; a format this vstor does not know is refused
+    (exit 4), never read as if it held nothing."""
+    import json
+    from vstor.runtime.state import RECORD_FORMAT, DamagedRecord, Record, StateDir
+    state = StateDir(str(tmp_path))
+    os.makedirs(state.domains)
+    old = {"key": "vm1", "domain": "vm1", "uuid": None, "status": "prepared", "holding": {},
+           "steps": [], "updated": 0.0}
+    with open(os.path.join(state.domains, "vm1.json"), "w") as f:
+        json.dump(old, f)
+    assert state.load("vm1") == Record.from_json(old)
+    state.save(state.load("vm1"))
+    with open(os.path.join(state.domains, "vm1.json")) as f:
+        assert json.load(f)["format"] == RECORD_FORMAT
+    with open(os.path.join(state.domains, "vm2.json"), "w") as f:
+        json.dump({**old, "key": "vm2", "domain": "vm2", "format": RECORD_FORMAT + 1}, f)
+    with pytest.raises(DamagedRecord) as e:
+        state.load("vm2")
+    assert "a newer vstor wrote it" in e.value.message and e.value.exit_code == 4
