@@ -26,7 +26,7 @@ fail() { echo "ci-package: FAILED: $*" >&2; exit 1; }
 
 step "build dependencies (Debian packages)"
 BUILD_DEPS="debhelper dh-python python3-all python3-setuptools python3-wheel pybuild-plugin-pyproject
-            bash-completion python3-build python3-installer"
+            bash-completion python3-build python3-installer lintian"
 missing=""
 for p in $BUILD_DEPS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
@@ -55,6 +55,10 @@ tar -C "$SRC" --exclude=./.git --exclude=./.venv --exclude=./.nova-venv --exclud
 DEB=$(ls "$WORK"/vstor_*_all.deb)
 echo "built $(basename "$DEB") ($(stat -c %s "$DEB") bytes) in $(( $(date +%s) - t0 ))s"
 dpkg-deb -f "$DEB" Package Version Depends Recommends
+if command -v lintian >/dev/null; then
+    step "lintian (errors fail; warnings are shown)"
+    lintian --fail-on error "$DEB" || fail "lintian found errors"
+fi
 
 # What the package needs, installed before the 'before' file list, so that
 # the lists differ by vstor alone.
