@@ -104,6 +104,25 @@ if [ -z "$smoke_failed" ]; then
     (cd / && VSTOR_E2E_LOCK_HELD=1 "$PY" "$SRC/scripts/demo.py" --installed) \
         || smoke_failed=1
 fi
+if [ -z "$smoke_failed" ]; then
+    # A record in the state directory: vstor holds backends for that domain
+    # and nothing would release them without vstor, so removal is refused.
+    step "apt-get remove is refused while vstor holds backends"
+    mkdir -p /run/vstor/state/domains
+    echo '{"format": 1, "key": "vstor-held", "domain": "vstor-held", "uuid": null, "status": "prepared", "holding": {}, "steps": [], "updated": 0}' \
+        >/run/vstor/state/domains/vstor-held.json
+    if DEBIAN_FRONTEND=noninteractive apt-get remove -y -q vstor >"$WORK/refused.log" 2>&1; then
+        cat "$WORK/refused.log"; echo "ci-package: apt-get remove went ahead although vstor held a domain" >&2
+        smoke_failed=1
+    elif ! grep -q "refusing to remove vstor: it holds backends for: vstor-held" "$WORK/refused.log" \
+            || ! dpkg-query -W -f='${Status}' vstor | grep -q "install ok installed"; then
+        cat "$WORK/refused.log"; echo "ci-package: the refusal did not say why, or vstor is not installed any more" >&2
+        smoke_failed=1
+    else
+        grep "vstor: " "$WORK/refused.log" | head -2
+    fi
+    rm -f /run/vstor/state/domains/vstor-held.json
+fi
 purge || smoke_failed=1
 [ -z "$smoke_failed" ] || fail "the installed package (output above)"
 
