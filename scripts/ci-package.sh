@@ -121,6 +121,14 @@ if [ -z "$smoke_failed" ]; then
     else
         grep "vstor: " "$WORK/refused.log" | head -2
     fi
+    # An upgrade (here the same version again: dpkg runs the same prerm
+    # upgrade / postinst configure) goes ahead while vstor holds a domain.
+    step "an upgrade while vstor holds backends goes ahead and keeps the record"
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q --reinstall --no-install-recommends "$DEB" \
+            >"$WORK/upgrade.log" 2>&1 || [ ! -f /run/vstor/state/domains/vstor-held.json ]; then
+        cat "$WORK/upgrade.log"; echo "ci-package: the upgrade failed or lost the record" >&2
+        smoke_failed=1
+    fi
     rm -f /run/vstor/state/domains/vstor-held.json
 fi
 purge || smoke_failed=1
