@@ -244,3 +244,10 @@ def test_state_records_without_a_format_load_and_newer_ones_are_refused(tmp_path
     with pytest.raises(DamagedRecord) as e:
         state.load("vm2")
     assert "a newer vstor wrote it" in e.value.message and e.value.exit_code == 4
+
+
+def test_the_maintainer_scripts_are_posix_sh():
+    for name in ("vstor.prerm", "vstor.postrm"):
+        done = _run(["sh", "-n", os.path.join(ROOT, "debian", name)])
+        assert done.returncode == 0, (name, done.stderr)
+        assert _read("debian", name).startswith("#!/bin/sh\n") and "#DEBHELPER#" in _read("debian", name)
