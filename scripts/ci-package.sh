@@ -131,6 +131,19 @@ if [ -z "$smoke_failed" ]; then
     fi
     rm -f /run/vstor/state/domains/vstor-held.json
 fi
+if [ -z "$smoke_failed" ]; then
+    # remove (not purge) keeps the conffiles: the hook then refuses a vstor
+    # domain in one line naming apt, and lets every other domain be.
+    step "apt-get remove: the hook left behind refuses vstor domains only"
+    DEBIAN_FRONTEND=noninteractive apt-get remove -y -q vstor >"$WORK/remove.log" 2>&1 \
+        || { cat "$WORK/remove.log"; smoke_failed=1; }
+    HOOK=/etc/libvirt/hooks/qemu.d/vstor
+    said=$(echo "<domain xmlns:vstor='https://vstor.dev/xmlns/domain/1'><name>x</name></domain>" \
+           | env -i PATH=/usr/bin:/bin "$HOOK" x prepare begin - 2>&1) && smoke_failed=1
+    echo "$said"
+    echo "$said" | grep -q "cannot load vstor.*install the vstor package again" || smoke_failed=1
+    echo "<domain><name>y</name></domain>" | env -i PATH=/usr/bin:/bin "$HOOK" y prepare begin - || smoke_failed=1
+fi
 purge || smoke_failed=1
 [ -z "$smoke_failed" ] || fail "the installed package (output above)"
 
