@@ -10,6 +10,14 @@
 5. `vstor status` and the daemon's pid and socket while it runs, then the
    host checks the bytes in the file,
 6. destroy: the hook releases; everything is cleaned up.
+
+With --installed it runs the installed package instead of this checkout:
+/usr/bin/vstor with /etc/vstor/vstor.conf, and the hook the package put in
+/etc/libvirt/hooks/qemu.d (none is installed here; libvirtd must start
+after it, as the package step in CI does: scripts/ci-package.sh, which
+holds the e2e session lock around install, demo and purge and says so
+with VSTOR_E2E_LOCK_HELD=1).  The disk image then lies in libvirt's own
+image directory, an image root of vstor's default configuration.
 """
 from __future__ import annotations
 
@@ -31,6 +39,13 @@ from tests.e2e.test_hook import annotated                                    # n
 
 WORK = Path("/run/vstor-demo")
 NAME, SEED, SIZE = "vstor-demo", 2026, 1 << 20
+INSTALLED = "--installed" in sys.argv[1:]
+PACKAGED_HOOK = Path("/etc/libvirt/hooks/qemu.d/vstor")
+# The checkout's vstor with the demo's own config, or the installed package with its own.
+VSTOR = ["/usr/bin/vstor"] if INSTALLED else [sys.executable, "-m", "vstor.cli.main", "--config",
+                                             str(WORK / "vstor.conf")]
+RUN = Path("/run/vstor") if INSTALLED else WORK      # state_dir, qsd_dir: the config's
+DISK = Path("/var/lib/libvirt/images/vstor-demo.raw") if INSTALLED else WORK / "data.raw"
 
 
 def say(text: str) -> None:
@@ -39,8 +54,15 @@ def say(text: str) -> None:
 
 def vstor(*args: str) -> None:
     print("$ vstor " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "vstor.cli.main", "--config", str(WORK / "vstor.conf"), *args],
-                   check=True, cwd=ROOT)
+    subprocess.run([*VSTOR, *args], check=True, cwd="/" if INSTALLED else ROOT)
+
+
+class LockedDaemons(Daemons):
+    """The package step holds the e2e session lock around install, demo and
+    purge (the packaged hook is live all that time): not taken twice."""
+
+    def _take_session_lock(self, wait: float) -> None:
+        pass
 
 
 def show_disk(domain_xml: str) -> None:
@@ -87,15 +109,30 @@ def main() -> int:
                                      f"qsd_dir = {WORK}/qsd\nimages = {WORK}\n")
     say("building the tiny test guest (Debian kernel + busybox; cached)")
     guest = build_guest()
-    say("starting virtlogd/libvirtd if needed, with vstor's hook")
-    from vstor.cli.hooks import render_hook
     libvirt.registerErrorHandler(lambda *_: None, None)   # errors are handled here
-    daemons = Daemons().start()
+    if INSTALLED:
+        say(f"starting virtlogd/libvirtd if needed; the package's hook is {PACKAGED_HOOK}")
+        if not os.access(PACKAGED_HOOK, os.X_OK):
+            print(f"demo: {PACKAGED_HOOK} is missing or not executable: is vstor installed?",
+                  file=sys.stderr)
+            return 1
+        held = os.environ.get("VSTOR_E2E_LOCK_HELD") == "1"
+        daemons = (LockedDaemons() if held else Daemons()).start()
+        if not daemons.owns_libvirtd():
+            print("demo: libvirtd ran before the package's hook was installed and only sees hooks "
+                  "present at its start: stop it first", file=sys.stderr)
+            daemons.stop()
+            return 1
+    else:
+        say("starting virtlogd/libvirtd if needed, with vstor's hook")
+        from vstor.cli.hooks import render_hook
+        daemons = Daemons().start()
     conn = None
     try:
-        daemons.install_hook("vstor", render_hook(str(WORK / "vstor.conf")))
+        if not INSTALLED:
+            daemons.install_hook("vstor", render_hook(str(WORK / "vstor.conf")))
         conn = daemons.connect()
-        disk = WORK / "data.raw"
+        disk = DISK
         with open(disk, "wb") as f:
             f.truncate(64 << 20)
         xml = WORK / "demo.xml"
@@ -115,7 +152,7 @@ def main() -> int:
         say("vstor status while the domain runs (the guest sees its disk and waits)")
         vstor("status")
         say("the qemu-storage-daemon serving that socket")
-        show_daemon(WORK / "qsd" / f"{NAME}-vdb.pid")
+        show_daemon(RUN / "qsd" / f"{NAME}-vdb.pid")
         parsed = wait_for(console, lambda p: p["done"])
         say("the guest's console (vstor's target vdb is a name in the domain XML; the guest's "
             "kernel names its first virtio disk vda)")
@@ -134,7 +171,7 @@ def main() -> int:
             except libvirt.libvirtError:
                 pass        # it powered off by itself in the meantime
         deadline = time.monotonic() + 15
-        while (WORK / "state" / "domains" / f"{NAME}.json").exists() and time.monotonic() < deadline:
+        while (RUN / "state" / "domains" / f"{NAME}.json").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         vstor("status")
         return 0 if ok else 1
@@ -150,6 +187,8 @@ def main() -> int:
                 pass
         daemons.stop()
         shutil.rmtree(WORK, ignore_errors=True)
+        if INSTALLED:
+            DISK.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

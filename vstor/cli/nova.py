@@ -22,7 +22,9 @@ def register(sub) -> None:
     q.add_argument("--page-size", choices=("2M", "1G"), help="hw:mem_page_size (default: large)")
     q.set_defaults(func=cmd_config)
     q = nsub.add_parser("install-driver", help="make vstor's compute driver loadable by Nova "
-                                               "(writes nova/virt/vstor.py into Nova's package)")
+                                               "(compute_driver = vstor.VstorLibvirtDriver); a wheel "
+                                               "or the Debian package already did")
+    q.add_argument("--dry-run", action="store_true", help="print what would be written, write nothing")
     q.set_defaults(func=cmd_install_driver)
     q = nsub.add_parser("migrate", help="(run as root by vstor's Nova driver) a Nova instance's "
                                         "live migration: prepare the destination, finish, abort")
@@ -57,24 +59,29 @@ def cmd_config(ctx, args) -> int:
     return 0
 
 
-SHIM = ('"""Written by `vstor nova install-driver`: Nova loads compute drivers from\n'
-        'nova.virt only.  compute_driver = vstor.VstorLibvirtDriver"""\n'
-        "from vstor.nova.driver import VstorLibvirtDriver  # noqa: F401\n")
-
-
 def cmd_install_driver(ctx, args) -> int:
+    """Nothing in Nova's own package: see vstor.nova.install."""
     import os
     try:
         import nova.virt
         from vstor.nova import driver  # noqa: F401  (Nova's libvirt driver imports here)
     except ImportError as e:
         raise BadInput(f"Nova is not importable by this vstor ({e})",
-                       hint="install vstor into nova-compute's environment: pip install vstor[nova]") from None
-    from vstor.atomic import write_file
-    target = os.path.join(os.path.dirname(nova.virt.__file__), "vstor.py")
-    write_file(target, SHIM, hint="run as root")
-    print(f"Wrote {target}; set [DEFAULT] compute_driver = vstor.VstorLibvirtDriver in nova.conf "
-          "and restart nova-compute")
+                       hint="install vstor into nova-compute's environment: pip install 'vstor[nova]'") from None
+    from vstor.nova import install
+    setup = install.plan(os.path.dirname(nova.virt.__file__))
+    then = ("set [DEFAULT] compute_driver = vstor.VstorLibvirtDriver in nova.conf and restart "
+            "nova-compute")
+    if not setup.changes:
+        print(f"Nova loads vstor's driver already (through {install.PTH} in {setup.site}, "
+              f"installed with vstor); {then}")
+        return 0
+    for line in install.describe(setup):
+        print(f"Would {line}" if args.dry_run else line[0].upper() + line[1:])
+    if args.dry_run:
+        return 0
+    install.apply(setup)
+    print(f"Nova loads vstor's driver now; {then}")
     return 0
 
 

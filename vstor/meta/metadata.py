@@ -62,6 +62,13 @@ def load_plan(elem: etree._Element, domain: str, uuid: str | None) -> Plan | Non
                        hint=f"re-plan it with: vstor apply {domain}")
     version = found[0].get("version")
     if version != PLAN_VERSION:
+        # Every release reads the plan version the previous ones wrote (2 since
+        # the first package; tests/test_packaging.py keeps them loading); a
+        # newer one is a newer vstor's, which this one must not re-plan over.
+        if version is not None and version.isdigit() and int(version) > int(PLAN_VERSION):
+            raise BadInput(f"domain '{domain}': its vstor plan record has version {version}, "
+                           f"newer than this vstor's {PLAN_VERSION}",
+                           hint="install the vstor release that planned it (or a newer one) here")
         raise BadInput(f"domain '{domain}': vstor plan record version {version!r} "
                        f"is not {PLAN_VERSION}", hint=f"re-plan it with: vstor apply {domain}")
     try:

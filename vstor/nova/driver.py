@@ -1,9 +1,9 @@
 """vstor's Nova compute driver: Nova's libvirt driver, with the flavor's
 vstor disks added to every guest config it builds (vstor.nova.guest).
 
-Nova loads `compute_driver` from its own `nova.virt` package only, so
-`vstor nova install-driver` writes a one-line module there
-(nova/virt/vstor.py) that imports this class; then in nova.conf:
+Nova loads `compute_driver` from its own `nova.virt` package only: the
+name nova.virt.vstor is answered by a finder vstor installs beside itself
+(vstor.nova.install: nothing is written into Nova's package); in nova.conf:
 
     [DEFAULT]
     compute_driver = vstor.VstorLibvirtDriver

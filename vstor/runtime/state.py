@@ -56,6 +56,13 @@ class DamagedRecord(Unavailable):
 
 _FIX = "inspect it, undo by hand what it lists, then remove it"
 
+# The layout of a record file, written into it as "format".  0: a record
+# from before the field (vstor 0.1.0 wrote none), read as it always was.
+# An upgrade that changes the layout raises this and keeps reading every
+# older format (domains that started before the upgrade stop after it);
+# an older vstor refuses a newer record rather than guess what it holds.
+RECORD_FORMAT = 1
+
 
 @record(frozen=False)
 class Record:
@@ -71,7 +78,7 @@ class Record:
     migration: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        out = {"key": self.key, "domain": self.domain, "uuid": self.uuid,
+        out = {"format": RECORD_FORMAT, "key": self.key, "domain": self.domain, "uuid": self.uuid,
                "status": self.status, "holding": self.holding, "steps": self.steps,
                "updated": self.updated}
         return {**out, "migration": self.migration} if self.migration else out
@@ -179,6 +186,7 @@ class StateDir:
         try:
             with open(path) as f:
                 data = json.load(f)
+            _check_format(data, path)
             rec = Record.from_json(data)
             _check_shape(rec)
         except FileNotFoundError:
@@ -261,6 +269,16 @@ def _fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _check_format(data, path: str) -> None:
+    fmt = data.get("format", 0) if isinstance(data, dict) else 0
+    if type(fmt) is not int or not 0 <= fmt <= RECORD_FORMAT:
+        from vstor import __version__
+        raise DamagedRecord(f"state record {path} has format {fmt!r}, which vstor {__version__} "
+                            f"cannot read (it reads 0 to {RECORD_FORMAT}): a newer vstor wrote it",
+                            hint="install that vstor again, or a newer one: going back to an older "
+                                 "vstor while it holds backends is not supported")
 
 
 def _check_shape(rec: Record) -> None:

@@ -1,0 +1,253 @@
+"""How vstor is installed: the Debian package's inputs (debian/), and the
+Nova driver as nova-compute loads it (nova.virt.driver.load_compute_driver)
+through the finder vstor installs beside itself, never a file in Nova's
+package.
+
+The wheel tests (a fresh venv, `pip install vstor-*.whl[nova]`, Nova
+reinstalled and upgraded over it, vstor uninstalled) take a minute and
+install Nova from PyPI: they run in CI's package step
+(scripts/ci-package.sh sets VSTOR_PACKAGE_TESTS=1), which also builds,
+installs, smokes and purges the Debian package."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import vstor
+from tests.nova import ROOT, nova_python
+from vstor.nova import install
+
+PACKAGE_STEP = pytest.mark.skipif(not os.environ.get("VSTOR_PACKAGE_TESTS"),
+                                  reason="the package step's test (scripts/ci-package.sh)")
+# nova-compute's own way: its config parsed, then load_compute_driver.
+LOAD = """
+import sys, warnings
+warnings.simplefilter("ignore")
+from nova import config, objects
+from nova.virt import driver, virtapi
+config.parse_args(["nova-compute"], default_config_files=[])
+objects.register_all()
+if sys.argv[1:] == ["class"]:     # no libvirt-python here (.nova-venv): the class Nova would build
+    from oslo_utils import importutils
+    cls = importutils.import_class("nova.virt.vstor.VstorLibvirtDriver")
+    assert issubclass(cls, driver.ComputeDriver)
+    print(cls.__module__ + "." + cls.__name__)
+else:
+    drv = driver.load_compute_driver(virtapi.VirtAPI(), "vstor.VstorLibvirtDriver")
+    assert isinstance(drv, driver.ComputeDriver)
+    print(type(drv).__module__ + "." + type(drv).__name__)
+"""
+
+
+def _run(argv, **kw) -> subprocess.CompletedProcess:
+    """Another interpreter's run: without this one's PYTHONPATH (a checkout on
+    it would be the vstor pip sees as installed already)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, **kw)
+
+
+def _loads(python: str, *how: str) -> None:
+    done = _run([python, "-c", LOAD, *how], cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "vstor.nova.driver.VstorLibvirtDriver"
+
+
+def _site(python: str) -> str:
+    ask = "import os; from vstor.nova.install import _vstor_dist; print(os.path.dirname(_vstor_dist()))"
+    return _run([python, "-c", ask], cwd="/").stdout.strip()
+
+
+# -- the Debian package's inputs ----------------------------------------------------
+
+def _read(*path) -> str:
+    with open(os.path.join(ROOT, *path)) as f:
+        return f.read()
+
+
+def test_the_debian_version_is_vstors():
+    first = _read("debian", "changelog").splitlines()[0]
+    assert re.match(rf"vstor \({re.escape(vstor.__version__)}(-[0-9.]+)?\) ", first), first
+
+
+def test_the_hook_has_the_lines_the_package_fills():
+    """debian/rules writes Debian's interpreter and dist-packages into
+    exactly these lines (as `vstor hooks install` does for a venv)."""
+    lines = _read("hooks", "vstor").splitlines()
+    assert lines.count("PYTHON=python3") == 1 and lines.count("SYSPATH=") == 1
+    rules = _read("debian", "rules")
+    assert "s|^PYTHON=python3$$|PYTHON=/usr/bin/python3|" in rules
+    assert "s|^SYSPATH=$$|SYSPATH=/usr/lib/python3/dist-packages|" in rules
+
+
+def test_the_vendored_wheels_satisfy_setup_cfg():
+    required = dict(re.findall(r"^\s+([A-Za-z0-9_.]+)>=([0-9.]+)$", _read("setup.cfg"), re.M))
+    vendored = {}
+    for line in _read("debian", "vendor.txt").splitlines():
+        if line and not line.startswith("#"):
+            wheel, digest = line.split()
+            name, version = wheel.split("-")[:2]
+            vendored[name.replace("_", ".")] = version
+            assert re.fullmatch(r"[0-9a-f]{64}", digest)
+    assert set(vendored) == {"qemu.qmp", "spdk"}
+
+    def key(v):
+        return tuple(int(p) for p in v.split("."))
+    for name, version in vendored.items():
+        assert key(version) >= key(required[name]), (name, version, required[name])
+
+
+def test_the_units_the_package_installs_exist():
+    listed = [line.split()[0] for line in _read("debian", "vstor.install").splitlines() if line]
+    for path in listed:
+        assert os.path.isfile(os.path.join(ROOT, path)) or path.startswith(("etc/", "man/", "completion/")), path
+    assert {"systemd/vstor-gc.service", "systemd/vstor-gc.timer", "systemd/vstor.slice"} <= set(listed)
+    timer = _read("systemd", "vstor-gc.timer")
+    assert "WantedBy=timers.target" in timer
+    assert "ExecStart=/usr/bin/vstor gc\n" in _read("systemd", "vstor-gc.service")
+
+
+# -- the Nova driver: an editable install (.nova-venv, as the tests make it) ---------
+
+def test_install_driver_owns_what_it_writes_and_removes_the_old_shim():
+    """An editable install cannot ship vstor-nova.pth: install-driver writes
+    it and the finder into vstor's site-packages and adds both to vstor's
+    RECORD (pip uninstall vstor removes them); a nova/virt/vstor.py that an
+    older vstor wrote is removed, and --dry-run only says so."""
+    python = nova_python()
+    cmd = [python, "-m", "vstor.cli.main", "nova", "install-driver"]
+    done = _run(cmd, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    site = _site(python)
+    for name in (install.PTH, install.FINDER):
+        assert os.path.isfile(os.path.join(site, name))
+    record = [row.split(",")[0] for row in open(os.path.join(site, f"vstor-{vstor.__version__}.dist-info",
+                                                             "RECORD")).read().splitlines()]
+    assert install.PTH in record and install.FINDER in record
+    nova_virt = _run([python, "-c", "import os, nova.virt; print(os.path.dirname(nova.virt.__file__))"],
+                     cwd="/").stdout.strip()
+    legacy = os.path.join(nova_virt, "vstor.py")
+    with open(legacy, "w") as f:
+        f.write(install.LEGACY_SHIM)
+    try:
+        dry = _run([*cmd, "--dry-run"], cwd=ROOT)
+        assert dry.returncode == 0 and f"Would remove {legacy}" in dry.stdout, dry.stdout + dry.stderr
+        assert os.path.exists(legacy)
+        done = _run(cmd, cwd=ROOT)
+        assert done.returncode == 0 and not os.path.exists(legacy), done.stdout + done.stderr
+    finally:
+        if os.path.exists(legacy):
+            os.unlink(legacy)
+    again = _run([*cmd, "--dry-run"], cwd=ROOT)
+    assert "Nova loads vstor's driver already" in again.stdout, again.stdout + again.stderr
+    _loads(python, "class")
+
+
+def test_install_driver_leaves_a_module_it_did_not_write(tmp_path):
+    (tmp_path / "vstor.py").write_text("# someone else's\n")
+    with pytest.raises(Exception) as e:
+        install.plan(str(tmp_path))
+    assert "is not the module vstor wrote" in str(e.value)
+
+
+# -- the wheel, in a fresh venv with Nova (the package step) ---------------------------
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> str:
+    """`python3 -m build --wheel`, as the install guide says (PyPA's build, in a venv of its own)."""
+    out = tmp_path_factory.mktemp("wheel")
+    venv = out / "build-venv"
+    python = str(venv / "bin" / "python3")
+    for argv in ([sys.executable, "-m", "venv", str(venv)],
+                 [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "build"],
+                 [python, "-m", "build", "--wheel", "--outdir", str(out), ROOT]):
+        done = _run(argv)
+        assert done.returncode == 0, (argv, done.stderr[-2000:])
+    (found,) = [p for p in os.listdir(out) if p.startswith("vstor-") and p.endswith(".whl")]
+    return str(out / found)
+
+
+@PACKAGE_STEP
+def test_the_wheel_into_a_venv_with_nova_survives_novas_upgrade(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
+    python, pip = str(venv / "bin" / "python3"), [str(venv / "bin" / "python3"), "-m", "pip", "install",
+                                                   "-q", "--disable-pip-version-check"]
+    done = _run([*pip, f"{wheel}[nova]", "nova==34.0.0"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    _loads(python)
+    site = _site(python)
+    nova_virt = os.path.join(site, "nova", "virt")
+    assert not os.path.exists(os.path.join(nova_virt, "vstor.py"))     # nothing in Nova's package
+    # Nova replaced under it: an older release, then back to the newer one,
+    # and a reinstall of the same (pip removes every file Nova's RECORD lists).
+    for step in (["--no-deps", "nova==33.0.2"], ["--no-deps", "--upgrade", "nova==34.0.0"],
+                 ["--no-deps", "--force-reinstall", "nova==34.0.0"]):
+        done = _run([*pip, *step])
+        assert done.returncode == 0, (step, done.stderr[-2000:])
+        _loads(python)
+    # Nothing of vstor's stays behind it.
+    done = _run([python, "-m", "pip", "uninstall", "-y", "-q", "vstor"])
+    assert done.returncode == 0, done.stderr
+    for name in (install.PTH, install.FINDER, "vstor"):
+        assert not os.path.exists(os.path.join(site, name)), name
+    gone = _run([python, "-c", "import nova.virt.vstor"], cwd="/")
+    assert gone.returncode == 1 and "No module named 'nova.virt.vstor'" in gone.stderr, gone.stderr
+
+
+# -- upgrades: what an older vstor recorded still loads ------------------------------
+
+RECORDS = os.path.join(ROOT, "tests", "records")
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(RECORDS, "0.1.0"))))
+def test_plan_records_of_vstor_0_1_0_still_load(name):
+    """Domains planned by vstor 0.1.0 (tests/records/0.1.0: frozen copies of
+    what it wrote, never regenerated) start and stop with this vstor: an
+    upgrade must not ask for a re-plan of a running domain."""
+    from vstor.meta.document import Domain
+    dom = Domain.load(os.path.join(RECORDS, "0.1.0", name))
+    plan = dom.recorded_plan()
+    assert plan is not None and plan.version == "2" and plan.disks
+
+
+def test_a_plan_record_from_a_newer_vstor_is_refused_not_replanned():
+    from vstor.errors import BadInput
+    from vstor.meta.document import Domain
+    with open(os.path.join(RECORDS, "0.1.0", "qsd-file.xml")) as f:
+        text = f.read().replace('<vstor:plan version="2"', '<vstor:plan version="3"')
+    with pytest.raises(BadInput) as e:
+        Domain.parse(text).recorded_plan()
+    assert "newer than this vstor's 2" in e.value.message and "install the vstor release" in e.value.hint
+
+
+def test_state_records_without_a_format_load_and_newer_ones_are_refused(tmp_path):
+    """A record vstor 0.1.0 wrote has no "format" (format 0): read as before;
+    new records say format 1; a format this vstor does not know is refused
+    (exit 4), never read as if it held nothing."""
+    import json
+    from vstor.runtime.state import RECORD_FORMAT, DamagedRecord, Record, StateDir
+    state = StateDir(str(tmp_path))
+    os.makedirs(state.domains)
+    old = {"key": "vm1", "domain": "vm1", "uuid": None, "status": "prepared", "holding": {},
+           "steps": [], "updated": 0.0}
+    with open(os.path.join(state.domains, "vm1.json"), "w") as f:
+        json.dump(old, f)
+    assert state.load("vm1") == Record.from_json(old)
+    state.save(state.load("vm1"))
+    with open(os.path.join(state.domains, "vm1.json")) as f:
+        assert json.load(f)["format"] == RECORD_FORMAT
+    with open(os.path.join(state.domains, "vm2.json"), "w") as f:
+        json.dump({**old, "key": "vm2", "domain": "vm2", "format": RECORD_FORMAT + 1}, f)
+    with pytest.raises(DamagedRecord) as e:
+        state.load("vm2")
+    assert "a newer vstor wrote it" in e.value.message and e.value.exit_code == 4
+
+
+def test_the_maintainer_scripts_are_posix_sh():
+    for name in ("vstor.prerm", "vstor.postrm"):
+        done = _run(["sh", "-n", os.path.join(ROOT, "debian", name)])
+        assert done.returncode == 0, (name, done.stderr)
+        assert _read("debian", name).startswith("#!/bin/sh\n") and "#DEBHELPER#" in _read("debian", name)
