@@ -153,3 +153,27 @@ def test_no_hook_is_nothing_to_remove_even_while_domains_are_held(site, capsys):
     site.state.save(Record("web1", "web1", None))
     assert vstor(site, "uninstall") == 0
     assert f"No vstor hook at {site.hooks}/vstor: nothing to remove" in capsys.readouterr().out
+
+
+def test_the_packages_hook_is_not_rewritten_and_its_removal_says_how_back(site, capsys, monkeypatch):
+    """On a host where the Debian package installed the hook (a conffile),
+    `hooks install` writes nothing (dpkg would ask about a changed conffile
+    at every upgrade), refuses a config path the packaged hook cannot carry,
+    and `hooks uninstall` says how the package brings it back."""
+    from vstor.cli import hooks
+    target = site.hooks / "vstor"
+    site.hooks.mkdir()
+    target.write_text(render_hook(None))
+    target.chmod(0o755)
+    conffiles = site.dir / "vstor.conffiles"
+    conffiles.write_text(f"/etc/vstor/vstor.conf\n{target}\n")
+    monkeypatch.setattr(hooks, "DPKG_CONFFILES", str(conffiles))
+    before = tree_state(str(site.dir))
+    assert main(["hooks", "install", "--dir", str(site.hooks)]) == 0
+    assert "is the vstor package's hook" in capsys.readouterr().out
+    assert vstor(site, "install") == 2                      # --config: the packaged hook has none
+    assert "reads /etc/vstor/vstor.conf" in capsys.readouterr().err
+    assert tree_state(str(site.dir)) == before
+    assert vstor(site, "uninstall") == 0
+    assert "--force-confmiss vstor" in capsys.readouterr().out
+    assert not target.exists()

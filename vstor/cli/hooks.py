@@ -109,6 +109,16 @@ def cmd_hooks_install(ctx, args) -> int:
         raise BadInput(f"cannot install the hook into {args.dir}: neither it nor {parent} exists",
                        hint=f"check the path, or leave out --dir for libvirt's {HOOK_DIR}")
     text = installed_hook_text(ctx)
+    if packaged(target):
+        # dpkg installs and upgrades it; rewriting it would make dpkg ask
+        # about a changed conffile at every upgrade.
+        if "\nCONFIG=\n" not in text:
+            from vstor.config import DEFAULT_PATH
+            raise BadInput(f"{target} is the vstor package's hook, which reads {DEFAULT_PATH}",
+                           hint=f"keep the configuration in {DEFAULT_PATH}, or drop --config/VSTOR_CONFIG")
+        print(f"{target} is the vstor package's hook (a conffile the package installs and "
+              "upgrades): nothing to write; `apt-get install --reinstall vstor` restores it")
+        return 0
     if args.dry_run:
         for line in _would_install(args.dir, target, text):
             print(line)
@@ -165,7 +175,23 @@ def cmd_hooks_uninstall(ctx, args) -> int:
     if held:
         then += (f"; vstor still holds backends for {_names(held)}: release each after it stops "
                  "(vstor release DOMAIN), as no hook will")
+    if packaged(target):
+        then += ("; it was the vstor package's conffile: upgrades keep it removed, and "
+                 "`apt-get install --reinstall -o Dpkg::Options::=--force-confmiss vstor` brings it back")
     return remove_hook(target, "hook", then, dry_run=args.dry_run)
+
+
+DPKG_CONFFILES = "/var/lib/dpkg/info/vstor.conffiles"
+
+
+def packaged(target: str) -> bool:
+    """Whether `target` is a conffile of the installed vstor Debian package."""
+    try:
+        with open(DPKG_CONFFILES) as f:
+            owned = {line.split()[0] for line in f if line.strip()}
+    except FileNotFoundError:
+        return False
+    return os.path.normpath(target) in owned
 
 
 def _held_domains(ctx) -> list[str]:
