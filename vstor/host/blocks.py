@@ -8,12 +8,10 @@ import posixpath
 import re
 
 from vstor.errors import Unavailable
-from vstor.host.model import BlockDevice
+from vstor.host.model import BlockDevice, is_listed
 from vstor.host.sysfs import SysFS
 
 # Hidden multipath path devices (nvme0c0n1) and devices that are not disks.
-_PATH_DEVICE = re.compile(r"nvme\d+c\d+n\d+")
-_NOT_DISKS = ("loop", "ram", "zram")
 
 
 class BlockUsage:
@@ -126,33 +124,6 @@ def _safety_read(sysfs: SysFS, path: str) -> str:
 def unescape(field: str) -> str:
     """mountinfo and /proc/swaps write space, tab, newline and backslash as octal escapes."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def is_listed(name: str) -> bool:
-    """Whether the host model lists a disk or partition of this kernel name
-    (when sysfs has it): hidden multipath path devices are not usable disks
-    (their head is), and loop, ram and zram devices are not disks."""
-    return not (name.startswith(_NOT_DISKS) or _PATH_DEVICE.fullmatch(name))
-
-
-def unlisted(path: str) -> tuple[str, str] | None:
-    """(why, fix) when a /dev path names a device vstor never takes as a block
-    source.  A loop device is a view of a host file that vstor did not open
-    and cannot vouch for: its backing file may lie outside the image roots
-    (threats.md), may be swapped or unlinked while it is attached, and
-    qemu-storage-daemon serves that file directly anyway."""
-    name = path[len("/dev/"):] if path.startswith("/dev/") else ""
-    if name.startswith("loop"):
-        return (f"{path} is a loop device: vstor does not serve a loop device, as the file behind it "
-                "may lie outside the image roots and vstor cannot check what it never opened",
-                f"serve the file itself: <vstor:file path='...'/> under [paths] images "
-                f"(losetup --list {path} names it)")
-    if name.startswith(("ram", "zram")):
-        return (f"{path} is a RAM disk, not storage a VM keeps", "use a disk, a partition or a file")
-    if _PATH_DEVICE.fullmatch(name):
-        head = re.sub(r"c\d+n", "n", name)
-        return (f"{path} is one path of a multipath NVMe namespace", f"use its head device /dev/{head}")
-    return None
 
 
 def read_block_devices(sysfs: SysFS, usage: BlockUsage) -> tuple[BlockDevice, ...]:

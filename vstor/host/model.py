@@ -6,6 +6,8 @@ and `doctor` only ever read it.  Nothing here does I/O.
 
 from __future__ import annotations
 
+import re
+
 from vstor.cpulist import format_cpulist, parse_cpulist  # noqa: F401 (where the planner reads them)
 from vstor.records import field, record
 
@@ -173,3 +175,37 @@ class Host:
             if dev.name == name:
                 return dev
         return None
+
+
+# Which kernel block device names the host model lists as disks (and why
+# the others are never a block source): hidden multipath path devices are
+# not usable disks (their head is); loop, ram and zram devices are not disks.
+_PATH_DEVICE = re.compile(r"nvme\d+c\d+n\d+")
+_NOT_DISKS = ("loop", "ram", "zram")
+
+
+def is_listed(name: str) -> bool:
+    """Whether the host model lists a disk or partition of this kernel name
+    (when sysfs has it): hidden multipath path devices are not usable disks
+    (their head is), and loop, ram and zram devices are not disks."""
+    return not (name.startswith(_NOT_DISKS) or _PATH_DEVICE.fullmatch(name))
+
+
+def unlisted(path: str) -> tuple[str, str] | None:
+    """(why, fix) when a /dev path names a device vstor never takes as a block
+    source.  A loop device is a view of a host file that vstor did not open
+    and cannot vouch for: its backing file may lie outside the image roots
+    (threats.md), may be swapped or unlinked while it is attached, and
+    qemu-storage-daemon serves that file directly anyway."""
+    name = path[len("/dev/"):] if path.startswith("/dev/") else ""
+    if name.startswith("loop"):
+        return (f"{path} is a loop device: vstor does not serve a loop device, as the file behind it "
+                "may lie outside the image roots and vstor cannot check what it never opened",
+                f"serve the file itself: <vstor:file path='...'/> under [paths] images "
+                f"(losetup --list {path} names it)")
+    if name.startswith(("ram", "zram")):
+        return (f"{path} is a RAM disk, not storage a VM keeps", "use a disk, a partition or a file")
+    if _PATH_DEVICE.fullmatch(name):
+        head = re.sub(r"c\d+n", "n", name)
+        return (f"{path} is one path of a multipath NVMe namespace", f"use its head device /dev/{head}")
+    return None

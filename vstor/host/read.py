@@ -258,7 +258,7 @@ def block_sources(host: Host) -> list[tuple[str, int, tuple[str, ...]]]:
     would take it), in the planner's order: an NVMe namespace by its
     controller's reading, any other disk or partition by the host model's.
     Loop, RAM and multipath path devices are never block sources
-    (host.blocks.unlisted)."""
+    (host.model.unlisted)."""
     out, seen = [], set()
     for ctrl in host.controllers:
         for ns in ctrl.namespaces:

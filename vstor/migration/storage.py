@@ -14,7 +14,7 @@ import stat
 
 from vstor.config import Config
 from vstor.errors import BadInput
-from vstor.host.blocks import is_listed, unlisted
+from vstor.host.model import is_listed, unlisted
 from vstor.host.sysfs import SysFS
 from vstor.meta.names import inside
 

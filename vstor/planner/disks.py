@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from vstor.config import Config
 from vstor.errors import BadInput
-from vstor.host.blocks import unlisted
+from vstor.host.model import unlisted
 from vstor.host.model import Host, NvmeController
 from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.meta.names import inside, volume_keys
