@@ -111,7 +111,7 @@ def cmd_migrate(ctx, args) -> int:
         print(f"no vstor migration of {name} is recorded here; nothing to abort")
         return 0
     step = migrate.cmd_finish if args.step == "finish" else migrate.cmd_abort
-    return step(ctx, argparse.Namespace(domain=name, to=args.to))
+    return step(ctx, argparse.Namespace(domain=name, to=args.to, dry_run=False))
 
 
 def _instance(ctx, name: str):
