@@ -107,3 +107,49 @@ def test_config_line_numbers_count_newlines_only(tmp_path):
     path.write_text("[cpu]\x0c\n# a \u2028 note\nreactors = x\n")
     out = _check(path)
     assert out.returncode == 2 and f"{path}:3: [cpu] reactors" in out.stderr, out.stderr
+
+
+# -- logging: a journal or syslog that stopped reading ----------------------------------------
+
+def _stuck_socket(path):
+    """A datagram socket bound and never read, its queue full: a journald
+    or syslog daemon that hangs."""
+    import socket
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(path))
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    try:
+        while True:
+            filler.sendto(b"x" * 64, str(path))
+    except BlockingIOError:
+        pass
+    return server, filler
+
+
+@pytest.mark.parametrize("via", ["journal", "syslog"])
+def test_a_log_daemon_that_stopped_reading_holds_a_run_seconds_not_forever(tmp_path, via):
+    """A hook logs a line per step: with journald or syslog stuck, the run
+    waits once (SEND_TIMEOUT), not per line and never for ever."""
+    import subprocess
+    import sys
+    import time
+    sock = tmp_path / "stuck.sock"
+    held = _stuck_socket(sock)
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."),
+           "VSTOR_JOURNAL_SOCKET": str(sock) if via == "journal" else str(tmp_path / "none"),
+           "VSTOR_SYSLOG_SOCKET": str(sock) if via == "syslog" else str(tmp_path / "none")}
+    code = ("from vstor import log\nlog.setup('test')\n"
+            "for i in range(10):\n    log.change('vm1', f'step {i}', log.DONE)\nprint('ok')\n")
+    started = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"10 lines to a stuck {via} took over 30 s")
+    finally:
+        for s in held:
+            s.close()
+    took = time.monotonic() - started
+    assert (out.returncode, out.stdout, out.stderr) == (0, "ok\n", "")
+    assert took < 6, f"{took:.1f} s"
