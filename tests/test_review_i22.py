@@ -153,3 +153,66 @@ def test_a_log_daemon_that_stopped_reading_holds_a_run_seconds_not_forever(tmp_p
     took = time.monotonic() - started
     assert (out.returncode, out.stdout, out.stderr) == (0, "ok\n", "")
     assert took < 6, f"{took:.1f} s"
+
+
+# -- hooks install over what is not vstor's hook --------------------------------------------
+
+@pytest.mark.parametrize("what", ["fifo", "someone-elses", "symlink"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_hooks_install_leaves_what_is_not_vstors_hook(tmp_path, monkeypatch, capsys, what, dry_run):
+    """As uninstall: a FIFO (which --dry-run opened and waited on for ever),
+    someone else's script, a symlink in the hook's place is refused, one
+    line, and left as it is."""
+    import subprocess
+    import sys
+    hooks = tmp_path / "qemu.d"
+    hooks.mkdir()
+    target = hooks / "vstor"
+    if what == "fifo":
+        os.mkfifo(target)
+    elif what == "someone-elses":
+        target.write_text("#!/bin/sh\necho mine\n")
+    else:
+        (tmp_path / "elsewhere").write_text("#!/bin/sh\necho theirs\n")
+        target.symlink_to(tmp_path / "elsewhere")
+    before = {p: (os.lstat(p).st_mode, os.lstat(p).st_ino) for p in (target,)}
+    conf = tmp_path / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {**os.environ, "PYTHONPATH": root, "VSTOR_JOURNAL_SOCKET": str(tmp_path / "none"),
+           "VSTOR_SYSLOG_SOCKET": str(tmp_path / "none")}
+    out = subprocess.run([sys.executable, "-m", "vstor.cli.main", "--config", str(conf), "hooks",
+                          "install", "--dir", str(hooks)] + (["--dry-run"] if dry_run else []),
+                         env=env, capture_output=True, text=True, timeout=20)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "left as it is" in out.stderr, out
+    assert {p: (os.lstat(p).st_mode, os.lstat(p).st_ino) for p in (target,)} == before
+
+
+# -- the package's prerm ---------------------------------------------------------------------
+
+def test_prerm_refuses_a_remove_when_the_config_naming_the_state_dir_cannot_be_read(tmp_path):
+    """vstor's records live where vstor.conf says: a config that does not
+    load (a typo made since, a key a newer vstor refuses) is no reason to
+    look in the default place, find nothing there and remove vstor while
+    it holds backends nobody would then release."""
+    import subprocess
+    state = tmp_path / "state"
+    (state / "domains").mkdir(parents=True)
+    (state / "domains" / "web1.json").write_text("{}")
+    conf = tmp_path / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {state}\n[cpu]\nreactors = 2-\n")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {**os.environ, "PYTHONPATH": root, "VSTOR_CONFIG": str(conf)}
+    env.pop("VSTOR_REMOVE_KEEP_BACKENDS", None)
+    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done
+    assert "vstor.conf" in done.stderr and "VSTOR_REMOVE_KEEP_BACKENDS=1" in done.stderr
+    conf.write_text(f"[paths]\nstate_dir = {state}\n")          # as before: the record refuses it
+    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "web1" in done.stderr, done
+    (state / "domains" / "web1.json").unlink()
+    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done

@@ -244,11 +244,12 @@ def _diff(old: str, new: str, path: str) -> None:
 
 def cmd_hooks_install(ctx, args) -> int:
     from vstor.atomic import write_file
-    from vstor.cli.hooks import render_hook
+    from vstor.cli.hooks import check_replaceable, render_hook
     from vstor.pve import manage
     node = _node(ctx)
     store = node.snippets()
     target = os.path.join(store.snippets, "vstor")
+    check_replaceable(target, "hookscript")
     config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
     write_file(target, render_hook(config_path, "proxmox/vstor"), mode=0o755, makedirs=True,
                failure=f"cannot install the hookscript into {store.snippets}", hint="run as root")
