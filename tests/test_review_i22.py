@@ -216,3 +216,33 @@ def test_prerm_refuses_a_remove_when_the_config_naming_the_state_dir_cannot_be_r
     done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done
+
+
+# -- the Nova finder's .pth, at every interpreter start of Nova's venv ------------------------
+
+@pytest.mark.parametrize("pth", ["file", "install-driver"])
+def test_the_pth_of_a_half_removed_vstor_never_troubles_an_interpreters_start(tmp_path, pth):
+    """vstor-nova.pth without _vstor_nova beside it (a removal half done, a
+    finder deleted by hand): every Python of that venv still starts, and
+    says nothing on stderr (site printed a traceback at each start)."""
+    import subprocess
+    import sys
+    from vstor.nova import install
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, install.PTH)) as f:
+        text = f.read() if pth == "file" else install.PTH_TEXT
+    if pth == "file":
+        assert text == install.PTH_TEXT      # one text: the wheel's and install-driver's
+    (tmp_path / install.PTH).write_text(text)
+    code = (f"import site, sys; site.addsitedir({str(tmp_path)!r}); "
+            "print([f.__name__ for f in sys.meta_path if isinstance(f, type)])")
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30,
+                          cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0 and "VstorNovaFinder" not in done.stdout and done.stderr == "", done
+    # With the finder there, it is installed as before.
+    with open(os.path.join(root, install.FINDER)) as f:
+        (tmp_path / install.FINDER).write_text(f.read())
+    code = f"import site, sys; site.addsitedir({str(tmp_path)!r}); print([f.__name__ for f in sys.meta_path][-1])"
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30,
+                          cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert (done.returncode, done.stdout, done.stderr) == (0, "VstorNovaFinder\n", "")
