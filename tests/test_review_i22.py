@@ -246,3 +246,24 @@ def test_the_pth_of_a_half_removed_vstor_never_troubles_an_interpreters_start(tm
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30,
                           cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert (done.returncode, done.stdout, done.stderr) == (0, "VstorNovaFinder\n", "")
+
+
+# -- unapply and a state record of another domain by the VM's name ----------------------------
+
+def test_unapply_releases_no_record_of_another_uuid_by_the_vms_name(pve, capsys):
+    """A libvirt domain may be named pve-100 (any libvirt client chooses
+    names): its record is not VM 100's, whose UUID is in smbios1.  unapply
+    leaves it, refusing in one line, and changes nothing."""
+    from vstor.runtime.state import Record, StateDir
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    applied = pve.config()
+    state = StateDir(f"{pve.root}/state")
+    state.save(Record("pve-100", "pve-100", "11111111-2222-3333-4444-555555555555", status="prepared"))
+    capsys.readouterr()
+    assert pve.vstor("pve", "unapply", "100") == 3
+    err = capsys.readouterr().err
+    assert "11111111-2222-3333-4444-555555555555" in err and err.count("\n") == 1, err
+    assert state.load("pve-100") is not None and pve.config() == applied
+    assert os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")

@@ -209,6 +209,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
     removed = leave.strip(conf, plans, f"{ctx.config.pve_storage}:snippets/vstor", vm, written)
     new = conf.to_text()
     held = [r for r in _state(ctx).records() if r.domain == name_of(vm)]
+    _check_own(held, conf, vm)
     if not removed and not records and not held:
         print(f"nothing of vstor's in {path}")
         return 0
@@ -234,6 +235,19 @@ def _unapply(ctx, args, node, vm: int) -> int:
         print(f"The VM's hookscript {own} is yours: if it calls vstor's, remove that call "
               "(with an intent and no plan, vstor's pre-start refuses the start)")
     return 0
+
+
+def _check_own(held, conf, vm: int) -> None:
+    """A record by the VM's name is the VM's only with its UUID (smbios1):
+    any libvirt client may name a domain pve-VMID."""
+    from vstor.pve.vm import uuid_of
+    mine = uuid_of(conf, f"VM {vm}")
+    for r in held:
+        if (r.uuid or "").lower() != (mine or ""):
+            raise InUse(f"state record {r.key} is of UUID {r.uuid}, not VM {vm}'s "
+                        f"({mine or 'no uuid in smbios1'}): another domain by that name, or the "
+                        "VM's smbios1 changed since its start",
+                        hint=f"if it is VM {vm}'s: vstor release {r.domain}, then unapply again")
 
 
 def _diff(old: str, new: str, path: str) -> None:
