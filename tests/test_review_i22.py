@@ -296,3 +296,32 @@ def test_args_split_on_ascii_blanks_only_as_perl_splits_qemu_servers_bytes():
         want = [bytes.fromhex(w).decode() for w in words.split(",")] if int(count) else []
         assert (shellwords(case) or []) == want, repr(case)
     assert not has_vstor_args("-foo\x1c-chardev socket,id=vstor-vdb,path=/a,reconnect=1")
+
+
+# -- purge after a removal that kept backends, with the records elsewhere -----------------------
+
+def test_purge_keeps_run_vstor_after_a_removal_that_kept_backends_recorded_elsewhere(tmp_path):
+    """[paths] state_dir elsewhere, vhost_dir and qsd_dir at their defaults
+    under /run/vstor: a removal forced with VSTOR_REMOVE_KEEP_BACKENDS=1
+    leaves daemons serving from /run/vstor (their sockets, their pidfiles,
+    which the guide says to stop them by), and purge must not delete those
+    because /run/vstor/state holds no record.  In a private mount namespace
+    with its own /run."""
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (a private /run)")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    state = tmp_path / "state"
+    (state / "domains").mkdir(parents=True)
+    (state / "domains" / "web1.json").write_text("{}")
+    conf = tmp_path / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {state}\n")
+    script = (f"mount -t tmpfs tmpfs /run && mkdir -p /run/vstor/qsd && touch /run/vstor/qsd/web1.pid && "
+              f"VSTOR_REMOVE_KEEP_BACKENDS=1 sh {root}/debian/vstor.prerm remove && "
+              f"sh {root}/debian/vstor.postrm purge && ls /run/vstor/qsd")
+    env = {**os.environ, "PYTHONPATH": root, "VSTOR_CONFIG": str(conf)}
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "web1.pid\n", done
+    assert "keeping /run/vstor" in done.stderr
