@@ -90,6 +90,7 @@ def test_config_check_of_a_fifo_a_device_or_a_huge_file_refuses_at_once(tmp_path
     ("[paths]\nstate_dir = /var/lib/vstor\n  /x\n", 3, "continues"),       # a path with a newline
     ("[cpu] reactors = 7\n", 1, "after"),                                # silently dropped
     ("[cpu]\rreactors = x\r", 1, "carriage return"),                     # a CR-only file: all dropped
+    ("[\0none]\nstate_dir = /x\n[paths]\n", 1, "NUL"),   # configparser's DEFAULT here: spilled into [paths]
 ])
 def test_config_lines_configparser_would_drop_or_join_are_refused(tmp_path, text, line, words):
     path = tmp_path / "vstor.conf"

@@ -88,10 +88,12 @@ def _read(path: str) -> bytes:
 
 
 def _lines_configparser_drops(text: str, path: str) -> None:
-    """What configparser would read silently otherwise: a carriage return
-    inside a line (a CR-only file is one line to it), text after a
+    """What configparser would read silently otherwise: a NUL, a carriage
+    return inside a line (a CR-only file is one line to it), text after a
     [section] on its line (dropped)."""
     for n, line in enumerate(text.split("\n"), 1):
+        if "\0" in line:     # "[\0none]" would be configparser's DEFAULT, spilled into every section
+            raise BadInput(f"{path}:{n}: a NUL byte", hint="fix: is it the right file? vstor.conf is text")
         if "\r" in line.rstrip("\r"):
             raise BadInput(f"{path}:{n}: a carriage return inside the line",
                            hint="fix: end lines with newlines (LF or CR LF)")
