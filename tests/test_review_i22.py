@@ -326,3 +326,25 @@ def test_purge_keeps_run_vstor_after_a_removal_that_kept_backends_recorded_elsew
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "web1.pid\n", done
     assert "keeping /run/vstor" in done.stderr
+
+
+def test_keys_left_by_an_unapply_killed_before_their_removal_are_not_taken_by_the_next_apply(pve, capsys):
+    """unapply removes the plan, then the keys file: killed in between, the
+    keys of a plan no longer recorded stay.  The next apply must not take
+    them for lines it wrote: a user's `numa: 1` equal to the plan's stays
+    theirs, and the next unapply keeps it."""
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    keys = open(f"{pve.snippets}/vstor-100.plan.keys").read()
+    assert "numa\n" in keys
+    assert pve.vstor("pve", "unapply", "100") == 0
+    with open(f"{pve.snippets}/vstor-100.plan.keys", "w") as f:     # as a kill there leaves it
+        f.write(keys)
+    conf = PveConfig.parse(pve.config())
+    conf.set("numa", "1")
+    before = conf.to_text()
+    pve.vm(before)
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0, capsys.readouterr().err
+    assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
+    assert pve.config() == before
