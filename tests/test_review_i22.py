@@ -348,3 +348,36 @@ def test_keys_left_by_an_unapply_killed_before_their_removal_are_not_taken_by_th
     assert pve.vstor("pve", "apply", "100", *QEMU) == 0, capsys.readouterr().err
     assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
     assert pve.config() == before
+
+
+# -- the Proxmox commands' host changes in the log ----------------------------------------------
+
+def test_pve_apply_unapply_and_hooks_install_log_their_host_changes(pve, capsys, tmp_path, monkeypatch):
+    """They write /etc/pve/qemu-server/VMID.conf, the plan records and the
+    hookscript: each a host change, logged with the VM's domain as the
+    libvirt side's are."""
+    from tests.test_logging import FakeJournal
+    from vstor import log
+    j = FakeJournal(tmp_path / "journal.sock")
+    monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", j.path)
+    monkeypatch.setenv("VSTOR_SYSLOG_SOCKET", str(tmp_path / "no-syslog"))
+    try:
+        pve.vm()
+        pve.intent(pve.file_disk())
+        assert pve.vstor("pve", "hooks", "install") == 0
+        assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+        assert pve.vstor("pve", "unapply", "100", "--dry-run") == 0
+        dry = j.entries()
+        assert pve.vstor("pve", "unapply", "100") == 0
+        entries = dry + j.entries()
+    finally:
+        j.sock.close()
+        log.setup("")
+    conf = f"{pve.etc}/qemu-server/100.conf"
+    said = [(e.get("VSTOR_DOMAIN"), e["MESSAGE"]) for e in entries]
+    assert any(f"{pve.snippets}/vstor" in m and d is None for d, m in said), said
+    applied = [m for d, m in said if d == "pve-100" and conf in m and "write" in m]
+    removed = [m for d, m in said if d == "pve-100" and conf in m and "remove" in m]
+    assert applied and removed, said
+    assert any(d == "pve-100" and "remove the plan records" in m for d, m in said), said
+    assert not any("would" in m for _, m in said)

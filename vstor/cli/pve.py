@@ -158,6 +158,10 @@ def _apply_planned(ctx, args, node) -> int:
         print(f"would record the plan in {snippet.plan_path(vmo.intent_path)}")
         return 0
     manage.write(node, vmo, plan, old, new, _qemu(node, args), changed)
+    from vstor import log
+    log.change(plan.domain, f"record the plan in {snippet.plan_path(vmo.intent_path)}", log.DONE)
+    if changed:
+        log.change(plan.domain, f"write {', '.join(changed)} into {vmo.conf_path}", log.DONE)
     print(f"VM {vmo.vmid}: " + ", ".join(f"{d.target} {d.mode}/{d.backend}" for d in plan.disks)
           + f", node {plan.node}; " + (f"wrote {', '.join(changed)}" if changed else "config unchanged"))
     if not vmo.conf.get("hookscript"):
@@ -222,10 +226,14 @@ def _unapply(ctx, args, node, vm: int) -> int:
         return 0
     for r in held:
         release(_runtime(ctx), _state(ctx), r.key, progress=_say, domain=r.domain, uuid=r.uuid)
+    from vstor import log
     if new != old:
         node.write_config(path, new)
+        log.change(name_of(vm), f"remove {', '.join(removed)} from {path}", log.DONE)
     for p in records:
         snippet.remove(p)
+    if records:
+        log.change(name_of(vm), f"remove the plan records {', '.join(records)}", log.DONE)
     print(f"VM {vm}: " + (f"removed {', '.join(removed)}" if removed else "config unchanged")
           + (f"; removed its plan ({', '.join(os.path.basename(p) for p in records)})" if records else ""))
     if os.path.lexists(ipath):
@@ -267,6 +275,8 @@ def cmd_hooks_install(ctx, args) -> int:
     config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
     write_file(target, render_hook(config_path, "proxmox/vstor"), mode=0o755, makedirs=True,
                failure=f"cannot install the hookscript into {store.snippets}", hint="run as root")
+    from vstor import log
+    log.change(None, f"install the Proxmox hookscript {target}", log.DONE)
     print(f"Installed {target}" + ("" if store.shared else
                                    f" (storage '{store.id}' is not shared: install it on every node "
                                    "a vstor VM may start or migrate to)"))
