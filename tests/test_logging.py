@@ -273,6 +273,7 @@ def test_the_proxmox_hookscript_logs_its_changes_and_refusals(tmp_path, journal)
     pve = Pve(tmp_path / "pve")
     try:
         text = _applied(pve)
+        assert pve.vstor("pve", "hooks", "install") == 0     # logged itself: before what is read
         journal.entries()
         env = {"VSTOR_JOURNAL_SOCKET": journal.path}
         assert pve.hook(100, "pre-start", env=env).returncode == 0

@@ -14,8 +14,14 @@ SEND_TIMEOUT = 2.0      # a journald that stopped reading must not hold a start 
 
 def quiet(handler: logging.Handler) -> logging.Handler:
     """A line that cannot be written is dropped: logging's own report of it
-    (a traceback on stderr) would break the command's output contract."""
-    handler.handleError = lambda record: None
+    (a traceback on stderr) would break the command's output contract.
+    After one such line the handler writes no more in this run: a daemon
+    that stopped reading costs a run one SEND_TIMEOUT, not one per line."""
+    def failed(record, handler=handler):
+        handler.vstor_broken = True
+    handler.vstor_broken = False
+    handler.handleError = failed
+    handler.addFilter(lambda record: not handler.vstor_broken)
     return handler
 
 
@@ -80,8 +86,14 @@ def syslog_handler(path: str) -> logging.Handler | None:
     if not is_socket(path):
         return None
     from logging.handlers import SysLogHandler
+
+    class Handler(SysLogHandler):
+        def _connect_unixsocket(self, address):     # also its reconnect after a failed send
+            super()._connect_unixsocket(address)
+            self.socket.settimeout(SEND_TIMEOUT)    # a stuck syslog daemon: never a hung run
+
     try:
-        handler = SysLogHandler(address=path, facility=SysLogHandler.LOG_DAEMON)
+        handler = Handler(address=path, facility=SysLogHandler.LOG_DAEMON)
     except OSError:
         return None
     handler.ident = f"vstor[{os.getpid()}]: "

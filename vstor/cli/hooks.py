@@ -119,8 +119,9 @@ def cmd_hooks_install(ctx, args) -> int:
         print(f"{target} is the vstor package's hook (a conffile the package installs and "
               "upgrades): nothing to write; `apt-get install --reinstall vstor` restores it")
         return 0
+    now = check_replaceable(target, "hook")
     if args.dry_run:
-        for line in _would_install(args.dir, target, text):
+        for line in _would_install(args.dir, target, text, now):
             print(line)
         return 0
     from vstor.atomic import write_file
@@ -142,13 +143,8 @@ def cmd_hooks_install(ctx, args) -> int:
     return 0
 
 
-def _would_install(directory: str, target: str, text: str) -> list[str]:
+def _would_install(directory: str, target: str, text: str, now: str | None) -> list[str]:
     out = [] if os.path.isdir(directory) else [f"would create {directory} (mode 0755)"]
-    try:
-        with open(target) as f:
-            now = f.read()
-    except OSError:
-        now = None
     if now == text:
         return out + [f"{target} is already this hook: nothing to write"]
     verb = "replace" if now is not None else "write"
@@ -248,23 +244,48 @@ def check_hook(target: str, noun: str) -> bool:
     """True when `target` is a hook vstor wrote (a regular file with vstor's
     hook in it); False, said, when there is none; BadInput when it is
     someone else's file."""
-    import stat
-    try:
-        st = os.lstat(target)
-    except FileNotFoundError:
+    text = _read_hook(target, noun)
+    if text is None:
         print(f"No vstor {noun} at {target}: nothing to remove")
         return False
-    except OSError as e:
-        raise BadInput(f"cannot read {target}: {e.strerror}", hint="run as root" if os.geteuid() else None) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise BadInput(f"{target} is not the {noun} vstor installs (not a regular file): left as it is",
-                       hint="look at what it is, and remove it by hand if it is no longer wanted")
-    try:
-        with open(target, errors="replace") as f:
-            text = f.read(1 << 20)
-    except OSError as e:
-        raise BadInput(f"cannot read {target}: {e.strerror}", hint="run as root" if os.geteuid() else None) from None
     if not is_vstor_hook(text):
         raise BadInput(f"{target} is not vstor's {noun} (someone else's file by that name): left as it is",
                        hint="remove it by hand if it is no longer wanted")
     return True
+
+
+def _read_hook(target: str, noun: str) -> str | None:
+    """The text of the regular file at `target` (None: nothing there),
+    opened once: never through a symlink, never waiting on a FIFO."""
+    import errno
+    import stat
+    try:
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise BadInput(f"cannot read {target}: {e.strerror}",
+                           hint="run as root" if os.geteuid() else None) from None
+        fd = None       # a symlink
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        raise BadInput(f"{target} is not the {noun} vstor installs (not a regular file): left as it is",
+                       hint="look at what it is, and remove it by hand if it is no longer wanted")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read(1 << 20).decode(errors="replace")
+        except OSError as e:
+            raise BadInput(f"cannot read {target}: {e.strerror}",
+                           hint="run as root" if os.geteuid() else None) from None
+
+
+def check_replaceable(target: str, noun: str) -> str | None:
+    """What install may write over: nothing, or a hook vstor wrote (its
+    text); anything else is refused, as uninstall refuses it."""
+    text = _read_hook(target, noun)
+    if text is not None and not is_vstor_hook(text):
+        raise BadInput(f"{target} is not vstor's {noun} (someone else's file by that name): left as it is",
+                       hint="remove it by hand if it is no longer wanted, then install again")
+    return text

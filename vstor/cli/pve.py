@@ -158,6 +158,10 @@ def _apply_planned(ctx, args, node) -> int:
         print(f"would record the plan in {snippet.plan_path(vmo.intent_path)}")
         return 0
     manage.write(node, vmo, plan, old, new, _qemu(node, args), changed)
+    from vstor import log
+    log.change(plan.domain, f"record the plan in {snippet.plan_path(vmo.intent_path)}", log.DONE)
+    if changed:
+        log.change(plan.domain, f"write {', '.join(changed)} into {vmo.conf_path}", log.DONE)
     print(f"VM {vmo.vmid}: " + ", ".join(f"{d.target} {d.mode}/{d.backend}" for d in plan.disks)
           + f", node {plan.node}; " + (f"wrote {', '.join(changed)}" if changed else "config unchanged"))
     if not vmo.conf.get("hookscript"):
@@ -209,6 +213,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
     removed = leave.strip(conf, plans, f"{ctx.config.pve_storage}:snippets/vstor", vm, written)
     new = conf.to_text()
     held = [r for r in _state(ctx).records() if r.domain == name_of(vm)]
+    _check_own(held, conf, vm)
     if not removed and not records and not held:
         print(f"nothing of vstor's in {path}")
         return 0
@@ -221,10 +226,14 @@ def _unapply(ctx, args, node, vm: int) -> int:
         return 0
     for r in held:
         release(_runtime(ctx), _state(ctx), r.key, progress=_say, domain=r.domain, uuid=r.uuid)
+    from vstor import log
     if new != old:
         node.write_config(path, new)
+        log.change(name_of(vm), f"remove {', '.join(removed)} from {path}", log.DONE)
     for p in records:
         snippet.remove(p)
+    if records:
+        log.change(name_of(vm), f"remove the plan records {', '.join(records)}", log.DONE)
     print(f"VM {vm}: " + (f"removed {', '.join(removed)}" if removed else "config unchanged")
           + (f"; removed its plan ({', '.join(os.path.basename(p) for p in records)})" if records else ""))
     if os.path.lexists(ipath):
@@ -236,6 +245,19 @@ def _unapply(ctx, args, node, vm: int) -> int:
     return 0
 
 
+def _check_own(held, conf, vm: int) -> None:
+    """A record by the VM's name is the VM's only with its UUID (smbios1):
+    any libvirt client may name a domain pve-VMID."""
+    from vstor.pve.vm import uuid_of
+    mine = uuid_of(conf, f"VM {vm}")
+    for r in held:
+        if (r.uuid or "").lower() != (mine or ""):
+            raise InUse(f"state record {r.key} is of UUID {r.uuid}, not VM {vm}'s "
+                        f"({mine or 'no uuid in smbios1'}): another domain by that name, or the "
+                        "VM's smbios1 changed since its start",
+                        hint=f"if it is VM {vm}'s: vstor release {r.domain}, then unapply again")
+
+
 def _diff(old: str, new: str, path: str) -> None:
     lines = list(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
                                       fromfile=path, tofile=f"{path} (vstor)"))
@@ -244,14 +266,17 @@ def _diff(old: str, new: str, path: str) -> None:
 
 def cmd_hooks_install(ctx, args) -> int:
     from vstor.atomic import write_file
-    from vstor.cli.hooks import render_hook
+    from vstor.cli.hooks import check_replaceable, render_hook
     from vstor.pve import manage
     node = _node(ctx)
     store = node.snippets()
     target = os.path.join(store.snippets, "vstor")
+    check_replaceable(target, "hookscript")
     config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
     write_file(target, render_hook(config_path, "proxmox/vstor"), mode=0o755, makedirs=True,
                failure=f"cannot install the hookscript into {store.snippets}", hint="run as root")
+    from vstor import log
+    log.change(None, f"install the Proxmox hookscript {target}", log.DONE)
     print(f"Installed {target}" + ("" if store.shared else
                                    f" (storage '{store.id}' is not shared: install it on every node "
                                    "a vstor VM may start or migrate to)"))

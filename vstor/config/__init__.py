@@ -53,11 +53,7 @@ def load(path: str | None = None) -> Config:
             raise BadInput(f"config file {path} does not exist",
                            hint="create it or drop --config/VSTOR_CONFIG")
         return Config()
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise BadInput(f"cannot read config file {path}: {e.strerror}") from None
+    data = _read(path)
     try:
         text = data.decode()
     except UnicodeDecodeError as e:
@@ -66,11 +62,55 @@ def load(path: str | None = None) -> Config:
     return parse(text, path)
 
 
+MAX_BYTES = 1 << 20
+
+
+def _read(path: str) -> bytes:
+    """The file's bytes: a regular file of at most MAX_BYTES (a FIFO or a
+    device named by mistake is refused at once, never waited on)."""
+    import stat
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadInput(f"cannot read config file {path}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadInput(f"config file {path} is not a regular file",
+                       hint="fix: name the file itself with --config or VSTOR_CONFIG")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_BYTES + 1)
+        except OSError as e:
+            raise BadInput(f"cannot read config file {path}: {e.strerror}") from None
+    if len(data) > MAX_BYTES:
+        raise BadInput(f"config file {path} is larger than 1 MiB", hint="fix: is it the right file?")
+    return data
+
+
+def _lines_configparser_drops(text: str, path: str) -> None:
+    """What configparser would read silently otherwise: a NUL, a carriage
+    return inside a line (a CR-only file is one line to it), text after a
+    [section] on its line (dropped)."""
+    for n, line in enumerate(text.split("\n"), 1):
+        if "\0" in line:     # "[\0none]" would be configparser's DEFAULT, spilled into every section
+            raise BadInput(f"{path}:{n}: a NUL byte", hint="fix: is it the right file? vstor.conf is text")
+        if "\r" in line.rstrip("\r"):
+            raise BadInput(f"{path}:{n}: a carriage return inside the line",
+                           hint="fix: end lines with newlines (LF or CR LF)")
+        stripped = line.strip()
+        if line[:1] == "[" and "]" in stripped:
+            rest = stripped[stripped.rindex("]") + 1:].strip()
+            if rest and rest[0] not in "#;":
+                raise BadInput(f"{path}:{n}: '{rest[:40]}' after [section] on its line is not read",
+                               hint="fix: put each key on a line of its own under the [section]")
+
+
 def parse(text: str, path: str) -> Config:
     """A Config from the text of a vstor.conf; `path` names it in errors."""
     # default_section: no [DEFAULT] whose keys would spill into every section.
     parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";",),
                                        default_section="\0none")
+    _lines_configparser_drops(text, path)
     try:
         parser.read_string(text, source=path)
     except configparser.Error as e:
@@ -88,6 +128,12 @@ def parse(text: str, path: str) -> Config:
             if key is None:
                 raise BadInput(f"{where}: unknown key '{name}' in [{section}]",
                                hint="fix: " + _suggest(name, known, "known keys"))
+            if "\n" in raw.strip():     # an indented line: configparser's continuation
+                more = next(i for i, part in enumerate(raw.split("\n")) if i and part.strip())
+                line = lines.key(section, name)
+                raise BadInput(f"{path}:{line + more if isinstance(line, int) else line}: [{section}] "
+                               f"{name} continues on this indented line",
+                               hint="fix: write the value on one line, or unindent the line")
             raw = raw.strip()
             if raw == "" and key.kind.empty_is_default:
                 continue
@@ -147,7 +193,7 @@ def _syntax_error(e: configparser.Error, path: str, text: str) -> BadInput:
                         hint="fix: keep one line")
     if isinstance(e, configparser.ParsingError) and e.errors:
         lineno = e.errors[0][0]     # with the line as repr() gives it: read it from the text
-        line = text.splitlines()[lineno - 1]
+        line = text.split("\n")[lineno - 1]
         return BadInput(f"{path}:{lineno}: '{line.strip()[:60]}' is neither a [section] nor key = value",
                         hint="fix: write key = value, or comment the line out with #")
     return BadInput(f"{path}: {str(e).splitlines()[0]}")
@@ -162,7 +208,7 @@ class _Lines:
         self.sections: dict[str, int] = {}
         self.keys: dict[tuple[str, str], int] = {}
         section = None
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(text.split("\n"), 1):     # configparser's lines
             stripped = line.strip()
             if not stripped or stripped[0] in "#;":
                 continue

@@ -28,7 +28,9 @@ from vstor.records import record
 
 PTH = "vstor-nova.pth"
 FINDER = "_vstor_nova.py"
-PTH_TEXT = "import _vstor_nova\n"
+# Tolerant of a missing finder (a removal half done): site would print a
+# traceback at every start of every Python of the environment.
+PTH_TEXT = 'import sys; exec("try: import _vstor_nova\\nexcept ImportError: pass")\n'
 # What older vstor's install-driver wrote into Nova's package (nothing owned it).
 LEGACY_SHIM = ('"""Written by `vstor nova install-driver`: Nova loads compute drivers from\n'
                'nova.virt only.  compute_driver = vstor.VstorLibvirtDriver"""\n'

@@ -24,8 +24,11 @@ from vstor.records import field, record
 # and ignores, and so does vstor (kept as it is).
 # Any other [...] line starts a section qemu-server skips whole (with a
 # warning): its lines are kept here, and never read as the main section's.
-_KEY_LINE = re.compile(r"^([a-z][a-z_]*\d*):\s*(.+?)\s*$")
-_SECTION = re.compile(r"^\[([^\]]*)\]\s*$")
+# Perl's \s and \d are ASCII: so are these (re.ASCII), or a line ending in
+# U+00A0 would be a section header here and not to qemu-server.
+_KEY_LINE = re.compile(r"^([a-z][a-z_]*\d*):\s*(.+?)\s*$", re.ASCII)
+_SECTION = re.compile(r"^\[([^\]]*)\]\s*$", re.ASCII)
+_BLANK = " \t\n\r\f\v"
 MAX_BYTES = 1 << 20         # qemu-server refuses configs over 1 MiB
 
 
@@ -73,7 +76,7 @@ class PveConfig:
             if header:
                 sections.append(Section(header.group(1)))
                 continue
-            m = None if raw.startswith("#") or not raw.strip() else _KEY_LINE.match(raw)
+            m = None if raw.startswith("#") or not raw.strip(_BLANK) else _KEY_LINE.match(raw)
             sections[-1].lines.append(Line(raw, m.group(1), m.group(2)) if m else Line(raw))
         return cls(sections, trailing)
 

@@ -227,16 +227,15 @@ def write(node: Node, vm: Vm, plan: Plan, old: str, new: str, qemu: tuple[int, i
             vm.earlier is None or not render.drift(PveConfig.parse(old), vm.recorded, qemu, vm.vmid)):
         snippet.write(prev, snippet.plan_bytes(vm.recorded))
     snippet.write(snippet.plan_path(vm.intent_path), snippet.plan_bytes(plan))
-    before = snippet.read_written(vm.intent_path) or set()
+    # Keys without a plan recorded are a killed unapply's leftovers: none is vstor's line.
+    before = (snippet.read_written(vm.intent_path) or set()) if vm.previous else set()
     keys = {k for k in render.PLACEMENT_KEYS if k in changed or k in before}
-    if keys:
-        snippet.write(snippet.written_path(vm.intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
+    # Written even empty: no file means an older vstor's plan, whose every
+    # placement line equal to the plan's unapply takes as vstor's.
+    snippet.write(snippet.written_path(vm.intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
     if new != old:
         node.write_config(vm.conf_path, new)
     now = PveConfig.parse(new)
     keys = {k for k in keys if now.get(k) is not None}
-    if keys:
-        snippet.write(snippet.written_path(vm.intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
-    else:
-        snippet.remove(snippet.written_path(vm.intent_path))
+    snippet.write(snippet.written_path(vm.intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
     snippet.remove(prev)

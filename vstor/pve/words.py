@@ -12,12 +12,14 @@ from __future__ import annotations
 import re
 
 _WORD = re.compile(r'''(?:(")((?:[^\\"]*(?:\\.[^\\"]*)*))"|(')((?:[^\\']*(?:\\.[^\\']*)*))'|'''
-                   r'''((?:\\.|[^\\"'])*?)(\Z|\s+|(?!^)(?=["'])))''', re.S)
+                   r'''((?:\\.|[^\\"'])*?)(\Z|\s+|(?!^)(?=["'])))''', re.S | re.ASCII)
+# re.ASCII: qemu-server's Perl splits the config's bytes, where only ASCII
+# blanks are \s (U+00A0 or \x1c are not).
 
 
 def shellwords(line: str) -> list[str] | None:
     """The words, or None where Perl returns none (an unbalanced quote)."""
-    line = line.lstrip()
+    line = line.lstrip(" \t\n\r\f\v")
     pieces: list[str] = []
     word = None
     while line:

@@ -41,7 +41,7 @@ RECONNECT_SECONDS = 10
 # QEMU options that decide guest memory, NUMA or vCPUs: vstor's numa0 and
 # hugepages say those, and a second say in args would override or break them.
 _CONFLICTS = ("-m", "-numa", "-smp", "-mem-path", "-mem-prealloc")
-_START = re.compile(r"(?:^|\s)-chardev\s+['\"]?socket,id=" + ID)
+_START = re.compile(r"(?:^|\s)-chardev\s+['\"]?socket,id=" + ID, re.ASCII)   # Perl's \s
 
 
 
