@@ -261,8 +261,8 @@ def _read_hook(target: str, noun: str) -> str | None:
     import stat
     try:
         fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, NotADirectoryError):
+        return None     # no such file, or a file where its directory would be
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise BadInput(f"cannot read {target}: {e.strerror}",
