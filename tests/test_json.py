@@ -56,12 +56,7 @@ def vstor(*args):
     return out
 
 
-@pytest.fixture
-def cfg(tmp_path):
-    path = tmp_path / "vstor.conf"
-    path.write_text(f"[cpu]\nreactors = 2,18\n[paths]\nstate_dir = {tmp_path}/state\n"
-                    f"vhost_dir = /run/vstor/vhost\n")
-    return str(path)
+from tests.test_cli import cfg  # noqa: E402,F401  (the same config fixture)
 
 
 def test_host_show_json_is_the_documented_object(host_layout, cfg):
