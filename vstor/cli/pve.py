@@ -145,10 +145,9 @@ def _apply(ctx, args, node) -> int:
 def _apply_planned(ctx, args, node) -> int:
     from vstor.pve import manage, snippet
     _, vmo, plan = _planned(ctx, args)
-    if vmo.conf.get("lock"):
-        raise DoesNotFit(f"VM {vmo.vmid} is locked ({vmo.conf.get('lock')[:20]})",
-                         hint=f"wait for it, or: qm unlock {vmo.vmid}")
-    hook = f"{ctx.config.pve_storage}:snippets/vstor"
+    _check_unlocked(vmo.conf, vmo.vmid)
+    from vstor.pve.leave import hook_value
+    hook = hook_value(ctx.config.pve_storage)
     if not args.conf:
         _check_hookscript(node, vmo.vmid, vmo.conf.get("hookscript"), hook)
     old = vmo.conf.to_text()
@@ -168,6 +167,14 @@ def _apply_planned(ctx, args, node) -> int:
         print(f"Set the hookscript, or vstor makes no backends at its start: "
               f"qm set {vmo.vmid} --hookscript {hook}")
     return 0
+
+
+def _check_unlocked(conf, vm: int) -> None:
+    """apply and unapply wait for whatever holds a VM's `lock:` (a backup,
+    a migration, a snapshot), as qemu-server's own config changes do."""
+    if conf.get("lock"):
+        raise DoesNotFit(f"VM {vm} is locked ({conf.get('lock')[:20]})",
+                         hint=f"wait for it, or: qm unlock {vm}")
 
 
 def _check_hookscript(node, vm: int, have: str | None, hook: str) -> None:
@@ -199,9 +206,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
     from vstor.pve.vm import name_of
     from vstor.runtime.recorded import release
     conf, path = node.read_config(vm)
-    if conf.get("lock"):
-        raise DoesNotFit(f"VM {vm} is locked ({conf.get('lock')[:20]})",
-                         hint=f"wait for it, or: qm unlock {vm}")
+    _check_unlocked(conf, vm)
     ipath = snippet.path_of(manage.intent_dir(node), vm)
     records = [p for p in (snippet.plan_path(ipath), snippet.prev_path(ipath), snippet.written_path(ipath))
                if os.path.lexists(p)]
@@ -210,7 +215,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
                               for where in records if where.endswith(".xml")) if p is not None)
     old = conf.to_text()
     written = snippet.read_written(ipath)
-    removed = leave.strip(conf, plans, f"{ctx.config.pve_storage}:snippets/vstor", vm, written)
+    removed = leave.strip(conf, plans, leave.hook_value(ctx.config.pve_storage), vm, written)
     new = conf.to_text()
     held = [r for r in _state(ctx).records() if r.domain == name_of(vm)]
     _check_own(held, conf, vm)
@@ -280,13 +285,14 @@ def cmd_hooks_install(ctx, args) -> int:
     print(f"Installed {target}" + ("" if store.shared else
                                    f" (storage '{store.id}' is not shared: install it on every node "
                                    "a vstor VM may start or migrate to)"))
-    from vstor.pve.leave import chains_vstor
+    from vstor.pve.leave import chains_vstor, hook_value
+    hook = hook_value(store.id)
     for vm in manage.vstor_vms(node):
         conf, _ = node.read_config(vm)
         own = conf.get("hookscript")
         if not own:
-            print(f"qm set {vm} --hookscript {store.id}:snippets/vstor")
-        elif own != f"{store.id}:snippets/vstor" and not chains_vstor(node.etc, own, target):
+            print(f"qm set {vm} --hookscript {hook}")
+        elif own != hook and not chains_vstor(node.etc, own, target):
             print(f"VM {vm}'s own hookscript {own} must call {target} \"$1\" \"$2\" first")
     return 0
 

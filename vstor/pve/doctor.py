@@ -32,7 +32,8 @@ def checks(node: Node, cfg: Config, hugepages: str = HUGEPAGES,
     installed = os.path.isfile(script) and os.access(script, os.X_OK)
     out.append((installed, f"hookscript {script} " + ("installed" if installed else
                                                       "missing: run vstor pve hooks install")))
-    out += _vms(node, f"{store.id}:snippets/vstor")
+    from vstor.pve.leave import hook_value
+    out += _vms(node, hook_value(store.id))
     return out
 
 

@@ -232,10 +232,11 @@ def write(node: Node, vm: Vm, plan: Plan, old: str, new: str, qemu: tuple[int, i
     keys = {k for k in render.PLACEMENT_KEYS if k in changed or k in before}
     # Written even empty: no file means an older vstor's plan, whose every
     # placement line equal to the plan's unapply takes as vstor's.
-    snippet.write(snippet.written_path(vm.intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
+    snippet.write_written(vm.intent_path, keys)
     if new != old:
         node.write_config(vm.conf_path, new)
     now = PveConfig.parse(new)
-    keys = {k for k in keys if now.get(k) is not None}
-    snippet.write(snippet.written_path(vm.intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
+    final = {k for k in keys if now.get(k) is not None}
+    if final != keys:       # the superset written above, narrowed now the config is written
+        snippet.write_written(vm.intent_path, final)
     snippet.remove(prev)

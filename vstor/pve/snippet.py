@@ -61,6 +61,11 @@ def written_path(intent_path: str) -> str:
     return intent_path.removesuffix(".xml") + ".plan.keys"
 
 
+def write_written(intent_path: str, keys) -> None:
+    """Record the placement keys vstor wrote (read_written reads them)."""
+    write(written_path(intent_path), "".join(f"{k}\n" for k in sorted(keys)).encode())
+
+
 def read_written(intent_path: str) -> set[str] | None:
     """The keys of written_path, or None where apply recorded none (an
     older vstor): then every placement line equal to a plan's is vstor's."""
