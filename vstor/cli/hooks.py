@@ -174,7 +174,7 @@ def cmd_hooks_uninstall(ctx, args) -> int:
     if packaged(target):
         then += ("; it was the vstor package's conffile: upgrades keep it removed, and "
                  "`apt-get install --reinstall -o Dpkg::Options::=--force-confmiss vstor` brings it back")
-    return remove_hook(target, "hook", then, dry_run=args.dry_run)
+    return _remove_checked(target, "hook", then, args.dry_run)
 
 
 DPKG_CONFFILES = "/var/lib/dpkg/info/vstor.conffiles"
@@ -226,6 +226,11 @@ def remove_hook(target: str, noun: str, then: str, dry_run: bool = False) -> int
     vstor wrote (check_hook), never one someone else put there under that name."""
     if not check_hook(target, noun):
         return 0
+    return _remove_checked(target, noun, then, dry_run)
+
+
+def _remove_checked(target: str, noun: str, then: str, dry_run: bool) -> int:
+    """Remove `target`, which check_hook found to be vstor's."""
     if dry_run:
         print(f"would remove {target}; then: {then}")
         return 0
@@ -244,13 +249,9 @@ def check_hook(target: str, noun: str) -> bool:
     """True when `target` is a hook vstor wrote (a regular file with vstor's
     hook in it); False, said, when there is none; BadInput when it is
     someone else's file."""
-    text = _read_hook(target, noun)
-    if text is None:
+    if _vstors_hook_text(target, noun, "remove it by hand if it is no longer wanted") is None:
         print(f"No vstor {noun} at {target}: nothing to remove")
         return False
-    if not is_vstor_hook(text):
-        raise BadInput(f"{target} is not vstor's {noun} (someone else's file by that name): left as it is",
-                       hint="remove it by hand if it is no longer wanted")
     return True
 
 
@@ -284,8 +285,14 @@ def _read_hook(target: str, noun: str) -> str | None:
 def check_replaceable(target: str, noun: str) -> str | None:
     """What install may write over: nothing, or a hook vstor wrote (its
     text); anything else is refused, as uninstall refuses it."""
+    return _vstors_hook_text(target, noun, "remove it by hand if it is no longer wanted, then install again")
+
+
+def _vstors_hook_text(target: str, noun: str, hint: str) -> str | None:
+    """The text of vstor's hook at `target` (None: nothing there); anyone
+    else's file by that name is refused and left as it is."""
     text = _read_hook(target, noun)
     if text is not None and not is_vstor_hook(text):
         raise BadInput(f"{target} is not vstor's {noun} (someone else's file by that name): left as it is",
-                       hint="remove it by hand if it is no longer wanted, then install again")
+                       hint=hint)
     return text
