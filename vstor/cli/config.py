@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from vstor import config as config_mod
+from vstor.config.keys import BY_SECTION
 from vstor.errors import BadInput
 
 
@@ -58,9 +59,7 @@ def show(cfg) -> str:
     out = [f"# vstor config show: the values vstor uses (from {cfg.source})\n"]
     for section in config_mod.SECTIONS:
         out.append(f"\n[{section}]\n")
-        for key in config_mod.KEYS:
-            if key.section != section:
-                continue
+        for key in BY_SECTION[section].values():
             value = getattr(cfg, key.attr)
             if value is None:
                 out.append(f"# {key.name}: {key.unset or 'not set'}\n")

@@ -88,15 +88,16 @@ def cmd_check(ctx, args) -> int:
     from vstor.migration.verdict import report
     dom = _domain(ctx, args.domain)
     peer, _ = _peer(ctx, args.to)
-    looked = source.look(ctx.config, dom, SysFS(ctx.host_root))
-    side = looked[2]
+    sysfs = SysFS(ctx.host_root)
+    looked = source.look(ctx.config, dom, sysfs)
+    side = looked[-1]
     if not args.json:
         print(f"{dom.name} -> {peer.host}: on this host")
         for n in side:
             print(f"  {n.target}: needs {n.needs}: {n.reason}")
         print(f"asking {peer.host} ...", flush=True)
     try:
-        verdict = source.check(ctx.config, dom, peer, SysFS(ctx.host_root), looked)
+        verdict = source.check(ctx.config, dom, peer, sysfs, looked)
     except VstorError as e:
         if args.json:
             print(json.dumps(report(dom.name, peer.host, side, None, str(e)), indent=1))

@@ -52,12 +52,12 @@ def check(cfg: Config, dom: Domain, peer: Peer, sysfs, looked=None) -> Verdict:
 
 def look(cfg: Config, dom: Domain, sysfs):
     """This host's side, before the destination is asked: (plan, files,
-    what each disk needs on the destination)."""
+    each file's storage facts, what each disk needs on the destination)."""
     from vstor.migration.verdict import source_side
     plan = plan_of(dom)
     files = files_to_check(cfg, plan, sysfs)
     facts = {t: storage.shared(f) for t, f in files.items()}
-    return plan, files, source_side(plan, facts, set(imported(plan)), bool(cfg.export_address))
+    return plan, files, facts, source_side(plan, facts, set(imported(plan)), bool(cfg.export_address))
 
 
 def _check(cfg: Config, dom: Domain, peer: Peer, sysfs, cold: bool = False,
@@ -66,8 +66,7 @@ def _check(cfg: Config, dom: Domain, peer: Peer, sysfs, cold: bool = False,
     NVMe under SPDK is asked about as the NVMe-oF namespace this host would
     export it as, to the migration's own host NQN (`hostnqn`, or a new one).
     `looked`: what look() found, if it ran already."""
-    plan, files, _ = looked or look(cfg, dom, sysfs)
-    facts = {t: storage.shared(f) for t, f in files.items()}
+    plan, files, facts, _ = looked or look(cfg, dom, sysfs)
     imports = {}
     if not cold and cfg.export_address and any(d.source.kind == "nvme" and d.backend == "spdk"
                                                for d in plan.disks):
