@@ -6,10 +6,8 @@ status gives each daemon's pid, read back from the real daemon."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -57,6 +55,7 @@ def vstor(*args):
 
 
 from tests.test_cli import cfg  # noqa: E402,F401  (the same config fixture)
+from tests.test_runtime_cli import work  # noqa: E402,F401  (the same domain and files)
 
 
 def test_host_show_json_is_the_documented_object(host_layout, cfg):
@@ -118,62 +117,42 @@ def test_every_kind_of_step_has_documented_labelled_fields():
     assert labelled({"kind": "from-the-future", "state": "done", "data": {}}, None) == {"kind": "from-the-future"}
 
 
-NS = "https://vstor.dev/xmlns/domain/1"
-
-
 @pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
                     reason="starts qemu-storage-daemons handed to root:kvm (needs root)")
-def test_status_json_gives_each_daemons_pid_and_the_documented_keys(capsys):
-    d = tempfile.mkdtemp(prefix="vs-json-", dir="/tmp")     # QEMU's group must reach the sockets
-    os.chmod(d, 0o755)
-    conf = os.path.join(d, "vstor.conf")
-    with open(conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d}\n")
-    for i in (0, 1):
-        with open(os.path.join(d, f"d{i}.raw"), "wb") as f:
-            f.truncate(16 << 20)
-    with open(os.path.join(d, "vm.xml"), "w") as f:
-        f.write(f"""<domain type='kvm'><name>js1</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
-          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
-          <vstor:disk target='vdb'><vstor:file path='{d}/d0.raw'/></vstor:disk>
-          <vstor:disk target='vdc' readonly='yes'><vstor:file path='{d}/d1.raw'/></vstor:disk>
-          </vstor:vstor></metadata><devices/></domain>""")
+def test_status_json_gives_each_daemons_pid_and_the_documented_keys(work, capsys):
+    d, conf = work.dir, work.conf     # test_runtime_cli's domain cli1: two file disks
 
     def run(*args):
         return main(["-c", "test:///default", "--config", conf, *args])
-    try:
-        assert run("render", f"{d}/vm.xml", "-o", f"{d}/r.xml") == 0
-        assert run("prepare", f"{d}/r.xml") == 0
-        capsys.readouterr()
-        assert run("status", "--json") == 0
-        rows = json.loads(capsys.readouterr().out)
-        assert strip(keys(rows)) <= documented("`vstor status [DOMAIN] --json`")
-        (row,) = rows
-        pids = {}
-        for step in row["steps"]:
-            assert step["kind"] == "qsd-export" and step["daemon"] == "qemu-storage-daemon"
-            with open(f"{d}/qsd/{step['name']}.pid") as f:
-                assert step["pid"] == int(f.read())
-            with open(f"/proc/{step['pid']}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            assert os.path.basename(argv[0]) == b"qemu-storage-daemon"
-            assert f"{d}/qsd/{step['name']}.pid".encode() in argv
-            pids[step["name"]] = step["pid"]
-        assert sorted(s["source"] for s in row["steps"]) == [f"{d}/d0.raw", f"{d}/d1.raw"]
-        assert run("status") == 0
-        out = capsys.readouterr().out
-        for pid in pids.values():
-            assert f": ok (qemu-storage-daemon pid {pid})" in out
-        os.kill(pids["js1-vdb"], 9)
-        assert run("status", "js1") == run("status", "js1", "--json") == 1      # as the text form
-        capsys.readouterr()
-        assert run("status", "--json") == 1
-        dead = {s["name"]: s for s in json.loads(capsys.readouterr().out)[0]["steps"]}
-        assert dead["js1-vdb"]["pid"] is None and dead["js1-vdb"]["problem"]
-        assert dead["js1-vdc"]["pid"] == pids["js1-vdc"]
-        assert run("status", "nosuch", "--json") == 2
-        out = capsys.readouterr()
-        assert out.out == "" and out.err.count("\n") == 1
-    finally:
-        run("release", "--force", "js1")
-        shutil.rmtree(d, ignore_errors=True)
+    assert run("render", f"{d}/vm.xml", "-o", f"{d}/r.xml") == 0
+    assert run("prepare", f"{d}/r.xml") == 0
+    capsys.readouterr()
+    assert run("status", "--json") == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert strip(keys(rows)) <= documented("`vstor status [DOMAIN] --json`")
+    (row,) = rows
+    pids = {}
+    for step in row["steps"]:
+        assert step["kind"] == "qsd-export" and step["daemon"] == "qemu-storage-daemon"
+        with open(f"{d}/qsd/{step['name']}.pid") as f:
+            assert step["pid"] == int(f.read())
+        with open(f"/proc/{step['pid']}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert os.path.basename(argv[0]) == b"qemu-storage-daemon"
+        assert f"{d}/qsd/{step['name']}.pid".encode() in argv
+        pids[step["name"]] = step["pid"]
+    assert sorted(s["source"] for s in row["steps"]) == [f"{d}/d0.raw", f"{d}/d1.raw"]
+    assert run("status") == 0
+    out = capsys.readouterr().out
+    for pid in pids.values():
+        assert f": ok (qemu-storage-daemon pid {pid})" in out
+    os.kill(pids["cli1-vdb"], 9)
+    assert run("status", "cli1") == run("status", "cli1", "--json") == 1      # as the text form
+    capsys.readouterr()
+    assert run("status", "--json") == 1
+    dead = {s["name"]: s for s in json.loads(capsys.readouterr().out)[0]["steps"]}
+    assert dead["cli1-vdb"]["pid"] is None and dead["cli1-vdb"]["problem"]
+    assert dead["cli1-vdc"]["pid"] == pids["cli1-vdc"]
+    assert run("status", "nosuch", "--json") == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
