@@ -72,7 +72,8 @@ def _planned(ctx, args):
     from vstor.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
-    vmo = manage.load(node, vm, args.conf, args.intent, tolerant=True)
+    vmo = manage.load(node, vm, args.conf, args.intent, tolerant=True,
+                      missing="check the VMID (qm list), or pass --conf FILE")
     plan = manage.make_plan(ctx.host, ctx.config, vmo, manage.ledger(node, ctx.records(), skip=vm))
     return node, vmo, plan
 

@@ -49,12 +49,14 @@ def intent_dir(node: Node) -> str:
 
 
 def load(node: Node, vmid: int, conf_path: str | None = None, intent_path: str | None = None,
-         tolerant: bool = False, conf: PveConfig | None = None) -> Vm:
+         tolerant: bool = False, conf: PveConfig | None = None,
+         missing: str = "check the VMID (qm list)") -> Vm:
     """tolerant: a damaged plan record reads as none (apply re-plans); a
-    start must refuse it.  conf: the config, already read from conf_path."""
+    start must refuse it.  conf: the config, already read from conf_path.
+    missing: the hint when there is no config."""
     path = conf_path or node.config_path(vmid)
     if conf is None:
-        conf, path = node.read_config(vmid, path)
+        conf, path = node.read_config(vmid, path, missing)
     ipath = intent_path or snippet.path_of(intent_dir(node), vmid)
     req = request_of(vmid, conf, snippet.intent_of(snippet.read(ipath, vmid)))
     plans = []

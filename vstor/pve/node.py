@@ -44,14 +44,15 @@ class Node:
             return os.path.join(self.etc, "nodes", migrated_from, "qemu-server", f"{vm}.conf")
         return os.path.join(self.etc, "qemu-server", f"{vm}.conf")
 
-    def read_config(self, vm: int, path: str | None = None) -> tuple[PveConfig, str]:
+    def read_config(self, vm: int, path: str | None = None,
+                    missing: str = "check the VMID (qm list)") -> tuple[PveConfig, str]:
+        """`missing`: the hint when there is no such config."""
         path = path or self.config_path(vm)
         try:
             with open(path, "rb") as f:
                 data = f.read(MAX_BYTES + 1)
         except FileNotFoundError:
-            raise BadInput(f"VM {vm} does not exist on this node (no {path})",
-                           hint="check the VMID (qm list), or pass --conf FILE") from None
+            raise BadInput(f"VM {vm} does not exist on this node (no {path})", hint=missing) from None
         except OSError as e:
             raise BadInput(f"cannot read {path}: {e.strerror}", hint="run as root") from None
         try:
