@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import tempfile
 import warnings
 
@@ -136,10 +137,22 @@ def test_leftovers_names_a_process_by_its_command_line(scratch):
     # A daemon whose source and socket were handed over names only its pidfile.
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--pidfile", pidfile])
     try:
+        # Until the child has exec'd, its /proc cmdline is its parent's (the fork's copy).
+        deadline = time.monotonic() + 10
+        while pidfile.encode() not in _cmdline(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert any(f"process {proc.pid} " in f and pidfile in f for f in leftovers([scratch]))
     finally:
         proc.kill()
         proc.wait()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 @pytest.mark.parametrize("figures, expected, why", [
