@@ -12,6 +12,7 @@ import pytest
 
 from tests.doubles.kernel_sysfs import KernelSysfsDouble
 from tests.doubles.spdk_target import SpdkTargetDouble
+from vstor.runtime.holders import FromRecords
 from vstor.config import Config
 from vstor.meta.document import Domain
 from vstor.errors import ActionFailed, BadInput, DoesNotFit, EXIT_UNAVAILABLE, InUse
@@ -223,7 +224,7 @@ def test_a_crash_between_steps_is_undone_by_the_next_run(env):
     from vstor.runtime.state import Record
     dom = domain(env, local_spdk())
     rt = env.rt()
-    steps = [executor.observe(a, rt, []) for a in actions.build(dom.recorded_plan(), env.cfg)]
+    steps = [executor.observe(a, rt, FromRecords([])) for a in actions.build(dom.recorded_plan(), env.cfg)]
     assert [a.kind for a in steps] == ["vfio-bind", "spdk-attach", "spdk-vhost"]
     rec = Record("vm1", "vm1", None)
     executor.do(steps[0], rt)

@@ -31,6 +31,7 @@ from vstor.records import replace
 from vstor.render.libvirt import device_xml
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
+from vstor.runtime.holders import FromRecords
 from vstor.runtime.journal import Journal, undo_failed
 from vstor.runtime.lifecycle import Runtime, own_record, plan_of, running_ledger
 from vstor.runtime.recorded import private_only
@@ -84,7 +85,7 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
         if methods:
             rt.spdk().require(methods)
         others = [r for r in state.records() if r.key != rec.key]
-        steps = [executor.observe(step, rt, others) for step in steps]
+        steps = [executor.observe(step, rt, FromRecords(others)) for step in steps]
         before, first = rec.holding, len(rec.steps)
         rec.holding = holding_to_json(Holding.from_plan(new, active=True))
         state.save(rec)     # held from now: a concurrent prepare sees the new disk's share

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from vstor import log
 from vstor.errors import ActionFailed, InUse, Unavailable, VstorError
+from vstor.runtime.holders import FromRecords
 from vstor.runtime.state import PREPARED, RELEASING, Record, StateDir
 
 DOING, DONE = "doing", "done"
@@ -166,7 +167,7 @@ class Journal:
         # uses it.  With a damaged record nobody can tell, so only what is
         # the domain's own alone is undone (_undo_all).
         damaged: list[str] = []
-        others = [r for r in self.state.records(damaged) if r.key != self.rec.key]
+        others = FromRecords(r for r in self.state.records(damaged) if r.key != self.rec.key)
         self._damaged = damaged
         errors: list[str] = []
         self.failures = []

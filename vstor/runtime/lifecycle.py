@@ -23,6 +23,7 @@ from vstor.planner import Request, fit
 from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
+from vstor.runtime.holders import FromRecords
 from vstor.runtime.journal import Journal
 # Release, reconnect and health work from the record alone (vstor.runtime.recorded);
 # named here too, where every caller looks for a domain's life.
@@ -108,7 +109,7 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
         methods = {m for step in steps for m in getattr(step, "rpc_methods", ())}
         if methods:     # SPDK missing, or an app without vhost: said before touching anything
             rt.spdk().require(methods)
-        steps = [executor.observe(step, rt, others) for step in steps]
+        steps = [executor.observe(step, rt, FromRecords(others)) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
         if private_only(step.kind for step in steps):
             host_lock.close()       # decided and recorded; the daemons start under the record lock

@@ -112,7 +112,8 @@ def do(a, rt) -> None:
 
 
 def undo(a, rt, others) -> None:
-    """`others`: the other domains' records (a shared thing stays while one uses it)."""
+    """`others`: what the other domains hold (vstor.runtime.holders): a
+    shared thing stays while one uses it."""
     if isinstance(a, VfioBind):
         if _shared(others, a):
             return      # another domain's SPDK still needs it on vfio-pci
@@ -337,12 +338,5 @@ def _shared(others, a) -> bool:
 
 def _others_step(others, a, finished_only: bool) -> dict | None:
     """Another domain's journal entry of the same kind on the same thing
-    (controller name or PCI address), if there is one."""
-    key = "name" if a.kind == "spdk-attach" else "address"
-    mine = a.to_data().get(key)
-    for rec in others:
-        for e in rec.steps:
-            if (e["kind"] == a.kind and e["data"].get(key) == mine
-                    and (e["state"] == "done" or not finished_only)):
-                return e
-    return None
+    (controller name or PCI address), if there is one (vstor.runtime.holders)."""
+    return others.step(a.kind, actions.identity(a)[1], finished_only)
