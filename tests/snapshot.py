@@ -56,13 +56,23 @@ def path_state(path: str, content: bool = True):
     return tuple(out)
 
 
+# A state directory's index (vstor.runtime.index) is derived from its
+# records and rewritten whole: what it says counts, not which inode says it.
+DERIVED = "index"
+
+
 def tree_state(root: str, content: bool = True) -> dict:
-    """Every entry under root (root included), by path; symlinks not followed."""
+    """Every entry under root (root included), by path; symlinks not followed.
+    Below root/index (DERIVED), a file by its content alone."""
     out = {root: path_state(root, content)}
     for dirpath, dirs, files in os.walk(root):
         for name in dirs + files:
             p = os.path.join(dirpath, name)
             out[p] = path_state(p, content)
+            rel = os.path.relpath(p, root)
+            if (rel == DERIVED or rel.startswith(DERIVED + os.sep)) and out[p] and out[p][0] in ("file", "dir"):
+                kind, mode, uid, gid = out[p][:4]
+                out[p] = (kind, mode, uid, gid) + ((out[p][-1],) if kind == "file" and content else ())
     return out
 
 

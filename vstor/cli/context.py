@@ -42,13 +42,13 @@ class Context:
     def ledger(self):
         """The ledger from libvirt; planning offline (another host's capture,
         or no libvirt here) goes on without it, and says so."""
-        from vstor.runtime.inventory import load_ledger
+        from vstor.runtime.inventory import load_ledger, plans_cache
         if self.host_root != "/" and not self.args.connect:
             warn("planning against a host capture: other domains' holdings are not known")
             return load_ledger(None)
         records = self.records()
         try:
-            return load_ledger(self.conn, records)
+            return load_ledger(self.conn, records, plans_cache(self.config))
         except Unavailable as e:
             warn(f"{e}; planning without the ledger of other defined domains")
             return load_ledger(None, records)

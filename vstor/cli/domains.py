@@ -157,10 +157,10 @@ def cmd_apply(ctx, args) -> int:
 
 def _define(ctx, dom: Domain, dry_run: bool) -> int:
     from vstor.runtime import virt
-    from vstor.runtime.inventory import load_ledger
+    from vstor.runtime.inventory import load_ledger, plans_cache
     conn = ctx.conn
     with ctx.planning(dry_run):     # the ledger read, the plan made and defined: one at a time
-        plan, out = rendered(ctx, dom, load_ledger(conn, ctx.records()))
+        plan, out = rendered(ctx, dom, load_ledger(conn, ctx.records(), plans_cache(ctx.config)))
         if dry_run:
             sys.stdout.write(out.to_string())
             return 0

@@ -281,9 +281,7 @@ def _passthrough_problems(host, cfg, vm, ctrl: NvmeController, ledger, taken) ->
 
 
 def _kernel_users(ctrl: NvmeController, ledger: Ledger) -> set[str]:
-    prefix = f"nvme:{ctrl.address}/"
-    users = {d for key, lst in ledger.volumes.items() if key.startswith(prefix) for d, _ in lst}
-    return users - set(ledger.spdk_users.get(ctrl.address, ()))
+    return ledger.namespace_users(ctrl.address) - set(ledger.spdk_users.get(ctrl.address, ()))
 
 
 def _pick_backend(host, cfg, disk, ctrl, ledger, taken):

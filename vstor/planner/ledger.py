@@ -78,6 +78,12 @@ class Ledger:
         """Ordinary (not hugepage) memory the domains hold bound to `node`."""
         return self._bound[node]
 
+    def namespace_users(self, address: str) -> set[str]:
+        """The domains with a volume on a namespace of the NVMe controller at
+        `address` (served by the kernel's driver or SPDK's)."""
+        prefix = f"nvme:{address}/"
+        return {d for key, lst in self.volumes.items() if key.startswith(prefix) for d, _ in lst}
+
     def volume_conflict(self, keys: tuple[str, ...], readonly: bool) -> str | None:
         """The domain that already writes (or would be written under) this
         volume: one that holds any of its keys."""

@@ -30,6 +30,9 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
     recorded.  guard(rec): a context manager entered around each release,
     giving a reason to leave the record after all (checked again under its
     lock), or None.  True when there was anything to collect."""
+    if not rt.dry_run and os.path.isdir(state.path):
+        from vstor.runtime.index import reindex
+        reindex(state)
     stale = [r for r in records if r.domain not in running]
     for problem in damaged:
         say(f"Leaving {problem}")

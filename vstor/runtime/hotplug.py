@@ -31,9 +31,9 @@ from vstor.records import replace
 from vstor.render.libvirt import device_xml
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
-from vstor.runtime.holders import FromRecords
+from vstor.runtime.index import holders_of, ledger_of
 from vstor.runtime.journal import Journal, undo_failed
-from vstor.runtime.lifecycle import Runtime, own_record, plan_of, running_ledger
+from vstor.runtime.lifecycle import Runtime, own_record, plan_of
 from vstor.runtime.recorded import private_only
 from vstor.runtime.state import PREPARED, StateDir
 
@@ -66,7 +66,7 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
             req, plan = plan_of(dom)
             if _undo_interrupted(rt, state, dom, rec, plan, progress):
                 host = read_host(rt.sysfs)      # the undo moved things (a binding): look again
-        new = plan_attach(host, rt.cfg, req, plan, disk, running_ledger(state.records()))
+        new = plan_attach(host, rt.cfg, req, plan, disk, ledger_of(state, (), rt.dry_run))
         added = new.disk(disk.target)
         have = {actions.identity(actions.from_json(e)) for e in rec.steps}
         steps = [s for s in actions.build(replace(new, disks=(added,)), rt.cfg)
@@ -84,8 +84,8 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
         methods = {m for step in steps for m in getattr(step, "rpc_methods", ())}
         if methods:
             rt.spdk().require(methods)
-        others = [r for r in state.records() if r.key != rec.key]
-        steps = [executor.observe(step, rt, FromRecords(others)) for step in steps]
+        others = holders_of(state, rec.key)
+        steps = [executor.observe(step, rt, others) for step in steps]
         before, first = rec.holding, len(rec.steps)
         rec.holding = holding_to_json(Holding.from_plan(new, active=True))
         state.save(rec)     # held from now: a concurrent prepare sees the new disk's share

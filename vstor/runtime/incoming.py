@@ -64,7 +64,6 @@ def reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger, 
 
 def _reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger, source: str):
     from vstor.planner.ledger import Holding, holding_to_json
-    from vstor.runtime.lifecycle import running_ledger
     from vstor.runtime.state import Record
     arriving = plan_here(host, rt, dom, ledger, cold=True)
     plan = arriving.recorded_plan()
@@ -73,8 +72,9 @@ def _reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger:
         if existing is not None and (existing.status != INCOMING or existing.steps):
             raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
                              hint=f"vstor migrate abort {dom.name} on the source first")
-        others = [r for r in state.records() if r.key != dom.safe_name]
-        problems = fit.problems(host, rt.cfg, Request.from_domain(arriving), plan, running_ledger(others))
+        from vstor.runtime.index import ledger_of
+        problems = fit.problems(host, rt.cfg, Request.from_domain(arriving), plan,
+                                ledger_of(state, {dom.safe_name}))
         if problems:
             raise DoesNotFit(f"domain '{dom.name}' cannot be reserved here: {problems[0]}",
                              reasons=tuple(problems))

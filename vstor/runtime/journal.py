@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from vstor import log
 from vstor.errors import ActionFailed, InUse, Unavailable, VstorError
-from vstor.runtime.holders import FromRecords
+from vstor.runtime.index import holders_of
 from vstor.runtime.state import PREPARED, RELEASING, Record, StateDir
 
 DOING, DONE = "doing", "done"
@@ -40,7 +40,6 @@ class Journal:
         self._progress = progress or (lambda _msg: None)
         self.x = executor
         self.failures: list[BaseException] = []     # what the last rollback's undos raised
-        self._damaged: list[str] = []               # the records it could not read
 
     def progress(self, message: str) -> None:
         """Best effort: a reader that went away (a closed pipe) must not stop
@@ -166,9 +165,7 @@ class Journal:
         # What every other domain holds: a shared controller stays while one
         # uses it.  With a damaged record nobody can tell, so only what is
         # the domain's own alone is undone (_undo_all).
-        damaged: list[str] = []
-        others = FromRecords(r for r in self.state.records(damaged) if r.key != self.rec.key)
-        self._damaged = damaged
+        others = holders_of(self.state, self.rec.key)
         errors: list[str] = []
         self.failures = []
         pending = list(self.rec.steps)
@@ -214,11 +211,11 @@ class Journal:
                 steps.append(None)
                 out.append((entry.get("kind", "step"), e))
                 continue
-            if self._damaged and step.kind not in getattr(self.x, "PRIVATE", ()):
+            if step.kind not in getattr(self.x, "PRIVATE", ()) and others.damaged:
                 from vstor.runtime.state import DamagedRecord
                 steps.append(None)
                 out.append((step.describe(), DamagedRecord(
-                    f"left: another domain may still use it, and {self._damaged[0]}")))
+                    f"left: another domain may still use it, and {others.damaged[0]}")))
                 continue
             steps.append(step)
             out.append((step.describe(), None))

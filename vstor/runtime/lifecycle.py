@@ -23,7 +23,7 @@ from vstor.planner import Request, fit
 from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
-from vstor.runtime.holders import FromRecords
+from vstor.runtime.index import holders_of, ledger_of
 from vstor.runtime.journal import Journal
 # Release, reconnect and health work from the record alone (vstor.runtime.recorded);
 # named here too, where every caller looks for a domain's life.
@@ -88,8 +88,7 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             _check_releasable(rt, leftover)
             _rollback(rt, state, leftover, progress)
             host = read_host(rt.sysfs)      # the undo moved things: look again
-        others = [r for r in state.records() if r.key != key]
-        problems = fit.problems(host, rt.cfg, req, plan, running_ledger(others))
+        problems = fit.problems(host, rt.cfg, req, plan, ledger_of(state, {key}, rt.dry_run))
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise DoesNotFit(f"{req.who} cannot start: {problems[0]}{more}",
@@ -109,7 +108,8 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
         methods = {m for step in steps for m in getattr(step, "rpc_methods", ())}
         if methods:     # SPDK missing, or an app without vhost: said before touching anything
             rt.spdk().require(methods)
-        steps = [executor.observe(step, rt, FromRecords(others)) for step in steps]
+        others = holders_of(state, key)
+        steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them
         if private_only(step.kind for step in steps):
             host_lock.close()       # decided and recorded; the daemons start under the record lock

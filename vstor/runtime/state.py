@@ -95,6 +95,15 @@ class StateDir:
     def __init__(self, path: str):
         self.path = path
         self.domains = os.path.join(path, "domains")
+        self._index = None
+
+    @property
+    def index(self):
+        """What every record holds, kept beside them (vstor.runtime.index)."""
+        if self._index is None:
+            from vstor.runtime.index import Index
+            self._index = Index(self)
+        return self._index
 
     def _ensure(self) -> None:
         try:
@@ -114,8 +123,8 @@ class StateDir:
             return
         self._ensure()
         with flocked(path, f"{self.path}/lock", timeout, create=True), _holding(path):
-            if not dry_run:
-                self._drop_temporaries()
+            if self._index is not None:
+                self._index.forget()        # what others changed since it was last held
             yield self
 
     @contextlib.contextmanager
@@ -146,6 +155,9 @@ class StateDir:
         with range_locked(os.path.join(self.path, "lock"), key,
                           f"the state record of '{key}' (a vstor run for it is under way):",
                           timeout), _holding(held):
+            if not dry_run:     # what a killed save of this record left (its record is whole)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._file(key) + ".tmp")
             yield self
 
     def busy(self, key: str) -> bool:
@@ -161,10 +173,12 @@ class StateDir:
         finally:
             os.close(fd)        # and with it the byte, if it was taken
 
-    def _drop_temporaries(self) -> None:
+    def drop_temporaries(self) -> None:
         """A record is saved under its record lock, so a temporary file
         whose record nobody holds is what a killed writer left: its record
-        (the file it was to replace) is still whole.  Only names save() makes."""
+        (the file it was to replace) is still whole.  Only names save()
+        makes.  Each record lock drops its own; this (the index's rebuild,
+        gc) the ones of records nobody locked since."""
         try:
             names = os.listdir(self.domains)
         except FileNotFoundError:
@@ -230,9 +244,14 @@ class StateDir:
         return out
 
     def save(self, rec: Record) -> None:
-        """Atomic: write a temporary file, fsync it, rename it over the record."""
+        """Atomic: write a temporary file, fsync it, rename it over the
+        record.  A change to what the record holds (vstor.runtime.index.summary)
+        goes into the index too, under the host lock."""
         self._ensure()
         rec.updated = time.time()
+        self._change(rec.key, rec, lambda: self._write(rec))
+
+    def _write(self, rec: Record) -> None:
         path = self._file(rec.key)
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
@@ -243,9 +262,21 @@ class StateDir:
         _fsync_dir(self.domains)
 
     def remove(self, key: str) -> None:
+        self._change(key, None, lambda: self._unlink(key))
+
+    def _unlink(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._file(key))
         _fsync_dir(self.domains)
+
+    def _change(self, key: str, rec: Record | None, write) -> None:
+        from vstor.runtime.index import plain, summary
+        new = plain(summary(rec))
+        if self.index.indexed(key) == new:
+            write()     # holds what it held: its own record lock is enough
+            return
+        with self.lock():
+            self.index.change(key, new, write)
 
 
 _HELD: dict[str, int] = {}      # lock paths this process holds (re-entrancy)
