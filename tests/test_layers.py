@@ -14,8 +14,8 @@ PKG = os.path.join(ROOT, "vstor")
 
 PURE = ("vstor.meta", "vstor.planner", "vstor.render", "vstor.host.model",
         "vstor.runtime.actions", "vstor.backends.qsd.export", "vstor.backends.vfio_record",
-        "vstor.migration.verdict", "vstor.pve.config", "vstor.pve.vm",
-        "vstor.pve.storage", "vstor.nova.config", "vstor.nova.instance")
+        "vstor.migration.verdict", "vstor.formats.pve.config", "vstor.formats.pve.vm",
+        "vstor.formats.pve.storage", "vstor.nova.config", "vstor.nova.instance")
 # What touches the host or a service: process control, sockets, signals, locks,
 # libvirt, SPDK's client, QMP, and vstor's own host-changing modules.
 FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", "ctypes",

@@ -149,7 +149,7 @@ def _libvirt_says(ctx, names: list[str]) -> dict[str, str]:
     cannot be asked.  Proxmox VMs are qemu-server's (_pve_elsewhere)."""
     from vstor.errors import Unavailable
     from vstor.pve.node import Node
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     from vstor.runtime import virt
     if any(vmid_of(n) for n in names) and Node(ctx.config).is_proxmox():
         names = [n for n in names if not vmid_of(n)]
@@ -166,7 +166,7 @@ def _pve_elsewhere(ctx, records) -> dict[str, str]:
     """Proxmox VMs vstor holds for that do not run on this node (stopped
     without post-stop, or migrated away: the source gets no stop phases)."""
     from vstor.pve.node import Node
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if not node.is_proxmox():
         return {}
@@ -207,7 +207,7 @@ def _is_running(ctx, name: str) -> bool | None:
     import libvirt
     from vstor.errors import Unavailable
     from vstor.pve.node import Node
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if vmid_of(name) and node.is_proxmox():
         return node.running(vmid_of(name))
@@ -223,7 +223,7 @@ def _is_running(ctx, name: str) -> bool | None:
 
 def cmd_release(ctx, args) -> int:
     from vstor.pve.node import Node, RunGuard
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if vmid_of(args.domain) and node.is_proxmox() and not args.force:
         # Under the VM's config lock: no start between the check and the release.
@@ -291,7 +291,7 @@ def _running(ctx, records, node) -> set[str]:
     by libvirt; each release is checked again under the VM's config lock
     (RunGuard), so no start begins on what gc releases."""
     from vstor.errors import Unavailable
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     pve = {vmid_of(r.domain) for r in records if vmid_of(r.domain)}
     if pve and not node.is_proxmox():
         raise Unavailable(f"vstor holds Proxmox VMs here but {node.etc}/qemu-server is missing "

@@ -38,7 +38,7 @@ def run(argv: list[str]) -> int:
         return 0
     vlog.setup(f"hookscript {phase}")
     try:
-        from vstor.pve.vm import vmid as parse_vmid
+        from vstor.formats.pve.vm import vmid as parse_vmid
         vm = parse_vmid(vmid)
         if phase == "pre-start":
             pre_start(vm, os.environ.get("PVE_MIGRATED_FROM") or None)
@@ -123,7 +123,7 @@ def _check_movable(cfg, vm: int, plan, source: str) -> None:
 
 
 def post_stop(vm: int) -> None:
-    from vstor.pve.vm import name_of
+    from vstor.formats.pve.vm import name_of
     from vstor.runtime.lifecycle import release
     _, rt, state, _ = _runtime()
     name = name_of(vm)
