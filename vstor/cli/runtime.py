@@ -271,15 +271,19 @@ def _key_of(ctx, name: str) -> str:
 
 
 def cmd_gc(ctx, args) -> int:
-    from vstor.runtime import gc
+    from functools import partial
+
+    from vstor.migration import peer
     from vstor.pve.node import Node, RunGuard
+    from vstor.runtime import gc
     state = _state(ctx)
     node = Node(ctx.config)
     damaged: list[str] = []
     records = state.records(damaged)        # before what runs is asked: see gc.collect
     running = _running(ctx, records, node)
     if not gc.collect(_runtime(ctx, args.dry_run), state, records, running, say=print, step=_say,
-                      guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged):
+                      guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged,
+                      ask=partial(peer.status, ctx.config)):
         print("Nothing to collect")
     return 0
 
