@@ -36,14 +36,11 @@ def register(sub) -> None:
 
 
 def _state(ctx):
-    from vstor.runtime.state import StateDir
-    return StateDir(ctx.config.state_dir)
+    return ctx.here.state()
 
 
 def _runtime(ctx, dry_run=False, force=False):
-    from vstor.runtime.lifecycle import Runtime
-    from vstor.host.sysfs import SysFS
-    return Runtime(ctx.config, SysFS(ctx.host_root), dry_run=dry_run, force=force)
+    return ctx.here.runtime(dry_run, force)
 
 
 def _say(message: str) -> None:
