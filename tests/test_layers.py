@@ -1,7 +1,9 @@
-"""The layers hold: the pure core (metadata model, planner, renderers, host
-model, plan-to-steps) can reach nothing that changes the host or talks to a
-service, whatever it imports and wherever (function-level imports count),
-and no module of the product grows past a few hundred lines."""
+"""The layers hold: every module of vstor sits in one part of LAYERS and
+imports only from its own part and from the layers below it, wherever the
+import is (function-level imports count); the pure core (metadata model,
+planner, renderers, host model, Proxmox's formats, plan-to-steps) can reach
+nothing that changes the host or talks to a service; and no module of the
+product grows past a few hundred lines."""
 
 import ast
 import os
@@ -12,10 +14,30 @@ import pytest
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 PKG = os.path.join(ROOT, "vstor")
 
-PURE = ("vstor.meta", "vstor.planner", "vstor.render", "vstor.host.model",
+# vstor's parts, the bottom layer first.  A module is in the longest part
+# whose name it is or is inside (vstor.pve.hookscript is not vstor.pve).  It
+# may import its own part and the parts of lower layers; never a higher
+# layer, nor another part of its own layer: those are independent (the
+# renderers ask the planner nothing, Proxmox's code nothing of Nova's).
+LAYERS = (
+    ("vstor.errors", "vstor.records", "vstor.cpulist", "vstor.sha", "vstor.log_handlers"),
+    ("vstor.atomic", "vstor.log", "vstor.locking", "vstor.formats"),
+    ("vstor.host.model",),
+    ("vstor.meta",),
+    ("vstor.config",),
+    ("vstor.host", "vstor.planner", "vstor.render"),
+    ("vstor.backends",),
+    ("vstor.runtime",),
+    ("vstor.migration", "vstor.pve", "vstor.nova"),
+    ("vstor.hook",),                                # the libvirt hook, past hooks/vstor
+    ("vstor.cli", "vstor.pve.hookscript"),          # the CLI; Proxmox's hookscript
+    ("vstor.docgen",),                              # built from the CLI's parsers
+)
+LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+
+PURE = ("vstor.meta", "vstor.planner", "vstor.render", "vstor.host.model", "vstor.formats",
         "vstor.runtime.actions", "vstor.backends.qsd.export", "vstor.backends.vfio_record",
-        "vstor.migration.verdict", "vstor.pve.config", "vstor.pve.vm",
-        "vstor.pve.storage", "vstor.nova.config", "vstor.nova.instance")
+        "vstor.migration.verdict", "vstor.pve.request", "vstor.nova.config", "vstor.nova.instance")
 # What touches the host or a service: process control, sockets, signals, locks,
 # libvirt, SPDK's client, QMP, and vstor's own host-changing modules.
 FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", "ctypes",
@@ -24,7 +46,8 @@ FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", 
              "vstor.backends.spdk", "vstor.backends.spdk_app", "vstor.backends.vfio", "vstor.backends.qsd.daemon",
              "vstor.runtime.state", "vstor.runtime.journal", "vstor.runtime.steps",
              "vstor.runtime.lifecycle", "vstor.locking", "vstor.runtime.inventory",
-             "vstor.runtime.virt", "vstor.runtime.gc", "vstor.cli", "vstor.hook")
+             "vstor.runtime.virt", "vstor.runtime.gc", "vstor.runtime.context", "vstor.migration.peer",
+             "vstor.cli", "vstor.hook")
 MAX_LINES = 350
 
 
@@ -39,21 +62,31 @@ def _modules() -> dict[str, str]:
     return out
 
 
-def _imports(mod: str, path: str, modules: dict) -> set[str]:
+def _named(mod: str, path: str, modules: dict) -> dict[str, int]:
+    """Each module name `mod`'s imports name (and any other imported name,
+    left to the callers to tell apart), with the line of its first import."""
     tree = ast.parse(open(path).read(), path)
     pkg = mod if path.endswith("__init__.py") else mod.rsplit(".", 1)[0]
-    found = set()
+    found: dict[str, int] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1])
                 base = f"{base}.{node.module}" if node.module else base
             else:
                 base = node.module
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules)
+            names = [base] + [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+        else:
+            continue
+        for name in names:
+            found[name] = min(found.get(name, node.lineno), node.lineno)
+    return found
+
+
+def _imports(mod: str, path: str, modules: dict) -> set[str]:
+    found = set(_named(mod, path, modules))
     # Importing a.b.c runs a/__init__ and a/b/__init__ too.
     for name in list(found):
         parts = name.split(".")
@@ -102,6 +135,116 @@ def test_the_walk_sees_a_forbidden_import(tmp_path):
     path.write_text("def f():\n    from vstor.backends import vfio\n")
     modules = {"vstor.fake": str(path), **_modules()}
     assert "vstor.backends.vfio" in _reach("vstor.fake", modules)
+
+
+# -- the order of the parts ---------------------------------------------------------------
+
+def _part(mod: str) -> str | None:
+    names = [p for p in LAYER if mod == p or mod.startswith(p + ".")]
+    return max(names, key=len, default=None)
+
+
+def _undeclared(modules: dict) -> list[str]:
+    return sorted(m for m in modules if m != "vstor" and _part(m) is None)
+
+
+def _edges(mod: str, modules: dict) -> list[tuple[str, int, str]]:
+    """(module, line, through) for each vstor module that importing `mod`
+    runs: each it names, and each package __init__ on the way that is in
+    another part (vstor.host for vstor.host.model).  A package whose
+    __init__ imports nothing of vstor is no dependency."""
+    def inert(pkg: str) -> bool:
+        return modules[pkg].endswith("__init__.py") and not any(
+            n.startswith("vstor.") for n in _named(pkg, modules[pkg], modules))
+    out = []
+    for name, line in _named(mod, modules[mod], modules).items():
+        while name not in modules and "." in name:     # from vstor.x import f: f is no module
+            name = name.rsplit(".", 1)[0]
+        if name not in modules or name == "vstor":
+            continue
+        parts = name.split(".")
+        for pkg in (".".join(parts[:i]) for i in range(2, len(parts))):
+            if pkg in modules and _part(pkg) != _part(name) and not inert(pkg):
+                out.append((pkg, line, f" (the package of {name})"))
+        if not inert(name):
+            out.append((name, line, ""))
+    return out
+
+
+def _upward(modules: dict) -> list[str]:
+    """Each import of a module from a higher layer, or from another part of
+    its own layer, as `importer (its part) -> imported (its part) ...,
+    file:line`."""
+    bad = []
+    for mod, path in sorted(modules.items()):
+        mine = _part(mod)
+        if mine is None:
+            continue            # _undeclared says so
+        for dep, line, through in _edges(mod, modules):
+            theirs = _part(dep)
+            if theirs == mine or (theirs is not None and LAYER[theirs] < LAYER[mine]):
+                continue
+            why = ("in no layer" if theirs is None else "a higher layer" if LAYER[theirs] > LAYER[mine]
+                   else "beside it in its layer")
+            bad.append(f"{mod} ({mine}) -> {dep}{through} ({theirs}: {why}), "
+                       f"{os.path.relpath(path, ROOT)}:{line}")
+    return bad
+
+
+def test_every_module_is_in_a_part_of_the_layers():
+    modules = _modules()
+    assert _undeclared(modules) == []
+    assert [p for p in LAYER if p not in modules] == []       # no name left from a move
+
+
+def test_no_import_runs_upward_or_sideways():
+    assert _upward(_modules()) == []
+
+
+@pytest.mark.parametrize("mod, code, says", [
+    # The five upward imports of issue 23, as they were (at the top, or in a function).
+    ("vstor.migration.fake", "def f(ctx):\n    from vstor.cli.runtime import _runtime, _state\n",
+     "vstor.migration.fake (vstor.migration) -> vstor.cli.runtime (vstor.cli: a higher layer)"),
+    ("vstor.backends.fake", "from vstor.runtime.actions import SpdkAttach, SpdkVhost\n",
+     "vstor.backends.fake (vstor.backends) -> vstor.runtime.actions (vstor.runtime: a higher layer)"),
+    ("vstor.render.fake", "from vstor.pve import manage\n",
+     "vstor.render.fake (vstor.render) -> vstor.pve.manage (vstor.pve: a higher layer)"),
+    ("vstor.runtime.fake", "def f():\n    from vstor.migration.peer import Peer\n",
+     "vstor.runtime.fake (vstor.runtime) -> vstor.migration.peer (vstor.migration: a higher layer)"),
+    # A relative import, `import a.b`, and parts of one layer.
+    ("vstor.meta.fake", "from ..planner import plan_domain\n",
+     "vstor.meta.fake (vstor.meta) -> vstor.planner (vstor.planner: a higher layer)"),
+    ("vstor.formats.fake", "import vstor.meta.names\n",
+     "vstor.formats.fake (vstor.formats) -> vstor.meta.names (vstor.meta: a higher layer)"),
+    ("vstor.render.fake", "from vstor.planner.ledger import Ledger\n",
+     "vstor.render.fake (vstor.render) -> vstor.planner.ledger (vstor.planner: beside it in its layer)"),
+    ("vstor.pve.fake", "def f():\n    from vstor.nova import instance\n",
+     "vstor.pve.fake (vstor.pve) -> vstor.nova.instance (vstor.nova: beside it in its layer)"),
+    ("vstor.pve.fake", "from vstor.pve.hookscript import run\n",
+     "vstor.pve.fake (vstor.pve) -> vstor.pve.hookscript (vstor.pve.hookscript: a higher layer)"),
+])
+def test_an_upward_import_is_found_with_where_it_is(tmp_path, mod, code, says):
+    path = tmp_path / "fake.py"
+    path.write_text(code)
+    bad = _upward({**_modules(), mod: str(path)})
+    assert len(bad) == 1 and bad[0].startswith(says), bad
+    assert bad[0].endswith(f"fake.py:{code.count(chr(10))}")
+
+
+def test_a_package_that_imports_is_a_dependency_of_its_modules(tmp_path):
+    """vstor.meta.plan imports vstor.host.model, which runs vstor/host/__init__:
+    harmless while that imports nothing, upward once it does."""
+    init = tmp_path / "__init__.py"
+    init.write_text("from vstor.host import sysfs\n")
+    bad = _upward({**_modules(), "vstor.host": str(init)})
+    assert [b for b in bad if b.startswith("vstor.meta.plan (vstor.meta) -> vstor.host (the package "
+                                           "of vstor.host.model) (vstor.host: a higher layer)")], bad
+
+
+def test_a_new_package_must_be_given_a_layer(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("")
+    assert _undeclared({**_modules(), "vstor.gadgets.m": str(path)}) == ["vstor.gadgets.m"]
 
 
 def test_no_product_module_is_over_350_lines():

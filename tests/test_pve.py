@@ -17,7 +17,7 @@ from lxml import etree
 
 from tests.pve.oracle import agrees_with_plan, showcmd, vfio_hosts
 from vstor.cli.main import main
-from vstor.pve.config import PveConfig
+from vstor.formats.pve.config import PveConfig
 
 NS = "https://vstor.dev/xmlns/domain/1"
 TEMPLATES = os.path.join(os.path.dirname(__file__), "..", "xml-templates")

@@ -8,7 +8,7 @@ import pytest
 
 from vstor.errors import BadInput
 from tests.pve import CFG2CMD, proxmox_configs
-from vstor.pve.config import PveConfig
+from vstor.formats.pve.config import PveConfig
 
 def test_every_proxmox_test_config_reads_and_writes_back_byte_for_byte():
     configs = proxmox_configs(recursive=True)

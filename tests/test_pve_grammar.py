@@ -1,4 +1,4 @@
-"""vstor/pve/grammar.py held to Proxmox's own Perl (tests/pve/oracle.py):
+"""vstor/formats/pve/grammar.py held to Proxmox's own Perl (tests/pve/oracle.py):
 property strings on thousands of generated values, pci.cfg mappings, and
 every hostpciN form through qemu-server's own command line."""
 
@@ -8,8 +8,8 @@ import pytest
 
 from tests.pve.oracle import perl, showcmd, vfio_hosts
 from vstor.errors import BadInput
-from vstor.pve import grammar
-from vstor.pve.config import PveConfig
+from vstor.formats.pve import grammar
+from vstor.formats.pve.config import PveConfig
 
 FORMATS = {"pve-qm-hostpci": grammar.HOSTPCI, "pve-qm-numanode": grammar.NUMA,
            "pve-qemu-machine-fmt": grammar.MACHINE, "pve-qm-smbios1": grammar.SMBIOS1}

@@ -18,7 +18,7 @@ from tests.hostlayout import build_tree
 from tests.pve.oracle import agrees_with_plan, showcmd, vfio_hosts
 from tests.test_pve import PCI, Pve, judge
 from vstor.config import Config
-from vstor.pve.config import PveConfig
+from vstor.formats.pve.config import PveConfig
 from vstor.pve.node import Node
 
 try:                # the hookscript's QEMU, as at a start
@@ -204,12 +204,12 @@ def test_an_apply_killed_before_its_config_leaves_no_line_unknown(node, monkeypa
 def test_a_plan_recorded_on_node_11_before_is_refused_at_pre_start(big, monkeypatch, capsys):
     """A plan an earlier vstor recorded there (hugepages on node 11): Proxmox's
     start would die in hugepages_topology; pre-start says why first."""
-    import vstor.pve.vm
+    import vstor.pve.request
     import vstor.render.pve
     big.vm("cores: 2\nmemory: 1024\nhookscript: local:snippets/vstor\n")
     big.intent("<vstor:disk target='vdb'><vstor:nvme controller='0000:5e:00.0'/></vstor:disk>", vm="<vstor:vm/>")
     with monkeypatch.context() as m:            # the planner and renderer before the fix
-        m.setattr(vstor.pve.vm, "HUGEPAGE_NODES", None)
+        m.setattr(vstor.pve.request, "HUGEPAGE_NODES", None)
         m.setattr(vstor.render.pve, "HUGEPAGE_NODES", 1 << 20)
         assert big.vstor("pve", "apply", "100", "--qemu-version", QEMU) == 0, capsys.readouterr().err
     assert "hostnodes=11" in big.config() and showcmd(big.config(), qemu=QEMU).code == 4

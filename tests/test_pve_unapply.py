@@ -15,7 +15,7 @@ import pytest
 
 from tests.pve.oracle import showcmd
 from tests.test_pve import CONF, PCI, Pve, _applied, _left, _running_qemu, judge, needs_root
-from vstor.pve.config import PveConfig
+from vstor.formats.pve.config import PveConfig
 
 CASES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "pve", "cfg2cmd")
 QEMU = ("--qemu-version", "9.2")

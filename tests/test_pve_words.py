@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from vstor.pve.words import shellwords
+from vstor.formats.pve.words import shellwords
 
 PERL = r'''use Text::ParseWords; use JSON::PP; local $/; my $in = decode_json(<STDIN>);
 print encode_json([map { [shellwords($_)] } @$in]);'''

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tests.test_pve import Pve
-from vstor.pve.config import PveConfig
+from vstor.formats.pve.config import PveConfig
 
 QEMU = ("--qemu-version", "9.2")
 
@@ -280,7 +280,7 @@ def test_args_split_on_ascii_blanks_only_as_perl_splits_qemu_servers_bytes():
     import random
     import shutil
     import subprocess
-    from vstor.pve.words import shellwords
+    from vstor.formats.pve.words import shellwords
     from vstor.render.pve import has_vstor_args
     if not shutil.which("perl"):
         pytest.fail("perl is missing")

@@ -288,11 +288,12 @@ def test_doctor_names_the_app_what_it_lacks_and_the_supported_range(tmp_path, ap
     from vstor.backends.spdk_app import SUPPORTED, app_facts
     from vstor.config import Config
     from vstor.host.doctor import check_spdk
+    from vstor.runtime.actions import SpdkAttach, SpdkVhost
     double = SpdkTargetDouble(str(tmp_path / "s.sock"), str(tmp_path / "vhost"), app=app,
                               version="v26.09").start()
     try:
         with SpdkClient(double.socket_path) as client:
-            facts = app_facts(client)
+            facts = app_facts(client, SpdkAttach.rpc_methods + SpdkVhost.rpc_methods)
         check = check_spdk(Config(spdk_socket=double.socket_path, default_backend="spdk"),
                            lambda: facts, SUPPORTED)
     finally:

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.pve import oracle
-from vstor.pve.config import PveConfig
+from vstor.formats.pve.config import PveConfig
 
 from .conftest import unavailable
 from .guest import expected_pattern, job, parse_console

@@ -11,7 +11,6 @@ import stat
 
 from vstor.backends.qsd.proc import cmdline
 from vstor.errors import Unavailable
-from vstor.runtime.actions import SpdkAttach, SpdkVhost
 
 try:
     from spdk.rpc.client import JSONRPCClient, JSONRPCException
@@ -26,8 +25,6 @@ CONFIG_FILE = "/etc/vstor/vstor.conf"
 # The SPDK releases vstor supports, oldest and newest, as (year, month): the
 # tests run against the SPDK test double told to be each of them.
 SUPPORTED = ((24, 1), (26, 9))
-#: What vstor sends to serve a disk over vhost-user-blk: what its SPDK steps declare.
-VHOST_METHODS = SpdkAttach.rpc_methods + SpdkVhost.rpc_methods
 
 
 def release_of(version: str) -> tuple[int, int] | None:
@@ -36,13 +33,14 @@ def release_of(version: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def app_facts(client) -> dict:
-    """What `vstor doctor` says about the SPDK application: its version, the
-    vhost methods it lacks, and (from its command line in /proc, when vstor
-    can read it) the app's name and its -S socket directory."""
+def app_facts(client, needed) -> dict:
+    """What `vstor doctor` says about the SPDK application: its version, which
+    of the `needed` methods it lacks (those vstor's SPDK steps send to serve a
+    disk: the runtime declares them), and (from its command line in /proc,
+    when vstor can read it) the app's name and its -S socket directory."""
     version = client.get_version()
     facts = {"version": version.removeprefix("SPDK ").strip(), "release": release_of(version),
-             "missing": client.missing(VHOST_METHODS), "app": None, "socket_dir": None}
+             "missing": client.missing(needed), "app": None, "socket_dir": None}
     pid = client.app_pid()
     # [] when vstor cannot read it: another pid namespace (a container), or no pid given.
     argv = cmdline(pid) if pid else []

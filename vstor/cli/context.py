@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from functools import cached_property
 
 from vstor import config as config_mod
 from vstor.errors import Unavailable
+from vstor.runtime.context import HostContext, host_root
 
 
 class Context:
@@ -20,24 +20,20 @@ class Context:
 
     @property
     def host_root(self) -> str:
-        return self.args.host_root or os.environ.get("VSTOR_HOST_ROOT") or "/"
+        return host_root(self.args.host_root)
 
     @cached_property
+    def here(self) -> HostContext:
+        """This host as the runtime acts on it, from the global options."""
+        return HostContext(self.config, self.host_root, self.args.connect)
+
+    @property
     def host(self):
-        from vstor.errors import BadInput
-        from vstor.host.read import read_host
-        from vstor.host.sysfs import SysFS
-        root = self.host_root
-        if not os.path.isdir(os.path.join(root, "sys/devices/system/cpu")):
-            raise BadInput(f"{root} holds no sysfs tree (no sys/devices/system/cpu)",
-                           hint="extract a `vstor host capture` there, or build a layout "
-                                "with python3 -m tests.hostlayout from a vstor checkout")
-        return read_host(SysFS(root))
+        return self.here.host
 
-    @cached_property
+    @property
     def conn(self):
-        from vstor.runtime import virt
-        return virt.connect(self.args.connect)
+        return self.here.conn
 
     def ledger(self):
         """The ledger from libvirt; planning offline (another host's capture,
@@ -57,15 +53,13 @@ class Context:
     def planning(self, dry_run: bool = False):
         """The host's planning lock (vstor.runtime.state): held from before
         the ledger is read until the plan is written."""
-        from vstor.runtime.state import StateDir
-        return StateDir(self.config.state_dir).planning(dry_run=dry_run)
+        return self.here.state().planning(dry_run=dry_run)
 
     def records(self) -> list:
         """The state records, for planning: unreadable (not root) is a
         warning, as the start checks them again, as root."""
-        from vstor.runtime.state import StateDir
         try:
-            return StateDir(self.config.state_dir).records()
+            return self.here.state().records()
         except OSError as e:
             warn(f"cannot read {self.config.state_dir} ({e.strerror}); planning without what "
                  "domains prepared outside libvirt hold")

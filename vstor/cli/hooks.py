@@ -194,7 +194,7 @@ def _held_domains(ctx) -> list[str]:
     """The libvirt domains vstor holds backends for (its state records; a
     Proxmox VM's are released by the hookscript, not this hook).  A record
     that cannot be read may be one: it counts."""
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     from vstor.runtime.state import StateDir
     damaged: list[str] = []
     try:

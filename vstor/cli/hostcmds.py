@@ -46,11 +46,12 @@ def cmd_doctor(ctx, args) -> int:
 def _spdk_check(cfg):
     from vstor.backends import spdk_app
     from vstor.backends.spdk import SpdkClient
+    from vstor.runtime.actions import SpdkAttach, SpdkVhost
 
     def probe() -> dict:
         with SpdkClient(cfg.spdk_socket, timeout=min(cfg.spdk_timeout, 5.0),
                         vhost_dir=cfg.vhost_dir, config=cfg.file) as client:
-            return spdk_app.app_facts(client)
+            return spdk_app.app_facts(client, SpdkAttach.rpc_methods + SpdkVhost.rpc_methods)
     return doctor.check_spdk(cfg, probe, spdk_app.SUPPORTED)
 
 

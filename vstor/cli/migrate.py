@@ -314,4 +314,4 @@ def _libvirt_uuid(ctx, name: str) -> str | None:
 
 def cmd_agent(ctx, args) -> int:
     from vstor.migration import agent
-    return agent.serve(ctx, sys.stdin.buffer)
+    return agent.serve(ctx.here, sys.stdin.buffer)

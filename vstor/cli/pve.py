@@ -69,7 +69,7 @@ def _qemu(node, args) -> tuple[int, int]:
 
 def _planned(ctx, args):
     from vstor.pve import manage
-    from vstor.pve.vm import vmid
+    from vstor.formats.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
     vmo = manage.load(node, vm, args.conf, args.intent, tolerant=True,
@@ -104,7 +104,7 @@ def plan_json(vmo, plan, old: str, new: str, plan_data: dict) -> dict:
          "changed": [key],              # the keys apply would write or remove
          "config": str}                 # the whole config apply would write
     """
-    from vstor.pve.config import PveConfig
+    from vstor.formats.pve.config import PveConfig
     after, before = PveConfig.parse(new), PveConfig.parse(old)
     keys = sorted({k for k in after.keys() + before.keys() if _owned(k)} | set(_PLACEMENT))
     return {"version": 1, "vmid": vmo.vmid, "domain": plan.domain, "config_path": vmo.conf_path,
@@ -122,7 +122,7 @@ _PLACEMENT = ("numa", "numa0", "hugepages", "affinity", "args")
 
 
 def cmd_apply(ctx, args) -> int:
-    from vstor.pve.vm import vmid
+    from vstor.formats.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
     if bool(args.conf) != bool(args.intent) and not args.dry_run:
@@ -188,7 +188,7 @@ def _check_hookscript(node, vm: int, have: str | None, hook: str) -> None:
 
 
 def cmd_unapply(ctx, args) -> int:
-    from vstor.pve.vm import vmid
+    from vstor.formats.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
     with nullcontext() if args.dry_run else node.lock(vm):     # as `qm set` does
@@ -204,7 +204,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
     plan records: a run killed on the way leaves what the next one finishes."""
     from vstor.cli.runtime import _runtime, _say, _state
     from vstor.pve import leave, manage, snippet
-    from vstor.pve.vm import name_of
+    from vstor.formats.pve.vm import name_of
     from vstor.runtime.recorded import release
     conf, path = node.read_config(vm)
     _check_unlocked(conf, vm)
@@ -254,7 +254,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
 def _check_own(held, conf, vm: int) -> None:
     """A record by the VM's name is the VM's only with its UUID (smbios1):
     any libvirt client may name a domain pve-VMID."""
-    from vstor.pve.vm import uuid_of
+    from vstor.formats.pve.vm import uuid_of
     mine = uuid_of(conf, f"VM {vm}")
     for r in held:
         if (r.uuid or "").lower() != (mine or ""):

@@ -36,14 +36,11 @@ def register(sub) -> None:
 
 
 def _state(ctx):
-    from vstor.runtime.state import StateDir
-    return StateDir(ctx.config.state_dir)
+    return ctx.here.state()
 
 
 def _runtime(ctx, dry_run=False, force=False):
-    from vstor.runtime.lifecycle import Runtime
-    from vstor.host.sysfs import SysFS
-    return Runtime(ctx.config, SysFS(ctx.host_root), dry_run=dry_run, force=force)
+    return ctx.here.runtime(dry_run, force)
 
 
 def _say(message: str) -> None:
@@ -149,7 +146,7 @@ def _libvirt_says(ctx, names: list[str]) -> dict[str, str]:
     cannot be asked.  Proxmox VMs are qemu-server's (_pve_elsewhere)."""
     from vstor.errors import Unavailable
     from vstor.pve.node import Node
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     from vstor.runtime import virt
     if any(vmid_of(n) for n in names) and Node(ctx.config).is_proxmox():
         names = [n for n in names if not vmid_of(n)]
@@ -166,7 +163,7 @@ def _pve_elsewhere(ctx, records) -> dict[str, str]:
     """Proxmox VMs vstor holds for that do not run on this node (stopped
     without post-stop, or migrated away: the source gets no stop phases)."""
     from vstor.pve.node import Node
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if not node.is_proxmox():
         return {}
@@ -207,7 +204,7 @@ def _is_running(ctx, name: str) -> bool | None:
     import libvirt
     from vstor.errors import Unavailable
     from vstor.pve.node import Node
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if vmid_of(name) and node.is_proxmox():
         return node.running(vmid_of(name))
@@ -223,7 +220,7 @@ def _is_running(ctx, name: str) -> bool | None:
 
 def cmd_release(ctx, args) -> int:
     from vstor.pve.node import Node, RunGuard
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if vmid_of(args.domain) and node.is_proxmox() and not args.force:
         # Under the VM's config lock: no start between the check and the release.
@@ -271,15 +268,19 @@ def _key_of(ctx, name: str) -> str:
 
 
 def cmd_gc(ctx, args) -> int:
-    from vstor.runtime import gc
+    from functools import partial
+
+    from vstor.migration import peer
     from vstor.pve.node import Node, RunGuard
+    from vstor.runtime import gc
     state = _state(ctx)
     node = Node(ctx.config)
     damaged: list[str] = []
     records = state.records(damaged)        # before what runs is asked: see gc.collect
     running = _running(ctx, records, node)
     if not gc.collect(_runtime(ctx, args.dry_run), state, records, running, say=print, step=_say,
-                      guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged):
+                      guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged,
+                      ask=partial(peer.status, ctx.config)):
         print("Nothing to collect")
     return 0
 
@@ -291,7 +292,7 @@ def _running(ctx, records, node) -> set[str]:
     by libvirt; each release is checked again under the VM's config lock
     (RunGuard), so no start begins on what gc releases."""
     from vstor.errors import Unavailable
-    from vstor.pve.vm import vmid_of
+    from vstor.formats.pve.vm import vmid_of
     pve = {vmid_of(r.domain) for r in records if vmid_of(r.domain)}
     if pve and not node.is_proxmox():
         raise Unavailable(f"vstor holds Proxmox VMs here but {node.etc}/qemu-server is missing "

@@ -14,9 +14,10 @@ from vstor.errors import EXIT_ERROR, BadInput, DoesNotFit, VstorError, one_line
 from vstor.meta.document import Domain
 from vstor.migration import request as requests
 from vstor.planner.ledger import Ledger
+from vstor.runtime.context import HostContext
 
 
-def serve(ctx, stdin) -> int:
+def serve(here: HostContext, stdin) -> int:
     """Read one request from `stdin`, write exactly one JSON answer on
     stdout, and return its exit code (0, or the refusal's).  Anything else
     written on stdout meanwhile (a daemon started here inherits it) goes to
@@ -25,7 +26,7 @@ def serve(ctx, stdin) -> int:
     out = os.dup(1)
     os.dup2(2, 1)
     try:
-        reply = answer(ctx, stdin)
+        reply = answer(here, stdin)
     finally:
         sys.stdout.flush()
         os.dup2(out, 1)
@@ -34,11 +35,11 @@ def serve(ctx, stdin) -> int:
     return 0 if reply["ok"] else reply["exit_code"]
 
 
-def answer(ctx, stdin) -> dict:
+def answer(here: HostContext, stdin) -> dict:
     """The answer to the request on `stdin`; a refusal is {"ok": false,
     "exit_code", "message"}, never raised, even for a bug here."""
     try:
-        return {"ok": True, **_serve(ctx, requests.read(stdin))}
+        return {"ok": True, **_serve(here, requests.read(stdin))}
     except VstorError as e:
         return {"ok": False, "exit_code": e.exit_code, "message": str(e)}
     except Exception as e:      # a bug: still one answer, the traceback on request
@@ -49,15 +50,12 @@ def answer(ctx, stdin) -> dict:
                 "message": one_line(f"internal error: {type(e).__name__}: {e}")}
 
 
-def _serve(ctx, request: dict) -> dict:
-    from vstor.host.sysfs import SysFS
-    from vstor.runtime.lifecycle import Runtime
-    from vstor.runtime.state import StateDir
+def _serve(here: HostContext, request: dict) -> dict:
     op = request["op"]
-    rt, state = Runtime(ctx.config, SysFS(ctx.host_root)), StateDir(ctx.config.state_dir)
+    rt, state = here.runtime(), here.state()
     if op == "facts":
         # The host NQN this host's SPDK attaches with: what a source's export allows.
-        return {"host": ctx.host.hostname, "hostnqn": rt.cfg.hostnqn}
+        return {"host": here.host.hostname, "hostnqn": rt.cfg.hostnqn}
     if op in ("abort", "status"):
         name, uuid = request["name"], request["uuid"]
         if op == "status":
@@ -72,39 +70,39 @@ def _serve(ctx, request: dict) -> dict:
             rec = state.load(key) if key else None
             if rec is not None and uuid is not None:     # a read: the name is enough without one
                 rec = own_record(rec, name, uuid)
-            return {"host": ctx.host.hostname, "status": rec.status if rec else None,
+            return {"host": here.host.hostname, "status": rec.status if rec else None,
                     "cold": bool(rec and rec.migration.get("cold") == "yes")}
         from vstor.runtime.incoming import abort_incoming
-        return {"host": ctx.host.hostname, "aborted": abort_incoming(rt, state, name, uuid, _quiet)}
+        return {"host": here.host.hostname, "aborted": abort_incoming(rt, state, name, uuid, _quiet)}
     from vstor.runtime.incoming import parse_imports
     dom = Domain.parse(request["xml"], "the migrating domain's XML")
     requests.NAME.check(dom.name, "the migrating domain's name")
     imports = parse_imports(request["imports"])
     if op == "check":
-        return _check(ctx, rt, dom, _ledger(ctx, state), request["files"], imports, request["cold"])
+        return _check(here, rt, dom, _ledger(here, state), request["files"], imports, request["cold"])
     from vstor.runtime.incoming import prepare_incoming, reserve_cold
     source = request["from"]
     # The ledger is read under the planning lock (runtime.incoming.ledger_now).
     if request["cold"]:
-        rec, arriving = reserve_cold(rt, state, ctx.host, dom, lambda: _ledger(ctx, state), source)
+        rec, arriving = reserve_cold(rt, state, here.host, dom, lambda: _ledger(here, state), source)
     else:
-        rec, arriving = prepare_incoming(rt, state, ctx.host, dom, lambda: _ledger(ctx, state),
+        rec, arriving = prepare_incoming(rt, state, here.host, dom, lambda: _ledger(here, state),
                                          source, _quiet, imports)
-    return {"host": ctx.host.hostname, "xml": arriving.to_string(), "steps": len(rec.steps)}
+    return {"host": here.host.hostname, "xml": arriving.to_string(), "steps": len(rec.steps)}
 
 
-def _check(ctx, rt, dom: Domain, ledger: Ledger, files, imports, cold: bool) -> dict:
+def _check(here: HostContext, rt, dom: Domain, ledger: Ledger, files, imports, cold: bool) -> dict:
     from vstor.runtime.incoming import plan_here
     problems, placement, disks = [], [], {}
     try:
-        plan = plan_here(ctx.host, rt, dom, ledger, imports, cold).recorded_plan()
+        plan = plan_here(here.host, rt, dom, ledger, imports, cold).recorded_plan()
         placement = list(plan.reasons)
         disks = {d.target: {"mode": d.mode, "backend": d.backend, "queues": d.queues,
                             "readonly": d.readonly} for d in plan.disks}
     except (BadInput, DoesNotFit) as e:    # the domain as this host would refuse to start it
         problems = list(getattr(e, "reasons", ())) or [e.message]
     seen = {target: _sees(rt, theirs) for target, theirs in files.items()}
-    return {"host": ctx.host.hostname, "problems": problems, "placement": placement, "seen": seen,
+    return {"host": here.host.hostname, "problems": problems, "placement": placement, "seen": seen,
             "disks": disks}
 
 
@@ -118,11 +116,11 @@ def _sees(rt, theirs: dict) -> str | None:
     return storage.differs(theirs, mine)
 
 
-def _ledger(ctx, state) -> Ledger:
+def _ledger(here: HostContext, state) -> Ledger:
     """Other domains' holdings: libvirt's defined domains and every state
     record besides (a migration held for a domain not defined here yet)."""
     from vstor.runtime.inventory import load_ledger
-    return load_ledger(ctx.conn, state.records())
+    return load_ledger(here.conn, state.records())
 
 
 def _quiet(message: str) -> None:

@@ -42,6 +42,12 @@ def _is_ipv6(text: str) -> bool:
         return False
 
 
+def status(cfg: Config, host: str, rec, timeout: float = 60.0) -> dict:
+    """What vstor on `host` holds of the domain of `rec` (a state record):
+    the agent's `status` answer, a read."""
+    return Peer(cfg, host, timeout).call("status", name=rec.domain, uuid=rec.uuid)
+
+
 class Peer:
     def __init__(self, cfg: Config, host: str, timeout: float = 300.0):
         self.host = host

@@ -1,2 +1,3 @@
-"""Proxmox VE: a VM's config file as data (config), and, built on it, the
-second renderer of vstor's plan and the hookscript (issue 11, in progress)."""
+"""Proxmox VE: the node's files, locks and processes (node), a VM's plan
+(manage, request, snippet), the hookscript, doctor and unapply (leave).
+Proxmox's formats themselves are vstor.formats.pve."""

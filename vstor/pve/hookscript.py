@@ -38,7 +38,7 @@ def run(argv: list[str]) -> int:
         return 0
     vlog.setup(f"hookscript {phase}")
     try:
-        from vstor.pve.vm import vmid as parse_vmid
+        from vstor.formats.pve.vm import vmid as parse_vmid
         vm = parse_vmid(vmid)
         if phase == "pre-start":
             pre_start(vm, os.environ.get("PVE_MIGRATED_FROM") or None)
@@ -56,23 +56,18 @@ def run(argv: list[str]) -> int:
         return EXIT_ERROR
 
 
-def _runtime():
+def _here():
     from vstor import config as config_mod
-    from vstor.host.sysfs import SysFS
-    from vstor.runtime.lifecycle import Runtime
-    from vstor.runtime.state import StateDir
-    cfg = config_mod.load()
-    root = os.environ.get("VSTOR_HOST_ROOT", "/")
-    return cfg, Runtime(cfg, SysFS(root)), StateDir(cfg.state_dir), root
+    from vstor.runtime.context import HostContext, host_root
+    return HostContext(config_mod.load(), host_root())
 
 
 def pre_start(vm: int, migrated_from: str | None) -> None:
-    from vstor.host.read import read_host
-    from vstor.host.sysfs import SysFS
     from vstor.pve import manage, snippet
     from vstor.pve.node import Node
     from vstor.runtime.lifecycle import carry_out
-    cfg, rt, state, root = _runtime()
+    here = _here()
+    cfg, state = here.config, here.state()
     node = Node(cfg)
     path = node.config_path(vm, migrated_from)
     conf, _ = node.read_config(vm, path)
@@ -89,8 +84,7 @@ def pre_start(vm: int, migrated_from: str | None) -> None:
     manage.check_config(vmo, plan, node.qemu_version(), starting=True)
     if migrated_from:
         _check_movable(cfg, vm, plan, migrated_from)
-    rec = carry_out(rt, state, read_host(SysFS(root)), vmo.req, plan,
-                    progress=_progress(vm))
+    rec = carry_out(here.runtime(), state, here.host, vmo.req, plan, progress=_progress(vm))
     log(str(vm), f"pre-start: {len(rec.steps)} host changes recorded"
         + (f" (incoming migration from {migrated_from})" if migrated_from else ""))
 
@@ -123,16 +117,17 @@ def _check_movable(cfg, vm: int, plan, source: str) -> None:
 
 
 def post_stop(vm: int) -> None:
-    from vstor.pve.vm import name_of
+    from vstor.formats.pve.vm import name_of
     from vstor.runtime.lifecycle import release
-    _, rt, state, _ = _runtime()
+    here = _here()
+    state = here.state()
     name = name_of(vm)
     rec = state.load(name)
     if rec is None:
         return
     if rec.domain != name:
         raise DoesNotFit(f"state record {name} belongs to '{rec.domain}', not VM {vm}")
-    release(rt, state, name, progress=_progress(vm))
+    release(here.runtime(), state, name, progress=_progress(vm))
     log(str(vm), "post-stop: released")
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 
 from vstor.errors import BadInput
+from vstor.formats.pve import storage as storage_mod
+from vstor.formats.pve.config import MAX_BYTES, PveConfig
 from vstor.meta.plan import Plan
-from vstor.pve import storage as storage_mod
-from vstor.pve.config import MAX_BYTES, PveConfig
 from vstor.render import pve as render
 
 

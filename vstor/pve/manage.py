@@ -11,14 +11,16 @@ import sys
 
 from vstor.config import Config
 from vstor.errors import BadInput, VstorError
+from vstor.formats.pve import grammar
+from vstor.formats.pve.config import PveConfig
+from vstor.formats.pve.vm import name_of
 from vstor.host.model import Host
 from vstor.meta.plan import Plan
 from vstor.planner import Request, fit, plan_domain
 from vstor.planner.ledger import Holding, Ledger
-from vstor.pve import grammar, snippet
-from vstor.pve.config import PveConfig
+from vstor.pve import snippet
 from vstor.pve.node import Node
-from vstor.pve.vm import name_of, request_of
+from vstor.pve.request import request_of
 from vstor.records import field, record, replace
 from vstor.render import pve as render
 

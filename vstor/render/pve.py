@@ -9,7 +9,7 @@ vstor owns, in the main section only:
   thread on the set: it pins no single vCPU);
 - the `hostpciN` lines that pass a planned controller through (recognised by
   the controller, so a user's own GPU or NIC line is never touched; read
-  with Proxmox's grammar, vstor/pve/grammar.py, and refused when a user's
+  with Proxmox's grammar, vstor/formats/pve/grammar.py, and refused when a user's
   line hands the VM a controller vstor holds);
 - in `args`, a suffix of `-chardev socket,id=vstor-<disk>,...` and
   `-device vhost-user-blk-pci,id=vstor-<disk>,...` pairs; the user's own
@@ -24,13 +24,13 @@ import re
 import shlex
 
 from vstor.errors import BadInput
-from vstor.records import field, record
+from vstor.formats.pve import grammar
+from vstor.formats.pve.config import PveConfig
+from vstor.formats.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of
+from vstor.formats.pve.words import shellwords
 from vstor.host.model import format_cpulist
 from vstor.meta.plan import Plan
-from vstor.pve import grammar
-from vstor.pve.config import PveConfig
-from vstor.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of
-from vstor.pve.words import shellwords
+from vstor.records import field, record
 
 ID = "vstor-"
 PAGES = {2048: "2", 1048576: "1024"}

@@ -21,7 +21,7 @@ from vstor.runtime.state import EXPORTING, INCOMING, Record, StateDir
 
 def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[str],
             say: Callable[[str], None], step: Callable[[str], None], guard=None,
-            damaged: list[str] = ()) -> bool:
+            damaged: list[str] = (), ask: Callable[[str, Record], dict] | None = None) -> bool:
     """Release stale records and remove orphans (dry run: only say so); name
     what is in vstor's directories but not provably vstor's, and leave it.
     `records` (and the `damaged` ones) were read before `running` was asked:
@@ -29,7 +29,10 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
     a domain that started after `running` was asked keeps what its start
     recorded.  guard(rec): a context manager entered around each release,
     giving a reason to leave the record after all (checked again under its
-    lock), or None.  True when there was anything to collect."""
+    lock), or None.  ask(host, rec): the `status` answer of the host a
+    migrated domain went to (vstor.migration.peer.status), which says whether
+    it still needs the export it read its disk through; without it, every
+    such export is left.  True when there was anything to collect."""
     if not rt.dry_run and os.path.isdir(state.path):
         from vstor.runtime.index import reindex
         reindex(state)
@@ -43,7 +46,7 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
     stale = [r for r in stale if r.status != INCOMING]
     for rec in [r for r in stale if r.status == EXPORTING or any(
             e.get("kind") == "nvmf-export" for e in r.steps)]:
-        why = _still_needed(rt.cfg, rec)
+        why = _still_needed(ask, rec)
         if why:
             say(f"Leaving the NVMe-oF export of {rec.domain}: {why}")
             stale.remove(rec)
@@ -110,15 +113,16 @@ def _changed(state: StateDir, seen: Record) -> str | None:
     return None
 
 
-def _still_needed(cfg: Config, rec) -> str | None:
+def _still_needed(ask, rec) -> str | None:
     """Why an export that a migrated domain read its disk through must stay:
     the destination still holds the domain, or cannot say."""
-    from vstor.migration.peer import Peer
     dest = rec.migration.get("to")
     if not dest:
         return None
+    if ask is None:
+        return f"{dest} was not asked whether it still needs it"
     try:
-        there = Peer(cfg, dest, timeout=60).call("status", name=rec.domain, uuid=rec.uuid)
+        there = ask(dest, rec)
     except VstorError as e:
         return f"cannot ask {dest} whether it still needs it ({e})"
     if "status" not in there:

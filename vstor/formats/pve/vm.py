@@ -1,5 +1,6 @@
-"""A Proxmox VM as the planner sees it: its VMID, and the request its config
-and vstor intent make.  Pure.
+"""What a Proxmox VM's config says about the VM, read with qemu-server's
+rules: its VMID, the name vstor knows it by, its memory, machine and UUID.
+Pure.
 
 The config is written by anyone with VM.Config rights (threats.md): every
 value read here is checked, and what does not fit vstor's model is refused
@@ -11,10 +12,8 @@ from __future__ import annotations
 import re
 
 from vstor.errors import BadInput
-from vstor.meta.intent import Intent
-from vstor.planner import Request
-from vstor.pve import grammar
-from vstor.pve.config import PveConfig
+from vstor.formats.pve import grammar
+from vstor.formats.pve.config import PveConfig
 
 _VMID = re.compile(r"[1-9][0-9]{2,8}", re.ASCII)        # Proxmox: 100 .. 999999999
 # qemu-server's hugepages_topology reads a numaN's hostnodes with m/^(\d)$/
@@ -41,24 +40,6 @@ def vmid_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def request_of(vm: int, conf: PveConfig, intent: Intent) -> Request:
-    where = f"VM {vm}"
-    sockets, cores = _count(conf, "sockets", where), _count(conf, "cores", where)
-    vcpus = sockets * cores
-    if conf.get("vcpus") is not None and conf.get("vcpus") != str(vcpus):
-        raise BadInput(f"{where}: vcpus is {conf.get('vcpus')[:20]} of {vcpus}; vstor pins every "
-                       "vCPU and needs them all present", hint=f"qm set {vm} --delete vcpus")
-    if "memory" in (conf.get("hotplug") or "").split(","):
-        raise BadInput(f"{where}: memory hotplug is on; Proxmox then refuses the numa0 and "
-                       "hugepages layout vstor writes", hint=f"qm set {vm} --hotplug network,disk,usb")
-    return Request(name=name_of(vm), safe_name=name_of(vm), uuid=uuid_of(conf, where),
-                   vcpus=vcpus, memory_kib=memory_mib(conf, where) * 1024,
-                   machine=machine_of(conf, where), intent=intent,
-                   vhost_memory="hugepages", grows_hugepages=True,
-                   hugepage_nodes=HUGEPAGE_NODES, replan=f"vstor pve apply {vm}",
-                   title=f"VM {vm}")
-
-
 def memory_mib(conf: PveConfig, where: str) -> int:
     raw = conf.get("memory") or "512"
     return int(_props(grammar.MEMORY, raw, "memory", where, "qm set VMID --memory 4096")["current"])
@@ -83,7 +64,8 @@ def uuid_of(conf: PveConfig, where: str) -> str | None:
     return value.lower() if value else None
 
 
-def _count(conf: PveConfig, key: str, where: str) -> int:
+def count_of(conf: PveConfig, key: str, where: str) -> int:
+    """`sockets` or `cores`: 1 when absent."""
     raw = conf.get(key) or "1"
     if not _COUNT.fullmatch(raw):
         raise BadInput(f"{where}: {key} '{raw[:20]}' is not a count", hint=f"qm set VMID --{key} 2")

@@ -1,6 +1,6 @@
 """Proxmox's own grammar for the VM config values vstor reads or writes, and
 what a `hostpciN` line hands to the VM.  Pure.  The one place that knows it:
-vm.py, render/pve.py and manage.py ask here.
+vm.py, render/pve.py and pve/manage.py ask here.
 
 Ported from Proxmox VE 9 (../shared/pve/oracle; QS = qemu-server/src,
 PC = pve-common/src, GC = pve-guest-common/src):
