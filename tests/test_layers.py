@@ -13,7 +13,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 PKG = os.path.join(ROOT, "vstor")
 
 PURE = ("vstor.meta", "vstor.planner", "vstor.render", "vstor.host.model",
-        "vstor.runtime.actions", "vstor.backends.qsd.export", "vstor.backends.vfio_record",
+        "vstor.runtime.actions", "vstor.runtime.kinds", "vstor.backends.qsd.export", "vstor.backends.vfio_record",
         "vstor.migration.verdict", "vstor.pve.config", "vstor.pve.vm",
         "vstor.pve.storage", "vstor.nova.config", "vstor.nova.instance")
 # What touches the host or a service: process control, sockets, signals, locks,
