@@ -17,6 +17,8 @@ import sys
 import pytest
 
 from tests.hostlayout import build_tree
+from tests.test_migration_spdk import on, two  # noqa: F401 (fixture)
+from tests.test_migration_spdk import running_on_a as running_nvme_on_a
 from vstor.runtime import actions, kinds, steps
 from vstor.runtime.kinds.base import ATTRIBUTES, METHODS
 
@@ -170,3 +172,24 @@ def test_prepare_dry_run_prints_each_steps_own_description_and_dry_run(site):
     with open(GOLDEN) as f:
         assert text == f.read(), "the dry run changed; regenerate with VSTOR_REGENERATE_GOLDEN=1 if intended"
     assert not os.path.exists(os.path.join(site.dir, "state", "domains", "k1.json"))   # a dry run records nothing
+
+
+def test_migrate_prepare_dry_run_prints_the_exports_own_dry_run(two, capsys):
+    """nvmf-export, a migration's kind: `vstor migrate prepare --dry-run`
+    prints its dry run under the line naming the disk: the subsystem made
+    for the migration's one host NQN, never for any host."""
+    xml_path = running_nvme_on_a(two)
+    capsys.readouterr()
+    assert on(two, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{two.work}/o.xml",
+              "--dry-run") == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  would export vdb "))
+    nqn, host = lines[at].split(" as ")[1].split()[0], lines[at].rsplit("host NQN ", 1)[1].split()[0]
+    rpcs = [json.loads(line.removeprefix("      SPDK RPC: ")) for line in lines[at + 1:at + 6]]
+    assert [r["method"] for r in rpcs] == ["nvmf_create_transport", "nvmf_create_subsystem",
+                                           "nvmf_subsystem_add_ns", "nvmf_subsystem_add_listener",
+                                           "nvmf_subsystem_add_host"]
+    assert all(r["params"].get("nqn", nqn) == nqn for r in rpcs)
+    assert rpcs[1]["params"]["allow_any_host"] is False and rpcs[4]["params"]["host"] == host
+    assert rpcs[2]["params"]["namespace"] == {"bdev_name": "vs_0000_5f_00_0n1", "nsid": 1}
+    assert not lines[at + 6].startswith("      ")
