@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from vstor.errors import DoesNotFit
 from vstor.runtime import kinds
+from vstor.runtime.kinds.base import Writes
 
 encode = kinds.to_json
 decode = kinds.from_json
@@ -104,7 +105,7 @@ def preflight(steps: list, rt) -> None:
     another writer sees the other (the planner refuses the same path
     written twice)."""
     ops = HostOps(rt)
-    seen: dict[tuple, kinds.base.Writes] = {}
+    seen: dict[tuple, Writes] = {}
     for step in steps:
         mine = step.preflight(ops)
         if mine is None:
