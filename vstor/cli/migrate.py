@@ -172,6 +172,8 @@ def _prepare_dry(ctx, args, dom, peer, uri: str) -> int:
     for target, (step, _) in exports.items():
         print(f"  would export {target} ({step.bdev}) over NVMe-oF as {step.nqn} at {step.traddr} port "
               f"{step.trsvcid}, to host NQN {step.host} alone")
+        for line in step.dry_run():
+            print(f"      {line}")
     print(f"  would ask {peer.host} to {'reserve a place for' if args.cold else 'make and hold the backends of'} "
           f"{dom.name}" + "".join(f"; {line}" for line in verdict.placement[:1]))
     print(f"  would write the XML it arrives with to {args.output or f'{dom.name}.{peer.host}.xml'}")
