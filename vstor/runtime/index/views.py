@@ -1,0 +1,174 @@
+"""The index asked as the planner's ledger and as vstor.runtime.holders
+(vstor.runtime.index.store keeps it): what every record but the asking
+domain's holds, looked up one thing at a time."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from vstor.runtime.index.store import Index
+
+
+class IndexLedger:
+    """The planner's Ledger (vstor.planner.ledger), asked of the index: what
+    every record but `exclude`'s holds."""
+
+    def __init__(self, index: Index, exclude: frozenset[str] = frozenset()):
+        self.index = index
+        self.exclude = frozenset(exclude)
+        sums = index.sums()
+        gone = [index.indexed(k) for k in self.exclude]
+        self.cpu_owner = _owners(sums["cpus"], self.exclude, int)
+        self.passthrough = _owners(sums["pass"], self.exclude, str)
+        self.reactor_load: Counter[int] = Counter({int(c): n for c, n in sums["reactors"].items()})
+        self._pages = Counter(sums["pages"])
+        self._bound = Counter(sums["memory"])
+        for s in gone:
+            if s is None:
+                continue
+            h = s["holding"] or {}
+            self.reactor_load.subtract(h.get("reactors", ()))
+            if h.get("hugepages") and not s["active"]:
+                node, size, count = h["hugepages"]
+                self._pages[f"{node}/{size}"] -= count
+            if h.get("memory"):
+                self._bound[str(h["memory"][0])] -= h["memory"][1]
+        self.reactor_load = +self.reactor_load       # only the cores with load
+        self.sockets = _Lookup(self, "sock")
+        self.spdk_users = _Users(self, "spdk")
+
+    def _domain(self, key: str) -> str:
+        s = self.index.indexed(key)
+        return s["domain"] if s else key
+
+    def _keys(self, table: str, item: str) -> list[str]:
+        return [k for k in self.index.holders(table, item) if k not in self.exclude]
+
+    def without(self, domain: str, uuid: str | None = None) -> "IndexLedger":
+        drop = set()
+        for key in self._keys("name", domain):
+            s = self.index.indexed(key)
+            if s and (uuid is None or s.get("uuid") is None or s.get("uuid") == uuid):
+                drop.add(key)
+        return IndexLedger(self.index, self.exclude | drop) if drop else self
+
+    @property
+    def holdings(self) -> tuple:
+        """Every holding: reads every key (a planner's whole-host view only)."""
+        from vstor.meta.holding import holding_from_json
+        out = []
+        for key in self.index.keys():
+            s = self.index.indexed(key)
+            if key not in self.exclude and s and s["holding"]:
+                out.append(holding_from_json(s["holding"], active=s["active"]))
+        return tuple(out)
+
+    def path_conflict(self, path: str, controller: str) -> str | None:
+        for key in self._keys("conn", path):
+            s = self.index.indexed(key) or {"holding": {}}
+            if any(p == path and c != controller for p, c in s["holding"].get("connections", ())):
+                return s["domain"]
+        return None
+
+    def promised_hugepages(self, node: int, size_kib: int) -> int:
+        return self._pages[f"{node}/{size_kib}"]
+
+    def bound_memory_kib(self, node: int) -> int:
+        return self._bound[str(node)]
+
+    def volume_conflict(self, keys: tuple[str, ...], readonly: bool) -> str | None:
+        for vkey in keys:
+            for key in self._keys("vol", vkey):
+                s = self.index.indexed(key) or {"holding": {}}
+                for k, ro in s["holding"].get("volumes", ()):
+                    if k == vkey and not (ro and readonly):
+                        return s["domain"]
+        return None
+
+    def namespace_users(self, address: str) -> set[str]:
+        """The domains with a volume on a namespace of the NVMe controller at
+        `address` (served by the kernel's driver or SPDK's)."""
+        return {self._domain(k) for k in self._keys("nsuser", address)}
+
+
+def _owners(table: dict, exclude, cast) -> dict:
+    out = {}
+    for item, lst in table.items():
+        theirs = [d for k, d in lst if k not in exclude]
+        if theirs:
+            out[cast(item)] = theirs[0]
+    return out
+
+
+class _Lookup:
+    """item -> the domain holding it (the first), asked one item at a time."""
+
+    def __init__(self, ledger: IndexLedger, table: str):
+        self.ledger, self.table = ledger, table
+
+    def get(self, item, default=None):
+        keys = self.ledger._keys(self.table, item)
+        return self.ledger._domain(keys[0]) if keys else default
+
+    def __contains__(self, item) -> bool:
+        return bool(self.ledger._keys(self.table, item))
+
+    def __getitem__(self, item):
+        found = self.get(item)
+        if found is None:
+            raise KeyError(item)
+        return found
+
+
+class _Users(_Lookup):
+    """item -> every domain holding it."""
+
+    def get(self, item, default=None):
+        keys = self.ledger._keys(self.table, item)
+        return [self.ledger._domain(k) for k in keys] if keys else default
+
+
+class FromIndex:
+    """vstor.runtime.holders' question, asked of the index: another
+    domain's journal entry on a shared thing; and whether a record could
+    not be read (then nothing shared is undone)."""
+
+    def __init__(self, index: Index, exclude: str):
+        self.index, self.exclude = index, exclude
+
+    def step(self, kind: str, ident: str, finished_only: bool) -> dict | None:
+        for key in self.index.holders(f"step.{kind}", ident):
+            if key == self.exclude:
+                continue
+            s = self.index.indexed(key) or {"shared": []}
+            for e in s["shared"]:
+                if (e["kind"] == kind and e["ident"] == ident
+                        and (e["state"] == "done" or not finished_only)):
+                    return {k: v for k, v in e.items() if k != "ident"}
+        return None
+
+    @property
+    def damaged(self) -> list[str]:
+        return list(self.index.sums().get("damaged") or [])
+
+
+def ledger_of(state, exclude=(), dry_run: bool = False):
+    """What every record but those of `exclude` holds, as the planner asks
+    it; refused (DamagedRecord) while a record cannot be read.  A dry run
+    writes nothing, so it reads the records themselves (the index may need
+    a rebuild)."""
+    if dry_run:
+        from vstor.planner.ledger import Ledger
+        from vstor.runtime.lifecycle import holding_of
+        return Ledger([holding_of(r) for r in state.records() if r.holding and r.key not in exclude])
+    state.index.check_damaged()
+    return IndexLedger(state.index, frozenset(exclude))
+
+
+def holders_of(state, key: str, dry_run: bool = False):
+    """vstor.runtime.holders' answers for what others than `key` hold."""
+    if dry_run:
+        from vstor.runtime.holders import FromRecords
+        damaged: list[str] = []
+        return FromRecords([r for r in state.records(damaged) if r.key != key], damaged)
+    return FromIndex(state.index, key)
