@@ -56,12 +56,19 @@ class Context:
         return self.here.state().planning(dry_run=dry_run)
 
     def records(self) -> list:
-        """The state records, for planning: unreadable (not root) is a
+        """The state records as planning needs them (what each holds, from
+        the index: vstor.runtime.index.recorded): unreadable (not root) is a
         warning, as the start checks them again, as root."""
+        from vstor.errors import Unavailable
+        from vstor.runtime.index import recorded
+        from vstor.runtime.state import DamagedRecord
         try:
-            return self.here.state().records()
-        except OSError as e:
-            warn(f"cannot read {self.config.state_dir} ({e.strerror}); planning without what "
+            return recorded(self.here.state())
+        except DamagedRecord:
+            raise
+        except (OSError, Unavailable) as e:
+            why = e.strerror if isinstance(e, OSError) else e.message
+            warn(f"cannot read {self.config.state_dir} ({why}); planning without what "
                  "domains prepared outside libvirt hold")
             return []
 

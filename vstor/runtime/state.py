@@ -160,6 +160,10 @@ class StateDir:
                     os.unlink(self._file(key) + ".tmp")
             yield self
 
+    def holds_lock(self) -> bool:
+        """This process holds the host lock."""
+        return bool(_HELD.get(os.path.join(self.path, "lock")))
+
     def busy(self, key: str) -> bool:
         """A run holds the domain's record lock right now (in another process)."""
         if _HELD.get(f"{self._file(key)}#lock"):

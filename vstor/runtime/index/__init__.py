@@ -2,4 +2,4 @@
 asked one thing at a time (views.py); see store.py."""
 
 from vstor.runtime.index.store import Index, plain, reindex, summary  # noqa: F401
-from vstor.runtime.index.views import FromIndex, IndexLedger, holders_of, ledger_of  # noqa: F401
+from vstor.runtime.index.views import FromIndex, IndexLedger, holders_of, ledger_of, recorded  # noqa: F401

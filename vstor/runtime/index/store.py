@@ -98,7 +98,7 @@ def _add_sums(sums: dict, key: str, s: dict, sign: int) -> None:
 def _holders(table: dict, item: str, key: str, domain: str, sign: int) -> None:
     lst = [x for x in table.get(item, ()) if x[0] != key]
     if sign > 0:
-        lst.append([key, domain])
+        lst = sorted(lst + [[key, domain]])
     if lst:
         table[item] = lst
     else:
@@ -164,6 +164,9 @@ class Index:
                 self.rebuild()
         return self._sums
 
+    def _held(self) -> bool:
+        return self.state.holds_lock()
+
     def _load_sums(self) -> dict | None:
         if os.path.lexists(os.path.join(self.path, "dirty")):
             return None
@@ -194,11 +197,13 @@ class Index:
             except FileNotFoundError:
                 self._summaries[key] = None
             except (OSError, ValueError):
-                self._summaries[key] = None
-                self._sums = None
-                with contextlib.suppress(OSError):      # damaged: rebuilt at the next read
-                    open(os.path.join(self.path, "dirty"), "w").close()
-        return self._summaries[key]
+                # Damaged: under the host lock, read every record again; a
+                # reader without it gets "not what you have" (StateDir.save
+                # then takes the lock and changes the index, rebuilding it).
+                if not self._held():
+                    return _UNREADABLE
+                self.rebuild()
+        return self._summaries.get(key)
 
     def holders(self, table: str, item: str) -> list[str]:
         """The keys holding `item` in `table`."""
@@ -226,16 +231,20 @@ class Index:
     def change(self, key: str, new: dict | None, write) -> None:
         """Run `write` (the record's own write) with the index following it:
         marked dirty before, the differences applied after."""
-        old = self.indexed(key)
+        self._summaries.pop(key, None)
         sums = self.sums()
-        old = self.indexed(key)         # sums() may have rebuilt it
+        old = self.indexed(key)         # after sums(): a rebuild there read it again
         mark = os.path.join(self.path, "dirty")
-        with open(mark, "w") as f:
-            f.write(key)
-        write()
-        self._apply(self.path, sums, key, old, new)
-        self._write_sums(self.path, sums)
-        os.unlink(mark)
+        try:
+            with open(mark, "w") as f:
+                f.write(key)
+            write()
+            self._apply(self.path, sums, key, old, new)
+            self._write_sums(self.path, sums)
+            os.unlink(mark)
+        except BaseException:
+            self.forget()       # the mark stays (when it was made): the next read rebuilds
+            raise
 
     def _apply(self, root: str, sums: dict, key: str, old: dict | None, new: dict | None) -> None:
         before = set(_items(old)) if old else set()
@@ -268,7 +277,11 @@ class Index:
 
     def rebuild(self, records=None, damaged: list[str] | None = None) -> None:
         """The index anew from every record (`records` and `damaged` when the
-        caller has just read them): built aside, then put in place."""
+        caller has just read them under the host lock): built aside, then
+        put in place."""
+        if not self._held():
+            with self.state.lock():
+                return self.rebuild()
         if records is None:
             damaged = []
             records = self.state.records(damaged)
@@ -294,16 +307,43 @@ class Index:
         self._sums = sums
 
     def verify(self, records, damaged: list[str]) -> bool:
-        """Does the index say what `records` (every record, just read) say?
-        Rebuilt when not; True when it was right."""
+        """Does the index say exactly what `records` (every record, just read
+        under the host lock) say: every summary, every sum, every item of
+        every table?  Rebuilt when not; True when it was right."""
         sums = self._load_sums()
-        right = (sums is not None and (sums.get("damaged") or []) == list(damaged)
-                 and set(sums.get("unread") or ()) == self._record_names() - {r.key for r in records}
+        want = _empty_sums()
+        want["damaged"] = list(damaged)
+        want["unread"] = sorted(self._record_names() - {r.key for r in records})
+        items = set()
+        for rec in records:
+            s = plain(summary(rec))
+            _add_sums(want, rec.key, s, +1)
+            items.update((table, _name(item), rec.key) for table, item in _items(s))
+        right = (sums is not None and {**sums, "boot": ""} == {**want, "boot": ""}
                  and set(self.keys()) == {r.key for r in records}
-                 and all(self.indexed(r.key) == plain(summary(r)) for r in records))
+                 and all(self.indexed(r.key) == plain(summary(r)) for r in records)
+                 and self._tables() == items)
         if not right:
             self.rebuild(records, damaged)
         return right
+
+    def _tables(self) -> set[tuple[str, str, str]]:
+        out = set()
+        by = os.path.join(self.path, "by")
+        for table in _listdir(by):
+            for item in _listdir(os.path.join(by, table)):
+                out.update((table, item, key) for key in _listdir(os.path.join(by, table, item)))
+        return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+_UNREADABLE = {"unreadable": True}     # equal to no summary a record has
 
 
 def plain(s: dict | None):

@@ -172,3 +172,22 @@ def holders_of(state, key: str, dry_run: bool = False):
         damaged: list[str] = []
         return FromRecords([r for r in state.records(damaged) if r.key != key], damaged)
     return FromIndex(state.index, key)
+
+
+def recorded(state) -> list:
+    """Every record as the index holds it (who, its holding, whether it
+    runs; no steps): what planning needs of the records, without reading
+    each.  Refused (DamagedRecord) while a record cannot be read."""
+    import os
+    from vstor.runtime.state import INCOMING, PREPARED, Record
+    if not os.path.isdir(state.path):
+        return []       # nothing recorded, and nothing made by asking
+    with state.lock():
+        state.index.check_damaged()
+        out = []
+        for key in state.index.keys():
+            s = state.index.indexed(key)
+            if s:
+                out.append(Record(key=key, domain=s["domain"], uuid=s["uuid"], holding=s["holding"] or {},
+                                  status=PREPARED if s["active"] else INCOMING))
+        return out
