@@ -22,7 +22,7 @@ import pytest
 from vstor.planner.ledger import Ledger
 from vstor.runtime import index as idx
 from vstor.runtime.holders import FromRecords
-from vstor.runtime.index import store
+from vstor.runtime.index import shape
 from vstor.runtime.lifecycle import holding_of
 from vstor.runtime.state import INCOMING, PREPARED, DamagedRecord, Record, StateDir
 
@@ -293,7 +293,7 @@ def test_a_start_opens_no_other_domains_record_and_gc_reads_each_a_bounded_numbe
 
 def test_names_of_anything_are_file_names_and_never_collide():
     items = ["", ".", "..", "/", "a/b", "a%2Fb", "x" * 300, "x" * 301, "é", "\udcff", "-", "a b", "%"]
-    names = [store._name(i) for i in items]
+    names = [shape.file_name(i) for i in items]
     assert len(set(names)) == len(items)
     for n in names:
         assert n not in (".", "..") and "/" not in n and 0 < len(n) <= 200 and "\0" not in n

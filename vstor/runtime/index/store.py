@@ -35,109 +35,8 @@ import contextlib
 import json
 import os
 
-from vstor.runtime.state import DamagedRecord, INCOMING, _FIX
-
-# Step kinds two domains may share (a controller's vfio binding, an SPDK
-# NVMe controller, an NVMe-oF export): another domain's entry is asked for
-# by kind and identity (vstor.runtime.holders).
-SHARED = frozenset({"vfio-bind", "spdk-attach", "nvmf-export"})
-
-
-def summary(rec) -> dict | None:
-    """What the index keeps of a record: who, what it holds, and its
-    entries of the shared kinds (their identity with them)."""
-    if rec is None:
-        return None
-    shared = []
-    for e in rec.steps:
-        if e.get("kind") in SHARED:
-            shared.append({**e, "ident": _ident(e)})
-    return {"domain": rec.domain, "uuid": rec.uuid, "active": rec.status != INCOMING,
-            "holding": rec.holding, "shared": shared}
-
-
-def _ident(entry: dict) -> str:
-    from vstor.runtime.actions import from_json, identity
-    try:
-        return identity(from_json(entry))[1]
-    except Exception:       # noqa: BLE001 (unreadable: its own record's problem; never matches)
-        return ""
-
-
-def _items(s: dict) -> list[tuple[str, str]]:
-    """(table, item) of every thing a summary holds that is looked up one by one."""
-    h = s["holding"] or {}
-    out = [("name", s["domain"])]
-    out += [("sock", x) for x in h.get("sockets", ())]
-    out += [("spdk", x) for x in h.get("spdk_controllers", ())]
-    out += [("conn", p) for p, _c in h.get("connections", ())]
-    for key, _ro in h.get("volumes", ()):
-        out.append(("vol", key))
-        if key.startswith("nvme:"):
-            out.append(("nsuser", key[5:].split("/", 1)[0]))
-    out += [(f"step.{e['kind']}", e["ident"]) for e in s["shared"] if e["ident"]]
-    return sorted(set(out))
-
-
-def _add_sums(sums: dict, key: str, s: dict, sign: int) -> None:
-    h = s["holding"] or {}
-    for cpu in h.get("cpus", ()):
-        _holders(sums["cpus"], str(cpu), key, s["domain"], sign)
-    for addr in h.get("passthrough", ()):
-        _holders(sums["pass"], addr, key, s["domain"], sign)
-    for cpu in h.get("reactors", ()):
-        _count(sums["reactors"], str(cpu), sign)
-    if h.get("hugepages") and not s["active"]:
-        node, size, count = h["hugepages"]
-        _count(sums["pages"], f"{node}/{size}", sign * count)
-    if h.get("memory"):
-        node, kib = h["memory"]
-        _count(sums["memory"], str(node), sign * kib)
-
-
-def _holders(table: dict, item: str, key: str, domain: str, sign: int) -> None:
-    lst = [x for x in table.get(item, ()) if x[0] != key]
-    if sign > 0:
-        lst = sorted(lst + [[key, domain]])
-    if lst:
-        table[item] = lst
-    else:
-        table.pop(item, None)
-
-
-def _count(table: dict, item: str, n: int) -> None:
-    table[item] = table.get(item, 0) + n
-    if not table[item]:
-        del table[item]
-
-
-def _empty_sums() -> dict:
-    return {"boot": _boot_id(), "cpus": {}, "pass": {}, "reactors": {}, "pages": {},
-            "memory": {}, "damaged": []}
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _name(item: str) -> str:
-    """A file name for any item: each byte that is not a letter, digit, _,
-    + or - as %XX; a long one by its hash (the index never lists items
-    back: they are in each key's summary)."""
-    raw = str(item).encode("utf-8", "surrogateescape")
-    out = "".join(chr(b) if b in _PLAIN else f"%{b:02X}" for b in raw) or "%"
-    if len(out) > 200:
-        import hashlib
-        return "#" + hashlib.sha256(raw).hexdigest()
-    return out
-
-
-_PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+-")
-
+from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, items, summary
+from vstor.runtime.state import DamagedRecord, _FIX
 
 class Index:
     """The index of one state directory (see the module's docstring)."""
@@ -167,6 +66,11 @@ class Index:
     def _held(self) -> bool:
         return self.state.holds_lock()
 
+    def trusted(self) -> dict | None:
+        """sums.json if the index can be trusted as it is, else None (read
+        only: nothing is rebuilt)."""
+        return self._sums if self._sums is not None else self._load_sums()
+
     def _load_sums(self) -> dict | None:
         if os.path.lexists(os.path.join(self.path, "dirty")):
             return None
@@ -175,7 +79,7 @@ class Index:
                 sums = json.load(f)
         except (OSError, ValueError):
             return None
-        if not isinstance(sums, dict) or sums.get("boot") != _boot_id() or \
+        if not isinstance(sums, dict) or sums.get("boot") != boot_id() or \
                 not all(isinstance(sums.get(k), dict) for k in ("cpus", "pass", "reactors", "pages", "memory")):
             return None
         if set(self.keys()) | set(sums.get("unread") or ()) != self._record_names():
@@ -208,7 +112,7 @@ class Index:
     def holders(self, table: str, item: str) -> list[str]:
         """The keys holding `item` in `table`."""
         try:
-            return sorted(os.listdir(os.path.join(self.path, "by", table, _name(item))))
+            return sorted(os.listdir(os.path.join(self.path, "by", table, file_name(item))))
         except FileNotFoundError:
             return []
 
@@ -247,22 +151,22 @@ class Index:
             raise
 
     def _apply(self, root: str, sums: dict, key: str, old: dict | None, new: dict | None) -> None:
-        before = set(_items(old)) if old else set()
-        after = set(_items(new)) if new else set()
+        before = set(items(old)) if old else set()
+        after = set(items(new)) if new else set()
         for table, item in sorted(after - before):
-            d = os.path.join(root, "by", table, _name(item))
+            d = os.path.join(root, "by", table, file_name(item))
             os.makedirs(d, mode=0o700, exist_ok=True)
             open(os.path.join(d, key), "w").close()
         for table, item in sorted(before - after):
-            d = os.path.join(root, "by", table, _name(item))
+            d = os.path.join(root, "by", table, file_name(item))
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(d, key))
             with contextlib.suppress(OSError):      # another key holds it too
                 os.rmdir(d)
         if old:
-            _add_sums(sums, key, old, -1)
+            add_sums(sums, key, old, -1)
         if new:
-            _add_sums(sums, key, new, +1)
+            add_sums(sums, key, new, +1)
         path = os.path.join(root, "keys", key + ".json")
         if new is None:
             with contextlib.suppress(FileNotFoundError):
@@ -290,7 +194,7 @@ class Index:
         new = self.path + ".new"
         shutil.rmtree(new, ignore_errors=True)
         os.makedirs(new, mode=0o700)
-        sums = _empty_sums()
+        sums = empty_sums()
         sums["damaged"] = list(damaged or ())
         # The files no record came from: their going (by hand) is a change.
         sums["unread"] = sorted(self._record_names() - {r.key for r in records})
@@ -311,18 +215,18 @@ class Index:
         under the host lock) say: every summary, every sum, every item of
         every table?  Rebuilt when not; True when it was right."""
         sums = self._load_sums()
-        want = _empty_sums()
+        want = empty_sums()
         want["damaged"] = list(damaged)
         want["unread"] = sorted(self._record_names() - {r.key for r in records})
-        items = set()
+        entries = set()
         for rec in records:
             s = plain(summary(rec))
-            _add_sums(want, rec.key, s, +1)
-            items.update((table, _name(item), rec.key) for table, item in _items(s))
+            add_sums(want, rec.key, s, +1)
+            entries.update((table, file_name(item), rec.key) for table, item in items(s))
         right = (sums is not None and {**sums, "boot": ""} == {**want, "boot": ""}
                  and set(self.keys()) == {r.key for r in records}
                  and all(self.indexed(r.key) == plain(summary(r)) for r in records)
-                 and self._tables() == items)
+                 and self._tables() == entries)
         if not right:
             self.rebuild(records, damaged)
         return right

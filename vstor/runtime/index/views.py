@@ -177,12 +177,15 @@ def holders_of(state, key: str, dry_run: bool = False):
 def recorded(state) -> list:
     """Every record as the index holds it (who, its holding, whether it
     runs; no steps): what planning needs of the records, without reading
-    each.  Refused (DamagedRecord) while a record cannot be read."""
+    each (the records themselves when the index needs a rebuild: planning
+    writes nothing).  Refused (DamagedRecord) while a record cannot be read."""
     import os
     from vstor.runtime.state import INCOMING, PREPARED, Record
-    if not os.path.isdir(state.path):
-        return []       # nothing recorded, and nothing made by asking
+    if not os.path.isdir(state.index.path):
+        return state.records()      # no index yet: nothing made by asking
     with state.lock():
+        if state.index.trusted() is None:
+            return state.records()      # read, never written here: the next start rebuilds it
         state.index.check_damaged()
         out = []
         for key in state.index.keys():
