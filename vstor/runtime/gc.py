@@ -81,9 +81,16 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
     else:
         orphans, foreign = orphan_files(rt.cfg, state)
     for path in orphans:
-        say(f"{'Would remove' if rt.dry_run else 'Removing'} orphan {path}")
-        if not rt.dry_run:
-            remove_orphan(path)
+        key = _owner_key(path)
+        with nullcontext() if rt.dry_run else state.record_lock(key):
+            if not rt.dry_run and _claimed(state, key):
+                # A start of that name recorded since the records were read:
+                # the file is its daemon's now.
+                say(f"Leaving {path}: a vstor run for {key} recorded it meanwhile")
+                continue
+            say(f"{'Would remove' if rt.dry_run else 'Removing'} orphan {path}")
+            if not rt.dry_run:
+                remove_orphan(path)
     for path, why in foreign:
         say(f"Leaving {path}: {why}")
     for what in spdk_leftovers(rt.cfg, state):
@@ -133,7 +140,16 @@ def _still_needed(ask, rec) -> str | None:
 
 def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[str, str]]]:
     """(what no record owns and vstor's naming proves is vstor's, stale;
-    what is there but not provably vstor's, with why)."""
+    what is there but not provably vstor's, with why).  The directories are
+    listed first and the records read after: a daemon's files are made after
+    its record says so (the journal records a step before doing it), so a
+    file listed is owned by a record read afterwards, if by any."""
+    listed = []
+    for directory, judge in ((cfg.vhost_dir, _vhost_entry), (cfg.qsd_dir, _qsd_entry)):
+        try:
+            listed.append((directory, judge, sorted(os.listdir(directory))))
+        except FileNotFoundError:
+            continue
     owned = set()
     for rec in state.records():
         owned.update(rec.holding.get("sockets", []))
@@ -142,18 +158,28 @@ def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[st
                 name = entry["data"].get("name", "")
                 owned.update(os.path.join(cfg.qsd_dir, name + ext) for ext in (".pid", ".qmp"))
     orphans, foreign = [], []
-    for directory, judge in ((cfg.vhost_dir, _vhost_entry), (cfg.qsd_dir, _qsd_entry)):
-        try:
-            names = sorted(os.listdir(directory))
-        except FileNotFoundError:
-            continue
+    for directory, judge, names in listed:
         for n in names:
             path = os.path.join(directory, n)
-            if path in owned or n.startswith("."):
+            if path in owned or n.startswith(".") or not os.path.lexists(path):
                 continue
             why = judge(n, path)
             (foreign.append((path, why)) if why else orphans.append(path))
     return orphans, foreign
+
+
+def _owner_key(path: str) -> str:
+    """The record key a vstor file's name says it is of (<key>-vdX[.pid|.qmp])."""
+    stem = os.path.basename(path)
+    stem = stem[:-4] if stem.endswith((".pid", ".qmp")) else stem
+    return stem.rsplit("-vd", 1)[0]
+
+
+def _claimed(state: StateDir, key: str) -> bool:
+    try:
+        return state.load(key) is not None
+    except VstorError:      # damaged: it may own the file
+        return True
 
 
 def spdk_leftovers(cfg: Config, state: StateDir) -> list[str]:
