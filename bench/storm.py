@@ -37,21 +37,17 @@ def layout(cores: int) -> dict:
 
 
 class World:
-    """The storm's host, configuration, images and domains, under `work`.
+    """The storm's host, configuration, images and domains, under `work`:
+    `domains` named storm00, storm01, ..., each with `disks` file disks and
+    2 vCPUs; plan() makes their XML."""
 
-    `domains` names are storm00, storm01, ...; each has `disks` file disks.
-    `planned`: plan every domain against the ones planned before it (as
-    vstor apply does, under the planning lock), so that no two collide;
-    a function(i) -> bool instead plans only those with the others unseen."""
-
-    def __init__(self, domains: int, disks: int, cpus: str = "dedicated", vcpus: int = 2,
-                 shared_image: set[int] = frozenset()):
+    def __init__(self, domains: int, disks: int):
         from tests.hostlayout import build_tree
         self.work = tempfile.mkdtemp(prefix="vstor-storm-", dir="/var/tmp")   # short: sockets
         os.chmod(self.work, 0o755)
-        # Two nodes of SMT-2 cores: room for every domain's dedicated vCPUs, and each node's
-        # first core kept for housekeeping.
-        self.root = build_tree(layout(domains * vcpus // 4 + 2), os.path.join(self.work, "host"))
+        # Two nodes of SMT-2 cores: room for every domain's dedicated vCPUs,
+        # with each node's first core kept for housekeeping.
+        self.root = build_tree(layout(domains // 2 + 2), os.path.join(self.work, "host"))
         self.images = os.path.join(self.work, "images")
         os.mkdir(self.images)
         self.conf = os.path.join(self.work, "vstor.conf")
@@ -59,11 +55,11 @@ class World:
             f.write(f"[paths]\nstate_dir = {self.work}/state\nvhost_dir = {self.work}/vhost\n"
                     f"qsd_dir = {self.work}/qsd\nimages = {self.images}\n")
         self.cfg = self.config()
+        self.disks = disks
         self.names = [f"storm{i:02d}" for i in range(domains)]
         self.xml: dict[str, bytes] = {}
         self.plans: dict = {}
         self.sources: dict[str, list[str]] = {}
-        self._made = (disks, cpus, vcpus, shared_image)
         self.hook = self._install_hook()
 
     def config(self):
@@ -74,32 +70,38 @@ class World:
         finally:
             del os.environ["VSTOR_CONFIG"]
 
-    def plan(self, together: bool = True) -> "World":
-        """Plan every domain; `together`: each against those planned before
-        it (no two collide), else each against an empty ledger (they may)."""
+    def plan(self, together: bool = True, cpus=lambda i: "dedicated", shared=frozenset()) -> "World":
+        """Plan every domain.  `together`: each against those planned before
+        it, as `vstor define` does one after the other (no two collide);
+        otherwise each against an empty ledger (their plans may collide).
+        cpus(i): domain i's cpus= policy; `shared`: the domains whose first
+        disk is one image, the same for all of them."""
         from vstor.host.read import read_host
         from vstor.host.sysfs import SysFS
         from vstor.meta.document import Domain
         from vstor.planner import Request, plan_domain
         from vstor.planner.ledger import Holding, Ledger
         from vstor.render.libvirt import render
-        disks, cpus, vcpus, shared = self._made
         host = read_host(SysFS(self.root), processes=False)
         held = []
         for i, name in enumerate(self.names):
             paths = [self._image("shared" if i in shared and t == 0 else f"{name}-vd{TARGETS[t]}")
-                     for t in range(disks)]
+                     for t in range(self.disks)]
             xml = "".join(f"<vstor:disk target='vd{TARGETS[t]}'><vstor:file path='{p}'/></vstor:disk>"
                           for t, p in enumerate(paths))
-            dom = Domain.parse(DOMAIN.format(name=name, uuid=uuidlib.uuid5(uuidlib.NAMESPACE_DNS, name),
-                                             vcpus=vcpus, ns=NS, cpus=cpus, disks=xml))
-            plan = plan_domain(host, self.cfg, Request.from_domain(dom), Ledger(held if together else ()))
+            dom = Domain.parse(DOMAIN.format(name=name, uuid=self.uuid(name), vcpus=2, ns=NS,
+                                             cpus=cpus(i), disks=xml))
+            plan = plan_domain(host, self.cfg, Request.from_domain(dom), Ledger(held))
             if together:
                 held.append(Holding.from_plan(plan))
             self.plans[name] = plan
             self.sources[name] = paths
             self.xml[name] = render(dom, plan).to_string().encode()
         return self
+
+    @staticmethod
+    def uuid(name: str) -> str:
+        return str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, name))
 
     def _image(self, stem: str) -> str:
         path = os.path.join(self.images, stem + ".raw")
@@ -206,6 +208,18 @@ class _suppress:
 
     def __exit__(self, kind, value, tb):
         return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError))
+
+
+# What one qemu-storage-daemon with aio=native takes of the host's AIO
+# budget (fs.aio-max-nr, shared by every process): QEMU's linux-aio asks
+# io_setup(2) for 1024 events per AioContext, and a daemon has one.
+QSD_AIO_EVENTS = 1024
+
+
+def aio_room() -> int:
+    """How many more daemons with aio=native the host's AIO budget allows now."""
+    with open("/proc/sys/fs/aio-max-nr") as f, open("/proc/sys/fs/aio-nr") as g:
+        return (int(f.read()) - int(g.read())) // QSD_AIO_EVENTS
 
 
 def daemons_under(work: str) -> list[tuple[int, list[str]]]:

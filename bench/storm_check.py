@@ -20,8 +20,20 @@ from bench.storm import World, daemons_under
 
 
 def prepared(world: World, names: list[str]) -> list[str]:
-    """`names` prepared, the rest of the world's domains not; nothing shared."""
-    return from_records(world, names) + from_daemons(world, names)
+    """`names` prepared, the rest of the world's domains not (nothing of
+    theirs left either); nothing shared."""
+    return from_records(world, names) + from_daemons(world, names) + files_of_others(world, names)
+
+
+def files_of_others(world: World, names: list[str]) -> list[str]:
+    """Sockets, pid files and monitors of domains not in `names` (the
+    directories' lock files, .lock, stay as the directories do)."""
+    out = []
+    for where in (world.cfg.vhost_dir, world.cfg.qsd_dir):
+        for f in sorted(os.listdir(where)) if os.path.isdir(where) else ():
+            if not f.startswith(".") and not any(f.startswith(n + "-") for n in names):
+                out.append(f"{where}/{f} left")
+    return out
 
 
 def released(world: World) -> list[str]:
@@ -31,9 +43,7 @@ def released(world: World) -> list[str]:
     out = [f"daemon {pid} still runs ({_pidfile(argv)})" for pid, argv in daemons_under(world.work)]
     out += [f"state record of {r.domain} left ({r.status})" for r in StateDir(world.cfg.state_dir).records()]
     out += [f"{p} left" for p in glob.glob(os.path.join(world.cfg.state_dir, "domains", "*"))]
-    for where in (world.cfg.vhost_dir, world.cfg.qsd_dir):
-        if os.path.isdir(where):     # its lock file (.lock) stays, as the directory does
-            out += [f"{where}/{f} left" for f in sorted(os.listdir(where)) if not f.startswith(".")]
+    out += files_of_others(world, [])
     out += [f"process {pid} ({what}) holds {held}" for pid, what, held in holders([world.work])]
     return out
 

@@ -1,0 +1,203 @@
+"""A boot storm, timed: a host restarting with many vstor domains set to
+autostart.  Every domain's `prepare begin` runs at once through the
+installed hook (as `vstor hooks install` writes it, executed as libvirt
+executes it: the domain XML on stdin, a scrubbed environment), each domain
+with its qemu-storage-daemon file disks (real daemons); then every
+`release end` at once.  Against a yardstick that starts and stops the same
+daemons with the same concurrency and no checks: one minimal script per
+domain, started all at once.
+
+    python3 bench/bench_storm.py [--domains 32] [--disks 2] [--runs N] [--quick]
+
+The domains are planned on a synthetic two-node host big enough for each
+to have dedicated cores (bench/storm.py); the daemons run here, unpinned.
+Every timed storm is checked, untimed (bench/storm_check.py): every hook
+exited 0, each disk served by one daemon on its own socket and file, no
+core, socket or volume held twice, and nothing left after release.  Each run
+times vstor's storm and the yardstick's back to back (in alternating order):
+the ratio of each pair is reported, median and range.  `--quick` runs a
+small storm once and checks the bench's own sanity (bench/sanity.py);
+tests/test_bench.py runs it so.  Needs root and qemu-storage-daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+from bench import storm_check as check  # noqa: E402
+from bench.sanity import Sanity  # noqa: E402
+from bench.storm import World, aio_room, daemons_under  # noqa: E402
+
+YARDSTICK = """#!{python} -S
+# The yardstick for one domain: start its daemons at prepare, as vstor's
+# command lines have them (the source opened and the socket listening,
+# handed over as descriptors), and stop them at release; nothing checked.
+import os, signal, socket, subprocess, sys, time
+sys.stdin.buffer.read()
+DAEMONS = {daemons!r}     # (argv, pidfile, source, socket)
+if sys.argv[2] == "prepare":
+    for argv, _, source, path in DAEMONS:
+        fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(path)
+            sock.listen()
+            subprocess.run([a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(sock.fileno()))
+                            for a in argv], check=True, pass_fds=(fd, sock.fileno()))
+        os.close(fd)
+elif sys.argv[2] == "release":
+    pids = [int(open(p).read()) for _, p, _, _ in DAEMONS]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    for pid in pids:     # gone, or a zombie its new parent has not reaped yet
+        while True:
+            try:
+                with open(f"/proc/{{pid}}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.002)
+    for _, pidfile, _, path in DAEMONS:     # qsd removes them itself as it exits
+        for left in (path, pidfile):
+            if os.path.exists(left):
+                os.unlink(left)
+"""
+
+
+class Yardstick:
+    """One yardstick script per domain of `world`, on the daemons vstor
+    starts for it (its plan's steps; unpinned, as vstor runs them on the
+    synthetic host), with sockets, monitors and pid files of its own."""
+
+    def __init__(self, world: World):
+        from vstor import records
+        from vstor.backends.qsd.daemon import _resolved
+        from vstor.host import sources
+        from vstor.runtime.actions import build
+        self.world = world
+        self.dir = os.path.join(world.work, "yard")
+        os.mkdir(self.dir)
+        self.scripts = {}
+        for name in world.names:
+            daemons = []
+            for step in build(world.plans[name], world.cfg):
+                export = records.replace(step.export, run_dir=self.dir, cpus=(),
+                                         socket_path=os.path.join(self.dir, step.export.name + ".sock"))
+                with sources.open_file(export.source, world.cfg.images) as src:
+                    spec = _resolved(export, src)
+                daemons.append((spec.argv("SRC_FD", "SOCK_FD"), spec.pidfile, spec.source,
+                                spec.socket_path))
+            path = os.path.join(self.dir, name)
+            with open(path, "w") as f:
+                f.write(YARDSTICK.format(python=sys.executable, daemons=daemons))
+            os.chmod(path, 0o755)
+            self.scripts[name] = path
+
+    def storm(self, op: str) -> tuple[float, list]:
+        from bench.storm import Run
+        sub = "begin" if op == "prepare" else "end"
+        t0 = time.perf_counter()
+        runs = [Run(n, op, self.scripts[n], [n, op, sub, "-"], self.world.xml[n], self.world.env())
+                for n in self.world.names]
+        for r in runs:
+            r.wait()
+        return time.perf_counter() - t0, runs
+
+
+def one_run(world: World, yard: Yardstick, vstor_first: bool, say) -> dict[str, float]:
+    """vstor's storm and the yardstick's, back to back; each checked untimed."""
+    took = {}
+    everyone = world.names
+    for who in (("vstor", "yardstick") if vstor_first else ("yardstick", "vstor")):
+        for op in ("prepare", "release"):
+            if who == "vstor":
+                took[f"vstor {op}"], runs = world.storm([(n, op) for n in everyone])
+                problems = check.prepared(world, everyone) if op == "prepare" else check.released(world)
+            else:
+                took[f"yardstick {op}"], runs = yard.storm(op)
+                running = len(daemons_under(yard.dir))
+                want = len(everyone) * len(world.sources[everyone[0]]) if op == "prepare" else 0
+                problems = [] if running == want else [f"the yardstick left {running} daemons, not {want}"]
+            problems = [f"{r!r}" for r in runs if r.rc != 0] + problems
+            for p in problems:
+                say(f"{who} {op}: {p}")
+    return took
+
+
+def bench(domains: int, disks: int, runs: int, sanity: Sanity) -> None:
+    room = aio_room()
+    if room < domains * disks:
+        # Past it, every further daemon with aio=native fails to start, the
+        # yardstick's as vstor's (tests/test_storm.py, the AIO budget).
+        raise SystemExit(f"bench_storm: the host's AIO budget (fs.aio-max-nr, less what runs now) "
+                         f"leaves room for {room} qemu-storage-daemons with aio=native, the storm "
+                         f"needs {domains * disks}: raise fs.aio-max-nr, or fewer --domains")
+    world = World(domains, disks)
+    sanity.watch(world.work)
+    problems: list[str] = []
+    try:
+        world.plan()
+        yard = Yardstick(world)
+        load = os.getloadavg()[0]
+        samples = [one_run(world, yard, i % 2 == 0, problems.append) for i in range(runs)]
+        if problems:
+            raise SystemExit("bench_storm: the storm did not hold: " + "; ".join(problems[:5]))
+        report(domains, disks, samples, (load, os.getloadavg()[0]), sanity)
+    finally:
+        for what in world.cleanup():
+            sanity.problem(f"cleanup: {what}")
+
+
+def report(domains: int, disks: int, samples: list[dict], load, sanity: Sanity) -> None:
+    def med(key: str) -> float:
+        return sanity.figure(key, statistics.median(s[key] for s in samples))
+
+    def ratio(num: list[str], den: list[str]) -> str:
+        r = sorted(sum(s[k] for k in num) / sum(s[k] for k in den) for s in samples)
+        spread = f", range {r[0]:.2f}-{r[-1]:.2f}" if len(r) > 1 else ""
+        return f"{statistics.median(r):.2f}{spread}"
+
+    n = len(samples)
+    print(f"boot storm, {domains} domains x {disks} qemu-storage-daemon disks ({domains * disks} "
+          f"daemons), all at once through the installed hook; median of {n} runs, "
+          f"load average {load[0]:.1f} before, {load[1]:.1f} after:")
+    vp, vr, yp, yr = med("vstor prepare"), med("vstor release"), med("yardstick prepare"), med("yardstick release")
+    print(f"  prepare storm: {vp:.2f} s vs yardstick {yp:.2f} s: ratio {ratio(['vstor prepare'], ['yardstick prepare'])}")
+    print(f"  release storm: {vr:.2f} s vs yardstick {yr:.2f} s: ratio {ratio(['vstor release'], ['yardstick release'])}")
+    print(f"  both: {vp + vr:.2f} s vs yardstick {yp + yr:.2f} s: ratio "
+          f"{ratio(['vstor prepare', 'vstor release'], ['yardstick prepare', 'yardstick release'])}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--domains", type=int, default=32)
+    ap.add_argument("--disks", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--quick", action="store_true",
+                    help="a small storm once; check the bench's own sanity (needs root)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("bench_storm: needs root (real qemu-storage-daemons)")
+    if not 1 <= args.disks <= 16 or args.domains < 1 or args.runs < 1:
+        sys.exit("bench_storm: --domains and --runs at least 1, --disks 1 to 16")
+    sanity = Sanity(args.quick)
+    # Byte-code written first, as pip's install does: with PYTHONDONTWRITEBYTECODE
+    # set, every hook would compile vstor anew.
+    import compileall
+    compileall.compile_dir(os.path.join(ROOT, "vstor"), quiet=1)
+    if args.quick:
+        bench(4, 2, 1, sanity)
+    else:
+        bench(args.domains, args.disks, args.runs, sanity)
+    sanity.finish(expected=4)
+
+
+if __name__ == "__main__":
+    main()
