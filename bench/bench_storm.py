@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 from bench import storm_check as check  # noqa: E402
 from bench.sanity import Sanity  # noqa: E402
-from bench.storm import World, aio_room, daemons_under  # noqa: E402
+from bench.storm import Run, World, aio_room, daemons_under  # noqa: E402
 
 YARDSTICK = """#!{python} -S
 # The yardstick for one domain: start its daemons at prepare, as vstor's
@@ -101,7 +101,6 @@ class Yardstick:
             self.scripts[name] = path
 
     def storm(self, op: str) -> tuple[float, list]:
-        from bench.storm import Run
         sub = "begin" if op == "prepare" else "end"
         t0 = time.perf_counter()
         runs = [Run(n, op, self.scripts[n], [n, op, sub, "-"], self.world.xml[n], self.world.env())
