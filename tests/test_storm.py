@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,8 +49,8 @@ def compiled():
 
 @pytest.fixture
 def storm(compiled):
-    """World(domains, disks), cleaned up after the test; anything the
-    cleanup had to release or stop is the test's failure."""
+    """World(domains, disks), cleaned up after the test (each test checks
+    itself that nothing was left: this is for one that failed half-way)."""
     _need(os.geteuid() == 0, "needs root (real qemu-storage-daemons)")
     _need(os.access(QSD, os.X_OK), f"{QSD} is not installed")
     made: list[World] = []
@@ -57,8 +59,8 @@ def storm(compiled):
         made.append(World(domains, disks))
         return made[-1]
     yield make
-    left = [what for w in made for what in w.cleanup()]
-    assert not left, left
+    for w in made:
+        w.cleanup()
 
 
 def _ok(runs) -> None:
@@ -116,6 +118,20 @@ def _kill_mid_way(w: World, victim: str) -> list:
     raise AssertionError("5 storms in a row, the victim's prepare ended before it could be killed")
 
 
+def _gc(w: World, running: list[str], out) -> subprocess.Popen:
+    """`vstor gc` on the world, started, libvirt (its test driver, from a
+    file) saying that `running` run; its output to the file `out`."""
+    node = out.parent / "node.xml"
+    node.write_text("<node>" + "".join(
+        f"<domain type='test'><name>{n}</name><uuid>{w.uuid(n)}</uuid><memory>262144</memory>"
+        "<os><type>hvm</type></os></domain>" for n in running) + "</node>")
+    with open(out, "w") as f:
+        return subprocess.Popen([sys.executable, "-c", "import sys; from vstor.cli.main import main; "
+                                 "sys.exit(main(sys.argv[1:]))", "-c", f"test://{node}",
+                                 "--config", w.conf, "--host-root", w.root, "gc"],
+                                env={**os.environ, "PYTHONPATH": ROOT}, stdout=f, stderr=subprocess.STDOUT)
+
+
 @pytest.mark.parametrize("then", ["its next start", "gc"])
 def test_a_prepare_killed_mid_way_is_cleaned_up_and_the_others_untouched(storm, then, tmp_path):
     w = storm(6, 2).plan()
@@ -126,18 +142,9 @@ def test_a_prepare_killed_mid_way_is_cleaned_up_and_the_others_untouched(storm, 
     theirs = _pids(w, others)
     assert len(theirs) == 2 * len(others)
     if then == "gc":
-        # What runs, as libvirt says: the others (libvirt's test driver, from a file).
-        node = tmp_path / "node.xml"
-        node.write_text("<node>" + "".join(
-            f"<domain type='test'><name>{n}</name><uuid>{w.uuid(n)}</uuid><memory>262144</memory>"
-            "<os><type>hvm</type></os></domain>" for n in others) + "</node>")
-        done = subprocess.run([sys.executable, "-c", "import sys; from vstor.cli.main import main; "
-                               "sys.exit(main(sys.argv[1:]))", "-c", f"test://{node}",
-                               "--config", w.conf, "--host-root", w.root, "gc"],
-                              env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True,
-                              timeout=60)
-        assert done.returncode == 0, done.stderr
-        assert f"Releasing {victim} (not running)" in done.stdout, done.stdout
+        out = tmp_path / "gc.out"
+        assert _gc(w, others, out).wait(60) == 0, out.read_text()
+        assert f"Releasing {victim} (not running)" in out.read_text(), out.read_text()
         assert check.prepared(w, others) == []
     else:
         _ok(w.storm([(victim, "prepare")])[1])
@@ -206,3 +213,72 @@ def test_a_start_past_the_hosts_aio_budget_still_starts(storm):
     assert run.rc == 0, run.stderr
     assert check.prepared(w, w.names) == []
     _ok(w.storm([(w.names[0], "release")])[1])
+    assert check.released(w) == []
+
+
+# -- gc during a storm ------------------------------------------------------------------------
+
+def _opening_a_fifo(pid: int) -> bool:
+    """The process waits in open(2) for a FIFO's writer."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return f.read() == "wait_for_partner"
+    except OSError:
+        return False
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _until(what, why: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.002)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "gc's orphan_files() reads the state records first and lists vstor's socket and daemon "
+    "directories after, outside any lock; a domain that starts in between (its record saved after "
+    "gc listed the records, its daemon's pid file written before gc lists the directory: a daemon "
+    "starts under its record lock alone) has its live daemon stopped by gc as an orphan "
+    "(daemon.stop_orphan) and its QMP socket removed"))
+def test_gc_during_a_storm_leaves_the_daemons_of_domains_that_start_meanwhile(storm, tmp_path):
+    """gc is held at a chosen point by a record that is a FIFO (read by
+    `vstor gc` once, then by orphan_files(), after it listed the names):
+    stopped there, the FIFO replaced by a plain record, the storm run, gc
+    let go.  A slow state directory (many records) opens the same window."""
+    from vstor.runtime.state import PREPARED, Record
+    w = storm(4, 2).plan()
+    state = StateDir(w.cfg.state_dir)
+    os.makedirs(state.domains, mode=0o700, exist_ok=True)
+    fifo = os.path.join(state.domains, "zzz.json")
+    os.mkfifo(fifo, 0o600)
+    body = json.dumps(Record(key="zzz", domain="zzz", uuid=None, status=PREPARED).to_json())
+    gc = _gc(w, [*w.names, "zzz"], tmp_path / "gc.out")
+    try:
+        _until(lambda: _opening_a_fifo(gc.pid) or gc.poll() is not None, "gc never read the records")
+        with open(fifo, "w") as f:
+            f.write(body)
+        _until(lambda: not _opening_a_fifo(gc.pid), "gc is stuck in its first read")
+        _until(lambda: _opening_a_fifo(gc.pid) or gc.poll() is not None, "orphan_files() read nothing")
+        # Stopped in open(2), which it restarts after SIGCONT: then on a
+        # plain record in the FIFO's place, which the storm's prepares read too.
+        os.kill(gc.pid, signal.SIGSTOP)
+        _until(lambda: _state(gc.pid) == "T", "gc did not stop")
+        with open(fifo + ".new", "w") as f:
+            f.write(body)
+        os.replace(fifo + ".new", fifo)
+        _ok(w.storm([(n, "prepare") for n in w.names])[1])
+        os.kill(gc.pid, signal.SIGCONT)
+        assert gc.wait(60) == 0, (tmp_path / "gc.out").read_text()
+    finally:
+        if gc.poll() is None:
+            gc.kill()
+            gc.wait()
+        os.unlink(fifo)     # a FIFO still, or the record in its place
+    assert check.prepared(w, w.names) == [], (tmp_path / "gc.out").read_text()
+    _ok(w.storm([(n, "release") for n in w.names])[1])
+    assert check.released(w) == []
