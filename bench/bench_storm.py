@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -46,6 +47,8 @@ if sys.argv[2] == "prepare":
     for argv, _, source, path in DAEMONS:
         fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
         with socket.socket(socket.AF_UNIX) as sock:
+            if os.path.exists(path):
+                os.unlink(path)
             sock.bind(path)
             sock.listen()
             subprocess.run([a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(sock.fileno()))
@@ -110,34 +113,55 @@ class Yardstick:
         return time.perf_counter() - t0, runs
 
 
+def _cpu() -> float:
+    """CPU time of the children waited for (the hooks, and the parents of
+    the daemons they started; not the daemons, which detach)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def one_run(world: World, yard: Yardstick, vstor_first: bool, say) -> dict[str, float]:
-    """vstor's storm and the yardstick's, back to back; each checked untimed."""
+    """vstor's storm and the yardstick's, back to back; each checked untimed.
+    Wall times, and the CPU time of each storm's processes ("... cpu")."""
     took = {}
     everyone = world.names
     for who in (("vstor", "yardstick") if vstor_first else ("yardstick", "vstor")):
         for op in ("prepare", "release"):
+            _wait_for_room(len(everyone) * world.disks if op == "prepare" else 0)
+            cpu = _cpu()
             if who == "vstor":
                 took[f"vstor {op}"], runs = world.storm([(n, op) for n in everyone])
-                problems = check.prepared(world, everyone) if op == "prepare" else check.released(world)
             else:
                 took[f"yardstick {op}"], runs = yard.storm(op)
+            took[f"{who} {op} cpu"] = _cpu() - cpu
+            problems = [f"{r!r}" for r in runs if r.rc != 0]
+            if who == "vstor":
+                problems += check.prepared(world, everyone) if op == "prepare" else check.released(world)
+            else:
                 running = len(daemons_under(yard.dir))
-                want = len(everyone) * len(world.sources[everyone[0]]) if op == "prepare" else 0
-                problems = [] if running == want else [f"the yardstick left {running} daemons, not {want}"]
-            problems = [f"{r!r}" for r in runs if r.rc != 0] + problems
+                want = len(everyone) * world.disks if op == "prepare" else 0
+                problems += [] if running == want else [f"the yardstick left {running} daemons, not {want}"]
             for p in problems:
                 say(f"{who} {op}: {p}")
     return took
 
 
+def _wait_for_room(daemons: int, patience: float = 120) -> None:
+    """Until the host's AIO budget (fs.aio-max-nr, shared with every other
+    process) has room for `daemons` more with aio=native: past it, every
+    further one fails to start, the yardstick's as vstor's (tests/test_storm.py)."""
+    deadline = time.monotonic() + patience
+    while aio_room() < daemons:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"bench_storm: the host's AIO budget (fs.aio-max-nr, less what runs "
+                             f"now) leaves room for {aio_room()} qemu-storage-daemons with "
+                             f"aio=native, the storm needs {daemons}: raise fs.aio-max-nr, or "
+                             "fewer --domains")
+        time.sleep(1)
+
+
 def bench(domains: int, disks: int, runs: int, sanity: Sanity) -> None:
-    room = aio_room()
-    if room < domains * disks:
-        # Past it, every further daemon with aio=native fails to start, the
-        # yardstick's as vstor's (tests/test_storm.py, the AIO budget).
-        raise SystemExit(f"bench_storm: the host's AIO budget (fs.aio-max-nr, less what runs now) "
-                         f"leaves room for {room} qemu-storage-daemons with aio=native, the storm "
-                         f"needs {domains * disks}: raise fs.aio-max-nr, or fewer --domains")
+    _wait_for_room(domains * disks)
     world = World(domains, disks)
     sanity.watch(world.work)
     problems: list[str] = []
@@ -172,6 +196,11 @@ def report(domains: int, disks: int, samples: list[dict], load, sanity: Sanity) 
     print(f"  release storm: {vr:.2f} s vs yardstick {yr:.2f} s: ratio {ratio(['vstor release'], ['yardstick release'])}")
     print(f"  both: {vp + vr:.2f} s vs yardstick {yp + yr:.2f} s: ratio "
           f"{ratio(['vstor prepare', 'vstor release'], ['yardstick prepare', 'yardstick release'])}")
+    per = {k: statistics.median(s[k] for s in samples) / domains * 1000
+           for k in ("vstor prepare cpu", "vstor release cpu", "yardstick prepare cpu", "yardstick release cpu")}
+    print(f"  cpu per domain (the hook's processes, not the daemons): prepare {per['vstor prepare cpu']:.0f} "
+          f"ms vs {per['yardstick prepare cpu']:.0f} ms, release {per['vstor release cpu']:.0f} ms vs "
+          f"{per['yardstick release cpu']:.0f} ms")
 
 
 def main() -> None:
