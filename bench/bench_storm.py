@@ -180,27 +180,31 @@ def bench(domains: int, disks: int, runs: int, sanity: Sanity) -> None:
 
 def report(domains: int, disks: int, samples: list[dict], load, sanity: Sanity) -> None:
     def med(key: str) -> float:
-        return sanity.figure(key, statistics.median(s[key] for s in samples))
+        return statistics.median(s[key] for s in samples)
 
-    def ratio(num: list[str], den: list[str]) -> str:
-        r = sorted(sum(s[k] for k in num) / sum(s[k] for k in den) for s in samples)
+    def ratio(ops: tuple[str, ...]) -> str:
+        """The median of each run's ratio (vstor's storm to the yardstick's
+        right beside it), and their range."""
+        r = sorted(sum(s[f"vstor {op}"] for op in ops) / sum(s[f"yardstick {op}"] for op in ops)
+                   for s in samples)
         spread = f", range {r[0]:.2f}-{r[-1]:.2f}" if len(r) > 1 else ""
         return f"{statistics.median(r):.2f}{spread}"
 
-    n = len(samples)
     print(f"boot storm, {domains} domains x {disks} qemu-storage-daemon disks ({domains * disks} "
-          f"daemons), all at once through the installed hook; median of {n} runs, "
+          f"daemons), all at once through the installed hook; median of {len(samples)} runs, "
           f"load average {load[0]:.1f} before, {load[1]:.1f} after:")
-    vp, vr, yp, yr = med("vstor prepare"), med("vstor release"), med("yardstick prepare"), med("yardstick release")
-    print(f"  prepare storm: {vp:.2f} s vs yardstick {yp:.2f} s: ratio {ratio(['vstor prepare'], ['yardstick prepare'])}")
-    print(f"  release storm: {vr:.2f} s vs yardstick {yr:.2f} s: ratio {ratio(['vstor release'], ['yardstick release'])}")
-    print(f"  both: {vp + vr:.2f} s vs yardstick {yp + yr:.2f} s: ratio "
-          f"{ratio(['vstor prepare', 'vstor release'], ['yardstick prepare', 'yardstick release'])}")
-    per = {k: statistics.median(s[k] for s in samples) / domains * 1000
-           for k in ("vstor prepare cpu", "vstor release cpu", "yardstick prepare cpu", "yardstick release cpu")}
-    print(f"  cpu per domain (the hook's processes, not the daemons): prepare {per['vstor prepare cpu']:.0f} "
-          f"ms vs {per['yardstick prepare cpu']:.0f} ms, release {per['vstor release cpu']:.0f} ms vs "
-          f"{per['yardstick release cpu']:.0f} ms")
+    for who in ("vstor", "yardstick"):
+        for op in ("prepare", "release"):
+            sanity.figure(f"{who} {op}", med(f"{who} {op}"))
+    for label, ops in (("prepare storm", ("prepare",)), ("release storm", ("release",)),
+                       ("both", ("prepare", "release"))):
+        ours, theirs = (sum(med(f"{who} {op}") for op in ops) for who in ("vstor", "yardstick"))
+        print(f"  {label}: {ours:.2f} s vs yardstick {theirs:.2f} s: ratio {ratio(ops)}")
+    cpu = {f"{who} {op}": med(f"{who} {op} cpu") / domains * 1000
+           for who in ("vstor", "yardstick") for op in ("prepare", "release")}
+    print(f"  cpu per domain (the hook's processes, not the daemons): prepare "
+          f"{cpu['vstor prepare']:.0f} ms vs {cpu['yardstick prepare']:.0f} ms, release "
+          f"{cpu['vstor release']:.0f} ms vs {cpu['yardstick release']:.0f} ms")
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ socket and daemon directories, the images and the installed hook.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,7 +23,6 @@ import tempfile
 import time
 import uuid as uuidlib
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 NS = "https://vstor.dev/xmlns/domain/1"
 TARGETS = "bcdefghijklmnopq"
 DOMAIN = """<domain type='kvm'><name>{name}</name><uuid>{uuid}</uuid>
@@ -63,12 +63,8 @@ class World:
         self.hook = self._install_hook()
 
     def config(self):
-        os.environ["VSTOR_CONFIG"] = self.conf
-        try:
-            from vstor import config
-            return config.load()
-        finally:
-            del os.environ["VSTOR_CONFIG"]
+        from vstor import config
+        return config.load(self.conf)
 
     def plan(self, together: bool = True, cpus=lambda i: "dedicated", shared=frozenset()) -> "World":
         """Plan every domain.  `together`: each against those planned before
@@ -149,7 +145,7 @@ class World:
     def cleanup(self) -> list[str]:
         """Leave nothing behind, also after a failure half-way: each record
         released through vstor, stray daemons under `work` stopped.  What
-        had to be cleaned up this way (a test's failure if anything)."""
+        had to be cleaned up this way (the bench's sanity problems)."""
         from vstor.host.sysfs import SysFS
         from vstor.runtime.recorded import Runtime, release
         from vstor.runtime.state import StateDir
@@ -163,7 +159,7 @@ class World:
             said.append(f"release during cleanup: {type(e).__name__}: {e}")
         for pid, argv in daemons_under(self.work):
             said.append(f"daemon {pid} left")
-            with _suppress():
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.work, ignore_errors=True)
         return said
@@ -195,19 +191,11 @@ class Run:
     def kill(self) -> None:
         """SIGKILL the hook's whole process group (the shell, its Python,
         a daemon not yet detached from it)."""
-        with _suppress():
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     def __repr__(self) -> str:
         return f"{self.name} {self.op}: exit {self.rc}" + (f" ({self.stderr})" if self.stderr else "")
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, (ProcessLookupError, PermissionError))
 
 
 # What one qemu-storage-daemon with aio=native takes of the host's AIO
@@ -233,8 +221,13 @@ def daemons_under(work: str) -> list[tuple[int, list[str]]]:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         except OSError:
             continue
-        if argv and os.path.basename(argv[0]) == "qemu-storage-daemon" and "--pidfile" in argv:
-            pidfile = argv[argv.index("--pidfile") + 1] if argv.index("--pidfile") + 1 < len(argv) else ""
-            if pidfile.startswith(work.rstrip("/") + "/"):
-                found.append((int(entry), argv))
+        if argv and os.path.basename(argv[0]) == "qemu-storage-daemon" and \
+                pidfile_of(argv).startswith(work.rstrip("/") + "/"):
+            found.append((int(entry), argv))
     return found
+
+
+def pidfile_of(argv: list[str]) -> str:
+    """A daemon's --pidfile argument; "" without one."""
+    i = argv.index("--pidfile") + 1 if "--pidfile" in argv else len(argv)
+    return argv[i] if i < len(argv) else ""

@@ -16,7 +16,7 @@ import os
 from itertools import combinations
 
 from bench.sanity import holders
-from bench.storm import World, daemons_under
+from bench.storm import World, daemons_under, pidfile_of
 
 
 def prepared(world: World, names: list[str]) -> list[str]:
@@ -40,7 +40,7 @@ def released(world: World) -> list[str]:
     """Nothing of any domain left: no daemon, socket, pid file, monitor,
     state record, nor any process holding something under the world."""
     from vstor.runtime.state import StateDir
-    out = [f"daemon {pid} still runs ({_pidfile(argv)})" for pid, argv in daemons_under(world.work)]
+    out = [f"daemon {pid} still runs ({pidfile_of(argv)})" for pid, argv in daemons_under(world.work)]
     out += [f"state record of {r.domain} left ({r.status})" for r in StateDir(world.cfg.state_dir).records()]
     out += [f"{p} left" for p in glob.glob(os.path.join(world.cfg.state_dir, "domains", "*"))]
     out += files_of_others(world, [])
@@ -107,7 +107,7 @@ def from_daemons(world: World, names: list[str]) -> list[str]:
         socks = {unix[i] for i in fds.values() if i in unix and unix[i].startswith(world.cfg.vhost_dir + "/")}
         files = {t for t in fds.values() if t.startswith(world.images + "/")}
         disks = {by_socket.get(s, ("?", s)) for s in socks}
-        who = f"daemon {pid} ({os.path.basename(_pidfile(argv))})"
+        who = f"daemon {pid} ({os.path.basename(pidfile_of(argv))})"
         if len(socks) != 1 or len(files) != 1 or not disks <= by_source.get(min(files, default=""), set()):
             out.append(f"{who} listens on {sorted(socks)} and holds {sorted(files)}: "
                        "not one disk's socket and file")
@@ -157,8 +157,3 @@ def _allowed(pid: int) -> set[int] | None:
         return os.sched_getaffinity(pid)
     except OSError:
         return None
-
-
-def _pidfile(argv: list[str]) -> str:
-    i = argv.index("--pidfile") + 1 if "--pidfile" in argv else len(argv)
-    return argv[i] if i < len(argv) else "?"

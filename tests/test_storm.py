@@ -24,7 +24,7 @@ import time
 import pytest
 
 from bench import storm_check as check
-from bench.storm import QSD_AIO_EVENTS, World, daemons_under
+from bench.storm import QSD_AIO_EVENTS, World, daemons_under, pidfile_of
 from vstor.runtime.state import StateDir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,8 +92,8 @@ def test_half_the_domains_stop_while_the_other_half_start(storm):
 
 def _pids(w: World, names: list[str]) -> dict[str, int]:
     """pid file -> pid of the daemons of `names`."""
-    return {argv[argv.index("--pidfile") + 1]: pid for pid, argv in daemons_under(w.work)
-            if any(os.path.basename(argv[argv.index("--pidfile") + 1]).startswith(n + "-") for n in names)}
+    return {pidfile_of(argv): pid for pid, argv in daemons_under(w.work)
+            if any(os.path.basename(pidfile_of(argv)).startswith(n + "-") for n in names)}
 
 
 def _kill_mid_way(w: World, victim: str) -> list:
