@@ -39,15 +39,16 @@ def layout(cores: int) -> dict:
 class World:
     """The storm's host, configuration, images and domains, under `work`:
     `domains` named storm00, storm01, ..., each with `disks` file disks and
-    2 vCPUs; plan() makes their XML."""
+    2 vCPUs; plan() makes their XML.  `here`: planned on this machine
+    instead (few cores: cpus='shared'), its daemons pinned as planned."""
 
-    def __init__(self, domains: int, disks: int):
+    def __init__(self, domains: int, disks: int, here: bool = False):
         from tests.hostlayout import build_tree
         self.work = tempfile.mkdtemp(prefix="vstor-storm-", dir="/var/tmp")   # short: sockets
         os.chmod(self.work, 0o755)
         # Two nodes of SMT-2 cores: room for every domain's dedicated vCPUs,
         # with each node's first core kept for housekeeping.
-        self.root = build_tree(layout(domains // 2 + 2), os.path.join(self.work, "host"))
+        self.root = "/" if here else build_tree(layout(domains // 2 + 2), os.path.join(self.work, "host"))
         self.images = os.path.join(self.work, "images")
         os.mkdir(self.images)
         self.conf = os.path.join(self.work, "vstor.conf")

@@ -100,7 +100,7 @@ def from_daemons(world: World, names: list[str]) -> list[str]:
             by_source.setdefault(source, set()).add((name, d.target))
     expected = {(n, d.target) for n in names for d in world.plans[n].disks}
     unix = _listening()
-    affinity = os.sched_getaffinity(0)
+    affinity = os.sched_getaffinity(0)      # the hooks' (started from here)
     out, served = [], {}
     for pid, argv in daemons_under(world.work):
         fds = _fds(pid)
@@ -113,11 +113,13 @@ def from_daemons(world: World, names: list[str]) -> list[str]:
                        "not one disk's socket and file")
         for disk in disks:
             served.setdefault(disk, []).append(pid)
-        cpus = _allowed(pid)
         # The runtime pins a daemon to its plan's emulator cores on the
-        # planned host only; on the synthetic one it runs as its hook did.
-        if world.root != "/" and cpus is not None and cpus != affinity:
-            out.append(f"{who} runs on CPUs {sorted(cpus)}, its hook on {sorted(affinity)}")
+        # planned host; on the synthetic one it runs where its hook ran.
+        want = affinity if world.root != "/" else {
+            c for name, _ in disks if name in world.plans for c in world.plans[name].emulator}
+        cpus = _allowed(pid)
+        if cpus is not None and cpus != want:
+            out.append(f"{who} runs on CPUs {sorted(cpus)}, not {sorted(want)}")
     for disk in sorted(expected):
         if len(served.get(disk, ())) != 1:
             out.append(f"{disk[0]} {disk[1]} is served by {len(served.get(disk, ()))} daemons")

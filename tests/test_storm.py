@@ -55,8 +55,8 @@ def storm(compiled):
     _need(os.access(QSD, os.X_OK), f"{QSD} is not installed")
     made: list[World] = []
 
-    def make(domains: int = 8, disks: int = 2) -> World:
-        made.append(World(domains, disks))
+    def make(domains: int = 8, disks: int = 2, here: bool = False) -> World:
+        made.append(World(domains, disks, here))
         return made[-1]
     yield make
     for w in made:
@@ -75,6 +75,16 @@ def test_every_domain_of_a_storm_starts_and_none_shares_a_core_socket_or_volume(
     assert check.prepared(w, w.names) == []
     _, runs = w.storm([(n, "release") for n in w.names])
     _ok(runs)
+    assert check.released(w) == []
+
+
+def test_on_this_machine_every_daemon_of_a_storm_runs_on_its_plans_emulator_cores(storm):
+    # Planned on this machine's own cores (too few for dedicated vCPUs):
+    # the daemons are pinned, each to its domain's housekeeping cores.
+    w = storm(4, 2, here=True).plan(cpus=lambda i: "shared")
+    _ok(w.storm([(n, "prepare") for n in w.names])[1])
+    assert check.prepared(w, w.names) == []
+    _ok(w.storm([(n, "release") for n in w.names])[1])
     assert check.released(w) == []
 
 
