@@ -7,7 +7,7 @@ with its qemu-storage-daemon file disks (real daemons); then every
 daemons with the same concurrency and no checks: one minimal script per
 domain, started all at once.
 
-    python3 bench/bench_storm.py [--domains 32] [--disks 2] [--runs N] [--quick]
+    python3 bench/bench_storm.py [--domains 32] [--disks 2] [--runs N] [--one-by-one] [--quick]
 
 The domains are planned on a synthetic two-node host big enough for each
 to have dedicated cores (bench/storm.py); the daemons run here, unpinned.
@@ -15,7 +15,9 @@ Every timed storm is checked, untimed (bench/storm_check.py): every hook
 exited 0, each disk served by one daemon on its own socket and file, no
 core, socket or volume held twice, and nothing left after release.  Each run
 times vstor's storm and the yardstick's back to back (in alternating order):
-the ratio of each pair is reported, median and range.  `--quick` runs a
+the ratio of each pair is reported, median and range.  `--one-by-one` then
+times the same prepares and releases one domain after the other (the same
+work without the concurrency).  `--quick` runs a
 small storm once and checks the bench's own sanity (bench/sanity.py);
 tests/test_bench.py runs it so.  Needs root and qemu-storage-daemon.
 """
@@ -160,7 +162,25 @@ def _wait_for_room(daemons: int, patience: float = 120) -> None:
         time.sleep(1)
 
 
-def bench(domains: int, disks: int, runs: int, sanity: Sanity) -> None:
+def one_by_one(world: World, say) -> None:
+    """The same prepares, then releases, one domain after the other (what
+    the storm is to be compared with: the same work without concurrency)."""
+    for op in ("prepare", "release"):
+        _wait_for_room(len(world.names) * world.disks if op == "prepare" else 0)
+        took = 0.0
+        for name in world.names:
+            t, runs = world.storm([(name, op)])
+            took += t
+            for r in runs:
+                if r.rc != 0:
+                    say(f"one by one, {r!r}")
+        problems = check.prepared(world, world.names) if op == "prepare" else check.released(world)
+        for p in problems:
+            say(f"one by one, {op}: {p}")
+        print(f"  one domain after the other: {op} {took:.2f} s ({took / len(world.names) * 1000:.0f} ms each)")
+
+
+def bench(domains: int, disks: int, runs: int, sanity: Sanity, serial: bool = False) -> None:
     _wait_for_room(domains * disks)
     world = World(domains, disks)
     sanity.watch(world.work)
@@ -173,6 +193,10 @@ def bench(domains: int, disks: int, runs: int, sanity: Sanity) -> None:
         if problems:
             raise SystemExit("bench_storm: the storm did not hold: " + "; ".join(problems[:5]))
         report(domains, disks, samples, (load, os.getloadavg()[0]), sanity)
+        if serial:
+            one_by_one(world, problems.append)
+            if problems:
+                raise SystemExit("bench_storm: one by one, it did not hold: " + "; ".join(problems[:5]))
     finally:
         for what in world.cleanup():
             sanity.problem(f"cleanup: {what}")
@@ -212,6 +236,8 @@ def main() -> None:
     ap.add_argument("--domains", type=int, default=32)
     ap.add_argument("--disks", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--one-by-one", action="store_true",
+                    help="then also time the same prepares and releases one domain after the other")
     ap.add_argument("--quick", action="store_true",
                     help="a small storm once; check the bench's own sanity (needs root)")
     args = ap.parse_args()
@@ -227,7 +253,7 @@ def main() -> None:
     if args.quick:
         bench(4, 2, 1, sanity)
     else:
-        bench(args.domains, args.disks, args.runs, sanity)
+        bench(args.domains, args.disks, args.runs, sanity, args.one_by_one)
     sanity.finish(expected=4)
 
 
