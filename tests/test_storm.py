@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -194,23 +195,35 @@ SYS_IO_SETUP = {"x86_64": (206, 207), "aarch64": (0, 1)}
 
 @contextlib.contextmanager
 def aio_taken(leave: int):
-    """Hold AIO contexts (io_setup(2)) until fewer than `leave` events of
-    the host's budget (fs.aio-max-nr) are free; let them go after."""
+    """Hold AIO contexts (io_setup(2)) so that fewer than `leave` events of
+    the host's budget (fs.aio-max-nr) are free; and keep taking what other
+    processes give back meanwhile (their daemons stop too), until the end."""
     calls = SYS_IO_SETUP.get(os.uname().machine)
     _need(calls is not None, f"io_setup's syscall number on {os.uname().machine} is not known here")
     libc = ctypes.CDLL(None, use_errno=True)
-    held = []
+    held, done = [], threading.Event()
+
+    def take() -> int:
+        with open("/proc/sys/fs/aio-max-nr") as f, open("/proc/sys/fs/aio-nr") as g:
+            room = int(f.read()) - int(g.read()) - leave + 1
+        ctx = ctypes.c_ulong(0)
+        if room > 0 and libc.syscall(calls[0], ctypes.c_uint(room), ctypes.byref(ctx)) == 0:
+            held.append(ctx)
+        return room
+
+    def keep_taking() -> None:
+        while not done.is_set():
+            take()
     try:
-        for _ in range(20):
-            with open("/proc/sys/fs/aio-max-nr") as f, open("/proc/sys/fs/aio-nr") as g:
-                room = int(f.read()) - int(g.read()) - leave + 1
-            if room <= 0:
-                break
-            ctx = ctypes.c_ulong(0)
-            if libc.syscall(calls[0], ctypes.c_uint(room), ctypes.byref(ctx)) == 0:
-                held.append(ctx)
-        _need(room <= 0, "could not take the host's AIO budget (io_setup(2) kept failing)")
-        yield
+        _need(any(take() <= 0 for _ in range(20)),
+              "could not take the host's AIO budget (io_setup(2) kept failing)")
+        taker = threading.Thread(target=keep_taking)
+        taker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            taker.join()
     finally:
         for ctx in held:
             libc.syscall(calls[1], ctx)
