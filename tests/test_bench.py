@@ -75,6 +75,13 @@ def test_bench_hook_quick():
     assert out.count("yardstick on") == 2
 
 
+def test_bench_storm_quick():
+    _need_qsd()
+    out = quick("bench_storm.py", 300)
+    assert "boot storm, 4 domains x 2 qemu-storage-daemon disks" in out
+    assert out.count("vs yardstick") == 3
+
+
 def test_bench_pve_quick():
     _need_qsd()
     out = quick("bench_pve.py", 300)
