@@ -47,10 +47,11 @@ def ledger_now(ledger: Ledger | Callable[[], Ledger], state: StateDir) -> Ledger
     lock: `ledger` itself when it is a function (it then reads libvirt now),
     and the state records as they are now (a domain prepared or reserved
     since `ledger` was read) besides."""
+    from vstor.runtime.index import recorded
     from vstor.runtime.lifecycle import holding_of
     base = ledger() if callable(ledger) else ledger
     known = {h.domain for h in base.holdings}
-    return Ledger(base.holdings + tuple(holding_of(r) for r in state.records()
+    return Ledger(base.holdings + tuple(holding_of(r) for r in recorded(state)
                                         if r.holding and r.domain not in known))
 
 
