@@ -123,8 +123,7 @@ class StateDir:
             return
         self._ensure()
         with flocked(path, f"{self.path}/lock", timeout, create=True), _holding(path):
-            if self._index is not None:
-                self._index.forget()        # what others changed since it was last held
+            _TAKEN[path] = _TAKEN.get(path, 0) + 1      # what was read before may have changed
             yield self
 
     @contextlib.contextmanager
@@ -163,6 +162,11 @@ class StateDir:
     def holds_lock(self) -> bool:
         """This process holds the host lock."""
         return bool(_HELD.get(os.path.join(self.path, "lock")))
+
+    def lock_taken(self) -> int:
+        """How many times this process has taken the host lock: what it read
+        of shared state under an earlier one may have changed since."""
+        return _TAKEN.get(os.path.join(self.path, "lock"), 0)
 
     def busy(self, key: str) -> bool:
         """A run holds the domain's record lock right now (in another process)."""
@@ -284,6 +288,7 @@ class StateDir:
 
 
 _HELD: dict[str, int] = {}      # lock paths this process holds (re-entrancy)
+_TAKEN: dict[str, int] = {}     # how many times each was taken (not re-entered)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ class Index:
         self.path = os.path.join(state.path, "index")
         self._sums: dict | None = None
         self._summaries: dict[str, dict | None] = {}
+        self._taken = state.lock_taken()     # what is cached was read under this taking
 
     def forget(self) -> None:
         """Drop what was read: another process may have changed the index
@@ -55,8 +56,16 @@ class Index:
 
     # -- reading (under the host lock) -------------------------------------
 
+    def _fresh(self) -> None:
+        """Forget what was read under an earlier taking of the host lock:
+        another process may have changed the index since."""
+        if self._taken != self.state.lock_taken():
+            self.forget()
+            self._taken = self.state.lock_taken()
+
     def sums(self) -> dict:
         """sums.json, the index rebuilt first when it cannot be trusted."""
+        self._fresh()
         if self._sums is None:
             self._sums = self._load_sums()
             if self._sums is None:
@@ -69,6 +78,7 @@ class Index:
     def trusted(self) -> dict | None:
         """sums.json if the index can be trusted as it is, else None (read
         only: nothing is rebuilt)."""
+        self._fresh()
         return self._sums if self._sums is not None else self._load_sums()
 
     def _load_sums(self) -> dict | None:
@@ -94,6 +104,7 @@ class Index:
 
     def indexed(self, key: str) -> dict | None:
         """The summary of `key` the index holds (None: none)."""
+        self._fresh()
         if key not in self._summaries:
             try:
                 with open(os.path.join(self.path, "keys", key + ".json")) as f:
