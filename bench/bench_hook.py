@@ -147,8 +147,9 @@ def same_daemons(work: str, dom, cfg) -> list:
     """The four daemons exactly as vstor starts them for `dom` (its plan's
     command lines: the source and the listening socket handed over as
     descriptors, aio=native where O_DIRECT works, the plan's pinning, a QMP
-    monitor), on sockets and pidfiles of the yardstick's own."""
-    from vstor.backends.qsd.daemon import _pin, _resolved
+    monitor; under systemd in a scope of their own, as vstor's are), on
+    sockets and pidfiles of the yardstick's own."""
+    from vstor.backends.qsd.daemon import _pin, _resolved, scope
     from vstor.host import sources
     from vstor.runtime.actions import build
     from vstor.runtime.lifecycle import plan_of
@@ -159,7 +160,8 @@ def same_daemons(work: str, dom, cfg) -> list:
         argv = spec.argv("SRC_FD", "SOCK_FD")
         for mine, theirs in ((spec.qmp_path, f"{work}/y{i}.qmp"), (spec.pidfile, f"{work}/y{i}.pid")):
             argv = [a.replace(mine, theirs) for a in argv]
-        out.append((_pin(spec.cpus) + argv, f"{work}/y{i}.pid", spec.source, f"{work}/y{i}.sock"))
+        out.append((scope(f"yardstick-{i}") + _pin(spec.cpus) + argv, f"{work}/y{i}.pid", spec.source,
+                    f"{work}/y{i}.sock"))
     return out
 
 
