@@ -5,18 +5,24 @@
    `python3 -c pass` (target: at most 0.1);
 2. `prepare begin` + `release end` through the installed hook for a domain
    with four qemu-storage-daemon file disks, divided by the yardstick: a
-   minimal Python hook that only starts the four daemons (daemonized, with
-   a pidfile) and stops them again (target: at most 1.5; real daemons:
-   needs root and qemu-storage-daemon);
+   minimal Python hook on the same interpreter with the same flags (-S) that
+   starts the same four daemons as vstor (their command lines, pinning and
+   handed-over descriptors), side by side, waits until each serves, and at
+   release stops them and waits until each has exited; no checks (target:
+   at most 1.5; real daemons: needs root and qemu-storage-daemon).  Run in
+   interleaved pairs, which of the two first alternating; the figure is the
+   median of the pairs' ratios, with their quartiles and range;
 3. the same `prepare` and `release` in-process (no interpreter start).
 
-    python3 bench/bench_hook.py [--runs N] [--quick]
+    python3 bench/bench_hook.py [--runs N] [--pairs N] [--quick]
 
-Figures go into docs/performance.md; nothing here asserts a time.  `--quick`
-runs each case once and checks the bench's own sanity (bench/sanity.py):
-tests/test_bench.py runs it so.  Full or quick, every timed `prepare` is
-checked (untimed) to have left four daemons serving the four disks, and every
-`release` to have stopped them.
+The hook and the yardstick run on the Python that runs the bench (what
+`hooks install` would write into the hook): run it with /usr/bin/python3
+to measure Debian's.  Figures go into docs/performance.md; nothing here
+asserts a time.  `--quick` runs each case once and checks the bench's own
+sanity (bench/sanity.py): tests/test_bench.py runs it so.  Full or quick,
+every timed `prepare` is checked (untimed) to have left four daemons serving
+the four disks, and every `release` to have stopped them.
 """
 
 from __future__ import annotations
@@ -93,43 +99,46 @@ FOUR_DISKS = """<domain type='kvm'><name>bench4</name><memory unit='MiB'>512</me
 </vstor:vstor></metadata><devices/></domain>"""
 
 
-YARDSTICK = """#!{python}
-# The yardstick: a minimal hook that starts four qemu-storage-daemons
-# (daemonized, with a pidfile) at prepare and stops them at release.  Where a
-# daemon's command line takes descriptors (vstor's: the source opened and the
-# socket listening, handed over), it opens and binds them first, as vstor does.
-import os, signal, socket, subprocess, sys, time
+YARDSTICK = """#!{python} -S
+# The yardstick: a minimal libvirt hook, on the hook's own Python and flags,
+# that starts the same four qemu-storage-daemons vstor starts (its command
+# lines and pinning; the source opened and the socket bound and listening,
+# handed over as descriptors), side by side, and waits until each serves: a
+# daemonized qsd's parent exits once every --export exists, and the socket
+# accepted from the moment it was bound, which is what QEMU needs.  At
+# release it stops them (SIGTERM) and waits, woken by pidfds, until each has
+# exited.  No checks, no records, no lock, no log; it imports only what
+# each of the two needs.
+import os, sys
 sys.stdin.buffer.read()
-DAEMONS = {daemons!r}     # (argv, pidfile, source or None, socket or None)
+DAEMONS = {daemons!r}     # (argv, pidfile, source, socket)
 if sys.argv[2] == "prepare":
+    import socket, subprocess
+    held, started = [], []
     for argv, _, source, path in DAEMONS:
-        if source is None:
-            subprocess.run(argv, check=True)
-            continue
         fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
-        with socket.socket(socket.AF_UNIX) as sock:
-            if os.path.exists(path):
-                os.unlink(path)
-            sock.bind(path)
-            sock.listen()
-            subprocess.run([a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(sock.fileno()))
-                            for a in argv], check=True, pass_fds=(fd, sock.fileno()))
-        os.close(fd)
+        sock = socket.socket(socket.AF_UNIX)
+        if os.path.exists(path):
+            os.unlink(path)
+        sock.bind(path)
+        sock.listen()
+        started.append(subprocess.Popen(
+            [a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(sock.fileno())) for a in argv],
+            pass_fds=(fd, sock.fileno())))
+        held += [fd, sock]
+    if any([p.wait() for p in started]):
+        sys.exit(1)
 elif sys.argv[2] == "release":
-    pids = [int(open(p).read()) for _, p, _, _ in DAEMONS]
-    for pid in pids:
-        os.kill(pid, signal.SIGTERM)
-    for pid in pids:     # gone, or a zombie its new parent has not reaped yet
-        while True:
-            try:
-                with open(f"/proc/{{pid}}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        break
-            except FileNotFoundError:
-                break
-            time.sleep(0.002)
+    import select, signal
+    fds = [os.pidfd_open(int(open(p).read())) for _, p, _, _ in DAEMONS]
+    for fd in fds:
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+    for fd in fds:     # readable once the daemon has exited
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll()
     for _, _, _, path in DAEMONS:
-        if path and os.path.exists(path):
+        if os.path.exists(path):
             os.unlink(path)
 """
 
@@ -138,8 +147,9 @@ def same_daemons(work: str, dom, cfg) -> list:
     """The four daemons exactly as vstor starts them for `dom` (its plan's
     command lines: the source and the listening socket handed over as
     descriptors, aio=native where O_DIRECT works, the plan's pinning, a QMP
-    monitor), on sockets and pidfiles of the yardstick's own."""
-    from vstor.backends.qsd.daemon import _resolved
+    monitor; under systemd in a scope of their own, as vstor's are), on
+    sockets and pidfiles of the yardstick's own."""
+    from vstor.backends.qsd.daemon import _pin, _resolved, scope
     from vstor.host import sources
     from vstor.runtime.actions import build
     from vstor.runtime.lifecycle import plan_of
@@ -150,19 +160,9 @@ def same_daemons(work: str, dom, cfg) -> list:
         argv = spec.argv("SRC_FD", "SOCK_FD")
         for mine, theirs in ((spec.qmp_path, f"{work}/y{i}.qmp"), (spec.pidfile, f"{work}/y{i}.pid")):
             argv = [a.replace(mine, theirs) for a in argv]
-        pin = ["taskset", "--cpu-list", ",".join(map(str, spec.cpus))] if spec.cpus else []
-        out.append((pin + argv, f"{work}/y{i}.pid", spec.source, f"{work}/y{i}.sock"))
+        out.append((scope(f"yardstick-{i}") + _pin(spec.cpus) + argv, f"{work}/y{i}.pid", spec.source,
+                    f"{work}/y{i}.sock"))
     return out
-
-
-def plain_daemons(work: str) -> list:
-    """The minimal daemons: aio=threads, no monitor, no pinning."""
-    return [(["qemu-storage-daemon", "--blockdev",
-              f"driver=file,node-name=f{i},filename={work}/d{i}.raw,aio=threads,cache.direct=on",
-              "--export", f"type=vhost-user-blk,id=e{i},node-name=f{i},addr.type=unix,"
-              f"addr.path={work}/p{i}.sock,writable=on",
-              "--daemonize", "--pidfile", f"{work}/p{i}.pid"], f"{work}/p{i}.pid", None, None)
-            for i in range(4)]
 
 
 def _serving(sanity: Sanity, disks: list[str], after: str, count: int) -> None:
@@ -173,75 +173,93 @@ def _serving(sanity: Sanity, disks: list[str], after: str, count: int) -> None:
                        f"not {count}")
 
 
-def through_hook(runs: int, work: str, dom, cfg, sanity: Sanity) -> None:
-    """prepare begin + release end as libvirt runs them, vs the yardstick
-    (started on the same daemons vstor starts, and on minimal ones)."""
+def through_hook(pairs: int, work: str, run: str, dom, cfg, sanity: Sanity) -> None:
+    """prepare begin + release end as libvirt runs them, against the
+    yardstick, in interleaved pairs (which of the two runs first
+    alternates): the figure is the median of the pairs' ratios, with their
+    spread; a busy machine slows both of a pair alike."""
     conf = os.path.join(work, "vstor.conf")
     with open(conf, "w") as f:
         f.write(f"[paths]\nstate_dir = {cfg.state_dir}\nvhost_dir = {cfg.vhost_dir}\n"
                 f"qsd_dir = {cfg.qsd_dir}\nimages = {work}\n")
     hook = installed_hook(work, conf)
     xml = dom.to_string().encode()
-    sticks = []
-    for what, daemons in (("the same daemons", same_daemons(work, dom, cfg)),
-                          ("minimal daemons (aio=threads, no monitor, not pinned)", plain_daemons(work))):
-        path = os.path.join(work, f"yardstick{len(sticks)}")
-        with open(path, "w") as f:
-            f.write(YARDSTICK.format(python=sys.executable, daemons=daemons))
-        os.chmod(path, 0o755)
-        sticks.append((what, path))
-
+    stick = os.path.join(work, "yardstick")
+    with open(stick, "w") as f:
+        f.write(YARDSTICK.format(python=sys.executable, daemons=same_daemons(run, dom, cfg)))
+    os.chmod(stick, 0o755)
     disks = _disks(work)
 
-    def cycle(argv0: str) -> float:
-        took = 0.0
+    def cycle(argv0: str) -> tuple[float, float]:
+        took = []
         for op in (["prepare", "begin", "-"], ["release", "end", "-"]):
             t0 = time.perf_counter()
             done = subprocess.run([argv0, dom.name, *op], input=xml, capture_output=True)
-            took += time.perf_counter() - t0
+            took.append(time.perf_counter() - t0)
             if done.returncode:
                 raise SystemExit(f"{argv0} {op[0]}: {done.stderr.decode().strip()}")
             _serving(sanity, disks, f"{os.path.basename(argv0)} {op[0]}",
                      len(disks) if op[0] == "prepare" else 0)
-        return took
-    ours, theirs = [], [[] for _ in sticks]
-    for _ in range(runs):
-        ours.append(cycle(hook))
-        for i, (_, path) in enumerate(sticks):
-            theirs[i].append(cycle(path))
-    a = sanity.figure("through the hook", statistics.median(ours))
-    for (what, _), samples in zip(sticks, theirs):
-        b = sanity.figure(f"yardstick on {what}", statistics.median(samples))
-        # Each cycle of ours ran right before one of the yardstick's: the
-        # median of those pairs' ratios holds still on a busy machine.
-        paired = statistics.median(x / y for x, y in zip(ours, samples))
-        print(f"hook prepare begin + release end, 4 qsd disks: {a * 1000:.0f} ms vs yardstick on "
-              f"{what} {b * 1000:.0f} ms: ratio {a / b:.2f}, paired {paired:.2f} (median of {runs})")
+        return took[0], took[1]
+    ours, theirs = [], []
+    for i in range(pairs):
+        if i % 2:
+            theirs.append(cycle(stick))
+            ours.append(cycle(hook))
+        else:
+            ours.append(cycle(hook))
+            theirs.append(cycle(stick))
+    ratios = sorted(sum(a) / sum(b) for a, b in zip(ours, theirs))
+    ratio = sanity.figure("ratio to the yardstick", statistics.median(ratios))
+    quart = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    a, b = (_halves(sanity, who, runs) for who, runs in (("the hook", ours), ("the yardstick", theirs)))
+    print(f"hook prepare begin + release end, 4 qsd disks: {a} vs yardstick on the same daemons "
+          f"{b}: ratio {ratio:.2f} (median of {pairs} interleaved pairs; IQR {quart[0]:.2f}-"
+          f"{quart[2]:.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}; {sys.executable})")
 
 
-def prepare_release(runs: int, sanity: Sanity) -> None:
+def _halves(sanity: Sanity, who: str, runs: list[tuple[float, float]]) -> str:
+    """'TOTAL ms (prepare P, release R)', medians of each."""
+    whole = sanity.figure(f"{who}, prepare + release", statistics.median(p + r for p, r in runs))
+    prep, rel = (statistics.median(x[i] for x in runs) * 1000 for i in (0, 1))
+    return f"{whole * 1000:.0f} ms (prepare {prep:.0f}, release {rel:.0f})"
+
+
+def prepare_release(runs: int, pairs: int, sanity: Sanity) -> None:
     if os.geteuid() != 0:
         print("prepare+release: skipped (needs root)")
         return
+    # The images where O_DIRECT works (aio=native, as on a host's disks); the
+    # state, sockets and pidfiles, vstor's and the yardstick's, on a tmpfs,
+    # as /run/vstor is on a host (a record's fsync costs nothing there).
     work = sanity.watch(tempfile.mkdtemp(prefix="vstor-bench-", dir="/var/tmp"))
+    run = sanity.watch(tempfile.mkdtemp(prefix="vstor-bench-", dir=_tmpfs()))
     try:
-        _prepare_release(runs, work, sanity)
+        _prepare_release(runs, pairs, work, run, sanity)
     finally:
-        _clean(work)
+        _clean(work, run)
+
+
+def _tmpfs() -> str:
+    """/run where it is a tmpfs (on a host it is), else /dev/shm."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = {line.split()[4]: line.split(" - ")[1].split()[0] for line in f}
+    return "/run" if mounts.get("/run") == "tmpfs" else "/dev/shm"
 
 
 def _disks(work: str) -> list[str]:
     return [os.path.join(work, f"d{i}.raw") for i in range(4)]
 
 
-def _config(work: str):
-    """vstor's configuration for the bench's domain: everything under `work`."""
+def _config(work: str, run: str):
+    """vstor's configuration for the bench's domain: its images under
+    `work`, its state, sockets and pidfiles under `run`."""
     from vstor.config import Config
-    return Config(state_dir=f"{work}/state", vhost_dir=f"{work}/vhost", qsd_dir=f"{work}/qsd",
+    return Config(state_dir=f"{run}/state", vhost_dir=f"{run}/vhost", qsd_dir=f"{run}/qsd",
                   images=(work,))
 
 
-def _prepare_release(runs: int, work: str, sanity: Sanity) -> None:
+def _prepare_release(runs: int, pairs: int, work: str, run: str, sanity: Sanity) -> None:
     from vstor.meta.document import Domain
     from vstor.host.read import read_host
     from vstor.planner.ledger import Ledger
@@ -251,18 +269,19 @@ def _prepare_release(runs: int, work: str, sanity: Sanity) -> None:
     from vstor.runtime.state import StateDir
     from vstor.host.sysfs import SysFS
     os.chmod(work, 0o755)
+    os.chmod(run, 0o755)
     disks = ""
     for path, t in zip(_disks(work), "bcde"):
         with open(path, "wb") as f:
             f.truncate(64 << 20)
         disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
-    cfg = _config(work)
+    cfg = _config(work, run)
     host = read_host(SysFS("/"))
     dom = Domain.parse(FOUR_DISKS.format(disks=disks))
     dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))
     state = StateDir(cfg.state_dir)
     rt = Runtime(cfg, SysFS("/"))
-    through_hook(runs, work, dom, cfg, sanity)
+    through_hook(pairs, work, run, dom, cfg, sanity)
     prep, rel = [], []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -278,7 +297,7 @@ def _prepare_release(runs: int, work: str, sanity: Sanity) -> None:
     print(f"prepare, 4 qsd disks: {p * 1000:.0f} ms; release: {r * 1000:.0f} ms (median of {runs})")
 
 
-def _clean(work: str) -> None:
+def _clean(work: str, run: str) -> None:
     """Leave nothing behind, also after a failure half-way: vstor's daemons
     released through vstor, the yardstick's stopped by their pidfiles."""
     import glob
@@ -286,23 +305,26 @@ def _clean(work: str) -> None:
     from vstor.runtime.recorded import Runtime, release
     from vstor.runtime.state import StateDir
     from vstor.host.sysfs import SysFS
-    cfg = _config(work)
+    cfg = _config(work, run)
     try:
         release(Runtime(cfg, SysFS("/")), StateDir(cfg.state_dir), "bench4")
     except Exception as e:  # noqa: BLE001 (report it, go on cleaning)
         print(f"release during cleanup: {e}", file=sys.stderr)
-    for pidfile in glob.glob(os.path.join(work, "[yp][0-9].pid")):
+    for pidfile in glob.glob(os.path.join(run, "y[0-9].pid")):
         try:
             with open(pidfile) as f:
                 os.kill(int(f.read()), signal.SIGTERM)
         except (OSError, ValueError):
             pass
     shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(run, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=20, help="runs of the pass-through and in-process cases")
+    ap.add_argument("--pairs", type=int, default=30,
+                    help="interleaved pairs of the hook's and the yardstick's prepare + release")
     ap.add_argument("--quick", action="store_true",
                     help="each case once; check the bench's own sanity (needs root)")
     args = ap.parse_args()
@@ -314,7 +336,7 @@ def main() -> None:
     import compileall
     compileall.compile_dir(os.path.join(ROOT, "vstor"), quiet=1)
     pass_through(1 if args.quick else args.runs, sanity)
-    prepare_release(1 if args.quick else max(3, args.runs // 2), sanity)
+    prepare_release(1 if args.quick else args.runs, 1 if args.quick else args.pairs, sanity)
     sanity.finish(expected=8 + 3 + 2)
 
 

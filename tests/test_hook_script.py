@@ -64,6 +64,25 @@ def test_malformed_xml_that_names_vstor_is_refused_cleanly(hook):
     assert out.returncode == 2 and b"malformed XML" in out.stderr and b"Traceback" not in out.stderr
 
 
+def test_operations_without_work_for_vstor_never_start_python(tmp_path):
+    # libvirt's qemu hook operations besides the four vstor serves
+    # (docs: libvirt.org/hooks.html); the hook's Python here does not exist,
+    # so reaching it would fail.
+    from vstor.cli.hooks import render_hook
+    hook_copy = tmp_path / "vstor"
+    hook_copy.write_text(render_hook(None).replace(f"\nPYTHON={sys.executable}\n",
+                                                   f"\nPYTHON={tmp_path}/no-such-python\n"))
+    hook_copy.chmod(0o755)
+    for op in (("start", "begin", "-"), ("started", "begin", "-"), ("stopped", "end", "-"),
+               ("attach", "begin", "-"), ("restore", "begin", "-")):
+        out = subprocess.run([str(hook_copy), "h1", *op], input=VSTOR_XML.encode(),
+                             capture_output=True)
+        assert (out.returncode, out.stdout, out.stderr) == (0, b"", b""), op
+    out = subprocess.run([str(hook_copy), "h1", "release", "end", "-"], input=VSTOR_XML.encode(),
+                         capture_output=True)
+    assert out.returncode == 1 and b"the hook's Python" in out.stderr
+
+
 def test_restore_passes_even_when_vstor_cannot_be_imported(tmp_path):
     """A moved or broken install must not break a restore; a start or an
     incoming migration it cannot serve fails with one line, not a traceback.

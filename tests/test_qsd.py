@@ -788,6 +788,25 @@ def test_startup_failure_reports_qsds_message_and_leaves_nothing(area):
     assert area.leftovers() == [] and daemon.pid(e) is None
 
 
+def test_aio_contexts_used_up_names_the_sysctl(area):
+    # What qsd 7.2 printed when another bench's daemons had filled
+    # fs.aio-max-nr (io_setup: EAGAIN), replayed by a stand-in binary: the
+    # kernel's limit is host-wide and cannot be lowered for one test.
+    fake = os.path.join(area.base, "qemu-storage-daemon")
+    with open(fake, "w") as f:
+        f.write("#!/bin/sh\necho 'qemu-storage-daemon: --blockdev driver=file,node-name=file0,"
+                "filename=/proc/self/fd/9,cache.direct=on,aio=native,discard=unmap: Unable to use "
+                "native AIO: failed to create linux AIO context: Resource temporarily unavailable'"
+                " >&2\nexit 1\n")
+    os.chmod(fake, 0o755)
+    e = area.export(binary=fake)
+    with pytest.raises(ActionFailed) as err:
+        start(e)
+    assert "failed to create linux AIO context" in str(err.value)
+    assert "sysctl -w fs.aio-max-nr=" in err.value.hint
+    assert area.leftovers() == []
+
+
 def test_a_second_writer_of_one_source_is_refused(area):
     # qsd's exports share every permission on their node, so QEMU's image
     # locking would let both start: vstor checks the running daemons itself.

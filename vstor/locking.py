@@ -7,9 +7,9 @@ import fcntl
 import os
 import struct
 import time
+from hashlib import sha256
 
 from vstor.errors import Unavailable
-from vstor.sha import sha256
 
 
 @contextlib.contextmanager

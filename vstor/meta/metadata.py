@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from hashlib import sha256
 
 from lxml import etree
 
@@ -15,7 +16,6 @@ from vstor.meta.intent import DiskIntent, Intent, VmIntent
 from vstor.meta.plan import PLAN_VERSION, Plan
 from vstor.meta.xmlmodel import Q, build, canonical, child, children, element, parse
 from vstor.records import record, replace
-from vstor.sha import sha256
 
 SCHEMA_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "schema", "vstor.rng")
 

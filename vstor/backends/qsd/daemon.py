@@ -177,8 +177,9 @@ def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float) ->
             raise Unavailable(f"cannot run {export.binary}: {e.strerror}") from None
         if done.returncode != 0:
             err.seek(0)
-            raise ActionFailed(f"qemu-storage-daemon {export.name} failed to start: "
-                               f"{_last_line(err.read(), done.returncode)}")
+            why = _last_line(err.read(), done.returncode)
+            raise ActionFailed(f"qemu-storage-daemon {export.name} failed to start: {why}",
+                               hint=_hint(why))
 
 
 def _pin(cpus: tuple[int, ...]) -> list[str]:
@@ -299,6 +300,18 @@ def _check_binary(export: QsdExport) -> None:
     if not os.access(export.binary, os.X_OK):
         raise Unavailable(f"{export.binary} is not installed (the embedded vhost backend)",
                           hint="apt install qemu-system-common, or use backend='spdk'")
+
+
+def _hint(why: str) -> str | None:
+    # io_setup(2)'s EAGAIN: the host's AIO events (fs.aio-max-nr, 65536 by
+    # default) are used up.  A daemon with aio=native holds a context of
+    # 1024 of them for as long as it runs, so about 64 such daemons, vstor's
+    # and anyone else's, fill the default.
+    if "failed to create linux AIO context" in why:
+        return ("the host's AIO events are used up (/proc/sys/fs/aio-nr against fs.aio-max-nr; "
+                "each qemu-storage-daemon with aio=native holds 1024): raise the limit, e.g. "
+                "sysctl -w fs.aio-max-nr=1048576, and keep it in /etc/sysctl.d/")
+    return None
 
 
 def _last_line(raw: bytes, code: int) -> str:
