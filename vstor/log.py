@@ -1,7 +1,7 @@
 """The log of host changes and refusals, for the CLI and the hooks alike.
 
 One line per host change (a journaled step done, undone, or failed) and
-per refusal, through Python's `logging`, to the first of:
+per refusal, to the first of (vstor.log_handlers):
 
 - the systemd journal, over its native protocol (a datagram of KEY=VALUE
   fields on /run/systemd/journal/socket, https://systemd.io/JOURNAL_NATIVE_PROTOCOL/),
@@ -12,9 +12,12 @@ per refusal, through Python's `logging`, to the first of:
 - nowhere.
 
 Logging never fails a command and never writes to stderr on its own:
-lines go to stderr only with --verbose.  `logging` is imported at the
-first line logged, not before: the libvirt hook runs for every start,
-stop and reconnect of a vstor domain, and most of those runs log nothing.
+lines go to stderr only with --verbose.  The sinks are made at the first
+line logged, not before: the libvirt hook runs for every start, stop and
+reconnect of a vstor domain, and most of those runs log nothing.  Python's
+`logging` is not used (its import is most of a line's cost in the hook);
+vstor's other loggers (the Nova driver's, in nova-compute) are `logging`'s
+and go through their host's handlers.
 What is logged is a step's description, a domain name and an error's one
 line: never a domain's XML, a config file or a key.
 """
@@ -35,18 +38,18 @@ ERR, WARNING, INFO, DEBUG = 3, 4, 6, 7
 DONE, FAILED, UNDONE, UNDO_FAILED, REFUSED = "done", "failed", "undone", "undo failed", "refused"
 
 _settings = {"command": "", "verbose": False}
-_logger = None      # the configured logging.Logger, made at the first line
+_sinks: list | None = None      # where lines go, made at the first line
 
 
 def setup(command: str, verbose: bool = False) -> None:
     """Once per run, by the entry point (the CLI's main, a hook): what
     every line carries as VSTOR_COMMAND, and whether lines also go to
-    stderr.  Cheap: the handlers are made at the first line logged."""
-    global _logger
+    stderr.  Cheap: the sinks are made at the first line logged."""
+    global _sinks
     _settings.update(command=command, verbose=verbose)
-    if _logger is not None:         # a second run in one process (tests): made again
-        _close(_logger)
-        _logger = None
+    if _sinks is not None:          # a second run in one process (tests): made again
+        _close(_sinks)
+        _sinks = None
 
 
 def change(domain: str | None, step: str, result: str, error: str | None = None) -> None:
@@ -72,50 +75,31 @@ def note(domain: str | None, message: str, priority: int = INFO) -> None:
 def _emit(priority: int, text: str, console: bool = True, **fields) -> None:
     try:
         from vstor.errors import one_line
-        logger = _logger or _make()
         fields = {k: one_line(v) for k, v in fields.items() if v is not None}
-        logger.log(_LEVELS[priority], one_line(text),
-                   extra={"vstor_fields": fields, "vstor_priority": priority,
-                          "vstor_console": console})
+        for sink in _sinks if _sinks is not None else _make():
+            sink.write(priority, one_line(text), fields, console)
     except Exception:       # noqa: BLE001 (a log that cannot be written never stops a change)
         pass
 
 
-_LEVELS = {ERR: 40, WARNING: 30, INFO: 20, DEBUG: 10}   # logging's ERROR, WARNING, INFO, DEBUG
-
-
-def _make():
-    """The logger, its handlers chosen now: the journal when its socket is
-    there, else syslog, else none; stderr too with --verbose."""
-    global _logger
-    import logging
-    from vstor.log_handlers import journal_handler, quiet, syslog_handler
-    # vstor.log, not vstor: the Nova driver logs as vstor.nova.driver through
-    # Nova's own handlers, and must keep doing so in nova-compute.
-    logger = logging.getLogger(__name__)
-    logger.propagate = False        # never to the root logger (or its stderr default)
-    logger.setLevel(logging.DEBUG)
-    _close(logger)
+def _make() -> list:
+    """The sinks, chosen now: the journal when its socket is there, else
+    syslog, else none; stderr too with --verbose."""
+    global _sinks
+    from vstor import log_handlers
     journal = os.environ.get("VSTOR_JOURNAL_SOCKET", JOURNAL_SOCKET)
-    handler = journal_handler(journal, _settings["command"]) if journal else None
-    if handler is None:
-        handler = syslog_handler(os.environ.get("VSTOR_SYSLOG_SOCKET", SYSLOG_SOCKET))
-    # NullHandler when there is nowhere: a logger without handlers falls to
-    # logging's last resort, stderr.
-    logger.addHandler(handler or logging.NullHandler())
+    sink = log_handlers.journal(journal, _settings["command"]) if journal else None
+    if sink is None:
+        sink = log_handlers.syslog(os.environ.get("VSTOR_SYSLOG_SOCKET", SYSLOG_SOCKET))
+    _sinks = [sink] if sink is not None else []
     if _settings["verbose"]:
-        stream = quiet(logging.StreamHandler(sys.stderr))
-        stream.setFormatter(logging.Formatter("vstor: %(message)s"))
-        stream.addFilter(lambda r: getattr(r, "vstor_console", True))
-        logger.addHandler(stream)
-    _logger = logger
-    return logger
+        _sinks.append(log_handlers.Stderr())
+    return _sinks
 
 
-def _close(logger) -> None:
-    for h in list(logger.handlers):
-        logger.removeHandler(h)
+def _close(sinks: list) -> None:
+    for sink in sinks:
         try:
-            h.close()
+            sink.close()
         except Exception:   # noqa: BLE001
             pass

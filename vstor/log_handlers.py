@@ -1,28 +1,18 @@
-"""The handlers vstor.log chooses from: the journal's native protocol and
-syslog.  Imported at the first line logged (vstor.log), never before."""
+"""Where vstor.log's lines go: the journal's native protocol, syslog's
+socket, stderr.  Plain sockets, not Python's `logging` (its import alone
+cost the hook 6 to 9 ms per prepare and per release: docs/performance.md):
+one datagram per line.  Imported at the first line logged, never before."""
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import stat
 import struct
+import sys
 
 SEND_TIMEOUT = 2.0      # a journald that stopped reading must not hold a start for long
-
-
-def quiet(handler: logging.Handler) -> logging.Handler:
-    """A line that cannot be written is dropped: logging's own report of it
-    (a traceback on stderr) would break the command's output contract.
-    After one such line the handler writes no more in this run: a daemon
-    that stopped reading costs a run one SEND_TIMEOUT, not one per line."""
-    def failed(record, handler=handler):
-        handler.vstor_broken = True
-    handler.vstor_broken = False
-    handler.handleError = failed
-    handler.addFilter(lambda record: not handler.vstor_broken)
-    return handler
+DAEMON = 3              # syslog's facility for the lines (the journal's SYSLOG_FACILITY too)
 
 
 def is_socket(path: str) -> bool:
@@ -46,55 +36,94 @@ def journal_fields(fields: dict[str, str]) -> bytes:
     return bytes(out)
 
 
-class JournalHandler(logging.Handler):
+class Sink:
+    """One destination.  A line that cannot be written is dropped, and the
+    sink writes no more in this run: a daemon that stopped reading costs a
+    run one SEND_TIMEOUT, not one per line; nothing reaches stderr."""
+
+    broken = False
+
+    def write(self, priority: int, text: str, fields: dict[str, str], console: bool) -> None:
+        if self.broken:
+            return
+        try:
+            self._write(priority, text, fields, console)
+        except Exception:       # noqa: BLE001
+            self.broken = True
+
+    def close(self) -> None:
+        pass
+
+
+class Journal(Sink):
     """A datagram per line to journald's native socket."""
 
     def __init__(self, path: str, command: str):
-        super().__init__()
-        self.path = path
-        self.command = command
+        self.path, self.command = path, command
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         self.sock.settimeout(SEND_TIMEOUT)
 
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            fields = {"MESSAGE": record.getMessage(),
-                      "PRIORITY": str(getattr(record, "vstor_priority", 6)),
-                      "SYSLOG_IDENTIFIER": "vstor",
-                      "SYSLOG_FACILITY": "3"}      # daemon, as the syslog lines
-            if self.command:
-                fields["VSTOR_COMMAND"] = self.command
-            fields.update(getattr(record, "vstor_fields", {}))
-            self.sock.sendto(journal_fields(fields), self.path)
-        except Exception:       # noqa: BLE001
-            self.handleError(record)
+    def _write(self, priority, text, fields, console):
+        entry = {"MESSAGE": text, "PRIORITY": str(priority), "SYSLOG_IDENTIFIER": "vstor",
+                 "SYSLOG_FACILITY": str(DAEMON)}
+        if self.command:
+            entry["VSTOR_COMMAND"] = self.command
+        entry.update(fields)
+        self.sock.sendto(journal_fields(entry), self.path)
 
-    def close(self) -> None:
+    def close(self):
         self.sock.close()
-        super().close()
 
 
-def journal_handler(path: str, command: str) -> logging.Handler | None:
+class Syslog(Sink):
+    """syslog's socket (a datagram, or a stream where syslog listens so),
+    the message as the journal's MESSAGE (the fields only in the text), as
+    syslog(3) writes it: <PRI>vstor[PID]: text, NUL-terminated."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = self._connect()
+
+    def _connect(self):
+        for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+            sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_CLOEXEC)
+            sock.settimeout(SEND_TIMEOUT)
+            try:
+                sock.connect(self.path)
+                return sock
+            except OSError:
+                sock.close()
+        raise OSError(f"cannot connect to {self.path}")
+
+    def _write(self, priority, text, fields, console):
+        line = f"<{DAEMON * 8 + priority}>vstor[{os.getpid()}]: {text}\0".encode("utf-8", "replace")
+        try:
+            self.sock.sendall(line)
+        except OSError:         # syslog restarted: once more on a new connection
+            self.sock.close()
+            self.sock = self._connect()
+            self.sock.sendall(line)
+
+    def close(self):
+        self.sock.close()
+
+
+class Stderr(Sink):
+    """--verbose: each line but those said already (a refusal) on stderr."""
+
+    def _write(self, priority, text, fields, console):
+        if console:
+            print(f"vstor: {text}", file=sys.stderr)
+
+
+def journal(path: str, command: str) -> Sink | None:
+    return Journal(path, command) if is_socket(path) else None
+
+
+def syslog(path: str) -> Sink | None:
     if not is_socket(path):
         return None
-    return quiet(JournalHandler(path, command))
-
-
-def syslog_handler(path: str) -> logging.Handler | None:
-    """syslog's socket, the message as the journal's MESSAGE (the fields
-    only in the text): for hosts without journald."""
-    if not is_socket(path):
-        return None
-    from logging.handlers import SysLogHandler
-
-    class Handler(SysLogHandler):
-        def _connect_unixsocket(self, address):     # also its reconnect after a failed send
-            super()._connect_unixsocket(address)
-            self.socket.settimeout(SEND_TIMEOUT)    # a stuck syslog daemon: never a hung run
-
     try:
-        handler = Handler(address=path, facility=SysLogHandler.LOG_DAEMON)
+        return Syslog(path)
     except OSError:
         return None
-    handler.ident = f"vstor[{os.getpid()}]: "
-    return quiet(handler)
