@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
-from hashlib import sha256
+from vstor.digest import sha256
 
 from lxml import etree
 

@@ -12,7 +12,7 @@ before it starts them: other domains are planned meanwhile.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import Host
