@@ -772,8 +772,8 @@ def test_wrong_kind_of_source_is_bad_input(area):
 class BadOption(QsdExport):
     """An export whose command line qsd itself refuses at startup."""
 
-    def argv(self, source_fd, socket_fd):
-        argv = super().argv(source_fd, socket_fd)
+    def argv(self, source_fd, socket_fd, native_aio=True):
+        argv = super().argv(source_fd, socket_fd, native_aio)
         argv[argv.index("--export") + 1] += ",logical-block-size=3"
         return argv
 

@@ -8,8 +8,8 @@ nothing is left after release.  Also a storm on this machine's own cores
 others start, one where a prepare is killed -9 mid-way (its next start, or
 `vstor gc`, cleans up; nothing of the others is touched), and one of domains
 whose plans collide (planned apart: one of each group starts), and a gc
-held mid-way while a storm starts (it leaves the new domains' daemons).  A
-known bug is a strict xfail: a start past the host's AIO budget.
+held mid-way while a storm starts (it leaves the new domains' daemons), and
+a start past the host's AIO budget (its daemon uses the thread pool).
 
 Needs root and qemu-storage-daemon (skipped without, failed in CI); about
 10 s on the 2-core development machine.  The AIO test holds the host's AIO
@@ -229,12 +229,6 @@ def aio_taken(leave: int):
             libc.syscall(calls[1], ctx)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "vstor starts every qemu-storage-daemon on a file that takes O_DIRECT with aio=native, which "
-    "takes 1024 events of the host's AIO budget (fs.aio-max-nr, 65536 by default: 64 daemons, "
-    "fewer beside other AIO users); past it the daemon fails to start ('Unable to use native AIO: "
-    "failed to create linux AIO context: Resource temporarily unavailable', exit 5, no hint), so a "
-    "boot storm of 32 domains x 2 disks does not hold on a host where anything else uses AIO"))
 def test_a_start_past_the_hosts_aio_budget_still_starts(storm):
     w = storm(1, 1).plan()
     with aio_taken(leave=QSD_AIO_EVENTS // 2):

@@ -16,7 +16,7 @@ import time
 
 from vstor import records
 from vstor.backends import ownership
-from vstor.backends.qsd import files, proc, served
+from vstor.backends.qsd import aio, files, proc, served
 from vstor.backends.qsd.export import EXPORT_ID, QsdExport, _after, _export_opts
 from vstor.backends.qsd.proc import connect_as
 from vstor.errors import ActionFailed, BadInput, Unavailable
@@ -109,7 +109,7 @@ def start(export: QsdExport, roots=(), kernel_name=None, timeout: float = 10.0,
         resolved = _resolved(export, src)
         try:
             with ownership.listening_socket(export.socket_path, export.qemu_group) as sock:
-                _spawn(resolved, src.fd, sock.fileno(), timeout)
+                _spawn_any_aio(resolved, src.fd, sock.fileno(), timeout)
             return _settle(resolved, timeout)
         except BaseException:
             _kill_and_clean(export)
@@ -153,7 +153,31 @@ def _reuse(export: QsdExport, src: sources.Source, daemons: list[int]) -> int | 
     return found
 
 
-def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float) -> None:
+def _spawn_any_aio(export: QsdExport, source_fd: int, socket_fd: int, timeout: float) -> None:
+    """Start it with aio=native where it uses O_DIRECT, unless the host's AIO
+    events are used up (fs.aio-max-nr, 65536 by default: about 64 such
+    daemons, vstor's and anyone else's): then, or when io_setup(2) fails at
+    its start all the same (another process took the room meanwhile), with
+    the thread pool, still O_DIRECT, and a warning naming the sysctl.  What
+    a daemon serves is the same either way (served.differs)."""
+    native = export.kind == "block" or bool(export.direct)
+    if native and aio.room():
+        try:
+            return _spawn(export, source_fd, socket_fd, timeout)
+        except ActionFailed as e:
+            if aio.FULL not in e.message:
+                raise
+        _remove_files(export)
+    if native:
+        from vstor import log
+        log.note(export.name, "the host's AIO events are used up (fs.aio-max-nr): "
+                 "qemu-storage-daemon uses its thread pool (aio=threads) instead of aio=native; "
+                 f"raise the limit: {aio.FIX}", log.WARNING)
+    _spawn(export, source_fd, socket_fd, timeout, native_aio=False)
+
+
+def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float,
+           native_aio: bool = True) -> None:
     # subprocess, not os.posix_spawn (whose import is cheaper): Popen closes
     # every other fd in the child, and a daemon that outlives the hook must
     # not keep one its caller leaked (qemu-server's config lock, say).
@@ -164,7 +188,7 @@ def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float) ->
     with open(os.memfd_create("qsd-stderr", os.MFD_CLOEXEC), "w+b") as err:
         try:
             done = subprocess.Popen(scope(export.name) + _pin(export.cpus)
-                                    + export.argv(source_fd, socket_fd),
+                                    + export.argv(source_fd, socket_fd, native_aio),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                     pass_fds=(source_fd, socket_fd))
             if not proc.exits_within(done.pid, timeout):    # its parent returns once it serves
@@ -303,14 +327,12 @@ def _check_binary(export: QsdExport) -> None:
 
 
 def _hint(why: str) -> str | None:
-    # io_setup(2)'s EAGAIN: the host's AIO events (fs.aio-max-nr, 65536 by
-    # default) are used up.  A daemon with aio=native holds a context of
-    # 1024 of them for as long as it runs, so about 64 such daemons, vstor's
-    # and anyone else's, fill the default.
-    if "failed to create linux AIO context" in why:
+    # io_setup(2)'s EAGAIN (vstor.backends.qsd.aio): only when the thread
+    # pool's start failed too, or this daemon did not use O_DIRECT.
+    if aio.FULL in why:
         return ("the host's AIO events are used up (/proc/sys/fs/aio-nr against fs.aio-max-nr; "
-                "each qemu-storage-daemon with aio=native holds 1024): raise the limit, e.g. "
-                "sysctl -w fs.aio-max-nr=1048576, and keep it in /etc/sysctl.d/")
+                f"each qemu-storage-daemon with aio=native holds {aio.EVENTS}): raise the limit, "
+                f"e.g. {aio.FIX}")
     return None
 
 

@@ -62,18 +62,19 @@ class QsdExport:
 
     # -- the command line ----------------------------------------------------------------
 
-    def argv(self, source_fd: int | str, socket_fd: int | str) -> list[str]:
+    def argv(self, source_fd: int | str, socket_fd: int | str, native_aio: bool = True) -> list[str]:
         """The daemon's command line.  It names no path of the source and
         none of the socket: vstor opened the source and made the listening
         socket, and the daemon inherits both descriptors under these
         numbers (`/proc/self/fd/N` reopens that very inode; addr.type=fd
-        listens on the socket as it is)."""
+        listens on the socket as it is).  `native_aio=False`: the thread
+        pool even with O_DIRECT (the host's AIO events are used up)."""
         direct = self.kind == "block" or bool(self.direct)
         # aio=native needs O_DIRECT (QEMU refuses it otherwise); without it the
         # thread pool is the only mode that works on every kernel and filesystem.
         node = [f"driver={'host_device' if self.kind == 'block' else 'file'}", "node-name=file0",
                 f"filename=/proc/self/fd/{source_fd}", f"cache.direct={_on(direct)}",
-                f"aio={'native' if direct else 'threads'}"]
+                f"aio={'native' if direct and native_aio else 'threads'}"]
         fmt = ["driver=raw", "node-name=disk0", "file=file0"]
         # read-only nodes open the source O_RDONLY and take only a shared lock,
         # so two readonly disks may share one source; writers pass guest TRIM on.
