@@ -1,0 +1,89 @@
+"""What bench_scale.py fills a host with: state records of other domains,
+and libvirt domains that carry vstor plans.
+
+Records are made as vstor makes them: the holding through the planner's
+Holding and holding_to_json, the steps through vstor.runtime.actions'
+step classes and to_json, each saved with StateDir.save (so the index is
+kept as a start keeps it).  Each filler domain has two qemu-storage-daemon
+file disks (its own sockets, sources and daemon names) and two done
+qsd-export steps; one in five of the first DEDICATED * 5 holds a dedicated
+core pair.  Their CPU ids start at FIRST_CPU, above this machine's, so that
+no filler holds what the measured domain's plan uses (a core, memory bound
+to a node: none of them binds memory), as on a large host where each of a
+few hundred dedicated domains has its own core and the rest share.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from types import SimpleNamespace
+
+FIRST_CPU = 64
+DEDICATED = 128         # core pairs: a 256-thread host's worth
+
+
+def filler_name(i: int) -> str:
+    return f"fill{i:05d}"
+
+
+def filler_record(i: int, cfg, images: str):
+    """The state record of filler domain `i`, prepared."""
+    from vstor.backends.qsd.export import QsdExport as QsdSpec
+    from vstor.meta.names import socket_path, volume_keys
+    from vstor.planner.ledger import Holding, holding_to_json
+    from vstor.runtime.actions import QsdExport, to_json
+    from vstor.runtime.state import PREPARED, Record
+    name = filler_name(i)
+    exports = [QsdSpec(run_dir=cfg.qsd_dir, name=f"{name}-{t}", source=os.path.join(images, f"{name}-{t}.raw"),
+                       kind="file", socket_path=socket_path(cfg.vhost_dir, name, t),
+                       qemu_user=cfg.qemu_user, qemu_group=cfg.qemu_group, cpus=(0,))
+               for t in ("vdb", "vdc")]
+    pair = i // 5
+    cpus = (FIRST_CPU + 2 * pair, FIRST_CPU + 2 * pair + 1) if i % 5 == 0 and pair < DEDICATED else ()
+    ident = str(uuid.UUID(int=i + 1))
+    held = Holding(domain=name, uuid=ident, active=True, node=0, cpus=frozenset(cpus), reactors=(),
+                   hugepages=None, memory=None, passthrough=frozenset(), spdk_controllers=frozenset(),
+                   volumes=frozenset((key, False) for e in exports
+                                     for key in volume_keys(SimpleNamespace(kind="file", path=e.source))),
+                   sockets=frozenset(e.socket_path for e in exports))
+    return Record(key=name, domain=name, uuid=ident, status=PREPARED, holding=holding_to_json(held),
+                  steps=[to_json(QsdExport(e), "done") for e in exports])
+
+
+def fill(state, cfg, images: str, start: int, stop: int) -> None:
+    """Filler records start..stop-1, each through StateDir.save."""
+    for i in range(start, stop):
+        state.save(filler_record(i, cfg, images))
+
+
+# -- libvirt's test driver with many domains -------------------------------------------
+
+def plan_host_layout() -> dict:
+    """bench_plan.make_host's host as a sysfs tree (tests/hostlayout):
+    8 NUMA nodes x 32 cores with SMT, 64 NVMe controllers."""
+    return {"hostname": "bench", "smt": 2,
+            "node": [{"cores": 32, "memory": "256GiB", "hugepages": {"2M": 65536}} for _ in range(8)],
+            "nvme": [{"address": f"0000:{0x10 + i:02x}:00.0", "node": i % 8} for i in range(64)]}
+
+
+def reactors() -> tuple[int, ...]:
+    return tuple(n * 32 for n in range(8))
+
+
+def node_file(path: str, count: int, host, cfg) -> None:
+    """A node file for libvirt's test driver (test:///PATH) defining `count`
+    domains as `vstor render` writes them: bench_plan's ledger domains (an
+    SPDK NVMe namespace and a qsd file each), planned on `host`."""
+    from bench.bench_plan import LEDGER_DOMAIN
+    from vstor.meta.document import Domain
+    from vstor.planner import Request, plan_domain
+    from vstor.planner.ledger import Ledger
+    from vstor.render.libvirt import render
+    with open(path, "w") as f:
+        f.write("<node>\n")
+        for i in range(count):
+            dom = Domain.parse(LEDGER_DOMAIN.format(i=i, ctrl=host.controllers[i % len(host.controllers)].address))
+            dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))
+            f.write(dom.to_string() + "\n")
+        f.write("</node>\n")
