@@ -74,7 +74,9 @@ def reactors() -> tuple[int, ...]:
 def node_file(path: str, count: int, host, cfg) -> None:
     """A node file for libvirt's test driver (test:///PATH) defining `count`
     domains as `vstor render` writes them: bench_plan's ledger domains (an
-    SPDK NVMe namespace and a qsd file each), planned on `host`."""
+    SPDK NVMe namespace and a qsd file each), planned on `host`.  They
+    leave its last controller to the planned domain (bench_plan.REQUEST):
+    the others' namespace 1 is served to a domain in every 63."""
     from bench.bench_plan import LEDGER_DOMAIN
     from vstor.meta.document import Domain
     from vstor.planner import Request, plan_domain
@@ -83,7 +85,12 @@ def node_file(path: str, count: int, host, cfg) -> None:
     with open(path, "w") as f:
         f.write("<node>\n")
         for i in range(count):
-            dom = Domain.parse(LEDGER_DOMAIN.format(i=i, ctrl=host.controllers[i % len(host.controllers)].address))
+            ctrl = host.controllers[i % (len(host.controllers) - 1)].address
+            # A UUID of its own, as libvirt keeps it: the test driver makes up
+            # a new one at every open for a domain without.
+            xml = LEDGER_DOMAIN.format(i=i, ctrl=ctrl).replace(
+                "</name>", f"</name><uuid>{uuid.UUID(int=(1 << 64) + i)}</uuid>", 1)
+            dom = Domain.parse(xml)
             dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))
             f.write(dom.to_string() + "\n")
         f.write("</node>\n")
