@@ -205,7 +205,7 @@ def start_cost(site: Site, counts: list[int], runs: int, snapshots: dict, sanity
             rebuild = rebuild_cost(site, max(1, min(3, runs)), [p for _, _, p in full], sanity, n)
         print(f"{n:>8} {fill_s:>7.1f} {spread(cpu_full):>16} {spread([c for c, _, _ in alone]):>16} "
               f"{spread([w for _, w, _ in full]):>14} {spread(ratios, 1, '{:.3f}'):>18} {rebuild:>22}")
-    print(f"(each daemon's own CPU by the end of a prepare, not counted above: {spread(site.daemon_cpu, fmt="{:.1f}")} ms; "
+    print(f"(each daemon's own CPU by the end of a prepare, not counted above: {spread(site.daemon_cpu, fmt='{:.1f}')} ms; "
           "the daemons are no descendants of the bench: checked)")
 
 
