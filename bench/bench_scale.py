@@ -205,7 +205,8 @@ def start_cost(site: Site, counts: list[int], runs: int, snapshots: dict, sanity
             rebuild = rebuild_cost(site, max(1, min(3, runs)), [p for _, _, p in full], sanity, n)
         print(f"{n:>8} {fill_s:>7.1f} {spread(cpu_full):>16} {spread([c for c, _, _ in alone]):>16} "
               f"{spread([w for _, w, _ in full]):>14} {spread(ratios, 1, '{:.3f}'):>18} {rebuild:>22}")
-    print(f"(each daemon's own CPU by the end of a prepare, not counted above: {spread(site.daemon_cpu, fmt='{:.1f}')} ms; "
+    own = spread(site.daemon_cpu, fmt="{:.1f}")
+    print(f"(each daemon's own CPU by the end of a prepare, not counted above: {own} ms; "
           "the daemons are no descendants of the bench: checked)")
 
 
@@ -246,7 +247,7 @@ def gc_cost(site: Site, snapshots: dict, sanity: Sanity) -> None:
         if left:
             sanity.problem(f"after gc of {n} records: {', '.join(left[:3])}")
         sanity.figure(f"gc, {n} records", cpu)
-        print(f"{n:>8} {cpu:>8.2f} {wall:>8.2f}  {'nothing but the index and locks' if not left else left[:3]}")
+        print(f"{n:>8} {cpu:>8.2f} {wall:>8.2f}  {left[:3] if left else 'nothing but the index and locks'}")
         shutil.rmtree(state_dir)
 
 
