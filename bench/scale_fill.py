@@ -37,7 +37,8 @@ def filler_record(i: int, cfg, images: str):
     name = filler_name(i)
     exports = [QsdSpec(run_dir=cfg.qsd_dir, name=f"{name}-{t}", kind="file",
                        source=os.path.join(images, f"{name}-{t}.raw"),
-                       socket_path=socket_path(cfg.vhost_dir, name, t), qemu_user=cfg.qemu_user, qemu_group=cfg.qemu_group, cpus=(0,))
+                       socket_path=socket_path(cfg.vhost_dir, name, t), qemu_user=cfg.qemu_user,
+                       qemu_group=cfg.qemu_group, cpus=(0,))
                for t in ("vdb", "vdc")]
     pair = i // 5
     cpus = (FIRST_CPU + 2 * pair, FIRST_CPU + 2 * pair + 1) if i % 5 == 0 and pair < DEDICATED else ()
