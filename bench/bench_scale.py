@@ -33,6 +33,7 @@ runs a small version once and checks the bench's own sanity
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import resource
@@ -266,13 +267,17 @@ def gc_leftovers(state_dir: str, cfg) -> list[str]:
 
 def plan_cost(counts: list[int], runs: int, sanity: Sanity) -> None:
     work = sanity.watch(tempfile.mkdtemp(prefix="vstor-bench-"))
+    os.chmod(work, 0o755)       # the private libvirtd (nobody) reads the node files
     try:
-        _plan_cost(work, counts, runs, sanity)
+        with contextlib.ExitStack() as stack:
+            rpc = (stack.enter_context(scale_fill.private_libvirtd(os.path.join(work, "libvirtd")))
+                   if scale_fill.can_run_libvirtd() else None)
+            _plan_cost(work, counts, runs, rpc, sanity)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _plan_cost(work: str, counts: list[int], runs: int, sanity: Sanity) -> None:
+def _plan_cost(work: str, counts: list[int], runs: int, rpc, sanity: Sanity) -> None:
     from bench.bench_plan import REQUEST
     from tests.hostlayout import build_tree
     from vstor.config import Config
@@ -296,34 +301,45 @@ def _plan_cost(work: str, counts: list[int], runs: int, sanity: Sanity) -> None:
     print(f"vstor plan FILE (the CLI, a process) on an 8-node host, N domains in libvirt's test driver; "
           f"cpu ms, median (min-max) of {runs}")
     print(f"{'domains':>8} {'cold':>16} {'warm (plans.json)':>18} {'test driver alone':>18} "
-          f"{'warm less the driver':>21}")
+          f"{'warm less the driver':>21}" + (f" {'libvirtd: cold':>16} {'warm':>16} {'warm wall':>16}"
+                                                if rpc else " (no private libvirtd: not root)"))
     for n in counts:
         node = os.path.join(work, f"node{n}.xml")
         scale_fill.node_file(node, n, host, cfg)
-        uri = f"test://{node}"
-        argv = [sys.executable, "-m", "vstor.cli.main", "-c", uri, "--config", conf, "--host-root", tree,
-                "plan", "--json", request]
-        driver = _driver(uri)
-        cold, warm, alone = [], [], []
+
+        def plan(uri: str, into: list, walls: list | None = None) -> None:
+            argv = [sys.executable, "-m", "vstor.cli.main", "-c", uri, "--config", conf, "--host-root", tree,
+                    "plan", "--json", request]
+            done, cpu, wall = run_timed(argv, env=vstor_env(), text=True)
+            if done.returncode or '"disks"' not in done.stdout:
+                raise SystemExit(f"vstor plan with {n} domains ({uri}) exited {done.returncode}: "
+                                 f"{done.stderr.strip()}")
+            into.append(cpu)
+            if walls is not None:
+                walls.append(wall)
+        cold, warm, alone, rpc_cold, rpc_warm, rpc_wall = [], [], [], [], [], []
         for _ in range(runs):
-            for path in glob.glob(os.path.join(state, "plans.json*")):
-                os.unlink(path)
-            for into in (cold, warm):
-                done, cpu, _ = run_timed(argv, env=vstor_env(), text=True)
-                if done.returncode or '"disks"' not in done.stdout:
-                    raise SystemExit(f"vstor plan with {n} domains exited {done.returncode}: "
-                                     f"{done.stderr.strip()}")
-                into.append(cpu)
-            cached = _cached(os.path.join(state, "plans.json"))
-            if cached != n:     # what it read of libvirt: every domain's plan
-                sanity.problem(f"vstor plan with {n} domains defined cached {cached} holdings")
-            alone.append(run_timed(driver, check=True)[1])
+            for uri, pair in ((f"test://{node}", (cold, warm)),
+                              *(((rpc(node), (rpc_cold, rpc_warm)),) if rpc else ())):
+                for path in glob.glob(os.path.join(state, "plans.json*")):
+                    os.unlink(path)
+                plan(uri, pair[0])
+                plan(uri, pair[1], rpc_wall if pair[1] is rpc_warm else None)
+                cached = _cached(os.path.join(state, "plans.json"))
+                if cached != n:     # what it read of libvirt: every domain's plan
+                    sanity.problem(f"vstor plan with {n} domains defined ({uri}) cached {cached} holdings")
+            alone.append(run_timed(_driver(f"test://{node}"), check=True)[1])
         sanity.figure(f"plan cold, {n} domains", statistics.median(cold))
         sanity.figure(f"plan warm, {n} domains", statistics.median(warm))
         # What is vstor's: the process less the driver's parsing and listing of the N domains
         # (libvirtd's work on a host, in this process with the test driver).
         own = statistics.median(warm) - (statistics.median(alone) - base)
-        print(f"{n:>8} {spread(cold):>16} {spread(warm):>18} {spread(alone):>18} {own * 1000:>21.0f}")
+        line = f"{n:>8} {spread(cold):>16} {spread(warm):>18} {spread(alone):>18} {own * 1000:>21.0f}"
+        if rpc:
+            sanity.figure(f"plan cold via libvirtd, {n} domains", statistics.median(rpc_cold))
+            sanity.figure(f"plan warm via libvirtd, {n} domains", statistics.median(rpc_warm))
+            line += f" {spread(rpc_cold):>16} {spread(rpc_warm):>16} {spread(rpc_wall):>16}"
+        print(line)
         os.unlink(node)
 
 
@@ -392,7 +408,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(run, ignore_errors=True)
     if "plan" in args.only:
-        expected += 2 * len(args.plan_counts)
+        expected += (4 if scale_fill.can_run_libvirtd() else 2) * len(args.plan_counts)
         plan_cost(args.plan_counts, args.runs, sanity)
     sanity.finish(expected)
 

@@ -15,7 +15,10 @@ few hundred dedicated domains has its own core and the rest share.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -95,3 +98,43 @@ def node_file(path: str, count: int, host, cfg) -> None:
             dom = render(dom, plan_domain(host, cfg, Request.from_domain(dom), Ledger()))
             f.write(dom.to_string() + "\n")
         f.write("</node>\n")
+
+
+@contextlib.contextmanager
+def private_libvirtd(where: str, timeout: float = 30.0):
+    """A libvirtd of its own (as nobody, in session mode, everything under
+    `where`), so that vstor reads the test driver's domains over libvirt's
+    RPC as it reads a host's: the node file parsed and each XML formatted
+    in libvirtd, not in vstor's process.  Yields uri(node file)."""
+    import pwd
+    nobody = pwd.getpwnam("nobody")
+    dirs = {k: os.path.join(where, k) for k in ("run", "home", "config")}
+    for d in dirs.values():
+        os.makedirs(d)
+        os.chown(d, nobody.pw_uid, nobody.pw_gid)
+    env = {"HOME": dirs["home"], "XDG_RUNTIME_DIR": dirs["run"], "XDG_CONFIG_HOME": dirs["config"],
+           "XDG_CACHE_HOME": dirs["home"], "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    sock = os.path.join(dirs["run"], "libvirt", "libvirt-sock")
+    with open(os.path.join(where, "libvirtd.log"), "w") as log:
+        daemon = subprocess.Popen(["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}",
+                                   "--clear-groups", "libvirtd"], env=env, cwd=where,
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(sock):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"a private libvirtd did not start (see {where}/libvirtd.log)")
+            time.sleep(0.05)
+        yield lambda node: f"test+unix://{node}?socket={sock}"
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(timeout)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+
+
+def can_run_libvirtd() -> bool:
+    import shutil
+    return os.geteuid() == 0 and all(shutil.which(t, path="/usr/sbin:/usr/bin") for t in ("libvirtd", "setpriv"))
