@@ -19,7 +19,9 @@ records and domains grow (issue 23's figures).
    the CPU time of the process, with plans.json cold and warm (target: 2000
    under 1 s), and of the test driver itself (libvirt parsing its node file
    and listing the domains: in the vstor process here, in libvirtd's on a
-   host).
+   host); then the same through a private libvirtd (as nobody, in session
+   mode, its sockets under the bench's directory) serving that node file:
+   the domains reach vstor over libvirt's RPC, as on a host.
 
     python3 bench/bench_scale.py [--runs R] [--counts 0,500,2000,5000]
         [--gc-counts 500,2000,5000] [--plan-counts 0,500,2000] [--only start,gc,plan] [--quick]
