@@ -88,6 +88,17 @@ def test_bench_pve_quick():
     assert "pre-start, one qemu-storage-daemon disk" in out
 
 
+def test_bench_scale_quick():
+    _need_qsd()
+    out = quick("bench_scale.py", 300)
+    rows = [line.split() for line in out.splitlines()]
+    # per start with 0 and 20 records (20: its rebuild too), gc of 20, plan with 0 and 20 domains
+    start = [r for r in rows if len(r) >= 9 and r[0].isdigit() and r[3].startswith("(")]
+    assert [r[0] for r in start] == ["0", "20"] and "vs" in start[1] and "vs" not in start[0], out
+    assert "nothing but the index and locks" in out
+    assert out.count("vstor plan FILE") == 1
+
+
 @pytest.mark.e2e
 def test_bench_migrate_quick():
     from tests.e2e.libvirtd import which
