@@ -297,3 +297,24 @@ def test_names_of_anything_are_file_names_and_never_collide():
     assert len(set(names)) == len(items)
     for n in names:
         assert n not in (".", "..") and "/" not in n and 0 < len(n) <= 200 and "\0" not in n
+
+
+def test_a_hand_change_in_the_same_clock_tick_as_vstors_writes_is_seen(tmp_path):
+    """The records' directory's mtime moves with the kernel's coarse clock:
+    a record put there by hand right after a save of vstor's (and before
+    the next one) is still found by the next start (vstor.runtime.index.stamp)."""
+    state = StateDir(str(tmp_path / "state"))
+    _fill(state, 9, count=2)
+    for hand in range(20):
+        rec = state.load("vm0")
+        rec.updated = 0
+        state.save(rec)         # changes nothing indexed: no host lock, the directory marked
+        name = f"byhand{hand}"
+        body = Record(key=name, domain=name, uuid=None, status=PREPARED,
+                      holding={"domain": name, "cpus": [40 + hand % 20]}).to_json()
+        with open(os.path.join(state.domains, name + ".json"), "w") as f:
+            json.dump(body, f)
+        state.save(state.load("vm1"))       # another unchanged save after the hand's
+        with StateDir(state.path).lock() as fresh:
+            assert idx.IndexLedger(fresh.index).cpu_owner.get(40 + hand % 20) == name
+        os.unlink(os.path.join(state.domains, name + ".json"))

@@ -281,7 +281,13 @@ class StateDir:
         from vstor.runtime.index import plain, summary
         new = plain(summary(rec))
         if self.index.indexed(key) == new:
-            write()     # holds what it held: its own record lock is enough
+            # Holds what it held: its own record lock is enough.  The index
+            # is told the directory changed by vstor only if nothing else
+            # changed it before (a record put there by hand is looked for).
+            marked = self.index.marked()
+            write()
+            if marked:
+                self.index.saved()
             return
         with self.lock():
             self.index.change(key, new, write)

@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 
+from vstor.runtime.index import stamp
 from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, items, summary
 from vstor.runtime.state import DamagedRecord, _FIX
 
@@ -92,8 +93,15 @@ class Index:
         if not isinstance(sums, dict) or sums.get("boot") != boot_id() or \
                 not all(isinstance(sums.get(k), dict) for k in ("cpus", "pass", "reactors", "pages", "memory")):
             return None
-        if set(self.keys()) | set(sums.get("unread") or ()) != self._record_names():
-            return None     # a record put there or removed by hand: read them all again
+        if self._dir_stamp() not in (sums.get("stamp"), self._saved_stamp()):
+            # The records' directory changed since vstor last marked it: a
+            # record put there or removed by hand reads them all again;
+            # otherwise marked now, so the next run need not list it.
+            if set(self.keys()) | set(sums.get("unread") or ()) != self._record_names():
+                return None
+            if self._held():
+                sums["stamp"] = self._mark_dir()
+                self._write_sums(self.path, sums)
         return sums
 
     def _record_names(self) -> set[str]:
@@ -101,6 +109,26 @@ class Index:
             return {n[:-5] for n in os.listdir(self.state.domains) if n.endswith(".json")}
         except FileNotFoundError:
             return set()
+
+    def _dir_stamp(self) -> str:
+        return stamp.now(self.state.domains)
+
+    def _mark_dir(self) -> str:
+        return stamp.mark(self.state.domains)
+
+    def _saved_stamp(self) -> str | None:
+        return stamp.saved(self.path)
+
+    def marked(self) -> bool:
+        """The records' directory is as vstor last marked it (nothing made
+        or removed there by hand since, as far as its mtime says)."""
+        return stamp.marked(self.state.domains, self.path)
+
+    def saved(self) -> None:
+        """A record was written that changes nothing indexed (StateDir.save
+        without the host lock), into a directory marked() just before: mark
+        it again (vstor.runtime.index.stamp)."""
+        stamp.save(self.state.domains, self.path)
 
     def indexed(self, key: str) -> dict | None:
         """The summary of `key` the index holds (None: none)."""
@@ -155,6 +183,7 @@ class Index:
                 f.write(key)
             write()
             self._apply(self.path, sums, key, old, new)
+            sums["stamp"] = self._mark_dir()
             self._write_sums(self.path, sums)
             os.unlink(mark)
         except BaseException:
@@ -197,6 +226,7 @@ class Index:
         if not self._held():
             with self.state.lock():
                 return self.rebuild()
+        stamp = self._mark_dir() if records is None else "unknown"     # before the records are read
         if records is None:
             damaged = []
             records = self.state.records(damaged)
@@ -206,6 +236,7 @@ class Index:
         shutil.rmtree(new, ignore_errors=True)
         os.makedirs(new, mode=0o700)
         sums = empty_sums()
+        sums["stamp"] = stamp
         sums["damaged"] = list(damaged or ())
         # The files no record came from: their going (by hand) is a change.
         sums["unread"] = sorted(self._record_names() - {r.key for r in records})
@@ -234,7 +265,7 @@ class Index:
             s = plain(summary(rec))
             add_sums(want, rec.key, s, +1)
             entries.update((table, file_name(item), rec.key) for table, item in items(s))
-        right = (sums is not None and {**sums, "boot": ""} == {**want, "boot": ""}
+        right = (sums is not None and {**sums, "boot": "", "stamp": ""} == {**want, "boot": "", "stamp": ""}
                  and set(self.keys()) == {r.key for r in records}
                  and all(self.indexed(r.key) == plain(summary(r)) for r in records)
                  and self._tables() == entries)
