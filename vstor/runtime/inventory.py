@@ -83,7 +83,7 @@ def _save_cache(path: str, data: dict) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
+            f.write(json.dumps(data, separators=(",", ":")))
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):

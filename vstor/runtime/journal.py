@@ -116,18 +116,19 @@ class Journal:
                 out.append([step])
         return out
 
-    def _all(self, fn, group: list, *args) -> list[BaseException | None]:
+    def _all(self, fn, group: list, *args, side_by_side: bool = True) -> list[BaseException | None]:
         """fn(step, rt, *args) for each step of the group, side by side when
-        there are several; the exception of each (None when it went well).
-        An interrupt (KeyboardInterrupt) is raised, not returned."""
+        there are several (and `side_by_side`); the exception of each (None
+        when it went well).  An interrupt (KeyboardInterrupt) is raised, not
+        returned."""
         def one(step):
             try:
                 fn(step, self.rt, *args)
                 return None
             except Exception as e:      # noqa: BLE001 (reported per step)
                 return e
-        if len(group) == 1:
-            return [one(group[0])]
+        if len(group) == 1 or not side_by_side:
+            return [one(step) for step in group]
         out: list[BaseException | None] = [None] * len(group)
         errors: list[BaseException] = []
 
@@ -221,7 +222,9 @@ class Journal:
             out.append((step.describe(), None))
             self.progress(f"undo: {step.describe()}")
         todo = [s for s in steps if s is not None]
-        results = iter(self._all(self.x.undo, todo, others))
+        waits = getattr(self.x, "undo_waits", None)
+        results = iter(self._all(self.x.undo, todo, others,
+                                 side_by_side=waits is None or any(waits(s, self.rt) for s in todo)))
         return [(what, error if step is None else next(results))
                 for (what, error), step in zip(out, steps)]
 

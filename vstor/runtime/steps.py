@@ -55,6 +55,11 @@ class HostOps:
         from vstor.backends.qsd import daemon
         daemon.stop(export)
 
+    def qsd_maybe_running(self, export) -> bool:
+        """Its pidfile is there (a daemon that lost it is found by stop)."""
+        import os
+        return os.path.lexists(export.pidfile)
+
     def qsd_alive(self, export) -> bool:
         from vstor.backends.qsd import daemon
         return daemon.alive(export)
@@ -132,6 +137,11 @@ def do(step, rt) -> None:
 def undo(step, rt, others) -> None:
     """`others`: what the other domains hold: a shared thing stays while one uses it."""
     step.undo(HostOps(rt), others)
+
+
+def undo_waits(step, rt) -> bool:
+    """Undoing the step may wait on something (side by side then)."""
+    return step.undo_waits(HostOps(rt))
 
 
 def in_use(step, rt) -> str | None:

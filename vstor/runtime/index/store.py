@@ -299,8 +299,9 @@ def plain(s: dict | None):
 
 def _write_json(path: str, data) -> None:
     tmp = path + ".tmp"
+    text = json.dumps(data, separators=(",", ":"), sort_keys=True)   # one shot: json's C encoder
     with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"), sort_keys=True)
+        f.write(text)
     os.replace(tmp, path)
 
 

@@ -10,7 +10,7 @@ from vstor.records import record
 # What every kind's class defines in its own body (tests/test_kinds.py holds
 # each to it), so that one module tells everything about one kind:
 METHODS = ("describe", "dry_run", "to_data", "from_data", "makes", "preflight",
-           "observe", "do", "undo", "in_use", "check", "repair")
+           "observe", "do", "undo", "undo_waits", "in_use", "check", "repair")
 ATTRIBUTES = ("kind", "parallel", "private", "rpc_methods")
 
 

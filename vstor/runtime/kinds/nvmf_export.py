@@ -105,6 +105,9 @@ class NvmfExport:
         if found and found[0].get("serial_number") == _serial(self.nqn):    # vstor's, not one refused
             spdk.nvmf_delete_subsystem(self.nqn)     # its namespace, listener and host go with it
 
+    def undo_waits(self, rt) -> bool:
+        return False        # RPCs: nothing to wait for beside the others
+
     def in_use(self, rt) -> None:
         return None     # QEMU here does not use it; the migration's destination does
 

@@ -63,6 +63,13 @@ class QsdExport:
     def undo(self, rt, others) -> None:
         rt.qsd_stop(self.export)
 
+    def undo_waits(self, rt) -> bool:
+        """A daemon may be running (its pidfile is there): stopping it waits
+        for it to exit, so the journal stops a domain's daemons side by
+        side; with none there (gc of a domain whose daemons are long gone)
+        one after the other costs less than a thread each."""
+        return rt.qsd_maybe_running(self.export)
+
     def in_use(self, rt) -> str | None:
         if rt.clients(self.export.socket_path):
             return f"a client (QEMU) is connected to {self.export.socket_path}"

@@ -87,6 +87,9 @@ class SpdkAttach:
         if spdk.get_nvme_controllers(self.name):
             spdk.detach_nvme_controller(self.name)
 
+    def undo_waits(self, rt) -> bool:
+        return False        # RPCs: nothing to wait for beside the others
+
     def in_use(self, rt) -> None:
         return None     # QEMU connects to the vhost controllers on it (spdk-vhost), not to it
 

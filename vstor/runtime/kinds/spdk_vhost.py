@@ -98,6 +98,9 @@ class SpdkVhost:
                         hint="stop the domain first")
         spdk.vhost_delete_controller(self.ctrlr, wait=rt.cfg.spdk_timeout)
 
+    def undo_waits(self, rt) -> bool:
+        return False        # RPCs: nothing to wait for beside the others
+
     def in_use(self, rt) -> str | None:
         if rt.spdk().vhost_sessions(self.ctrlr):
             return f"QEMU is connected to SPDK vhost controller {self.ctrlr}"

@@ -62,6 +62,9 @@ class VfioBind:
         if self.original is not None:
             rt.vfio_restore(self.original)
 
+    def undo_waits(self, rt) -> bool:
+        return False        # sysfs writes: nothing to wait for beside the others
+
     def in_use(self, rt) -> None:
         return None     # a binding has no client vstor can count
 
