@@ -98,7 +98,7 @@ def file_name(item: str) -> str:
     + or - as %XX; a long one by its hash (the index never lists items
     back: they are in each key's summary)."""
     raw = str(item).encode("utf-8", "surrogateescape")
-    out = "".join(chr(b) if b in _PLAIN else f"%{b:02X}" for b in raw) or "%"
+    out = "".join(map(_ESCAPED.__getitem__, raw)) or "%"
     if len(out) > 200:
         import hashlib
         return "#" + hashlib.sha256(raw).hexdigest()
@@ -106,3 +106,4 @@ def file_name(item: str) -> str:
 
 
 _PLAIN = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_+-")
+_ESCAPED = tuple(chr(b) if b in _PLAIN else f"%{b:02X}" for b in range(256))
