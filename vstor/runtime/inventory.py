@@ -31,12 +31,13 @@ def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
             key = _plan_key(dom)
             if key is None:
                 continue        # never planned
-            held = _cached(known.get(key), bool(vdom.isActive()))
+            active = bool(vdom.isActive())
+            held = _cached(known.get(key), active)
             if held is None:
                 plan = dom.recorded_plan()
                 if plan is None:
                     continue
-                held = Holding.from_plan(plan, active=bool(vdom.isActive()))
+                held = Holding.from_plan(plan, active=active)
             used[key] = holding_to_json(held)
         except VstorError as e:
             # One damaged neighbour must not block planning for everybody.
