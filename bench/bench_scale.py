@@ -24,7 +24,8 @@ records and domains grow (issue 23's figures).
    the domains reach vstor over libvirt's RPC, as on a host.
 
     python3 bench/bench_scale.py [--runs R] [--counts 0,500,2000,5000]
-        [--gc-counts 500,2000,5000] [--plan-counts 0,500,2000] [--only start,gc,plan] [--quick]
+        [--gc-counts 500,2000,5000] [--gc-runs 3] [--plan-counts 0,500,2000]
+        [--only start,gc,plan] [--quick]
 
 Needs root and qemu-storage-daemon (1 and 2).  Figures go into
 docs/performance.md ("Host scale"); nothing here asserts a time.  `--quick`
@@ -230,28 +231,37 @@ def rebuild_cost(site: Site, times: int, prepares: list[float], sanity: Sanity, 
 
 # -- 2. gc -------------------------------------------------------------------------------
 
-def gc_cost(site: Site, snapshots: dict, sanity: Sanity) -> None:
-    print("vstor gc (the CLI, test:///default: no filler runs) of N stale records")
-    print(f"{'records':>8} {'cpu s':>8} {'wall s':>8}  left in the state directory")
-    for n, state_dir in sorted(snapshots.items()):
-        cfg = site.cfgs["full"]
+def gc_cost(site: Site, snapshots: dict, runs: int, sanity: Sanity) -> None:
+    print(f"vstor gc (the CLI, test:///default: no filler runs) of N stale records, each run on a "
+          f"copy of the state directory; s, median (min-max) of {runs}")
+    print(f"{'records':>8} {'cpu s':>18} {'wall s':>18}  left in the state directory")
+    cfg = site.cfgs["full"]
+    for n, snapshot in sorted(snapshots.items()):
+        state_dir = f"{snapshot}-run"
         conf = os.path.join(site.run, f"gc{n}.conf")
         with open(conf, "w") as f:
             f.write(f"[paths]\nstate_dir = {state_dir}\nvhost_dir = {cfg.vhost_dir}\n"
                     f"qsd_dir = {cfg.qsd_dir}\nimages = {site.work}\n")
-        done, cpu, wall = run_timed([sys.executable, "-m", "vstor.cli.main", "-c", "test:///default",
-                                     "--config", conf, "gc"], env=vstor_env(), text=True)
-        if done.returncode:
-            raise SystemExit(f"vstor gc of {n} records exited {done.returncode}: {done.stderr.strip()}")
-        released = done.stdout.count("Releasing fill")
-        if released != n:
-            sanity.problem(f"gc of {n} records released {released}")
-        left = gc_leftovers(state_dir, cfg)
+        cpus, walls, left = [], [], []
+        for _ in range(runs):
+            shutil.copytree(snapshot, state_dir, symlinks=True)
+            done, cpu, wall = run_timed([sys.executable, "-m", "vstor.cli.main", "-c", "test:///default",
+                                         "--config", conf, "gc"], env=vstor_env(), text=True)
+            if done.returncode:
+                raise SystemExit(f"vstor gc of {n} records exited {done.returncode}: {done.stderr.strip()}")
+            released = done.stdout.count("Releasing fill")
+            if released != n:
+                sanity.problem(f"gc of {n} records released {released}")
+            left += gc_leftovers(state_dir, cfg)
+            cpus.append(cpu)
+            walls.append(wall)
+            shutil.rmtree(state_dir)
         if left:
             sanity.problem(f"after gc of {n} records: {', '.join(left[:3])}")
-        sanity.figure(f"gc, {n} records", cpu)
-        print(f"{n:>8} {cpu:>8.2f} {wall:>8.2f}  {left[:3] if left else 'nothing but the index and locks'}")
-        shutil.rmtree(state_dir)
+        sanity.figure(f"gc, {n} records", statistics.median(cpus))
+        print(f"{n:>8} {spread(cpus, 1, '{:.2f}'):>18} {spread(walls, 1, '{:.2f}'):>18}  "
+              f"{left[:3] if left else 'nothing but the index and locks'}")
+        shutil.rmtree(snapshot)
 
 
 def gc_leftovers(state_dir: str, cfg) -> list[str]:
@@ -374,12 +384,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10, help="cycles (pairs) and plan runs per count")
     ap.add_argument("--counts", type=ints, default=[0, 500, 2000, 5000], help="records, per start")
     ap.add_argument("--gc-counts", type=ints, default=[500, 2000, 5000], help="records, gc")
+    ap.add_argument("--gc-runs", type=int, default=3, help="gc runs per count")
     ap.add_argument("--plan-counts", type=ints, default=[0, 500, 2000], help="libvirt domains, plan")
     ap.add_argument("--only", type=lambda s: s.split(","), default=["start", "gc", "plan"])
     ap.add_argument("--quick", action="store_true", help="a small version once; check the bench's own sanity")
     args = ap.parse_args()
     if args.quick:
-        args.runs, args.counts, args.gc_counts, args.plan_counts = 1, [0, 20], [20], [0, 20]
+        args.runs, args.gc_runs, args.counts, args.gc_counts, args.plan_counts = 1, 1, [0, 20], [20], [0, 20]
     if os.geteuid() != 0 and {"start", "gc"} & set(args.only):
         sys.exit("bench_scale: needs root (real qemu-storage-daemons); --only plan does not")
     sanity = Sanity(args.quick)
@@ -403,7 +414,7 @@ def main() -> None:
                     site.fill_to(n)
                     shutil.copytree(site.cfgs["full"].state_dir, snapshots[n], symlinks=True)
             if snapshots:
-                gc_cost(site, snapshots, sanity)
+                gc_cost(site, snapshots, args.gc_runs, sanity)
         finally:
             if site is not None:
                 site.release_all()
