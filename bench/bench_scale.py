@@ -314,7 +314,7 @@ def _plan_cost(work: str, counts: list[int], runs: int, rpc, sanity: Sanity) -> 
           f"cpu ms, median (min-max) of {runs}")
     print(f"{'domains':>8} {'cold':>16} {'warm (plans.json)':>18} {'test driver alone':>18} "
           f"{'warm less the driver':>21}" + (f" {'libvirtd: cold':>16} {'warm':>16} {'warm wall':>16}"
-                                                if rpc else " (no private libvirtd: not root)"))
+                                                if rpc else " (no private libvirtd: needs root, libvirtd and setpriv)"))
     for n in counts:
         node = os.path.join(work, f"node{n}.xml")
         scale_fill.node_file(node, n, host, cfg)
