@@ -312,9 +312,10 @@ def _plan_cost(work: str, counts: list[int], runs: int, rpc, sanity: Sanity) -> 
     base = statistics.median(run_timed(_driver(f"test://{empty}"), check=True)[1] for _ in range(runs))
     print(f"vstor plan FILE (the CLI, a process) on an 8-node host, N domains in libvirt's test driver; "
           f"cpu ms, median (min-max) of {runs}")
+    through = (f" {'libvirtd: cold':>16} {'warm':>16} {'warm wall':>16}" if rpc
+               else " (no private libvirtd: needs root, libvirtd and setpriv)")
     print(f"{'domains':>8} {'cold':>16} {'warm (plans.json)':>18} {'test driver alone':>18} "
-          f"{'warm less the driver':>21}" + (f" {'libvirtd: cold':>16} {'warm':>16} {'warm wall':>16}"
-                                                if rpc else " (no private libvirtd: needs root, libvirtd and setpriv)"))
+          f"{'warm less the driver':>21}{through}")
     for n in counts:
         node = os.path.join(work, f"node{n}.xml")
         scale_fill.node_file(node, n, host, cfg)
