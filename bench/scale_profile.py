@@ -25,7 +25,8 @@ TIMED = [("vstor.runtime.gc", None, "collect"), ("vstor.runtime.journal", "Journ
          ("vstor.runtime.journal", "Journal", "_all"), ("vstor.runtime.state", "StateDir", "remove"),
          ("vstor.runtime.state", "StateDir", "save"), ("vstor.runtime.state", "StateDir", "load"),
          ("vstor.runtime.state", "StateDir", "records"), ("vstor.runtime.index.store", "Index", "change"),
-         ("vstor.runtime.index.store", "Index", "_load_sums"), ("vstor.runtime.index.store", "Index", "_apply"),
+         ("vstor.runtime.index.store", "Index", "_load_sums"),
+         ("vstor.runtime.index.store", "Index", "_apply"),
          ("vstor.runtime.index.store", "Index", "_write_sums"), ("vstor.runtime.index", None, "reindex"),
          ("vstor.runtime.recorded", None, "_check_releasable"), ("vstor.runtime.gc", None, "_changed"),
          ("vstor.backends.qsd.daemon", None, "stop"), ("vstor.log", None, "change")]
