@@ -21,10 +21,11 @@ records and domains grow (issue 23's figures).
    and listing the domains: in the vstor process here, in libvirtd's on a
    host); then the same through a private libvirtd (as nobody, in session
    mode, its sockets under the bench's directory) serving that node file:
-   the domains reach vstor over libvirt's RPC, as on a host.
+   the domains reach vstor over libvirt's RPC, as on a host (bench/scale_plan.py).
 
     python3 bench/bench_scale.py [--runs R] [--counts 0,500,2000,5000]
-        [--gc-counts 500,2000,5000] [--plan-counts 0,500,2000] [--only start,gc,plan] [--quick]
+        [--gc-counts 500,2000,5000] [--gc-runs 3] [--plan-counts 0,500,2000]
+        [--only start,gc,plan] [--quick]
 
 Needs root and qemu-storage-daemon (1 and 2).  Figures go into
 docs/performance.md ("Host scale"); nothing here asserts a time.  `--quick`
@@ -35,7 +36,6 @@ runs a small version once and checks the bench's own sanity
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import os
 import resource
@@ -230,28 +230,37 @@ def rebuild_cost(site: Site, times: int, prepares: list[float], sanity: Sanity, 
 
 # -- 2. gc -------------------------------------------------------------------------------
 
-def gc_cost(site: Site, snapshots: dict, sanity: Sanity) -> None:
-    print("vstor gc (the CLI, test:///default: no filler runs) of N stale records")
-    print(f"{'records':>8} {'cpu s':>8} {'wall s':>8}  left in the state directory")
-    for n, state_dir in sorted(snapshots.items()):
-        cfg = site.cfgs["full"]
+def gc_cost(site: Site, snapshots: dict, runs: int, sanity: Sanity) -> None:
+    print(f"vstor gc (the CLI, test:///default: no filler runs) of N stale records, each run on a "
+          f"copy of the state directory; s, median (min-max) of {runs}")
+    print(f"{'records':>8} {'cpu s':>18} {'wall s':>18}  left in the state directory")
+    cfg = site.cfgs["full"]
+    for n, snapshot in sorted(snapshots.items()):
+        state_dir = f"{snapshot}-run"
         conf = os.path.join(site.run, f"gc{n}.conf")
         with open(conf, "w") as f:
             f.write(f"[paths]\nstate_dir = {state_dir}\nvhost_dir = {cfg.vhost_dir}\n"
                     f"qsd_dir = {cfg.qsd_dir}\nimages = {site.work}\n")
-        done, cpu, wall = run_timed([sys.executable, "-m", "vstor.cli.main", "-c", "test:///default",
-                                     "--config", conf, "gc"], env=vstor_env(), text=True)
-        if done.returncode:
-            raise SystemExit(f"vstor gc of {n} records exited {done.returncode}: {done.stderr.strip()}")
-        released = done.stdout.count("Releasing fill")
-        if released != n:
-            sanity.problem(f"gc of {n} records released {released}")
-        left = gc_leftovers(state_dir, cfg)
+        cpus, walls, left = [], [], []
+        for _ in range(runs):
+            shutil.copytree(snapshot, state_dir, symlinks=True)
+            done, cpu, wall = run_timed([sys.executable, "-m", "vstor.cli.main", "-c", "test:///default",
+                                         "--config", conf, "gc"], env=vstor_env(), text=True)
+            if done.returncode:
+                raise SystemExit(f"vstor gc of {n} records exited {done.returncode}: {done.stderr.strip()}")
+            released = done.stdout.count("Releasing fill")
+            if released != n:
+                sanity.problem(f"gc of {n} records released {released}")
+            left += gc_leftovers(state_dir, cfg)
+            cpus.append(cpu)
+            walls.append(wall)
+            shutil.rmtree(state_dir)
         if left:
             sanity.problem(f"after gc of {n} records: {', '.join(left[:3])}")
-        sanity.figure(f"gc, {n} records", cpu)
-        print(f"{n:>8} {cpu:>8.2f} {wall:>8.2f}  {left[:3] if left else 'nothing but the index and locks'}")
-        shutil.rmtree(state_dir)
+        sanity.figure(f"gc, {n} records", statistics.median(cpus))
+        print(f"{n:>8} {spread(cpus, 1, '{:.2f}'):>18} {spread(walls, 1, '{:.2f}'):>18}  "
+              f"{left[:3] if left else 'nothing but the index and locks'}")
+        shutil.rmtree(snapshot)
 
 
 def gc_leftovers(state_dir: str, cfg) -> list[str]:
@@ -263,102 +272,6 @@ def gc_leftovers(state_dir: str, cfg) -> list[str]:
     left += glob.glob(f"{state_dir}/index/keys/*") + glob.glob(f"{state_dir}/index/by/*/*")
     left += [p for d in (cfg.vhost_dir, cfg.qsd_dir) for p in glob.glob(f"{d}/fill*")]
     return left
-
-
-# -- 3. vstor plan -----------------------------------------------------------------------
-
-def plan_cost(counts: list[int], runs: int, sanity: Sanity) -> None:
-    work = sanity.watch(tempfile.mkdtemp(prefix="vstor-bench-"))
-    os.chmod(work, 0o755)       # the private libvirtd (nobody) reads the node files
-    try:
-        with contextlib.ExitStack() as stack:
-            rpc = (stack.enter_context(scale_fill.private_libvirtd(os.path.join(work, "libvirtd")))
-                   if scale_fill.can_run_libvirtd() else None)
-            _plan_cost(work, counts, runs, rpc, sanity)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _plan_cost(work: str, counts: list[int], runs: int, rpc, sanity: Sanity) -> None:
-    from bench.bench_plan import REQUEST
-    from tests.hostlayout import build_tree
-    from vstor.config import Config
-    from vstor.host.read import read_host
-    from vstor.host.sysfs import SysFS
-    tree = build_tree(scale_fill.plan_host_layout(), os.path.join(work, "host"))
-    host = read_host(SysFS(tree))
-    cfg = Config(reactors=scale_fill.reactors())
-    state = os.path.join(work, "state")
-    os.makedirs(state)
-    conf = os.path.join(work, "vstor.conf")
-    with open(conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {state}\n\n[cpu]\nreactors = {','.join(map(str, cfg.reactors))}\n")
-    request = os.path.join(work, "newvm.xml")
-    with open(request, "w") as f:
-        f.write(REQUEST.format(ctrl=host.controllers[-1].address))
-    # The driver's process with no domain: its interpreter's and libvirt's start.
-    empty = os.path.join(work, "empty.xml")
-    scale_fill.node_file(empty, 0, host, cfg)
-    base = statistics.median(run_timed(_driver(f"test://{empty}"), check=True)[1] for _ in range(runs))
-    print(f"vstor plan FILE (the CLI, a process) on an 8-node host, N domains in libvirt's test driver; "
-          f"cpu ms, median (min-max) of {runs}")
-    print(f"{'domains':>8} {'cold':>16} {'warm (plans.json)':>18} {'test driver alone':>18} "
-          f"{'warm less the driver':>21}" + (f" {'libvirtd: cold':>16} {'warm':>16} {'warm wall':>16}"
-                                                if rpc else " (no private libvirtd: not root)"))
-    for n in counts:
-        node = os.path.join(work, f"node{n}.xml")
-        scale_fill.node_file(node, n, host, cfg)
-
-        def plan(uri: str, into: list, walls: list | None = None) -> None:
-            argv = [sys.executable, "-m", "vstor.cli.main", "-c", uri, "--config", conf, "--host-root", tree,
-                    "plan", "--json", request]
-            done, cpu, wall = run_timed(argv, env=vstor_env(), text=True)
-            if done.returncode or '"disks"' not in done.stdout:
-                raise SystemExit(f"vstor plan with {n} domains ({uri}) exited {done.returncode}: "
-                                 f"{done.stderr.strip()}")
-            into.append(cpu)
-            if walls is not None:
-                walls.append(wall)
-        cold, warm, alone, rpc_cold, rpc_warm, rpc_wall = [], [], [], [], [], []
-        for _ in range(runs):
-            for uri, pair in ((f"test://{node}", (cold, warm)),
-                              *(((rpc(node), (rpc_cold, rpc_warm)),) if rpc else ())):
-                for path in glob.glob(os.path.join(state, "plans.json*")):
-                    os.unlink(path)
-                plan(uri, pair[0])
-                plan(uri, pair[1], rpc_wall if pair[1] is rpc_warm else None)
-                cached = _cached(os.path.join(state, "plans.json"))
-                if cached != n:     # what it read of libvirt: every domain's plan
-                    sanity.problem(f"vstor plan with {n} domains defined ({uri}) cached {cached} holdings")
-            alone.append(run_timed(_driver(f"test://{node}"), check=True)[1])
-        sanity.figure(f"plan cold, {n} domains", statistics.median(cold))
-        sanity.figure(f"plan warm, {n} domains", statistics.median(warm))
-        # What is vstor's: the process less the driver's parsing and listing of the N domains
-        # (libvirtd's work on a host, in this process with the test driver).
-        own = statistics.median(warm) - (statistics.median(alone) - base)
-        line = f"{n:>8} {spread(cold):>16} {spread(warm):>18} {spread(alone):>18} {own * 1000:>21.0f}"
-        if rpc:
-            sanity.figure(f"plan cold via libvirtd, {n} domains", statistics.median(rpc_cold))
-            sanity.figure(f"plan warm via libvirtd, {n} domains", statistics.median(rpc_warm))
-            line += f" {spread(rpc_cold):>16} {spread(rpc_warm):>16} {spread(rpc_wall):>16}"
-        print(line)
-        os.unlink(node)
-
-
-def _driver(uri: str) -> list[str]:
-    """A process that opens the test driver at `uri` and reads every
-    domain's definition, as vstor plan has libvirt do, and nothing else."""
-    return [sys.executable, "-c", "import libvirt, sys; c = libvirt.open(sys.argv[1]); "
-            "[d.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE) for d in c.listAllDomains(0)]", uri]
-
-
-def _cached(path: str) -> int:
-    import json
-    try:
-        with open(path) as f:
-            return len(json.load(f))
-    except FileNotFoundError:
-        return 0
 
 
 def _tmpfs() -> str:
@@ -374,12 +287,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10, help="cycles (pairs) and plan runs per count")
     ap.add_argument("--counts", type=ints, default=[0, 500, 2000, 5000], help="records, per start")
     ap.add_argument("--gc-counts", type=ints, default=[500, 2000, 5000], help="records, gc")
+    ap.add_argument("--gc-runs", type=int, default=3, help="gc runs per count")
     ap.add_argument("--plan-counts", type=ints, default=[0, 500, 2000], help="libvirt domains, plan")
     ap.add_argument("--only", type=lambda s: s.split(","), default=["start", "gc", "plan"])
     ap.add_argument("--quick", action="store_true", help="a small version once; check the bench's own sanity")
     args = ap.parse_args()
     if args.quick:
-        args.runs, args.counts, args.gc_counts, args.plan_counts = 1, [0, 20], [20], [0, 20]
+        args.runs, args.gc_runs, args.counts, args.gc_counts, args.plan_counts = 1, 1, [0, 20], [20], [0, 20]
     if os.geteuid() != 0 and {"start", "gc"} & set(args.only):
         sys.exit("bench_scale: needs root (real qemu-storage-daemons); --only plan does not")
     sanity = Sanity(args.quick)
@@ -403,7 +317,7 @@ def main() -> None:
                     site.fill_to(n)
                     shutil.copytree(site.cfgs["full"].state_dir, snapshots[n], symlinks=True)
             if snapshots:
-                gc_cost(site, snapshots, sanity)
+                gc_cost(site, snapshots, args.gc_runs, sanity)
         finally:
             if site is not None:
                 site.release_all()
@@ -411,6 +325,7 @@ def main() -> None:
             shutil.rmtree(run, ignore_errors=True)
     if "plan" in args.only:
         expected += (4 if scale_fill.can_run_libvirtd() else 2) * len(args.plan_counts)
+        from bench.scale_plan import plan_cost
         plan_cost(args.plan_counts, args.runs, sanity)
     sanity.finish(expected)
 

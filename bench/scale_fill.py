@@ -136,5 +136,7 @@ def private_libvirtd(where: str, timeout: float = 30.0):
 
 
 def can_run_libvirtd() -> bool:
+    """private_libvirtd() can start here: root, with libvirtd and setpriv."""
     import shutil
-    return os.geteuid() == 0 and all(shutil.which(t, path="/usr/sbin:/usr/bin") for t in ("libvirtd", "setpriv"))
+    tools = [shutil.which(t, path="/usr/sbin:/usr/bin") for t in ("libvirtd", "setpriv")]
+    return os.geteuid() == 0 and all(tools)
