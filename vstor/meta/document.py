@@ -148,14 +148,6 @@ class Domain:
         except BadInput as e:
             raise BadInput(f"{self.origin}: {e.message}", hint=e.hint) from None
 
-    def plan_text(self) -> bytes | None:
-        """The recorded plan's elements exactly as the XML has them (what
-        recorded_plan() reads, besides the name and UUID); None if never
-        planned."""
-        elem = self._find()
-        found = elem.findall(metadata.Q + "plan") if elem is not None else []
-        return b"".join(etree.tostring(e) for e in found) or None
-
     def recorded_plan(self) -> Plan | None:
         """The plan a rendered domain carries, or None if it was never planned."""
         elem = self._find()

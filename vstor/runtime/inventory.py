@@ -16,45 +16,43 @@ from vstor.runtime import virt
 
 def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
     """Every defined vstor domain's holding, from the plan its XML records.
-    `cache`: a file keeping each plan's holding by the plan's exact text
-    (with the domain's name and UUID), so a host's thousands of domains are
-    not all parsed again by every `vstor plan` (what a plan holds is a
-    function of that text alone)."""
+    `cache`: a file keeping each domain's holding (or that it holds
+    nothing) by its XML's SHA-256, so a host's thousands of domains are not
+    all parsed again by every `vstor plan`: what a domain holds is a
+    function of its XML alone; whether it runs is asked of libvirt, once
+    for all of them."""
+    import hashlib
     known = _load_cache(cache)
-    used: dict[str, dict] = {}
+    used: dict[str, dict | None] = {}
+    active, persistent = virt.uuids_of(conn, "ACTIVE"), virt.uuids_of(conn, "PERSISTENT")
     out = []
     for vdom in virt.all_domains(conn):
         try:
-            dom = Domain.parse(virt.inactive_xml(vdom), f"domain '{vdom.name()}'")
-            if not dom.has_vstor():
-                continue
-            key = _plan_key(dom)
-            if key is None:
-                continue        # never planned
-            active = bool(vdom.isActive())
-            held = _cached(known.get(key), active)
-            if held is None:
-                plan = dom.recorded_plan()
-                if plan is None:
-                    continue
-                held = Holding.from_plan(plan, active=active)
-            used[key] = holding_to_json(held)
+            uuid = vdom.UUIDString()
+            xml = virt.inactive_xml(vdom, uuid in persistent)
+            key = hashlib.sha256(xml.encode("utf-8", "surrogateescape")).hexdigest()
+            if key in known and (known[key] is None or _cached(known[key], True) is not None):
+                used[key] = known[key]
+            else:
+                used[key] = _held(Domain.parse(xml, f"domain '{vdom.name()}'"))
         except VstorError as e:
             # One damaged neighbour must not block planning for everybody.
             print(f"vstor: warning: ledger skips {e}", file=sys.stderr)
             continue
-        out.append(held)
+        if used[key] is not None:
+            out.append(_cached(used[key], uuid in active))
     if cache and used != known:
         _save_cache(cache, used)
     return out
 
 
-def _plan_key(dom: Domain) -> str | None:
-    text = dom.plan_text()
-    if text is None:
+def _held(dom: Domain) -> dict | None:
+    """The holding of a domain's recorded plan, as JSON; None when it has
+    no vstor metadata or was never planned."""
+    if not dom.has_vstor():
         return None
-    import hashlib
-    return hashlib.sha256(b"\0".join([dom.name.encode(), (dom.uuid or "").encode(), text])).hexdigest()
+    plan = dom.recorded_plan()
+    return None if plan is None else holding_to_json(Holding.from_plan(plan))
 
 
 def _cached(data, active: bool) -> Holding | None:

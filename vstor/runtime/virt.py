@@ -58,11 +58,24 @@ def state(conn, name: str) -> str:
     return STATES[code] if 0 <= code < len(STATES) else f"state {code}"
 
 
-def inactive_xml(dom) -> str:
-    """The persistent definition (what `apply` re-plans)."""
+def inactive_xml(dom, persistent: bool | None = None) -> str:
+    """The persistent definition (what `apply` re-plans).  `persistent`:
+    whether it has one, when the caller knows (one call to libvirt less)."""
     libvirt = _libvirt()
-    flags = libvirt.VIR_DOMAIN_XML_INACTIVE if dom.isPersistent() else 0
-    return dom.XMLDesc(flags)
+    if persistent is None:
+        persistent = dom.isPersistent()
+    return dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE if persistent else 0)
+
+
+def uuids_of(conn, flag: str) -> set[str]:
+    """The UUIDs of the domains listAllDomains gives with one
+    VIR_CONNECT_LIST_DOMAINS_* flag ("ACTIVE", "PERSISTENT"): one call to
+    libvirt for every domain's state, not one per domain."""
+    libvirt = _libvirt()
+    try:
+        return {d.UUIDString() for d in conn.listAllDomains(getattr(libvirt, f"VIR_CONNECT_LIST_DOMAINS_{flag}"))}
+    except libvirt.libvirtError as e:
+        raise Unavailable(f"cannot list domains at {conn.getURI()}: {_msg(e)}") from None
 
 
 def define(conn, xml: str):
