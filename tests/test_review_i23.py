@@ -1,0 +1,302 @@
+"""A hostile review of issue 23's runtime index (vstor.runtime.index): each
+test here shows a way the index, or the code around it, does not do what
+it claims.  Marked xfail(strict=True) until fixed; each reason names the fix."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from vstor.errors import ActionFailed
+from vstor.planner.ledger import Ledger
+from vstor.runtime import index as idx
+from vstor.runtime.lifecycle import holding_of
+from vstor.runtime.state import PREPARED, Record, StateDir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _holding(name: str, cpus=(), uuid=None, reactors=()) -> dict:
+    return {"domain": name, "uuid": uuid, "node": 0, "cpus": list(cpus), "reactors": list(reactors),
+            "hugepages": None, "memory": None, "passthrough": [], "spdk_controllers": [],
+            "volumes": [], "sockets": [], "connections": []}
+
+
+def _rec(key: str, cpus=(), uuid=None, holding_uuid=None, steps=()) -> Record:
+    return Record(key=key, domain=key, uuid=uuid, status=PREPARED,
+                  holding=_holding(key, cpus, holding_uuid), steps=list(steps))
+
+
+def _oracle(state: StateDir, exclude=()) -> Ledger:
+    return Ledger([holding_of(r) for r in state.records() if r.holding and r.key not in exclude])
+
+
+def _index_cpus(path: str) -> dict:
+    """What a fresh process's index says of the cores (as a start asks it)."""
+    fresh = StateDir(path)
+    with fresh.lock():
+        return dict(idx.IndexLedger(fresh.index).cpu_owner)
+
+
+def _snapshot(root: str) -> dict:
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            out[p] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    st = os.lstat(root)
+    out[root] = (st.st_ino, st.st_mtime_ns)
+    return out
+
+
+# -- 1. the AIO fallback removes the socket it hands the daemon ---------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "daemon._spawn_any_aio: after aio=native fails with aio.FULL it calls _remove_files(export), "
+    "which unlinks export.socket_path: the listening socket made by ownership.listening_socket "
+    "and handed to the daemon by fd.  The aio=threads daemon then serves a socket no path "
+    "reaches (_settle's reachable check fails; QEMU cannot connect).  Fix: remove only the "
+    "pidfile and QMP socket there (not socket_path), e.g. _remove_files(export, keep_socket=True)"))
+def test_the_aio_fallback_keeps_the_vhost_socket_it_hands_the_daemon(tmp_path, monkeypatch):
+    from vstor.backends.qsd import aio, daemon
+    from vstor.backends.qsd.export import QsdExport
+    sock_path = str(tmp_path / "vm1-vdb")
+    export = QsdExport(run_dir=str(tmp_path), name="vm1-vdb", source="/dev/null", kind="block",
+                       socket_path=sock_path)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(sock_path)
+    listening.listen()
+    seen = []
+
+    def spawn(exp, source_fd, socket_fd, timeout, native_aio=True):
+        seen.append((native_aio, os.path.exists(sock_path)))
+        if native_aio:
+            raise ActionFailed(f"qemu-storage-daemon vm1-vdb failed to start: {aio.FULL}: "
+                               "Resource temporarily unavailable")
+    monkeypatch.setattr(aio, "room", lambda *a: True)
+    monkeypatch.setattr(daemon, "_spawn", spawn)
+    monkeypatch.setattr("vstor.log.note", lambda *a, **k: None)
+    try:
+        daemon._spawn_any_aio(export, 0, listening.fileno(), 5.0)
+    finally:
+        listening.close()
+    assert seen == [(True, True), (False, True)], "the fallback daemon got a socket with no path"
+
+
+# -- 2. without() by the record's name/UUID, the ledger by the holding's --------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "views.IndexLedger.without matches the record's uuid (summary['uuid'] = rec.uuid) and "
+    "shape.items indexes ('name', rec.domain); Ledger.without matches the holding's domain and "
+    "uuid (plan.domain/plan.uuid, which fit.check_made_for never compares with the request).  "
+    "A record whose uuid is None but whose holding has one is dropped by the index and kept "
+    "by the ledger: its cores are handed out again.  Fix: in IndexLedger.without test "
+    "s['holding']['domain'] / s['holding'].get('uuid'), and in shape.items index "
+    "('name', holding['domain']) for a record with a holding"))
+def test_without_drops_what_the_ledger_drops_when_record_and_holding_disagree(tmp_path):
+    state = StateDir(str(tmp_path / "state"))
+    # A record vstor 0.1.0 wrote (no uuid on the record), its plan's holding has one.
+    state.save(_rec("web", cpus=(4, 5), uuid=None, holding_uuid="11111111-1111-1111-1111-111111111111"))
+    other = "22222222-2222-2222-2222-222222222222"
+    with state.lock():
+        truth = _oracle(state).without("web", other)
+        view = idx.IndexLedger(state.index).without("web", other)
+        assert dict(view.cpu_owner) == dict(truth.cpu_owner) == {4: "web", 5: "web"}
+
+
+# -- 3. planning writes: recorded() under the host lock -------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "views.recorded (vstor plan, apply --dry-run: 'planning writes nothing') calls trusted(), "
+    "whose _load_sums re-marks the directory and rewrites sums.json when the lock is held "
+    "(store.py: 'if self._held(): ... self._write_sums').  Fix: _load_sums(write=False) from "
+    "trusted(); only sums() may re-mark"))
+def test_planning_writes_nothing_when_the_directory_was_not_marked(tmp_path):
+    path = str(tmp_path / "state")
+    state = StateDir(path)
+    state.save(_rec("a", cpus=(1,)))
+    state.save(_rec("b", cpus=(2,)))
+    os.utime(state.domains)     # an unmarked change (two unlocked saves' stamps crossed)
+    before = _snapshot(path)
+    assert {r.key for r in idx.recorded(StateDir(path))} == {"a", "b"}
+    after = _snapshot(path)
+    assert {p: v for p, v in after.items() if not p.endswith("/lock")} == \
+           {p: v for p, v in before.items() if not p.endswith("/lock")}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "views.recorded reads each key with Index.indexed under the host lock; a damaged keys file "
+    "there makes indexed() call rebuild(), which rewrites the whole index (and marks the "
+    "directory) from a planning run.  Fix: in recorded(), when indexed(k) cannot be read, fall "
+    "back to state.records() (as it does for an untrusted index) instead of rebuilding; "
+    "e.g. Index.indexed(key, rebuild=False)"))
+def test_planning_does_not_rebuild_the_index_for_a_damaged_keys_file(tmp_path):
+    path = str(tmp_path / "state")
+    state = StateDir(path)
+    state.save(_rec("a", cpus=(1,)))
+    with open(os.path.join(path, "index", "keys", "a.json"), "w") as f:
+        f.write("{not json")
+    before = _snapshot(path)
+    assert [r.key for r in idx.recorded(StateDir(path))] == ["a"]
+    after = _snapshot(path)
+    assert {p: v for p, v in after.items() if not p.endswith("/lock")} == \
+           {p: v for p, v in before.items() if not p.endswith("/lock")}
+
+
+# -- 4. two StateDir objects of one directory in one process --------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Index caches sums per Index object and trusts them for the whole taking of the host "
+    "lock (_fresh compares only the process-wide _TAKEN count): a second StateDir (hook.py, "
+    "runtime/context.py, nova, pve each make their own) changing the index within the same "
+    "taking is overwritten by the first's stale sums in change(): a core held by one record "
+    "disappears from sums.json.  Fix: one Index per state directory per process "
+    "(StateDir.index from a module dict keyed by os.path.realpath(path)), or re-read "
+    "sums.json in Index.change instead of using the cache"))
+def test_two_state_dirs_in_one_taking_do_not_lose_each_others_changes(tmp_path):
+    path = str(tmp_path / "state")
+    one, two = StateDir(path), StateDir(path)
+    one.save(_rec("a", cpus=(1,)))
+    with one.lock():
+        one.index.sums()                    # read (a ledger asked, say)
+        two.save(_rec("b", cpus=(2,)))      # another part of the run, its own StateDir
+        one.save(_rec("a", cpus=(1, 3)))    # changes the index from what it read
+    with StateDir(path).lock():
+        assert dict(_oracle(StateDir(path)).cpu_owner) == {1: "a", 2: "b", 3: "a"}
+    assert _index_cpus(path) == {1: "a", 2: "b", 3: "a"}
+
+
+# -- 5. the unlocked save trusts what it read under an earlier lock --------------------
+
+_OTHER = """
+import sys
+sys.path.insert(0, {root!r})
+from vstor.runtime.state import Record, StateDir, PREPARED
+sys.path.insert(0, {tests!r})
+from test_review_i23 import _rec
+s = StateDir({path!r})
+with s.record_lock("a"):
+    s.save(_rec("a", cpus=(7,)))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "StateDir._change compares the new summary with Index.indexed(key), which without the host "
+    "lock answers from a cache filled under an earlier taking (Index._fresh only forgets when "
+    "this process takes the lock again).  A long-lived process (migration agent, nova) whose "
+    "cache says 'a holds core 1' saves a record holding core 1 by the unlocked path after "
+    "another process moved 'a' to core 7: the record says 1, the index 7, and core 1 is "
+    "handed out twice.  Fix: in _change read the indexed summary from disk, bypassing the "
+    "cache (self.index.forget() or _summaries.pop(key) before the compare), or make "
+    "Index.indexed never cache when not self._held()"))
+def test_an_unlocked_save_compares_with_the_index_on_disk_not_a_stale_cache(tmp_path):
+    path = str(tmp_path / "state")
+    state = StateDir(path)
+    with state.record_lock("a"):
+        state.save(_rec("a", cpus=(1,)))            # cached: a holds core 1
+    code = _OTHER.format(root=ROOT, tests=os.path.join(ROOT, "tests"), path=path)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    with state.record_lock("a"):
+        state.save(_rec("a", cpus=(1,)))            # back to core 1, by this (long-lived) process
+    with StateDir(path).lock():
+        truth = dict(_oracle(StateDir(path)).cpu_owner)
+    assert truth == {1: "a"}
+    assert _index_cpus(path) == truth
+
+
+# -- 6. a record put there by hand during an unlocked save ---------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "StateDir._change's unlocked path asks marked() before write() and re-marks (saved()) "
+    "after it: a record put there by hand at any moment of the write (the fsync of the "
+    "record and of the directory: milliseconds, not the 'microseconds' store.py/stamp.py "
+    "claim) is hidden until gc; its cores are handed out.  Fix: in Index.saved(), after "
+    "marking, compare the directory's entry count (os.stat(domains).st_nlink is no help for "
+    "files; instead list the names: set(keys)|unread == _record_names()) before keeping the "
+    "stamp, or keep no stamp from an unlocked save (the next locked run lists the directory "
+    "once and marks it)"))
+def test_a_record_put_there_by_hand_during_an_unlocked_save_is_seen(tmp_path):
+    path = str(tmp_path / "state")
+    state = StateDir(path)
+    state.save(_rec("a", cpus=(1,)))
+    hand = _rec("b", cpus=(1,))
+    real = state._write
+
+    def write(rec):
+        # The hand comes while the record is written and fsynced.
+        with open(os.path.join(state.domains, "b.json"), "w") as f:
+            json.dump(hand.to_json(), f)
+        real(rec)
+    state._write = write
+    with state.record_lock("a"):
+        state.save(_rec("a", cpus=(1,)))    # same holding: the unlocked path
+    with StateDir(path).lock():
+        truth = dict(_oracle(StateDir(path)).cpu_owner)
+    assert truth == {1: "a"} and len(_oracle(StateDir(path)).holdings) == 2
+    fresh = StateDir(path)
+    with fresh.lock():
+        assert {h.domain for h in idx.IndexLedger(fresh.index).holdings} == {"a", "b"}
+
+
+# -- 7. an item no UTF-8 can encode ----------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "shape.file_name encodes with 'surrogateescape', which raises UnicodeEncodeError for a lone "
+    "surrogate outside U+DC80-DCFF (JSON's \\ud800 in a record written by hand or by another "
+    "tool): the rebuild dies with a traceback at every start instead of the record being "
+    "indexed (or named damaged, exit 4).  Fix: str(item).encode('utf-8', 'surrogatepass') "
+    "(every str, and injective: '\\udcc3\\udca9' and 'é' no longer share a file name)"))
+def test_an_item_with_a_lone_surrogate_is_indexed_not_a_traceback(tmp_path):
+    from vstor.errors import VstorError
+    path = str(tmp_path / "state")
+    state = StateDir(path)
+    state.save(_rec("a", cpus=(1,)))
+    odd = _rec("b", cpus=(2,))
+    odd.holding["volumes"] = [["file:/images/\ud800.raw", False]]
+    os.makedirs(state.domains, exist_ok=True)
+    with open(os.path.join(state.domains, "b.json"), "w") as f:
+        f.write(json.dumps(odd.to_json()))     # ASCII JSON: "\ud800" escaped, valid JSON
+    fresh = StateDir(path)
+    with fresh.lock():
+        try:
+            view = idx.ledger_of(fresh, ())
+        except VstorError:
+            return      # named damaged, one line: acceptable
+        assert view.volume_conflict(("file:/images/\ud800.raw",), False) == "b"
+
+
+# -- 8. a keys file missing: "holds nothing" -------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Index.indexed takes a missing keys/<key>.json for 'no summary' (None) even when the "
+    "tables name the key and its record exists; views then read it as holding nothing "
+    "(volume_conflict: `indexed(key) or {'holding': {}}`), so a volume another domain "
+    "writes is free, and Index.change adds the record's sums again without taking the old "
+    "ones off.  ARCHITECTURE.md says a missing file makes the index rebuilt.  Fix: in "
+    "Index.indexed, on FileNotFoundError under the host lock, rebuild when the record file "
+    "domains/<key>.json exists (or any table names the key); without the lock return "
+    "_UNREADABLE in that case"))
+def test_a_missing_keys_file_is_not_read_as_holding_nothing(tmp_path):
+    path = str(tmp_path / "state")
+    state = StateDir(path)
+    rec = _rec("a", cpus=(1,))
+    rec.holding["volumes"] = [["file:/images/a.raw", False]]
+    rec.holding["reactors"] = [2]
+    state.save(rec)
+    os.unlink(os.path.join(path, "index", "keys", "a.json"))      # damage to the index
+    fresh = StateDir(path)
+    with fresh.lock():
+        truth = _oracle(fresh)
+        view = idx.ledger_of(fresh, ())
+        assert truth.volume_conflict(("file:/images/a.raw",), False) == "a"
+        assert view.volume_conflict(("file:/images/a.raw",), False) == "a"
+    more = _rec("a", cpus=(1,))
+    more.holding["volumes"] = [["file:/images/a.raw", False]]
+    more.holding["reactors"] = [2, 3]
+    fresh.save(more)
+    with fresh.lock():
+        assert +idx.ledger_of(fresh, ()).reactor_load == +_oracle(fresh).reactor_load
