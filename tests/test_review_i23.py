@@ -55,12 +55,6 @@ def _snapshot(root: str) -> dict:
 
 # -- 1. the AIO fallback removes the socket it hands the daemon ---------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "daemon._spawn_any_aio: after aio=native fails with aio.FULL it calls _remove_files(export), "
-    "which unlinks export.socket_path: the listening socket made by ownership.listening_socket "
-    "and handed to the daemon by fd.  The aio=threads daemon then serves a socket no path "
-    "reaches (_settle's reachable check fails; QEMU cannot connect).  Fix: remove only the "
-    "pidfile and QMP socket there (not socket_path), e.g. _remove_files(export, keep_socket=True)"))
 def test_the_aio_fallback_keeps_the_vhost_socket_it_hands_the_daemon(tmp_path, monkeypatch):
     from vstor.backends.qsd import aio, daemon
     from vstor.backends.qsd.export import QsdExport
@@ -89,14 +83,6 @@ def test_the_aio_fallback_keeps_the_vhost_socket_it_hands_the_daemon(tmp_path, m
 
 # -- 2. without() by the record's name/UUID, the ledger by the holding's --------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "views.IndexLedger.without matches the record's uuid (summary['uuid'] = rec.uuid) and "
-    "shape.items indexes ('name', rec.domain); Ledger.without matches the holding's domain and "
-    "uuid (plan.domain/plan.uuid, which fit.check_made_for never compares with the request).  "
-    "A record whose uuid is None but whose holding has one is dropped by the index and kept "
-    "by the ledger: its cores are handed out again.  Fix: in IndexLedger.without test "
-    "s['holding']['domain'] / s['holding'].get('uuid'), and in shape.items index "
-    "('name', holding['domain']) for a record with a holding"))
 def test_without_drops_what_the_ledger_drops_when_record_and_holding_disagree(tmp_path):
     state = StateDir(str(tmp_path / "state"))
     # A record vstor 0.1.0 wrote (no uuid on the record), its plan's holding has one.
@@ -110,11 +96,6 @@ def test_without_drops_what_the_ledger_drops_when_record_and_holding_disagree(tm
 
 # -- 3. planning writes: recorded() under the host lock -------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "views.recorded (vstor plan, apply --dry-run: 'planning writes nothing') calls trusted(), "
-    "whose _load_sums re-marks the directory and rewrites sums.json when the lock is held "
-    "(store.py: 'if self._held(): ... self._write_sums').  Fix: _load_sums(write=False) from "
-    "trusted(); only sums() may re-mark"))
 def test_planning_writes_nothing_when_the_directory_was_not_marked(tmp_path):
     path = str(tmp_path / "state")
     state = StateDir(path)
@@ -128,12 +109,6 @@ def test_planning_writes_nothing_when_the_directory_was_not_marked(tmp_path):
            {p: v for p, v in before.items() if not p.endswith("/lock")}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "views.recorded reads each key with Index.indexed under the host lock; a damaged keys file "
-    "there makes indexed() call rebuild(), which rewrites the whole index (and marks the "
-    "directory) from a planning run.  Fix: in recorded(), when indexed(k) cannot be read, fall "
-    "back to state.records() (as it does for an untrusted index) instead of rebuilding; "
-    "e.g. Index.indexed(key, rebuild=False)"))
 def test_planning_does_not_rebuild_the_index_for_a_damaged_keys_file(tmp_path):
     path = str(tmp_path / "state")
     state = StateDir(path)
@@ -149,14 +124,6 @@ def test_planning_does_not_rebuild_the_index_for_a_damaged_keys_file(tmp_path):
 
 # -- 4. two StateDir objects of one directory in one process --------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Index caches sums per Index object and trusts them for the whole taking of the host "
-    "lock (_fresh compares only the process-wide _TAKEN count): a second StateDir (hook.py, "
-    "runtime/context.py, nova, pve each make their own) changing the index within the same "
-    "taking is overwritten by the first's stale sums in change(): a core held by one record "
-    "disappears from sums.json.  Fix: one Index per state directory per process "
-    "(StateDir.index from a module dict keyed by os.path.realpath(path)), or re-read "
-    "sums.json in Index.change instead of using the cache"))
 def test_two_state_dirs_in_one_taking_do_not_lose_each_others_changes(tmp_path):
     path = str(tmp_path / "state")
     one, two = StateDir(path), StateDir(path)
@@ -184,15 +151,6 @@ with s.record_lock("a"):
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "StateDir._change compares the new summary with Index.indexed(key), which without the host "
-    "lock answers from a cache filled under an earlier taking (Index._fresh only forgets when "
-    "this process takes the lock again).  A long-lived process (migration agent, nova) whose "
-    "cache says 'a holds core 1' saves a record holding core 1 by the unlocked path after "
-    "another process moved 'a' to core 7: the record says 1, the index 7, and core 1 is "
-    "handed out twice.  Fix: in _change read the indexed summary from disk, bypassing the "
-    "cache (self.index.forget() or _summaries.pop(key) before the compare), or make "
-    "Index.indexed never cache when not self._held()"))
 def test_an_unlocked_save_compares_with_the_index_on_disk_not_a_stale_cache(tmp_path):
     path = str(tmp_path / "state")
     state = StateDir(path)
@@ -210,15 +168,6 @@ def test_an_unlocked_save_compares_with_the_index_on_disk_not_a_stale_cache(tmp_
 
 # -- 6. a record put there by hand during an unlocked save ---------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "StateDir._change's unlocked path asks marked() before write() and re-marks (saved()) "
-    "after it: a record put there by hand at any moment of the write (the fsync of the "
-    "record and of the directory: milliseconds, not the 'microseconds' store.py/stamp.py "
-    "claim) is hidden until gc; its cores are handed out.  Fix: in Index.saved(), after "
-    "marking, compare the directory's entry count (os.stat(domains).st_nlink is no help for "
-    "files; instead list the names: set(keys)|unread == _record_names()) before keeping the "
-    "stamp, or keep no stamp from an unlocked save (the next locked run lists the directory "
-    "once and marks it)"))
 def test_a_record_put_there_by_hand_during_an_unlocked_save_is_seen(tmp_path):
     path = str(tmp_path / "state")
     state = StateDir(path)
@@ -244,12 +193,6 @@ def test_a_record_put_there_by_hand_during_an_unlocked_save_is_seen(tmp_path):
 
 # -- 7. an item no UTF-8 can encode ----------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "shape.file_name encodes with 'surrogateescape', which raises UnicodeEncodeError for a lone "
-    "surrogate outside U+DC80-DCFF (JSON's \\ud800 in a record written by hand or by another "
-    "tool): the rebuild dies with a traceback at every start instead of the record being "
-    "indexed (or named damaged, exit 4).  Fix: str(item).encode('utf-8', 'surrogatepass') "
-    "(every str, and injective: '\\udcc3\\udca9' and 'é' no longer share a file name)"))
 def test_an_item_with_a_lone_surrogate_is_indexed_not_a_traceback(tmp_path):
     from vstor.errors import VstorError
     path = str(tmp_path / "state")
@@ -271,15 +214,6 @@ def test_an_item_with_a_lone_surrogate_is_indexed_not_a_traceback(tmp_path):
 
 # -- 8. a keys file missing: "holds nothing" -------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Index.indexed takes a missing keys/<key>.json for 'no summary' (None) even when the "
-    "tables name the key and its record exists; views then read it as holding nothing "
-    "(volume_conflict: `indexed(key) or {'holding': {}}`), so a volume another domain "
-    "writes is free, and Index.change adds the record's sums again without taking the old "
-    "ones off.  ARCHITECTURE.md says a missing file makes the index rebuilt.  Fix: in "
-    "Index.indexed, on FileNotFoundError under the host lock, rebuild when the record file "
-    "domains/<key>.json exists (or any table names the key); without the lock return "
-    "_UNREADABLE in that case"))
 def test_a_missing_keys_file_is_not_read_as_holding_nothing(tmp_path):
     path = str(tmp_path / "state")
     state = StateDir(path)

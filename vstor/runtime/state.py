@@ -36,6 +36,8 @@ from vstor.errors import BadInput, Unavailable
 from vstor.locking import flocked, range_locked, try_range
 from vstor.meta.names import is_safe_name
 from vstor.records import field, record
+from vstor.runtime.recordfile import (RECORD_FORMAT, _FIX, DamagedRecord,  # noqa: F401 (named here too)
+                                      check_format as _check_format, check_shape as _check_shape)
 
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
@@ -47,21 +49,6 @@ INCOMING = "incoming"
 # NVMe-oF export: the export and what it stands on stay until it is gone.
 EXPORTING = "exporting"
 
-
-class DamagedRecord(Unavailable):
-    """A state record that cannot be read: what it holds is unknown, so its
-    domain, and every decision that needs every record, is refused until an
-    operator looks at it (docs/security.md)."""
-
-
-_FIX = "inspect it, undo by hand what it lists, then remove it"
-
-# The layout of a record file, written into it as "format".  0: a record
-# from before the field (vstor 0.1.0 wrote none), read as it always was.
-# An upgrade that changes the layout raises this and keeps reading every
-# older format (domains that started before the upgrade stop after it);
-# an older vstor refuses a newer record rather than guess what it holds.
-RECORD_FORMAT = 1
 
 
 @record(frozen=False)
@@ -96,13 +83,17 @@ class StateDir:
         self.path = path
         self.domains = os.path.join(path, "domains")
         self._index = None
+        self.last_mark: str | None = None       # the mark after this process's last entry change
 
     @property
     def index(self):
         """What every record holds, kept beside them (vstor.runtime.index)."""
         if self._index is None:
+            # One per directory in a process: two StateDirs of one path in
+            # one taking of the host lock must not keep two views of it.
             from vstor.runtime.index import Index
-            self._index = Index(self)
+            where = os.path.realpath(self.path)
+            self._index = _INDEXES.get(where) or _INDEXES.setdefault(where, Index(self))
         return self._index
 
     def _ensure(self) -> None:
@@ -269,34 +260,45 @@ class StateDir:
             f.write(json.dumps(rec.to_json(), sort_keys=True, separators=(",", ":")) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        self._entry(lambda: os.replace(tmp, path))
         _fsync_dir(self.domains)
 
     def remove(self, key: str) -> None:
         self._change(key, None, lambda: self._unlink(key))
 
     def _unlink(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._file(key))
+        def unlink():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._file(key))
+        self._entry(unlink)
         _fsync_dir(self.domains)
+
+    def _entry(self, change) -> None:
+        """Change an entry of the records' directory; marked again after
+        when it was as vstor marked it just before (vstor.runtime.index.stamp):
+        a change by hand in between is within the one syscall."""
+        marked = self.index.marked()
+        change()
+        self.last_mark = self.index.mark() if marked else None
 
     def _change(self, key: str, rec: Record | None, write) -> None:
         from vstor.runtime.index import plain, summary
         new = plain(summary(rec))
+        self.index.forget_key(key)      # as the index says now, not as this process read it
         if self.index.indexed(key) == new:
             # Holds what it held: its own record lock is enough.  The index
             # is told the directory changed by vstor only if nothing else
             # changed it before (a record put there by hand is looked for).
-            marked = self.index.marked()
             write()
-            if marked:
-                self.index.saved()
+            if self.last_mark:
+                self.index.keep_mark(self.last_mark)
             return
         with self.lock():
             self.index.change(key, new, write)
 
 
 _HELD: dict[str, int] = {}      # lock paths this process holds (re-entrancy)
+_INDEXES: dict = {}             # the Index of each state directory (StateDir.index)
 _TAKEN: dict[str, int] = {}     # how many times each was taken (not re-entered)
 
 
@@ -318,30 +320,3 @@ def _fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _check_format(data, path: str) -> None:
-    fmt = data.get("format", 0) if isinstance(data, dict) else 0
-    if type(fmt) is not int or not 0 <= fmt <= RECORD_FORMAT:
-        from vstor import __version__
-        raise DamagedRecord(f"state record {path} has format {fmt!r}, which vstor {__version__} "
-                            f"cannot read (it reads 0 to {RECORD_FORMAT}): a newer vstor wrote it",
-                            hint="install that vstor again, or a newer one: going back to an older "
-                                 "vstor while it holds backends is not supported")
-
-
-def _check_shape(rec: Record) -> None:
-    """What the rest of vstor relies on in a record; TypeError/ValueError if not."""
-    from vstor.meta.holding import holding_from_json
-    if not all(isinstance(v, str) for v in (rec.key, rec.domain, rec.status)):
-        raise TypeError("key, domain and status must be strings")
-    for e in rec.steps:
-        if not (isinstance(e, dict) and isinstance(e.get("kind"), str)
-                and e.get("state") in ("doing", "done") and isinstance(e.get("data"), dict)):
-            raise ValueError(f"a step is not {{kind, state, data}}: {str(e)[:60]}")
-    if not isinstance(rec.holding, dict):
-        raise TypeError("holding is not an object")
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in rec.migration.items()):
-        raise TypeError("migration is not an object of strings")
-    if rec.holding:
-        holding_from_json(rec.holding)

@@ -167,7 +167,7 @@ def _spawn_any_aio(export: QsdExport, source_fd: int, socket_fd: int, timeout: f
         except ActionFailed as e:
             if aio.FULL not in e.message:
                 raise
-        _remove_files(export)
+        _remove_files(export, keep_socket=True)     # the listening socket is the next try's
     if native:
         from vstor import log
         log.note(export.name, "the host's AIO events are used up (fs.aio-max-nr): "
@@ -299,8 +299,10 @@ def _terminate(export: QsdExport, p: int, timeout: float) -> None:
                                "even after SIGKILL", hint="it is stuck in the kernel; see dmesg")
 
 
-def _remove_files(export: QsdExport) -> None:
-    for path in (export.pidfile, export.qmp_path, export.socket_path):
+def _remove_files(export: QsdExport, keep_socket: bool = False) -> None:
+    """Its pidfile, monitor and socket; `keep_socket`: not the socket (the
+    one a start bound and hands the next try)."""
+    for path in (export.pidfile, export.qmp_path) + (() if keep_socket else (export.socket_path,)):
         if path == export.pidfile or files.is_socket(path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

@@ -36,7 +36,9 @@ def _ident(entry: dict) -> str:
 def items(s: dict) -> list[tuple[str, str]]:
     """(table, item) of every thing a summary holds that is looked up one by one."""
     h = s["holding"] or {}
-    out = [("name", s["domain"])]
+    # By the holding's name when it has one: the planner's Ledger.without
+    # matches what a holding says (its plan's domain and UUID).
+    out = [("name", h.get("domain") or s["domain"])]
     out += [("sock", x) for x in h.get("sockets", ())]
     out += [("spdk", x) for x in h.get("spdk_controllers", ())]
     out += [("conn", p) for p, _c in h.get("connections", ())]
@@ -97,7 +99,7 @@ def file_name(item: str) -> str:
     """A file name for any item: each byte that is not a letter, digit, _,
     + or - as %XX; a long one by its hash (the index never lists items
     back: they are in each key's summary)."""
-    raw = str(item).encode("utf-8", "surrogateescape")
+    raw = str(item).encode("utf-8", "surrogatepass")
     out = "".join(map(_ESCAPED.__getitem__, raw)) or "%"
     if len(out) > 200:
         import hashlib

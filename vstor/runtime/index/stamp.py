@@ -7,9 +7,11 @@ host lock).  Any entry made, replaced or removed there since sets the
 mtime to the clock's now, so a directory whose mtime is not a mark kept is
 listed, and its names compared with the index's keys.  (The mtime alone,
 unmarked, would not do: the kernel's file times follow a coarse clock, and
-two changes within its tick leave one mtime.)  A hand's change in the
-microseconds between a write of vstor's and its mark goes unseen until
-gc's check, which lists everything."""
+two changes within its tick leave one mtime.)  vstor marks again after its
+own rename or unlink only if the directory was as marked just before it
+(StateDir._entry), and marks before it lists the names: what a hand
+changes in the one syscall between goes unseen until gc's check, which
+lists everything."""
 
 from __future__ import annotations
 
@@ -58,13 +60,13 @@ def marked(domains: str, index: str) -> bool:
         return False
 
 
-def save(domains: str, index: str) -> None:
-    """Mark the directory and keep the stamp beside the index (best effort:
-    two writers at once may keep a stamp the directory does not have; the
-    next run then lists it)."""
+def keep(index: str, stamp: str) -> None:
+    """Keep the stamp a mark gave, beside the index (best effort: two
+    writers at once may keep one the directory no longer has; the next run
+    then lists it)."""
     with contextlib.suppress(OSError):
         path = os.path.join(index, "stamp")
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            f.write(mark(domains))
+            f.write(stamp)
         os.replace(tmp, path)

@@ -49,6 +49,9 @@ class Index:
         self._summaries: dict[str, dict | None] = {}
         self._taken = state.lock_taken()     # what is cached was read under this taking
 
+    def forget_key(self, key: str) -> None:
+        self._summaries.pop(key, None)
+
     def forget(self) -> None:
         """Drop what was read: another process may have changed the index
         since this one last held the host lock."""
@@ -78,11 +81,13 @@ class Index:
 
     def trusted(self) -> dict | None:
         """sums.json if the index can be trusted as it is, else None (read
-        only: nothing is rebuilt)."""
+        only: nothing is rebuilt or marked)."""
         self._fresh()
-        return self._sums if self._sums is not None else self._load_sums()
+        if self._sums is None:
+            self._sums = self._load_sums(write=False)
+        return self._sums
 
-    def _load_sums(self) -> dict | None:
+    def _load_sums(self, write: bool = True) -> dict | None:
         if os.path.lexists(os.path.join(self.path, "dirty")):
             return None
         try:
@@ -96,11 +101,13 @@ class Index:
         if self._dir_stamp() not in (sums.get("stamp"), self._saved_stamp()):
             # The records' directory changed since vstor last marked it: a
             # record put there or removed by hand reads them all again;
-            # otherwise marked now, so the next run need not list it.
+            # otherwise marked (before the names are listed: a change
+            # after the listing shows), so the next run need not list it.
+            mark = self._mark_dir() if write and self._held() else None
             if set(self.keys()) | set(sums.get("unread") or ()) != self._record_names():
                 return None
-            if self._held():
-                sums["stamp"] = self._mark_dir()
+            if mark is not None:
+                sums["stamp"] = mark
                 self._write_sums(self.path, sums)
         return sums
 
@@ -124,28 +131,39 @@ class Index:
         or removed there by hand since, as far as its mtime says)."""
         return stamp.marked(self.state.domains, self.path)
 
-    def saved(self) -> None:
-        """A record was written that changes nothing indexed (StateDir.save
-        without the host lock), into a directory marked() just before: mark
-        it again (vstor.runtime.index.stamp)."""
-        stamp.save(self.state.domains, self.path)
+    def mark(self) -> str:
+        """Mark the records' directory (vstor.runtime.index.stamp); the stamp."""
+        return self._mark_dir()
 
-    def indexed(self, key: str) -> dict | None:
-        """The summary of `key` the index holds (None: none)."""
+    def keep_mark(self, mark: str) -> None:
+        """A record was written that changes nothing indexed (StateDir.save
+        without the host lock), and the directory marked after: keep it."""
+        stamp.keep(self.path, mark)
+
+    def indexed(self, key: str, rebuild: bool = True) -> dict | None:
+        """The summary of `key` the index holds (None: none).  A keys file
+        that cannot be read, or is missing while its record is there, is
+        damage: under the host lock (and `rebuild`) every record is read
+        again; otherwise UNREADABLE, which no summary equals (StateDir.save
+        then takes the lock and changes the index, rebuilding it)."""
         self._fresh()
         if key not in self._summaries:
             try:
                 with open(os.path.join(self.path, "keys", key + ".json")) as f:
                     self._summaries[key] = json.load(f)
             except FileNotFoundError:
-                self._summaries[key] = None
+                if not os.path.lexists(os.path.join(self.state.domains, key + ".json")):
+                    self._summaries[key] = None
+                    return None
+                return self._damaged_key(key, rebuild)
             except (OSError, ValueError):
-                # Damaged: under the host lock, read every record again; a
-                # reader without it gets "not what you have" (StateDir.save
-                # then takes the lock and changes the index, rebuilding it).
-                if not self._held():
-                    return _UNREADABLE
-                self.rebuild()
+                return self._damaged_key(key, rebuild)
+        return self._summaries.get(key)
+
+    def _damaged_key(self, key: str, rebuild: bool):
+        if not (rebuild and self._held()):
+            return UNREADABLE
+        self.rebuild()          # fills the summaries again, this key's with them
         return self._summaries.get(key)
 
     def holders(self, table: str, item: str) -> list[str]:
@@ -183,7 +201,8 @@ class Index:
                 f.write(key)
             write()
             self._apply(self.path, sums, key, old, new)
-            sums["stamp"] = self._mark_dir()
+            if self.state.last_mark:        # else the old stamp: the next run lists the directory
+                sums["stamp"] = self.state.last_mark
             self._write_sums(self.path, sums)
             os.unlink(mark)
         except BaseException:
@@ -289,7 +308,7 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-_UNREADABLE = {"unreadable": True}     # equal to no summary a record has
+UNREADABLE = {"unreadable": True}     # equal to no summary a record has
 
 
 def plain(s: dict | None):

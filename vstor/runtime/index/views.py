@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from vstor.runtime.index import store
 from vstor.runtime.index.store import Index
 
 
@@ -48,7 +49,11 @@ class IndexLedger:
         drop = set()
         for key in self._keys("name", domain):
             s = self.index.indexed(key)
-            if s and (uuid is None or s.get("uuid") is None or s.get("uuid") == uuid):
+            if not s:
+                continue
+            h = s["holding"] or {}
+            theirs = h.get("uuid") if h.get("domain") else s.get("uuid")     # as Ledger.without: the holding's
+            if (h.get("domain") or s["domain"]) == domain and (uuid is None or theirs is None or theirs == uuid):
                 drop.add(key)
         return IndexLedger(self.index, self.exclude | drop) if drop else self
 
@@ -189,7 +194,9 @@ def recorded(state) -> list:
         state.index.check_damaged()
         out = []
         for key in state.index.keys():
-            s = state.index.indexed(key)
+            s = state.index.indexed(key, rebuild=False)
+            if s is store.UNREADABLE:
+                return state.records()
             if s:
                 out.append(Record(key=key, domain=s["domain"], uuid=s["uuid"], holding=s["holding"] or {},
                                   status=PREPARED if s["active"] else INCOMING))
