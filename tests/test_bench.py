@@ -8,7 +8,7 @@ time.  Full runs stay manual (docs/performance.md has the commands).
 The benches that start real qemu-storage-daemons need root and QEMU, as
 tests/test_qsd.py does; bench_migrate needs the e2e migration lab (two
 libvirtd) and is marked e2e.  They skip without those, and fail instead
-when CI is set.  About 45 s in all on the 2-core development machine (at a
+when CI is set.  About 65 s in all on the 2-core development machine (at a
 load of 4 to 6), 35 to 45 of them bench_migrate's two TCG guests.
 """
 

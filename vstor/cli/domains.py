@@ -157,7 +157,7 @@ def cmd_apply(ctx, args) -> int:
 
 def _define(ctx, dom: Domain, dry_run: bool) -> int:
     from vstor.runtime import virt
-    from vstor.runtime.inventory import load_ledger, plans_cache
+    from vstor.runtime.inventory import load_ledger, plans_cache, save_pending
     conn = ctx.conn
     with ctx.planning(dry_run):     # the ledger read, the plan made and defined: one at a time
         plan, out = rendered(ctx, dom, load_ledger(conn, ctx.records(), plans_cache(ctx.config)))
@@ -165,6 +165,7 @@ def _define(ctx, dom: Domain, dry_run: bool) -> int:
             sys.stdout.write(out.to_string())
             return 0
         virt.define(conn, out.to_string())
+    save_pending()      # the other domains' holdings by their XML: the next plan reads them
     print(f"Domain '{plan.domain}' defined: " + ", ".join(
         f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", node {plan.node}")
     return 0

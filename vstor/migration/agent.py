@@ -120,8 +120,8 @@ def _ledger(here: HostContext, state) -> Ledger:
     """Other domains' holdings: libvirt's defined domains and every state
     record besides (a migration held for a domain not defined here yet)."""
     from vstor.runtime.index import recorded
-    from vstor.runtime.inventory import load_ledger, plans_cache
-    return load_ledger(here.conn, recorded(state), plans_cache(here.config))
+    from vstor.runtime.inventory import load_ledger
+    return load_ledger(here.conn, recorded(state))
 
 
 def _quiet(message: str) -> None:

@@ -20,7 +20,8 @@ def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
     nothing) by its XML's SHA-256, so a host's thousands of domains are not
     all parsed again by every `vstor plan`: what a domain holds is a
     function of its XML alone; whether it runs is asked of libvirt, once
-    for all of them."""
+    for all of them.  Read here; what this run learned is written by
+    save_pending(), after a define or apply that went well."""
     import hashlib
     known = _load_cache(cache)
     used: dict[str, dict | None] = {}
@@ -42,8 +43,20 @@ def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
         if used[key] is not None:
             out.append(_cached(used[key], uuid in active))
     if cache and used != known:
-        _save_cache(cache, used)
+        _PENDING[cache] = used      # written by save_pending(), once the run went well
     return out
+
+
+_PENDING: dict[str, dict] = {}
+
+
+def save_pending() -> None:
+    """Write the plan caches holdings_from_libvirt filled: by a command that
+    changes the host anyway and went well (define, apply); `vstor plan`,
+    a dry run and a refused run write nothing, not even this."""
+    while _PENDING:
+        path, data = _PENDING.popitem()
+        _save_cache(path, data)
 
 
 def _held(dom: Domain) -> dict | None:

@@ -83,7 +83,6 @@ class StateDir:
         self.path = path
         self.domains = os.path.join(path, "domains")
         self._index = None
-        self.last_mark: str | None = None       # the mark after this process's last entry change
 
     @property
     def index(self):
@@ -253,6 +252,7 @@ class StateDir:
     def _write(self, rec: Record) -> None:
         path = self._file(rec.key)
         tmp = f"{path}.tmp"
+        marked = self.index.marked()        # before the temporary file: it changes the directory too
         with open(tmp, "w") as f:
             # One line, by json's C encoder: indenting takes its Python one,
             # ten times the cost, at every save (python3 -m json.tool FILE
@@ -260,26 +260,21 @@ class StateDir:
             f.write(json.dumps(rec.to_json(), sort_keys=True, separators=(",", ":")) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        self._entry(lambda: os.replace(tmp, path))
+        os.replace(tmp, path)
+        self.index.last_mark = self.index.mark() if marked else None
         _fsync_dir(self.domains)
 
     def remove(self, key: str) -> None:
         self._change(key, None, lambda: self._unlink(key))
 
     def _unlink(self, key: str) -> None:
-        def unlink():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._file(key))
-        self._entry(unlink)
-        _fsync_dir(self.domains)
-
-    def _entry(self, change) -> None:
-        """Change an entry of the records' directory; marked again after
-        when it was as vstor marked it just before (vstor.runtime.index.stamp):
-        a change by hand in between is within the one syscall."""
+        # The records' directory is marked again after a change of vstor's
+        # only when it was as vstor marked it just before (vstor.runtime.index.stamp).
         marked = self.index.marked()
-        change()
-        self.last_mark = self.index.mark() if marked else None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._file(key))
+        self.index.last_mark = self.index.mark() if marked else None
+        _fsync_dir(self.domains)
 
     def _change(self, key: str, rec: Record | None, write) -> None:
         from vstor.runtime.index import plain, summary
@@ -290,8 +285,8 @@ class StateDir:
             # is told the directory changed by vstor only if nothing else
             # changed it before (a record put there by hand is looked for).
             write()
-            if self.last_mark:
-                self.index.keep_mark(self.last_mark)
+            if self.index.last_mark:
+                self.index.keep_mark(self.index.last_mark)
             return
         with self.lock():
             self.index.change(key, new, write)

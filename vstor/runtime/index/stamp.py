@@ -7,11 +7,12 @@ host lock).  Any entry made, replaced or removed there since sets the
 mtime to the clock's now, so a directory whose mtime is not a mark kept is
 listed, and its names compared with the index's keys.  (The mtime alone,
 unmarked, would not do: the kernel's file times follow a coarse clock, and
-two changes within its tick leave one mtime.)  vstor marks again after its
-own rename or unlink only if the directory was as marked just before it
-(StateDir._entry), and marks before it lists the names: what a hand
-changes in the one syscall between goes unseen until gc's check, which
-lists everything."""
+two changes within its tick leave one mtime.)  vstor marks again after it
+saved or removed a record only if the directory was as marked just before
+(StateDir._write, _unlink), and marks before it lists the names: what a
+hand changes meanwhile (a save's temporary file written and synced:
+milliseconds on a disk, much less on /run's tmpfs) goes unseen until gc's
+check, which lists everything."""
 
 from __future__ import annotations
 

@@ -48,6 +48,9 @@ class Index:
         self._sums: dict | None = None
         self._summaries: dict[str, dict | None] = {}
         self._taken = state.lock_taken()     # what is cached was read under this taking
+        # The mark StateDir set after its last save or removal here (None:
+        # the directory was not as marked just before it).
+        self.last_mark: str | None = None
 
     def forget_key(self, key: str) -> None:
         self._summaries.pop(key, None)
@@ -201,8 +204,8 @@ class Index:
                 f.write(key)
             write()
             self._apply(self.path, sums, key, old, new)
-            if self.state.last_mark:        # else the old stamp: the next run lists the directory
-                sums["stamp"] = self.state.last_mark
+            if self.last_mark:      # else the old stamp: the next run lists the directory
+                sums["stamp"] = self.last_mark
             self._write_sums(self.path, sums)
             os.unlink(mark)
         except BaseException:
