@@ -23,6 +23,10 @@ import tempfile
 import time
 import uuid as uuidlib
 
+# What one qemu-storage-daemon with aio=native takes of the host's AIO
+# budget (fs.aio-max-nr, shared by every process): vstor's own figure.
+from vstor.backends.qsd.aio import EVENTS as QSD_AIO_EVENTS
+
 NS = "https://vstor.dev/xmlns/domain/1"
 TARGETS = "bcdefghijklmnopq"
 DOMAIN = """<domain type='kvm'><name>{name}</name><uuid>{uuid}</uuid>
@@ -199,10 +203,6 @@ class Run:
         return f"{self.name} {self.op}: exit {self.rc}" + (f" ({self.stderr})" if self.stderr else "")
 
 
-# What one qemu-storage-daemon with aio=native takes of the host's AIO
-# budget (fs.aio-max-nr, shared by every process): QEMU's linux-aio asks
-# io_setup(2) for 1024 events per AioContext, and a daemon has one.
-QSD_AIO_EVENTS = 1024
 
 
 def aio_room() -> int:

@@ -106,7 +106,7 @@ class Index:
             # record put there or removed by hand reads them all again;
             # otherwise marked (before the names are listed: a change
             # after the listing shows), so the next run need not list it.
-            mark = self._mark_dir() if write and self._held() else None
+            mark = self.mark() if write and self._held() else None
             if set(self.keys()) | set(sums.get("unread") or ()) != self._record_names():
                 return None
             if mark is not None:
@@ -123,9 +123,6 @@ class Index:
     def _dir_stamp(self) -> str:
         return stamp.now(self.state.domains)
 
-    def _mark_dir(self) -> str:
-        return stamp.mark(self.state.domains)
-
     def _saved_stamp(self) -> str | None:
         return stamp.saved(self.path)
 
@@ -136,7 +133,7 @@ class Index:
 
     def mark(self) -> str:
         """Mark the records' directory (vstor.runtime.index.stamp); the stamp."""
-        return self._mark_dir()
+        return stamp.mark(self.state.domains)
 
     def keep_mark(self, mark: str) -> None:
         """A record was written that changes nothing indexed (StateDir.save
@@ -195,7 +192,7 @@ class Index:
     def change(self, key: str, new: dict | None, write) -> None:
         """Run `write` (the record's own write) with the index following it:
         marked dirty before, the differences applied after."""
-        self._summaries.pop(key, None)
+        self.forget_key(key)
         sums = self.sums()
         old = self.indexed(key)         # after sums(): a rebuild there read it again
         mark = os.path.join(self.path, "dirty")
@@ -248,7 +245,7 @@ class Index:
         if not self._held():
             with self.state.lock():
                 return self.rebuild()
-        stamp = self._mark_dir() if records is None else "unknown"     # before the records are read
+        mark = self.mark() if records is None else "unknown"     # before the records are read
         if records is None:
             damaged = []
             records = self.state.records(damaged)
@@ -258,7 +255,7 @@ class Index:
         shutil.rmtree(new, ignore_errors=True)
         os.makedirs(new, mode=0o700)
         sums = empty_sums()
-        sums["stamp"] = stamp
+        sums["stamp"] = mark
         sums["damaged"] = list(damaged or ())
         # The files no record came from: their going (by hand) is a change.
         sums["unread"] = sorted(self._record_names() - {r.key for r in records})
@@ -283,13 +280,13 @@ class Index:
         want["damaged"] = list(damaged)
         want["unread"] = sorted(self._record_names() - {r.key for r in records})
         entries = set()
-        for rec in records:
-            s = plain(summary(rec))
-            add_sums(want, rec.key, s, +1)
-            entries.update((table, file_name(item), rec.key) for table, item in items(s))
+        summaries = {rec.key: plain(summary(rec)) for rec in records}
+        for key, s in summaries.items():
+            add_sums(want, key, s, +1)
+            entries.update((table, file_name(item), key) for table, item in items(s))
         right = (sums is not None and {**sums, "boot": "", "stamp": ""} == {**want, "boot": "", "stamp": ""}
-                 and set(self.keys()) == {r.key for r in records}
-                 and all(self.indexed(r.key) == plain(summary(r)) for r in records)
+                 and set(self.keys()) == set(summaries)
+                 and all(self.indexed(key) == s for key, s in summaries.items())
                  and self._tables() == entries)
         if not right:
             self.rebuild(records, damaged)
