@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 from vstor.runtime.index import store
+from vstor.runtime.index.shape import add_sums
 from vstor.runtime.index.store import Index
 
 
@@ -18,23 +19,20 @@ class IndexLedger:
         self.index = index
         self.exclude = frozenset(exclude)
         sums = index.sums()
-        gone = [index.indexed(k) for k in self.exclude]
-        self.cpu_owner = _owners(sums["cpus"], self.exclude, int)
-        self.passthrough = _owners(sums["pass"], self.exclude, str)
+        if self.exclude:
+            # The sums less what the excluded keys add to them, by the one
+            # function that adds it (a copy of each table: add_sums replaces
+            # their entries, never changes one in place).
+            sums = {k: dict(v) if isinstance(v, dict) else v for k, v in sums.items()}
+            for key in self.exclude:
+                s = index.indexed(key)
+                if s:
+                    add_sums(sums, key, s, -1)
+        self.cpu_owner = _owners(sums["cpus"], int)
+        self.passthrough = _owners(sums["pass"], str)
         self.reactor_load: Counter[int] = Counter({int(c): n for c, n in sums["reactors"].items()})
         self._pages = Counter(sums["pages"])
         self._bound = Counter(sums["memory"])
-        for s in gone:
-            if s is None:
-                continue
-            h = s["holding"] or {}
-            self.reactor_load.subtract(h.get("reactors", ()))
-            if h.get("hugepages") and not s["active"]:
-                node, size, count = h["hugepages"]
-                self._pages[f"{node}/{size}"] -= count
-            if h.get("memory"):
-                self._bound[str(h["memory"][0])] -= h["memory"][1]
-        self.reactor_load = +self.reactor_load       # only the cores with load
         self.sockets = _Lookup(self, "sock")
         self.spdk_users = _Users(self, "spdk")
 
@@ -96,13 +94,9 @@ class IndexLedger:
         return {self._domain(k) for k in self._keys("nsuser", address)}
 
 
-def _owners(table: dict, exclude, cast) -> dict:
-    out = {}
-    for item, lst in table.items():
-        theirs = [d for k, d in lst if k not in exclude]
-        if theirs:
-            out[cast(item)] = theirs[0]
-    return out
+def _owners(table: dict, cast) -> dict:
+    """item -> the first of its holders' domains."""
+    return {cast(item): lst[0][1] for item, lst in table.items() if lst}
 
 
 class _Lookup:
