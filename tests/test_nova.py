@@ -93,7 +93,7 @@ def test_a_controller_vstor_passes_through_is_not_offered(tmp_path, capsys, host
     from vstor.host.sysfs import SysFS
     from vstor.nova import config as nova
     from vstor.planner.ledger import Holding, Ledger
-    held = Holding("db1", None, False, 1, frozenset(), (), None, None,
+    held = Holding("db1", None, False, 1, frozenset(), (), (), (),
                    frozenset({"0000:5e:00.0"}), frozenset(), frozenset(), frozenset())
     s = nova.setup(read_host(SysFS(host_layout("two-socket"))), Config(), Ledger([held]))
     assert "0000:5e:00.0" not in {o.address for o in s.offers}

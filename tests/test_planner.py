@@ -174,11 +174,11 @@ def test_vms_bound_to_a_node_are_counted_running_or_not(host_model):
     assert spill.node == 0
     free = plan_domain(host, Config(), request(nvme("0000:5f:00.0"), name="m2", vm="<vstor:vm cpus='shared' "
                                                "numa='none'/>", memory_mib=60 * 1024), Ledger(held))
-    assert Holding.from_plan(free).memory is None
+    assert Holding.from_plan(free).memory == ()
     # hugepage-backed memory comes from the pools, not from here
     paged = plan_domain(host, Config(), request(nvme("0000:5f:00.0"), name="m2", vm="<vstor:vm cpus='shared' "
                                                 "hugepages='1G'/>", memory_mib=30 * 1024), Ledger(held))
-    assert paged.node == 1 and Holding.from_plan(paged).memory is None
+    assert paged.node == 1 and Holding.from_plan(paged).memory == ()
 
 
 def test_the_host_reserve_is_configurable(host_model, tmp_path):
@@ -430,7 +430,7 @@ def test_a_pool_qemu_server_grows_counts_free_node_memory_once():
     from vstor.planner.disks import NoFit
     cfg = Config(memory_reserved_mib=1024)
     node = NumaNode(0, (0, 1), memory_kib=8 << 20, hugepages=(HugepagePool(2048, 0, 0),))
-    stopped = Holding("pve-101", None, False, 0, frozenset(), (), (0, 2048, 1024), None,
+    stopped = Holding("pve-101", None, False, 0, frozenset(), (), ((0, 2048, 1024),), (),
                       frozenset(), frozenset(), frozenset(), frozenset())
     ledger = Ledger([stopped])              # 2 GiB promised; 7 GiB of room: 5 GiB left
     assert place_hugepages(node, 2048, 5 << 20, ledger, cfg) == 2560

@@ -24,8 +24,8 @@ class Holding:
     node: int | None
     cpus: frozenset[int]              # dedicated vCPU cores and reserved siblings
     reactors: tuple[int, ...]
-    hugepages: tuple[int, int, int] | None   # (node, page KiB, count)
-    memory: tuple[int, int] | None    # (node, KiB) of ordinary memory bound to a node
+    hugepages: tuple[tuple[int, int, int], ...]   # (node, page KiB, count) per node
+    memory: tuple[tuple[int, int], ...]   # (node, KiB) of ordinary memory bound, per node
     passthrough: frozenset[str]       # PCI addresses handed to the guest
     spdk_controllers: frozenset[str]  # local PCI addresses SPDK attaches for it
     volumes: frozenset[tuple[str, bool]]  # (volume key, read-only)
@@ -35,12 +35,12 @@ class Holding:
 
     @classmethod
     def from_plan(cls, plan: Plan, active: bool = False) -> "Holding":
-        pages = None
-        if plan.hugepage_kib and plan.hugepages and plan.node is not None:
-            pages = (plan.node, plan.hugepage_kib, plan.hugepages)
-        memory = None
-        if not plan.hugepage_kib and plan.numa != "none" and plan.node is not None:
-            memory = (plan.node, plan.memory_kib)
+        cells = [c for c in plan.guest_cells() if c.node is not None]
+        pages = memory = ()
+        if plan.hugepage_kib:
+            pages = _per_node((c.node, plan.hugepage_kib, c.hugepages) for c in cells if c.hugepages)
+        elif plan.numa != "none":
+            memory = _per_node((c.node, c.memory_kib) for c in cells)
         return cls(
             domain=plan.domain, uuid=plan.uuid, active=active, node=plan.node,
             cpus=plan.dedicated_cpus,
@@ -56,6 +56,22 @@ class Holding:
         )
 
 
+def _per_node(amounts) -> tuple:
+    """(node, ..., amount) summed per node (cells may share a host node)."""
+    out: dict[tuple, int] = {}
+    for *key, n in amounts:
+        out[tuple(key)] = out.get(tuple(key), 0) + n
+    return tuple((*k, n) for k, n in sorted(out.items()))
+
+
+def node_amounts(value) -> list:
+    """A record's hugepages or memory as a list of per-node lists: records
+    written before guests had several cells hold one flat list."""
+    if not value:
+        return []
+    return [list(v) for v in value] if isinstance(value[0], list) else [list(value)]
+
+
 def connections(disks) -> list[tuple[str, str]]:
     """(path, SPDK controller) of each path of each NVMe-oF disk."""
     return [(nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, p.hostnqn), d.spdk_controller)
@@ -64,8 +80,8 @@ def connections(disks) -> list[tuple[str, str]]:
 
 def holding_to_json(h: Holding) -> dict:
     return {"domain": h.domain, "uuid": h.uuid, "node": h.node, "cpus": sorted(h.cpus),
-            "reactors": list(h.reactors), "hugepages": list(h.hugepages) if h.hugepages else None,
-            "memory": list(h.memory) if h.memory else None,
+            "reactors": list(h.reactors), "hugepages": [list(p) for p in h.hugepages] or None,
+            "memory": [list(m) for m in h.memory] or None,
             "passthrough": sorted(h.passthrough), "spdk_controllers": sorted(h.spdk_controllers),
             "volumes": sorted([k, ro] for k, ro in h.volumes), "sockets": sorted(h.sockets),
             "connections": sorted([p, c] for p, c in h.connections)}
@@ -74,8 +90,8 @@ def holding_to_json(h: Holding) -> dict:
 def holding_from_json(d: dict, active: bool = True) -> Holding:
     return Holding(domain=d["domain"], uuid=d.get("uuid"), active=active, node=d.get("node"),
                    cpus=frozenset(d.get("cpus", ())), reactors=tuple(d.get("reactors", ())),
-                   hugepages=tuple(d["hugepages"]) if d.get("hugepages") else None,
-                   memory=tuple(d["memory"]) if d.get("memory") else None,
+                   hugepages=tuple(map(tuple, node_amounts(d.get("hugepages")))),
+                   memory=tuple(map(tuple, node_amounts(d.get("memory")))),
                    passthrough=frozenset(d.get("passthrough", ())),
                    spdk_controllers=frozenset(d.get("spdk_controllers", ())),
                    volumes=frozenset((k, ro) for k, ro in d.get("volumes", ())),

@@ -29,6 +29,10 @@ NIC = Text(r"[A-Za-z0-9_.\-]{1,64}", "is not an RDMA device name", "like mlx5_0"
 NSID = Int(1, 2**32 - 1)
 PORT = Int(1, 65535)
 SECONDS = Int(0, 2**31 - 1)
+MAX_CELLS = 8
+CELL = Int(0, MAX_CELLS - 1)
+CELLS = Text(r"one|spread|[1-8]", "is not a number of guest NUMA cells",
+             "one, spread, or a number from 1 to 8")
 
 
 @element("nvme")
@@ -97,6 +101,10 @@ class DiskIntent:
     queues: int | None = attr(Int(1, 64))           # None: one per vCPU, at most 4
     readonly: bool = attr(YesNo(), default=False)
     guest: str = attr(Enum(("kernel", "spdk")), default="kernel")   # drives a passed-through controller
+    # The guest NUMA cell the disk sits in (None: its device's node's cell,
+    # or cell 0); absent from the canonical form when unset, so plans made
+    # before it existed keep their digest.
+    cell: int | None = attr(CELL)
     source: Source = choice(*SOURCES, label="source")
 
 
@@ -108,6 +116,10 @@ class VmIntent:
     hugepages: str = attr(Enum(("auto", "none", "2M", "1G")), default="auto")
     migratable: bool = attr(YesNo(), default=False)
     latency: str = attr(Enum(("normal", "critical")), default="normal")
+    # Guest NUMA cells: 'one'; 'spread' (one per host node the disks' devices
+    # are on); a number; None (unset): 'spread' when the devices are on more
+    # than one node, else 'one' (vstor.planner.cells).
+    cells: str | None = attr(CELLS)
 
 
 @record

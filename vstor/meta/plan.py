@@ -12,7 +12,8 @@ one of its outputs.
 from __future__ import annotations
 
 from vstor.host.model import format_cpulist, parse_cpulist
-from vstor.meta.intent import ABSPATH, ADDR, BDF, DEVPATH, NQN, PORT, SECONDS, SOURCES, TARGET, Source
+from vstor.meta.intent import (ABSPATH, ADDR, BDF, CELL, DEVPATH, NQN, PORT, SECONDS, SOURCES, TARGET,
+                               Source)
 from vstor.meta.types import Enum, Int, Text, YesNo
 from vstor.meta.xmlmodel import attr, children, choice, element, texts
 from vstor.records import record
@@ -95,6 +96,7 @@ class DiskPlan:
     queues: int = attr(Int(1, 64), default=1)
     readonly: bool = attr(YesNo(), default=False)
     guest: str = attr(Enum(("kernel", "spdk")), default="kernel")
+    cell: int | None = attr(CELL)                      # guest NUMA cell (plans with cells only)
     source: Source = choice(*SOURCES, label="source")  # the source as planned
     attach: tuple[AttachPath, ...] = children(AttachPath)
     reasons: tuple[str, ...] = texts("reason")
@@ -103,6 +105,18 @@ class DiskPlan:
     def vhost_name(self) -> str | None:
         """SPDK vhost controller / qsd daemon name: the socket's file name."""
         return self.socket.rsplit("/", 1)[1] if self.socket else None
+
+
+@element("cell", where="id", ordered=True)
+@record
+class CellPlan:
+    """One guest NUMA cell of a guest that has several: its vCPUs (guest
+    numbering), memory and hugepages, on host node `node`."""
+    id: int = attr(CELL, required=True)
+    node: int = attr(Int(0, 1023), required=True)
+    vcpus: tuple[int, ...] = attr(CPULIST, required=True, default=())
+    memory_kib: int = attr(Int(1, 2**50), required=True, default=1)
+    hugepages: int = attr(Int(0, 2**40), default=0)    # pages of the plan's hugepage_kib
 
 
 @element("plan", ordered=True)
@@ -124,6 +138,8 @@ class Plan:
     hugepages: int = attr(Int(0, 2**40), default=0)    # pages of hugepage_kib on `node`
     viommu: bool = attr(YesNo(), default=False)
     migratable: bool = attr(YesNo(), default=False)
+    # Several guest cells (vstor.planner.cells); none: one cell on `node`.
+    cells: tuple[CellPlan, ...] = children(CellPlan, unique="id")
     disks: tuple[DiskPlan, ...] = children(DiskPlan, unique="target")
     reasons: tuple[str, ...] = texts("reason")
     # Not recorded: the document the plan sits in says them.
@@ -134,8 +150,29 @@ class Plan:
     def dedicated_cpus(self) -> frozenset[int]:
         return frozenset(self.vcpu_pins) | frozenset(self.reserved)
 
+    def guest_cells(self) -> tuple[CellPlan, ...]:
+        """The guest's NUMA cells: the recorded ones, or the one cell a plan
+        without them gives the guest (node None: bound to no host node)."""
+        if self.cells:
+            return self.cells
+        return (_OneCell(0, self.node, tuple(range(self.vcpus)), self.memory_kib, self.hugepages),)
+
+    def disk_cell(self, disk: DiskPlan) -> CellPlan:
+        cells = self.guest_cells()
+        return next((c for c in cells if c.id == disk.cell), cells[0])
+
     def disk(self, target: str) -> DiskPlan | None:
         for d in self.disks:
             if d.target == target:
                 return d
         return None
+
+
+@record
+class _OneCell:
+    """CellPlan's fields for a plan without cells (its node may be None)."""
+    id: int
+    node: int | None
+    vcpus: tuple[int, ...]
+    memory_kib: int
+    hugepages: int

@@ -45,13 +45,13 @@ class Ledger:
             self.sockets.setdefault(sock, h.domain)
         for path, controller in h.connections:
             self.connections.setdefault(path, []).append((controller, h.domain))
-        if h.hugepages and not h.active:
-            node, size, count = h.hugepages
-            self._pages[(node, size)] += count
-        if h.memory:
-            # Running or not: ordinary memory is counted against the node's
-            # size, not its free memory (which the page cache moves).
-            self._bound[h.memory[0]] += h.memory[1]
+        if not h.active:
+            for node, size, count in h.hugepages:
+                self._pages[(node, size)] += count
+        # Running or not: ordinary memory is counted against the node's
+        # size, not its free memory (which the page cache moves).
+        for node, kib in h.memory:
+            self._bound[node] += kib
 
     def without(self, domain: str, uuid: str | None = None) -> "Ledger":
         """The ledger minus the domain being planned (re-planning is not a

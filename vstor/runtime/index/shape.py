@@ -4,6 +4,7 @@ and the file name of any item.  Pure functions of a record."""
 
 from __future__ import annotations
 
+from vstor.meta.holding import node_amounts
 from vstor.runtime.state import INCOMING
 
 # Step kinds two domains may share (a controller's vfio binding, an SPDK
@@ -58,11 +59,10 @@ def add_sums(sums: dict, key: str, s: dict, sign: int) -> None:
         _holders(sums["pass"], addr, key, s["domain"], sign)
     for cpu in h.get("reactors", ()):
         _count(sums["reactors"], str(cpu), sign)
-    if h.get("hugepages") and not s["active"]:
-        node, size, count = h["hugepages"]
-        _count(sums["pages"], f"{node}/{size}", sign * count)
-    if h.get("memory"):
-        node, kib = h["memory"]
+    if not s["active"]:
+        for node, size, count in node_amounts(h.get("hugepages")):
+            _count(sums["pages"], f"{node}/{size}", sign * count)
+    for node, kib in node_amounts(h.get("memory")):
         _count(sums["memory"], str(node), sign * kib)
 
 
