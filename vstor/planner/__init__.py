@@ -16,6 +16,7 @@ from vstor.meta.intent import Intent, NvmfSource
 from vstor.meta.metadata import digest
 from vstor.meta.names import MIGRATION_SUBNQN, bdev_name, socket_path, spdk_controller_name
 from vstor.meta.plan import DiskPlan, Plan
+from vstor.planner import cells
 from vstor.planner.disks import DiskChoice, NoFit, choose_all
 from vstor.planner.ledger import Ledger
 from vstor.planner.placement import (CpuPlacement, dedicated_pool, place_cpus, place_hugepages,
@@ -56,6 +57,10 @@ class Request:
     # The platform binds hugepages only on host nodes below this (Proxmox's
     # qemu-server: 0-9); None: any node.
     hugepage_nodes: int | None = None
+    # The guest's cells as they are (a migration's arriving domain keeps
+    # them: the guest's ABI) and the cell of each disk: (target, cell).
+    fixed_cells: tuple = ()
+    fixed_disk_cells: tuple[tuple[str, int], ...] = ()
 
     @property
     def fix(self) -> str:
@@ -85,6 +90,16 @@ def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
     if isinstance(choices, NoFit):
         raise DoesNotFit(f"{req.who} does not fit: {choices.reason}")
     page_kib = page_size(req, choices)
+    n = cells.count(req, choices)
+    if n > 1:
+        lay = cells.layout(req, choices, n, page_kib)
+        placed = cells.place(host, cfg, req, choices, ledger, lay, page_kib, grow_pool(cfg, req))
+        if isinstance(placed, NoFit):
+            raise DoesNotFit(f"{req.who} does not fit: {placed.reason}")
+        guest_cells, cpus, reactors, reasons = placed
+        return _assemble(host, cfg, req, choices, guest_cells[0].node, "", page_kib, cpus,
+                         sum(c.hugepages for c in guest_cells), reactors,
+                         guest_cells, dict(lay.disk_cell), reasons)
     failures: list[str] = []
     for node_id, why in candidate_nodes(host, cfg, req, choices, ledger):
         placed = _place_on(host, cfg, req, choices, ledger, node_id, page_kib)
@@ -191,16 +206,26 @@ def _place_on(host, cfg, req, choices, ledger, node_id, page_kib):
 
 
 def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
-              cpus: CpuPlacement, pages: int, reactors) -> Plan:
+              cpus: CpuPlacement, pages: int, reactors, guest_cells=(), disk_cell=None,
+              cell_reasons=()) -> Plan:
     vm = req.intent.vm
-    reasons = [node_why, *cpus.reasons]
+    reasons = [*cell_reasons] if guest_cells else [node_why, *cpus.reasons]
     nodes = {c.node for c in choices if c.node is not None}
-    if len(nodes) > 1:
+    at = {c.id: c.node for c in guest_cells}
+    for c in choices:
+        if guest_cells and c.node is not None and at[disk_cell[c.disk.target]] != c.node:
+            reasons.append(f"{c.disk.target}: {c.node_from} is on node {c.node}, its guest cell "
+                           f"{disk_cell[c.disk.target]} on node {at[disk_cell[c.disk.target]]}: "
+                           "its I/O crosses the interconnect")
+    if len(nodes) > 1 and not guest_cells:
         reasons.append(f"disks sit on nodes {sorted(nodes)}: I/O to the others crosses the interconnect")
     if vm.numa != "none":
-        reasons.append(f"guest memory {vm.numa} on node {node_id}")
+        reasons.append(f"guest memory {vm.numa} on node {node_id}" if not guest_cells else
+                       f"guest memory {vm.numa}, each cell's on its host node")
     if page_kib:
-        reasons.append(f"{pages} x {page_kib} KiB hugepages from node {node_id}'s pool"
+        where = (f" from node {node_id}'s pool" if not guest_cells else
+                 ": " + ", ".join(f"{c.hugepages} from node {c.node}'s pool" for c in guest_cells))
+        reasons.append(f"{pages} x {page_kib} KiB hugepages{where}"
                        + (" (qemu-server raises it at the start)" if req.grows_hugepages else ""))
         if req.vhost_memory == "hugepages" and any(c.mode == "vhost" for c in choices):
             reasons.append("hugepages also share the guest memory with the vhost-user backend "
@@ -208,7 +233,8 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
     elif any(c.mode == "vhost" for c in choices):
         reasons.append(_SHARED.get(req.vhost_memory, f"{req.vhost_memory}-backed shared memory")
                        + ", which vhost-user needs")
-    disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target)) for c in choices)
+    disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target),
+                            disk_cell[c.disk.target] if guest_cells else None) for c in choices)
     viommu = any(d.mode == "passthrough" and d.guest == "spdk" for d in disks)
     if viommu and "q35" not in req.machine:
         raise BadInput(f"{req.who}: guest='spdk' needs a vIOMMU, which needs the q35 "
@@ -220,10 +246,12 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
         cpus=vm.cpus, vcpus=req.vcpus, memory_kib=req.memory_kib,
         vcpu_pins=cpus.vcpu_pins, reserved=cpus.reserved, shared_cpus=cpus.shared,
         emulator=cpus.emulator, hugepage_kib=page_kib, hugepages=pages,
-        viommu=viommu, migratable=vm.migratable, disks=disks, reasons=tuple(reasons))
+        viommu=viommu, migratable=vm.migratable, cells=tuple(guest_cells), disks=disks,
+        reasons=tuple(reasons))
 
 
-def disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor: tuple[int, str] | None) -> DiskPlan:
+def disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor: tuple[int, str] | None,
+              cell: int | None = None) -> DiskPlan:
     """A choice made concrete: every name, path and parameter the host side needs."""
     d = c.disk
     reasons = list(c.reasons)
@@ -242,4 +270,4 @@ def disk_plan(cfg: Config, req: Request, c: DiskChoice, reactor: tuple[int, str]
         controller=c.controller, bind=c.bind, device=c.device, spdk_controller=spdk_ctrl,
         bdev=bdev, reactor=reactor[0] if reactor else None,
         queues=d.queues or min(req.vcpus, 4), readonly=d.readonly,
-        guest=d.guest, attach=attach, reasons=tuple(reasons))
+        guest=d.guest, cell=cell, attach=attach, reasons=tuple(reasons))

@@ -93,7 +93,8 @@ def memory_backing(mb, plan: Plan) -> None:
         hp = etree.Element("hugepages")
         page = etree.SubElement(hp, "page", size=str(plan.hugepage_kib), unit="KiB")
         if plan.numa != "none" and plan.node is not None:
-            page.set("nodeset", "0")    # the guest's NUMA cell 0, placed by numatune
+            # the guest's NUMA cells, each placed by numatune
+            page.set("nodeset", format_cpulist([c.id for c in plan.guest_cells()]))
         _put(mb, hp)
     if _vhost(plan):
         share_memory(mb)
@@ -145,24 +146,27 @@ def cputune(ct, plan: Plan) -> None:
 
 
 def numatune(plan: Plan):
-    """<numatune> binding the guest's memory (and its cell 0) to the plan's
-    node; None when the plan binds none."""
+    """<numatune> binding the guest's memory, and each of its cells, to the
+    plan's host nodes; None when the plan binds none."""
     if plan.numa == "none" or plan.node is None:
         return None
+    cells = plan.guest_cells()
     nt = etree.Element("numatune")
-    etree.SubElement(nt, "memory", mode=plan.numa, nodeset=str(plan.node))
-    etree.SubElement(nt, "memnode", cellid="0", mode=plan.numa, nodeset=str(plan.node))
+    etree.SubElement(nt, "memory", mode=plan.numa, nodeset=format_cpulist({c.node for c in cells}))
+    for c in cells:
+        etree.SubElement(nt, "memnode", cellid=str(c.id), mode=plan.numa, nodeset=str(c.node))
     return nt
 
 
 def numa_cell(plan: Plan):
-    """<numa> with one guest NUMA cell holding all vCPUs and memory;
+    """<numa> with the guest's NUMA cells, their vCPUs (a range each) and memory;
     memAccess='shared' is what lets a vhost-user backend map its memory."""
     numa = etree.Element("numa")
-    cell = etree.SubElement(numa, "cell", id="0", cpus=f"0-{plan.vcpus - 1}",
-                            memory=str(plan.memory_kib), unit="KiB")
-    if _vhost(plan):
-        cell.set("memAccess", "shared")
+    for c in plan.guest_cells():
+        cell = etree.SubElement(numa, "cell", id=str(c.id), cpus=f"{c.vcpus[0]}-{c.vcpus[-1]}",
+                                memory=str(c.memory_kib), unit="KiB")
+        if _vhost(plan):
+            cell.set("memAccess", "shared")
     return numa
 
 
