@@ -20,7 +20,7 @@ from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
 from vstor.meta.names import migration_subnqn
 from vstor.meta.plan import Plan
-from vstor.planner import Request, candidate_nodes, check_request, disk_plan, grow_pool, page_size
+from vstor.planner import Request, candidate_nodes, cellfit, check_request, disk_plan, grow_pool, page_size
 from vstor.planner.disks import NoFit, choose_all
 from vstor.planner.ledger import Ledger
 from vstor.planner.spdk_paths import attach_paths
@@ -57,11 +57,17 @@ def problems(host: Host, cfg: Config, req: Request, plan: Plan, running: Ledger)
     out += _node(host, cfg, req, plan, choices, running)
     if out:
         return out
-    node = host.node(plan.node)
-    out += _cpus(host, cfg, req, plan, node, running)
-    out += _memory(cfg, req, plan, node, choices, running)
-    out += _reactors(cfg, plan, node)
-    return out
+    if plan.cells:
+        page_kib = page_size(req, choices)
+        if plan.hugepage_kib != page_kib:
+            return [f"the plan has {plan.hugepage_kib or 'no'} KiB hugepages, the metadata and "
+                    f"disks ask for {page_kib or 'none'}"]
+        out += cellfit.problems(host, cfg, req, plan, choices, running, page_kib, grow_pool(cfg, req))
+    else:
+        node = host.node(plan.node)
+        out += _cpus(host, cfg, req, plan, node, running)
+        out += _memory(cfg, req, plan, node, choices, running)
+    return out + _reactors(host, cfg, plan)
 
 
 def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
@@ -100,7 +106,7 @@ def _disks(cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]
             c = records.replace(c, attach=attach_paths(cfg, c.disk.source))
         now = disk_plan(cfg, req, c, None)
         for f in records.fields(now):
-            if f.name not in ("reactor", "reasons") and getattr(now, f.name) != getattr(was, f.name):
+            if f.name not in ("reactor", "reasons", "cell") and getattr(now, f.name) != getattr(was, f.name):
                 out.append(f"{was.target}: the plan has {f.name} {_show(getattr(was, f.name))}, "
                            f"the metadata, host and config now give {_show(getattr(now, f.name))}")
         if was.socket and was.socket in running.sockets:
@@ -134,10 +140,10 @@ def _show(value) -> str:
 
 
 def _node(host, cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]:
-    if plan.node is None or host.node(plan.node) is None:
+    if not plan.cells and (plan.node is None or host.node(plan.node) is None):   # cells: cellfit
         return [f"NUMA node {plan.node} is not online on this host"]
     nodes = [n for n, _why in candidate_nodes(host, cfg, req, choices, running)]
-    if plan.node not in nodes:
+    if not plan.cells and plan.node not in nodes:
         return [f"the plan puts the VM on node {plan.node}; the planner's nodes for it are "
                 f"{', '.join(map(str, nodes)) or 'none'}"]
     viommu = any(c.mode == "passthrough" and c.disk.guest == "spdk" for c in choices)
@@ -180,18 +186,21 @@ def _memory(cfg: Config, req: Request, plan: Plan, node, choices, running: Ledge
     if pages != plan.hugepages:
         return [f"the plan has {plan.hugepages} hugepages, the memory needs {pages}"]
     return []
-def _reactors(cfg: Config, plan: Plan, node) -> list[str]:
+def _reactors(host: Host, cfg: Config, plan: Plan) -> list[str]:
+    """Each SPDK disk's reactor among the reactor cores of its cell's node."""
     out = []
     for d in plan.disks:
         if d.backend != "spdk":
             if d.reactor is not None:
                 out.append(f"{d.target}: the plan gives a {d.backend} disk reactor core {d.reactor}")
             continue
+        cell = plan.disk_cell(d)
+        node = host.node(cell.node) if cell.node is not None else None
         found = reactor_candidates(cfg, node, plan.numa == "strict")
         if isinstance(found, NoFit):
             out.append(f"{d.target}: {found.reason}")
         elif d.reactor not in found[0]:
             out.append(f"{d.target}: reactor core {d.reactor} is not one of the SPDK reactor "
-                       f"cores for node {plan.node} ([cpu] reactors: "
+                       f"cores for node {cell.node} ([cpu] reactors: "
                        f"{format_cpulist(cfg.reactors) or 'none'})")
     return out

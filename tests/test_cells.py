@@ -1,0 +1,206 @@
+"""Guests with several NUMA cells (vstor.planner.cells): judged by the host
+model read from sysfs (which node each CPU, controller and hugepage pool is
+on), libvirt's own parser and schema for what is rendered, and the start
+check, on layouts with disks on two and three nodes."""
+
+import random
+
+import pytest
+
+from tests.test_libvirt_accepts import accepted, conn  # noqa: F401  (libvirt's test driver)
+from tests.test_planner import SPDK_CFG, nvme, qsd_file, request
+from vstor.config import Config
+from vstor.errors import BadInput, DoesNotFit
+from vstor.meta.document import Domain
+from vstor.meta.metadata import Metadata, digest
+from vstor.meta.xmlmodel import canonical
+from vstor.planner import fit, plan_domain
+from vstor.planner.ledger import Holding, Ledger
+from vstor.records import replace
+from vstor.render.libvirt import render
+
+CFG3 = Config(reactors=(7, 15, 23))
+
+
+def node_of(host, cpu: int) -> int:
+    return next(n.id for n in host.nodes if cpu in n.cpus)
+
+
+def controller_node(host, address: str) -> int:
+    return next(c.numa_node for c in host.controllers if c.address == address)
+
+
+def check_cells(host, cfg, plan) -> None:
+    """What the host model says must hold of every plan with cells."""
+    assert [c.id for c in plan.cells] == list(range(len(plan.cells)))
+    assert sorted(v for c in plan.cells for v in c.vcpus) == list(range(plan.vcpus))
+    assert sum(c.memory_kib for c in plan.cells) == plan.memory_kib
+    for c in plan.cells:
+        pins = [plan.vcpu_pins[v] for v in c.vcpus] if plan.vcpu_pins else []
+        assert all(node_of(host, p) == c.node for p in pins), (c, pins)
+        if plan.hugepage_kib:
+            assert c.hugepages * plan.hugepage_kib == c.memory_kib
+    for d in plan.disks:
+        cell = plan.disk_cell(d)
+        if d.controller and plan.numa == "strict":
+            assert controller_node(host, d.controller) == cell.node
+        if d.reactor is not None:
+            assert node_of(host, d.reactor) == cell.node
+    assert not set(plan.dedicated_cpus) & set(cfg.reactors)
+
+
+def test_disks_on_two_nodes_give_two_cells_each_on_its_devices_node(host_model):
+    host = host_model("two-socket")
+    req = request(nvme("0000:3b:00.0", backend="spdk") + nvme("0000:5e:00.0", target="vdc", backend="spdk"),
+                  vm="<vstor:vm hugepages='2M'/>", vcpus=6, memory_mib=6144)
+    plan = plan_domain(host, SPDK_CFG, req, Ledger())
+    check_cells(host, SPDK_CFG, plan)
+    assert [(c.node, c.vcpus, c.hugepages) for c in plan.cells] == [(0, (0, 1, 2), 1536), (1, (3, 4, 5), 1536)]
+    assert [(d.target, d.cell, d.reactor) for d in plan.disks] == [("vdb", 0, 2), ("vdc", 1, 18)]
+    assert Holding.from_plan(plan).hugepages == ((0, 2048, 1536), (1, 2048, 1536))
+    assert fit.problems(host, SPDK_CFG, req, plan, Ledger()) == []
+
+
+def test_disks_on_three_nodes_give_three_cells_and_libvirt_takes_the_domain(host_model, conn, tmp_path):  # noqa: F811
+    host = host_model("three-node")
+    disks = (nvme("0000:41:00.0", backend="qsd") + nvme("0000:81:00.0", target="vdc", backend="qsd")
+             + nvme("0000:c1:00.0", target="vdd", backend="qsd"))
+    req = request(disks, vcpus=7, memory_mib=7000)
+    plan = plan_domain(host, CFG3, req, Ledger())
+    check_cells(host, CFG3, plan)
+    assert [len(c.vcpus) for c in plan.cells] == [3, 2, 2]
+    assert [c.node for c in plan.cells] == [0, 1, 2]
+    assert [d.cell for d in plan.disks] == [0, 1, 2]
+    assert Holding.from_plan(plan).memory == tuple((c.node, c.memory_kib) for c in plan.cells)
+    dom = Domain.parse(request_xml(disks, vcpus=7, memory_mib=7000))
+    parsed = accepted(conn, render(dom, plan).to_string(), tmp_path)
+    try:
+        cells = parsed.findall("cpu/numa/cell")
+        assert [(c.get("id"), c.get("cpus")) for c in cells] == [("0", "0-2"), ("1", "3-4"), ("2", "5-6")]
+        assert [(m.get("cellid"), m.get("nodeset")) for m in parsed.findall("numatune/memnode")] == \
+            [("0", "0"), ("1", "1"), ("2", "2")]
+        assert parsed.find("numatune/memory").get("nodeset") == "0-2"
+    finally:
+        conn.lookupByName("vm1").undefine()
+
+
+def request_xml(disks, vm="", name="vm1", vcpus=4, memory_mib=8192, machine="q35") -> str:
+    return (f"<domain type='kvm'><name>{name}</name><memory unit='MiB'>{memory_mib}</memory>"
+            f"<vcpu>{vcpus}</vcpu><metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'>"
+            f"{vm}{disks}</vstor:vstor></metadata><os><type arch='x86_64' machine='{machine}'>hvm</type>"
+            "</os><devices/></domain>")
+
+
+def test_a_number_of_cells_on_a_one_node_host_puts_every_cell_on_that_node(host_model):
+    host = host_model("laptop")
+    files = qsd_file("/var/lib/vstor/images/a.raw") + qsd_file("/var/lib/vstor/images/b.raw", target="vdc", cell="1")
+    req = request(files, vm="<vstor:vm cells='2' cpus='shared'/>", vcpus=2, memory_mib=1024)
+    plan = plan_domain(host, Config(), req, Ledger())
+    assert [(c.node, c.vcpus, c.memory_kib) for c in plan.cells] == [(0, (0,), 524288), (0, (1,), 524288)]
+    assert [d.cell for d in plan.disks] == [0, 1]
+    assert Holding.from_plan(plan).memory == ((0, 1048576),)
+    assert fit.problems(host, Config(), req, plan, Ledger()) == []
+
+
+def test_cells_sharing_a_node_never_share_a_core(host_model):
+    host = host_model("three-node")
+    req = request(qsd_file() + qsd_file("/var/lib/vstor/images/b.raw", target="vdc", cell="3"),
+                  vm="<vstor:vm cells='4' hugepages='2M'/>", vcpus=8, memory_mib=4096)
+    plan = plan_domain(host, CFG3, req, Ledger())
+    check_cells(host, CFG3, plan)
+    assert len(set(plan.dedicated_cpus)) == len(plan.vcpu_pins) + len(plan.reserved)
+    assert sorted({c.node for c in plan.cells}) == [0, 1, 2]     # the freest nodes first, then again
+
+
+@pytest.mark.parametrize("vm, disks, words", [
+    ("<vstor:vm cells='4'/>", "", "3 vCPUs for 4 guest NUMA cells"),
+    ("<vstor:vm cells='2' numa='none' cpus='shared' hugepages='none'/>", "", "numa='none'"),
+    ("<vstor:vm cells='2'/>", nvme("0000:c1:00.0", target="vdd", backend="qsd"),
+     "none of its 2 guest cells is there"),
+    ("", nvme("0000:c1:00.0", target="vdd", backend="qsd", cell="1"), "guest cell 1 cannot be on host node 1 and on node 2"),
+    ("<vstor:vm cells='2'/>", qsd_file("/var/lib/vstor/images/c.raw", target="vdd", cell="2"),
+     "is in guest cell 2; the guest has cells 0-1"),
+])
+def test_cells_that_cannot_be_made_are_bad_input_naming_the_cell(host_model, vm, disks, words):
+    host = host_model("three-node")
+    base = nvme("0000:41:00.0", backend="qsd") + nvme("0000:81:00.0", target="vdc", backend="qsd", cell="1")
+    with pytest.raises(BadInput) as e:
+        plan_domain(host, CFG3, request(base + disks, vm=vm, vcpus=3, memory_mib=3072), Ledger())
+    assert words in str(e.value) and e.value.hint and "\n" not in str(e.value)
+
+
+def test_a_cell_whose_node_is_full_is_refused_naming_the_cell(host_model):
+    host = host_model("three-node")
+    big = request(nvme("0000:81:00.0", backend="qsd", readonly="yes"), name="big", vcpus=12, memory_mib=1024)
+    held = Ledger([Holding.from_plan(plan_domain(host, CFG3, big, Ledger()), active=True)])
+    req = request(nvme("0000:41:00.0", backend="qsd") + nvme("0000:81:00.0", target="vdc", backend="qsd",
+                                                             readonly="yes"), vcpus=4, memory_mib=2048)
+    with pytest.raises(DoesNotFit) as e:
+        plan_domain(host, CFG3, req, held)
+    assert "guest cell 1 (2 vCPUs, 1024 MiB): node 1:" in str(e.value)
+
+
+def test_the_start_check_names_the_cell_whose_cores_another_domain_took(host_model):
+    host = host_model("two-socket")
+    req = request(nvme("0000:3b:00.0", backend="qsd") + nvme("0000:5e:00.0", target="vdc", backend="qsd"))
+    plan = plan_domain(host, SPDK_CFG, req, Ledger())
+    thief = Holding("thief", None, True, 1, frozenset(plan.cells[1] and plan.vcpu_pins[2:3]), (), (), (),
+                    frozenset(), frozenset(), frozenset(), frozenset())
+    out = fit.problems(host, SPDK_CFG, req, plan, Ledger([thief]))
+    assert out and out[0].startswith("guest cell 1: CPUs") and "thief" in out[0]
+
+
+def test_a_one_cell_plan_made_before_cells_still_passes_the_start_check(host_model):
+    """A domain planned before guests had cells keeps its plan: the start
+    check takes a recorded one-node plan as one (re-planning is the
+    operator's call, `vstor apply`)."""
+    host = host_model("two-socket")
+    disks = nvme("0000:3b:00.0", backend="qsd") + nvme("0000:5e:00.0", target="vdc", backend="qsd")
+    req = request(disks, vm="<vstor:vm numa='preferred'/>")
+    assert plan_domain(host, SPDK_CFG, req, Ledger()).cells         # planned today: two cells
+    one = plan_domain(host, SPDK_CFG, request(disks, vm="<vstor:vm numa='preferred' cells='one'/>"), Ledger())
+    old = replace(one, digest=digest(req.intent))                   # as recorded before cells
+    assert not old.cells and fit.problems(host, SPDK_CFG, req, old, Ledger()) == []
+
+
+def test_an_intent_without_cells_keeps_the_digest_plans_were_made_for():
+    """Unset, cells and cell stay out of the canonical form: plans recorded
+    before they existed still match their metadata."""
+    req = request(nvme("0000:3b:00.0"))
+    assert b"cell" not in canonical(Metadata(req.intent.vm, req.intent.disks))
+
+
+def test_spread_guests_mixed_with_one_node_guests_never_share_a_core(host_model):
+    """A placement simulation: random guests, some spread over the nodes of
+    their disks, planned one after another against the ledger of the ones
+    before, until the host is full."""
+    host = host_model("three-node")
+    rng = random.Random(24)
+    addrs = ["0000:41:00.0", "0000:81:00.0", "0000:c1:00.0"]
+    holdings, spread = [], 0
+    for i in range(60):
+        n = rng.choice([1, 1, 2, 3])
+        picked = rng.sample(addrs, n)
+        disks = "".join(nvme(a, target=f"vd{'bcd'[k]}", backend="qsd", readonly="yes")
+                        for k, a in enumerate(picked))
+        vm = rng.choice(["", "<vstor:vm hugepages='2M'/>", "<vstor:vm cpus='shared'/>"])
+        req = request(disks, vm=vm, name=f"g{i}", vcpus=rng.choice([n, 3, 4]), memory_mib=2048)
+        try:
+            plan = plan_domain(host, CFG3, req, Ledger(holdings))
+        except DoesNotFit:
+            continue
+        spread += bool(plan.cells)
+        if plan.cells:
+            check_cells(host, CFG3, plan)
+        holdings.append(Holding.from_plan(plan, active=rng.random() < 0.5))
+    owners: dict[int, str] = {}
+    for h in holdings:
+        for cpu in h.cpus:
+            assert cpu not in owners, f"CPU {cpu} of {h.domain} is {owners[cpu]}'s"
+            owners[cpu] = h.domain
+    assert spread >= 5 and len(holdings) >= 10
+    assert not set(owners) & set(CFG3.reactors)
+    for node in host.nodes:
+        for pool in node.hugepages:
+            promised = sum(c for h in holdings for (n, s, c) in h.hugepages if (n, s) == (node.id, pool.size_kib))
+            assert promised <= pool.free
