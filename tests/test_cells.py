@@ -14,7 +14,7 @@ from vstor.errors import BadInput, DoesNotFit
 from vstor.meta.document import Domain
 from vstor.meta.metadata import Metadata, digest
 from vstor.meta.xmlmodel import canonical
-from vstor.planner import fit, plan_domain
+from vstor.planner import Request, fit, plan_domain
 from vstor.planner.ledger import Holding, Ledger
 from vstor.records import replace
 from vstor.render.libvirt import render
@@ -204,3 +204,34 @@ def test_spread_guests_mixed_with_one_node_guests_never_share_a_core(host_model)
         for pool in node.hugepages:
             promised = sum(c for h in holdings for (n, s, c) in h.hugepages if (n, s) == (node.id, pool.size_kib))
             assert promised <= pool.free
+
+
+def test_a_live_migration_keeps_the_guests_cells_on_a_host_of_other_nodes(host_model):
+    """The destination plans the cells the arriving XML gives the guest
+    (its ABI), on its own nodes: two cells on a one-node host."""
+    disks = (qsd_file("/var/lib/vstor/images/a.raw") +
+             qsd_file("/var/lib/vstor/images/b.raw", target="vdc", cell="1"))
+    vm = "<vstor:vm cells='2' cpus='shared' migratable='yes'/>"
+    dom = Domain.parse(request_xml(disks, vm=vm, vcpus=3, memory_mib=2048))
+    source = render(dom, plan_domain(host_model("two-socket"), SPDK_CFG, Request.from_domain(dom), Ledger()))
+    # the destination's metadata asks for one cell now: the arriving guest keeps its two
+    arriving = Domain.parse(source.to_string().replace("cells=\"2\"", "cells=\"one\""))
+    here = plan_domain(host_model("laptop"), Config(), Request.keeping_cells(arriving), Ledger())
+    assert [(c.node, c.vcpus) for c in here.cells] == [(0, (0, 1)), (0, (2,))]
+    assert [d.cell for d in here.disks] == [0, 1]
+
+
+@pytest.mark.parametrize("cells, words", [
+    ("<cell id='0' cpus='0,2' memory='1048576' unit='KiB'/><cell id='1' cpus='1,3' memory='1048576' unit='KiB'/>",
+     "are not ones vstor gives"),
+    ("<cell id='0' cpus='0-1' memory='1048576' unit='KiB'/><cell id='1' cpus='2-3' memory='1' unit='KiB'/>",
+     "are not ones vstor gives"),
+    ("<cell id='0' cpus='0-1' memory='x' unit='KiB'/>", "is not cpus/memory/unit vstor reads"),
+    ("<cell id='0' cpus='0-1' memory='1' unit='parsecs'/>", "is not cpus/memory/unit vstor reads"),
+])
+def test_arriving_cells_vstor_does_not_give_are_refused(cells, words):
+    xml = request_xml(qsd_file(), vm="<vstor:vm cells='2'/>", vcpus=4, memory_mib=2048).replace(
+        "</os>", f"</os><cpu><numa>{cells}</numa></cpu>")
+    with pytest.raises(BadInput) as e:
+        Request.keeping_cells(Domain.parse(xml))
+    assert words in str(e.value) and "\n" not in str(e.value)

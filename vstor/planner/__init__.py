@@ -11,6 +11,7 @@ from collections import Counter
 from vstor.config import Config, conflicts
 from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import Host
+from vstor.meta import topology
 from vstor.meta.document import Domain
 from vstor.meta.intent import Intent, NvmfSource
 from vstor.meta.metadata import digest
@@ -74,6 +75,18 @@ class Request:
     def from_domain(cls, dom: Domain, imports=()) -> "Request":
         return cls(dom.name, dom.safe_name, dom.uuid, dom.vcpus, dom.memory_kib,
                    dom.machine, dom.intent(), tuple(imports), external_cpus=dom.is_nova())
+
+    @classmethod
+    def keeping_cells(cls, dom: Domain, imports=()) -> "Request":
+        """The domain with the guest cells its XML gives the guest
+        (vstor.meta.topology): what a start checks its plan against, and what
+        a live migration's arriving domain keeps (the guest's ABI); the
+        host nodes under them are this host's to choose."""
+        req = cls.from_domain(dom, imports)
+        fixed = topology.cells(dom.root, dom.vcpus, dom.memory_kib, req.who)
+        if len(fixed) < 2:
+            return replace(req, fixed_cells=fixed)
+        return replace(req, fixed_cells=fixed, fixed_disk_cells=topology.disk_cells(dom.root, len(fixed)))
 
     def disks(self) -> tuple:
         """The intent's disks, imported ones served by SPDK from their namespace."""

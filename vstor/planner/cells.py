@@ -72,36 +72,25 @@ def count(req, choices) -> int:
 
 def layout(req, choices, n: int, page_kib: int | None) -> Layout:
     """Cells, their vCPUs and memory split evenly (the first cells take the
-    remainders), and each disk's cell; BadInput for what cannot be split."""
+    remainders) or as a migration's arriving domain has them, and each
+    disk's cell; BadInput for what cannot be split."""
     if req.fixed_cells:
-        fixed = req.fixed_cells
-        return Layout(tuple(c.vcpus for c in fixed), tuple(c.memory_kib for c in fixed),
-                      req.fixed_disk_cells, (None,) * len(fixed))
-    if req.vcpus < n:
-        raise BadInput(f"{req.who} has {req.vcpus} vCPU{'s' if req.vcpus != 1 else ''} for "
-                       f"{n} guest NUMA cells: each cell needs one", hint=f"give it {n} vCPUs, or cells='one'")
-    unit = page_kib or 1024
-    units, rest = divmod(req.memory_kib, unit)
-    if units < n:
-        raise BadInput(f"{req.who}: {req.memory_kib} KiB cannot be split into {n} cells of "
-                       f"whole {unit} KiB units", hint="give it more memory, or cells='one'")
-    vcpus, memory, at = [], [], 0
-    for i in range(n):
-        k = req.vcpus // n + (i < req.vcpus % n)
-        vcpus.append(tuple(range(at, at + k)))
-        at += k
-        memory.append((units // n + (i < units % n)) * unit + (rest if i == 0 else 0))
+        vcpus = tuple(c.vcpus for c in req.fixed_cells)
+        memory = tuple(c.memory_kib for c in req.fixed_cells)
+        fixed = dict(req.fixed_disk_cells)
+        cell = {c.disk.target: fixed.get(c.disk.target, 0) for c in choices}
+    else:
+        vcpus, memory = _split(req, n, page_kib)
+        cell = {c.disk.target: c.disk.cell for c in choices if c.disk.cell is not None}
     nodes: list[int | None] = [None] * n
-    cell: dict[str, int] = {}
-    strict = req.intent.vm.numa == "strict"
+    strict = req.intent.vm.numa == "strict" and not req.fixed_cells
     for c in choices:
-        k = c.disk.cell
+        k = cell.get(c.disk.target)
         if k is None:
             continue
         if k >= n:
             raise BadInput(f"{req.who}: disk {c.disk.target} is in guest cell {k}; the guest has "
                            f"cells 0-{n - 1}", hint=f"use cell='0'..'{n - 1}', or cells='{k + 1}'")
-        cell[c.disk.target] = k
         if c.node is None:
             continue
         if nodes[k] is None:
@@ -125,6 +114,24 @@ def layout(req, choices, n: int, page_kib: int | None) -> Layout:
         cell[c.disk.target] = k
     disk_cell = tuple((c.disk.target, cell.get(c.disk.target, 0)) for c in choices)
     return Layout(tuple(vcpus), tuple(memory), disk_cell, tuple(nodes))
+
+
+def _split(req, n: int, page_kib: int | None):
+    if req.vcpus < n:
+        raise BadInput(f"{req.who} has {req.vcpus} vCPU{'s' if req.vcpus != 1 else ''} for "
+                       f"{n} guest NUMA cells: each cell needs one", hint=f"give it {n} vCPUs, or cells='one'")
+    unit = page_kib or 1024
+    units, rest = divmod(req.memory_kib, unit)
+    if units < n:
+        raise BadInput(f"{req.who}: {req.memory_kib} KiB cannot be split into {n} cells of "
+                       f"whole {unit} KiB units", hint="give it more memory, or cells='one'")
+    vcpus, memory, at = [], [], 0
+    for i in range(n):
+        k = req.vcpus // n + (i < req.vcpus % n)
+        vcpus.append(tuple(range(at, at + k)))
+        at += k
+        memory.append((units // n + (i < units % n)) * unit + (rest if i == 0 else 0))
+    return vcpus, memory
 
 
 class _Taken:

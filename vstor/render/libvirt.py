@@ -1,9 +1,10 @@
 """Rendering: a plan plus the operator's domain -> concrete libvirt XML.
 
 No decisions here (they are all in the plan).  What vstor renders it owns:
-the disks with the planned targets, the planned hostdevs, and the vIOMMU it
-added; re-rendering first removes those, so rendering a rendered domain with
-the same plan changes nothing.
+the disks with the planned targets, the planned hostdevs, the vIOMMU it
+added and the PCI expander buses of a guest with several cells
+(render/buses.py); re-rendering first removes those, so rendering a
+rendered domain with the same plan changes nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from lxml import etree
 from vstor.meta.document import Domain
 from vstor.meta import metadata
 from vstor.meta.plan import Plan
-from vstor.render import elements
+from vstor.render import buses, elements
 from vstor.render.elements import hostdev_address   # its readers import it from here
 
 # libvirt's own order of <domain> children; new elements go where libvirt
@@ -32,11 +33,13 @@ def render(dom: Domain, plan: Plan, previous: Plan | None = None) -> Domain:
     _drop_owned(root, plan, previous)
     place(root, plan)
     devices = _child(root, "devices")
+    controllers, addresses = buses.layout(plan, "q35" in dom.machine, _next_index(devices))
+    devices.extend(controllers)
     for disk in plan.disks:
         if disk.mode == "vhost":
-            devices.append(elements.vhost_disk(disk))
+            devices.append(_at(elements.vhost_disk(disk), addresses.get(("disk", disk.target))))
     for address in sorted({d.controller for d in plan.disks if d.mode == "passthrough"}):
-        devices.append(elements.hostdev(address))
+        devices.append(_at(elements.hostdev(address), addresses.get(("hostdev", address))))
     if plan.viommu:
         _child(_child(root, "features"), "ioapic").set("driver", "qemu")
         devices.append(elements.iommu())
@@ -79,6 +82,9 @@ def _drop_owned(root, plan: Plan, previous: Plan | None) -> None:
     for hd in devices.findall("hostdev"):
         if hostdev_address(hd) in hostdevs:
             devices.remove(hd)
+    for c in devices.findall("controller"):
+        if buses.own(c):
+            devices.remove(c)
     if previous is not None and previous.viommu or plan.viommu:
         for iommu in devices.findall("iommu"):
             devices.remove(iommu)
@@ -129,6 +135,24 @@ def device_xml(disk) -> str:
     """One planned disk's libvirt device, as `virsh attach-device` takes it."""
     e = elements.vhost_disk(disk) if disk.mode == "vhost" else elements.hostdev(disk.controller)
     return etree.tostring(e, pretty_print=True, encoding="unicode")
+
+
+def _at(device, address):
+    """`device` with its guest PCI address, when the plan places it."""
+    if address is not None:
+        device.append(address)
+    return device
+
+
+def _next_index(devices) -> int:
+    """The first PCI controller index above every one the domain has."""
+    indices = [0]
+    for c in devices.iterfind("controller[@type='pci']"):
+        try:
+            indices.append(int(c.get("index", "0")))
+        except ValueError:
+            continue
+    return max(indices) + 1
 
 
 def _sort_devices(devices) -> None:

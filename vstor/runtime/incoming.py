@@ -34,7 +34,8 @@ def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger, imports=(), 
         if target not in local:
             raise BadInput(f"an import for disk {target}, which is not a local NVMe disk of "
                            f"domain '{dom.name}'")
-    plan = plan_domain(host, rt.cfg, Request.from_domain(dom, imports), ledger.without(dom.name, dom.uuid))
+    req = Request.from_domain(dom, imports) if cold else Request.keeping_cells(dom, imports)
+    plan = plan_domain(host, rt.cfg, req, ledger.without(dom.name, dom.uuid))
     return _placed(dom, plan, cold)
 
 

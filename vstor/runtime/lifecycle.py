@@ -33,8 +33,9 @@ from vstor.runtime.state import INCOMING, PREPARED, Record, StateDir
 
 
 def plan_of(dom: Domain) -> tuple[Request, Plan]:
-    """The recorded plan, and the request it must have been made for."""
-    req = Request.from_domain(dom)
+    """The recorded plan, and the request it must have been made for (with
+    the guest cells the domain's XML has: what will run)."""
+    req = Request.keeping_cells(dom)
     plan = dom.recorded_plan()
     if plan is None:
         raise BadInput(f"domain '{dom.name}' has vstor metadata but no plan",

@@ -1,0 +1,99 @@
+"""Where a guest with several NUMA cells sees each disk: behind a PCI
+expander bus of the disk's cell, whose <node> the guest's firmware reports,
+so the guest's kernel puts the device (and its queues and buffers) on that
+node.  q35: a pcie-expander-bus per cell with a pcie-root-port per device
+and one spare for hot-plug; i440fx: a pci-expander-bus per cell with the
+devices on it.  A guest with one cell keeps its devices where libvirt puts
+them.
+
+Every controller vstor adds carries a user alias (`ua-vstor-...`, which
+libvirt keeps), so a later render or a hot-plug knows its own.  Bus numbers
+are given from 255 down, each expander bus with room for its root ports.
+
+Pure: a plan and the domain's existing controller indices in, elements out.
+"""
+
+from __future__ import annotations
+
+from lxml import etree
+
+from vstor.meta.plan import Plan
+
+ALIAS = "ua-vstor-"
+
+
+def own(e) -> bool:
+    alias = e.find("alias")
+    return alias is not None and (alias.get("name") or "").startswith(ALIAS)
+
+
+def devices_of(plan: Plan) -> list[tuple[int, str, str]]:
+    """(cell, kind, key) of each guest device vstor places: a vhost-user disk
+    by target, a passed-through controller by its host address."""
+    out, seen = [], set()
+    for d in plan.disks:
+        key = d.target if d.mode == "vhost" else d.controller
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((plan.disk_cell(d).id, "disk" if d.mode == "vhost" else "hostdev", key))
+    return out
+
+
+def layout(plan: Plan, q35: bool, first_index: int):
+    """(controllers, {(kind, key): guest <address>}) for a plan with cells;
+    ([], {}) for one with a single cell."""
+    if len(plan.guest_cells()) < 2:
+        return [], {}
+    placed = devices_of(plan)
+    controllers, addresses = [], {}
+    index, bus_nr = first_index, 256
+    for cell in plan.guest_cells():
+        mine = [(kind, key) for c, kind, key in placed if c == cell.id]
+        ports = len(mine) + 1 if q35 else 0
+        bus_nr -= 1 + ports
+        expander = index
+        controllers.append(_controller(expander, "pcie-expander-bus" if q35 else "pci-expander-bus",
+                                       f"cell{cell.id}", bus_nr=bus_nr, node=cell.id))
+        index += 1
+        for slot, device in enumerate(mine + ([(None, "spare")] if q35 else [])):
+            if q35:
+                controllers.append(_controller(index, "pcie-root-port", f"cell{cell.id}-port{slot}",
+                                               plug=(expander, slot)))
+                where = (index, 0)
+                index += 1
+            else:
+                where = (expander, slot)
+            if device[0] is not None:
+                addresses[device] = address(*where)
+    return controllers, addresses
+
+
+def address(bus: int, slot: int):
+    return etree.Element("address", type="pci", domain="0x0000", bus=f"0x{bus:02x}",
+                         slot=f"0x{slot:02x}", function="0x0")
+
+
+def _controller(index: int, model: str, name: str, *, bus_nr=None, node=None, plug=None):
+    c = etree.Element("controller", type="pci", index=str(index), model=model)
+    if bus_nr is not None:
+        target = etree.SubElement(c, "target", busNr=str(bus_nr))
+        etree.SubElement(target, "node").text = str(node)
+    etree.SubElement(c, "alias", name=ALIAS + name)
+    if plug is not None:
+        c.append(address(*plug))
+    return c
+
+
+def free_port(devices, cell: int):
+    """The guest <address> of a spare root port of `cell` no device uses
+    (where a hot-plugged disk goes), or None."""
+    used = {int(a.get("bus", "0"), 0) for a in devices.iterfind("*/address[@type='pci']")}
+    for c in devices.iterfind("controller[@model='pcie-root-port']"):
+        alias = c.find("alias")
+        if alias is None or not (alias.get("name") or "").startswith(f"{ALIAS}cell{cell}-"):
+            continue
+        index = int(c.get("index"))
+        if index not in used:
+            return address(index, 0)
+    return None
