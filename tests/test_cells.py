@@ -15,6 +15,8 @@ from vstor.meta.document import Domain
 from vstor.meta.metadata import Metadata, digest
 from vstor.meta.xmlmodel import canonical
 from vstor.planner import Request, fit, plan_domain
+from vstor.meta.intent import DiskIntent, NvmeSource
+from vstor.planner.hotplug import plan_attach
 from vstor.planner.ledger import Holding, Ledger
 from vstor.records import replace
 from vstor.render.libvirt import render
@@ -235,3 +237,22 @@ def test_arriving_cells_vstor_does_not_give_are_refused(cells, words):
     with pytest.raises(BadInput) as e:
         Request.keeping_cells(Domain.parse(xml))
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_hot_plugged_disk_goes_to_the_cell_of_its_devices_node(host_model):
+    host = host_model("three-node")
+    disks = nvme("0000:41:00.0", backend="qsd") + nvme("0000:c1:00.0", target="vdc", backend="qsd")
+    req = request(disks, vcpus=4, memory_mib=2048)
+    plan = plan_domain(host, CFG3, req, Ledger())
+    assert [c.node for c in plan.cells] == [0, 2]
+    new = plan_attach(host, CFG3, req, plan, DiskIntent(target="vdd", source=NvmeSource("0000:c1:00.0", 1),
+                                                        readonly=True), Ledger())
+    assert new.disk("vdd").cell == 1 and new.cells == plan.cells
+    with pytest.raises(DoesNotFit) as e:        # node 1 has no cell of this guest
+        plan_attach(host, CFG3, req, plan, DiskIntent(target="vdd", source=NvmeSource("0000:81:00.0", 1)),
+                    Ledger())
+    assert "its guest cell 0 is on node 0 (numa='strict')" in str(e.value)
+    with pytest.raises(BadInput) as e:
+        plan_attach(host, CFG3, req, plan, DiskIntent(target="vdd", source=NvmeSource("0000:81:00.0", 1),
+                                                      cell=2), Ledger())
+    assert "names guest cell 2; domain 'vm1' has cells 0-1" in str(e.value)

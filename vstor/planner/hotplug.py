@@ -55,22 +55,37 @@ def plan_attach(host: Host, cfg: Config, req: Request, plan: Plan, disk: DiskInt
         raise DoesNotFit(f"{disk.target} cannot be added to {who}: {choices.reason}")
     (c,) = choices
     reasons = list(c.reasons)
-    if c.node is not None and plan.node is not None and c.node != plan.node:
+    cell = _cell(who, plan, c, disk)
+    if c.node is not None and cell.node is not None and c.node != cell.node:
+        where = f"its guest cell {cell.id} is on node {cell.node}" if plan.cells else \
+            f"the domain runs on node {cell.node}"
         if plan.numa == "strict":
             raise DoesNotFit(f"{disk.target} cannot be added to {who}: {c.node_from} is on node "
-                             f"{c.node} and the domain runs on node {plan.node} (numa='strict')",
+                             f"{c.node} and {where} (numa='strict')",
                              hint="pick a device on its node, or plan it with numa='preferred'")
-        reasons.append(f"{c.node_from} is on node {c.node}, the domain on node {plan.node}: "
-                       "its I/O crosses the interconnect")
+        reasons.append(f"{c.node_from} is on node {c.node}, {where}: its I/O crosses the interconnect")
     _check_live(who, plan, c.mode, c.backend, disk)
     reactor = None
     if c.backend == "spdk":
-        node = host.node(plan.node) if plan.node is not None else None
+        node = host.node(cell.node) if cell.node is not None else None
         reactor = place_reactor(cfg, node, plan.numa == "strict", Counter(ledger.reactor_load))
         if isinstance(reactor, NoFit):
             raise DoesNotFit(f"{disk.target} cannot be added to {who}: {reactor.reason}")
-    added = disk_plan(cfg, req, replace(c, reasons=(*reasons, HOTPLUGGED)), reactor)
+    added = disk_plan(cfg, req, replace(c, reasons=(*reasons, HOTPLUGGED)), reactor,
+                      cell.id if plan.cells else None)
     return replace(plan, digest=digest(with_disk(req.intent, disk)), disks=plan.disks + (added,))
+
+
+def _cell(who: str, plan: Plan, c, disk: DiskIntent):
+    """The guest cell a new disk goes to: the one it names, else the one on
+    its device's node, else the first."""
+    cells = plan.guest_cells()
+    if disk.cell is not None:
+        if disk.cell >= len(cells):
+            raise BadInput(f"{disk.target} names guest cell {disk.cell}; {who} has cells "
+                           f"0-{len(cells) - 1}", hint="name one of them, or leave cell unset")
+        return cells[disk.cell]
+    return next((x for x in cells if c.node is not None and x.node == c.node), cells[0])
 
 
 def plan_detach(req: Request, plan: Plan, target: str) -> Plan:

@@ -131,10 +131,11 @@ def _cpu_numa(root, plan: Plan) -> None:
 
 # -- devices ------------------------------------------------------------------------
 
-def device_xml(disk) -> str:
-    """One planned disk's libvirt device, as `virsh attach-device` takes it."""
+def device_xml(disk, address=None) -> str:
+    """One planned disk's libvirt device, as `virsh attach-device` takes it
+    (at `address`, a guest PCI address, when given)."""
     e = elements.vhost_disk(disk) if disk.mode == "vhost" else elements.hostdev(disk.controller)
-    return etree.tostring(e, pretty_print=True, encoding="unicode")
+    return etree.tostring(_at(e, address), pretty_print=True, encoding="unicode")
 
 
 def _at(device, address):

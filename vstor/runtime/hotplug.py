@@ -28,6 +28,7 @@ from vstor.meta.plan import Plan
 from vstor.planner.hotplug import HOTPLUGGED, plan_attach, plan_detach
 from vstor.planner.ledger import Holding, holding_to_json
 from vstor.records import replace
+from vstor.render import buses
 from vstor.render.libvirt import device_xml
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
@@ -72,7 +73,7 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
         steps = [s for s in actions.build(replace(new, disks=(added,)), rt.cfg)
                  if actions.identity(s) not in have]
         executor.preflight(steps, rt)
-        xml = device_xml(added)
+        xml = device_xml(added, _port(dom, new, added))
         if rt.dry_run:
             for step in steps:
                 say(f"would {step.describe()}")
@@ -108,6 +109,26 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
                                    "or add a pci-bridge while it is stopped") from None
             raise
         return new
+
+
+def _port(dom: Domain, plan: Plan, disk):
+    """Where a disk of a guest with several cells goes: a spare root port
+    behind its cell's expander bus (q35); None: where libvirt puts it."""
+    if not plan.cells:
+        return None
+    cell = plan.disk_cell(disk).id
+    if not _q35(dom):
+        raise DoesNotFit(f"{disk.target} cannot be added to domain '{dom.name}' live: an i440fx "
+                         f"guest hot-plugs on pci.0 only, where the guest would see it on no NUMA node "
+                         f"(its cell {cell}'s devices sit on a pci-expander-bus)",
+                         hint="stop the domain, add the disk to its metadata, vstor apply, start it")
+    port = buses.free_port(dom.root.find("devices"), cell)
+    if port is None:
+        raise DoesNotFit(f"{disk.target} cannot be added to domain '{dom.name}' live: guest cell {cell} "
+                         "has no free PCI port (vstor gives each cell one spare, and it is taken)",
+                         hint="stop the domain, add the disk to its metadata, vstor apply (a new "
+                              "spare), start it")
+    return port
 
 
 def _q35(dom: Domain) -> bool:
