@@ -12,11 +12,12 @@ MAX_VHOST_DISKS = 100000
 
 
 def register(sub) -> None:
-    p = sub.add_parser("nova", help="OpenStack Nova: PCI passthrough config and flavors")
+    p = sub.add_parser("nova", help="OpenStack Nova: PCI passthrough and Placement config, flavors")
     nsub = p.add_subparsers(dest="nova_command", metavar="COMMAND")
     nsub.required = True
-    q = nsub.add_parser("config", help="the [pci] and [compute] part of nova.conf for this host, "
-                                       "or (--flavors) the flavor extra specs")
+    q = nsub.add_parser("config", help="the [pci] and [compute] part of nova.conf for this host "
+                                       "(and Placement's provider config file), or (--flavors) "
+                                       "the flavor extra specs")
     q.add_argument("-o", "--output", metavar="FILE", help="write the nova.conf fragment here")
     q.add_argument("--flavors", action="store_true",
                    help="print `openstack flavor set` commands instead")
