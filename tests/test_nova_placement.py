@@ -203,6 +203,7 @@ def test_flavor_disks_the_scheduler_cannot_count_are_refused(specs, message):
     (["--provider-config", "{d}/vstor.yaml", "-o", "{d}/missing/nova.conf"], "is not a directory"),
     (["--provider-config", "{d}/dir.yaml"], "it is a directory"),
     (["--provider-config", "{d}/vstor.yaml", "--vhost-disks", "0"], "--vhost-disks 0 is not a count"),
+    (["-o", "{d}/nova.conf", "--vhost-disks", "8"], "--vhost-disks is a count in the provider config file"),
     (["--flavors", "--disk-spec", "vstor:disk.vdb.readonly=yes"], "--disk-spec describes a flavor's disks"),
     (["--flavors", "--flavor", "f", "--disk-spec", "hw:cpu_policy=dedicated"], "is not vstor:disk."),
     (["--flavors", "--flavor", "f", "--disk-spec", "vstor:disk.vdb.readonly=yes",

@@ -27,7 +27,7 @@ def register(sub) -> None:
     q.add_argument("--provider-config", metavar="FILE",
                    help="also write Placement's provider config file here (a .yaml in [compute] "
                         "provider_config_location, e.g. /etc/nova/provider_config/vstor.yaml)")
-    q.add_argument("--vhost-disks", metavar="N", type=int, default=VHOST_DISKS,
+    q.add_argument("--vhost-disks", metavar="N", type=int,
                    help=f"the most vhost-user-blk disks each backend serves to Nova instances "
                         f"here, in the provider config file (default {VHOST_DISKS})")
     q.add_argument("--disk-spec", metavar="KEY=VALUE", action="append",
@@ -61,7 +61,10 @@ def cmd_config(ctx, args) -> int:
         return 0
     if args.provider_config or args.output:
         _check_targets(args.provider_config, args.output)
-    if not 1 <= args.vhost_disks <= MAX_VHOST_DISKS:
+    if args.vhost_disks is not None and not args.provider_config:
+        raise BadInput("--vhost-disks is a count in the provider config file",
+                       hint="--provider-config FILE --vhost-disks N")
+    if args.vhost_disks is not None and not 1 <= args.vhost_disks <= MAX_VHOST_DISKS:
         raise BadInput(f"--vhost-disks {args.vhost_disks} is not a count Placement takes here",
                        hint=f"1 to {MAX_VHOST_DISKS}")
     s = nova.setup(ctx.host, ctx.config, ctx.ledger())
@@ -75,7 +78,7 @@ def cmd_config(ctx, args) -> int:
     provider = None
     if args.provider_config:
         from vstor.backends.qsd.export import QsdExport
-        view = placement.view(ctx.host, ctx.config, len(s.offers), vhost_disks=args.vhost_disks,
+        view = placement.view(ctx.host, ctx.config, len(s.offers), vhost_disks=args.vhost_disks or VHOST_DISKS,
                               qsd_installed=os.access(QsdExport.binary, os.X_OK))
         provider = placement.provider_yaml(view, ctx.host.hostname or "this host")
     text = nova.nova_conf(s, ctx.host.hostname or "this host",
