@@ -33,10 +33,10 @@ from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.model import Host, format_cpulist
 from vstor.nova import disks
+from vstor.nova.config import PASSTHROUGH_TRAIT as PASSTHROUGH
 from vstor.records import record
 
 VHOST_DISKS = 64
-PASSTHROUGH = "CUSTOM_VSTOR_PASSTHROUGH"
 NVMF_TRAITS = {"rdma": "CUSTOM_VSTOR_NVMF_RDMA", "tcp": "CUSTOM_VSTOR_NVMF_TCP"}
 
 
@@ -116,8 +116,8 @@ _NAMES = {"qsd": "qemu-storage-daemon", "spdk": "SPDK"}
 
 
 def _nvmf_why_not(host: Host, transport: str) -> str | None:
-    """As the planner decides (vstor.planner.disks._nic_node): RDMA needs an
-    RDMA NIC on the host; TCP needs only SPDK."""
+    """In the planner's words (vstor.planner.disks._nic_node): without an
+    RDMA NIC, SPDK cannot reach an RDMA target; TCP needs only SPDK."""
     if transport == "rdma" and not host.rdma_nics:
         return "this host has no RDMA NIC: SPDK cannot reach an RDMA target from it"
     return None
