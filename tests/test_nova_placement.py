@@ -101,6 +101,14 @@ def test_the_oracle_refuses_what_nova_refuses(tmp_path):
                                            '    traits:\n      additional:\n        - "VSTOR_QSD"\n')
     got = ask({"placement": {"provider_dir": str(tmp_path / "p")}})["placement"]
     assert "only custom traits are allowed" in got["provider_error"]
+    # Nova's translator makes the class and traits, it does not echo them.
+    conf = ('[pci]\nreport_in_placement = True\ndevice_spec = {"address": "0000:5e:00.0", '
+            '"resource_class": "vstor nvme", "traits": "fast,HW_CPU_X86_AVX"}\n')
+    dev = {"address": "0000:5e:00.0", "vendor_id": "8086", "product_id": "0a54",
+           "dev_type": "type-PCI", "numa_node": 1}
+    rp, = ask({"conf": conf, "placement": {"devices": [dev]}})["placement"]["pci_providers"].values()
+    assert set(rp["inventory"]) == {"CUSTOM_VSTOR_NVME"}
+    assert {"CUSTOM_FAST", "HW_CPU_X86_AVX"} <= set(rp["traits"])
 
 
 def test_nova_makes_a_provider_per_controller_that_its_alias_asks_for(tmp_path, capsys, host_layout,

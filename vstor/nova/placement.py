@@ -131,7 +131,9 @@ def provider_yaml(v: ProviderView, source: str) -> str:
     lines = [f"# Written by `vstor nova config --provider-config` from {source}: what vstor",
              "# serves Nova instances on this compute host.  nova-compute reads every *.yaml",
              "# in [compute] provider_config_location when it starts: restart it after a change.",
-             "# The hook still checks every start (what this file cannot say, it refuses then)."]
+             "# The vhost-user-blk disks are served where nova-compute runs vstor's driver",
+             "# (compute_driver = vstor.VstorLibvirtDriver).  The hook still checks every",
+             "# start: what this file cannot say, it refuses then, and Nova reschedules."]
     lines += [f"# not offered: {what}: {why}" for what, why in v.not_offered]
     lines += ["meta:", f"  schema_version: {q('1.0')}"]
     if not (v.inventories or v.traits):
