@@ -2,10 +2,12 @@
 stdin, one JSON answer on stdout.  Everything here is Nova's own code.
 
 request: {"conf": nova.conf text, "extra_specs": {key: value},
-          "device_specs": [dict] (each parsed alone), "aliases": [str] (alias JSON)}
+          "device_specs": [dict] (each parsed alone), "aliases": [str] (alias JSON),
+          "placement": {...} (see placement())}
 answer:  {"whitelist": [spec tags], "aliases": {name: [numa_policy, specs]},
           "dedicated": [cpus], "shared": [cpus], "extra_specs": {key: error or null},
-          "device_specs": [error or null], "alias_error": error or null}"""
+          "device_specs": [error or null], "alias_error": error or null,
+          "placement": {...}}"""
 
 import json
 import os
@@ -61,6 +63,8 @@ def main() -> None:
             out["alias_error"] = None
         except exception.NovaException as e:
             out["alias_error"] = f"{type(e).__name__}: {e}"
+    if "placement" in req:
+        out["placement"] = placement(req["placement"])
     if "guest" in req:
         out["xml"] = guest(req["guest"])
     if "driver" in req:
@@ -74,6 +78,79 @@ def main() -> None:
     if "driver_migration" in req:
         out["driver_migration"] = driver_migration(req["driver_migration"])
     json.dump(out, sys.stdout)
+
+
+def placement(req: dict) -> dict:
+    """What Placement would hold and be asked, as Nova makes both, with the
+    nova.conf already read (req "conf"):
+    - provider_dir: nova-compute's provider config loader on the directory,
+      merged by its resource tracker into a compute node root provider
+      (named req "node", with the COMPUTE_NODE trait and a VCPU inventory):
+      {"provider_config_location", "compute_node": {inventory, traits}} or
+      {"provider_error"};
+    - devices ([{address, vendor_id, product_id, dev_type, numa_node}], as
+      nova-compute's PCI tracker holds them): the providers Nova's PCI
+      placement translator makes of them under [pci] device_spec;
+    - aliases ([alias:count]): the request groups the scheduler asks
+      Placement for with [filter_scheduler] pci_in_placement;
+    - flavor_specs: the unsuffixed group the scheduler asks for a flavor
+      with these extra specs (nova.scheduler.utils.ResourceRequest)."""
+    import uuid
+    import os_traits
+    from nova import objects
+    from nova.compute import pci_placement_translator, provider_config, provider_tree
+    from nova.compute import resource_tracker
+    from nova.pci import request as pci_request, whitelist
+    objects.register_all()
+    out = {}
+    node = req.get("node", "compute-7")
+    tree = provider_tree.ProviderTree()
+    root = str(uuid.uuid4())
+    tree.new_root(node, root)
+    tree.update_traits(root, [os_traits.COMPUTE_NODE])
+    tree.update_inventory(root, {"VCPU": {"total": 8}})
+    if "provider_dir" in req:
+        out["provider_config_location"] = CONF.compute.provider_config_location
+        try:
+            configs = provider_config.get_provider_configs(req["provider_dir"])
+            rt = resource_tracker.ResourceTracker.__new__(resource_tracker.ResourceTracker)
+            rt.absent_providers = set()
+            rt._merge_provider_configs(configs, tree)
+        except (exception.NovaException, ValueError) as e:
+            out["provider_error"] = f"{type(e).__name__}: {e}"
+        data = tree.data(root)
+        out["compute_node"] = {"inventory": data.inventory, "traits": sorted(data.traits)}
+    if "devices" in req:
+        wl = whitelist.Whitelist(CONF.pci.device_spec)
+        view = pci_placement_translator.PlacementView(node, [])
+        for d in req["devices"]:
+            dev = objects.PciDevice(status="available", parent_addr=None, instance_uuid=None,
+                                    extra_info={}, compute_node_id=1, **d)
+            view.process_dev(dev, wl.get_devspec(dev))
+        view.update_provider_tree(tree, {})
+        out["pci_providers"] = {tree.data(u).name: {"inventory": tree.data(u).inventory,
+                                                    "traits": sorted(tree.data(u).traits)}
+                                for u in tree.get_provider_uuids() if u != root}
+    if "aliases" in req:
+        CONF.set_override("pci_in_placement", True, group="filter_scheduler")
+        pci_request.get_alias_from_config.cache_clear()
+        groups = {}
+        for alias in req["aliases"]:
+            spec = objects.RequestSpec(requested_resources=None, pci_requests=objects.InstancePCIRequests(
+                requests=pci_request._translate_alias_to_requests(alias)))
+            spec.generate_request_groups_from_pci_requests()
+            groups[alias] = [[g.resources, sorted(g.required_traits)] for g in spec.requested_resources]
+        out["groups"] = groups
+    if "flavor_specs" in req:
+        from nova.scheduler import utils as scheduler_utils
+        flavor = objects.Flavor(vcpus=2, memory_mb=2048, root_gb=10, ephemeral_gb=0, swap=0,
+                                extra_specs=req["flavor_specs"])
+        spec = objects.RequestSpec(flavor=flavor, image=objects.ImageMeta.from_dict({}),
+                                   is_bfv=False, requested_resources=[],
+                                   pci_requests=objects.InstancePCIRequests(requests=[]))
+        group = scheduler_utils.ResourceRequest.from_request_spec(spec).get_request_group(None)
+        out["unsuffixed"] = {"resources": group.resources, "required": sorted(group.required_traits)}
+    return out
 
 
 def guest(spec: dict) -> str:

@@ -6,20 +6,33 @@ import re
 import sys
 
 from vstor.errors import BadInput
+from vstor.nova.placement import VHOST_DISKS
+
+MAX_VHOST_DISKS = 100000
 
 
 def register(sub) -> None:
-    p = sub.add_parser("nova", help="OpenStack Nova: PCI passthrough config and flavors")
+    p = sub.add_parser("nova", help="OpenStack Nova: PCI passthrough and Placement config, flavors")
     nsub = p.add_subparsers(dest="nova_command", metavar="COMMAND")
     nsub.required = True
-    q = nsub.add_parser("config", help="the [pci] and [compute] part of nova.conf for this host, "
-                                       "or (--flavors) the flavor extra specs")
+    q = nsub.add_parser("config", help="the [pci] and [compute] part of nova.conf for this host "
+                                       "(and Placement's provider config file), or (--flavors) "
+                                       "the flavor extra specs")
     q.add_argument("-o", "--output", metavar="FILE", help="write the nova.conf fragment here")
     q.add_argument("--flavors", action="store_true",
                    help="print `openstack flavor set` commands instead")
     q.add_argument("--flavor", metavar="NAME", help="the flavor to set (default: one per alias, "
                                                     "named after it)")
     q.add_argument("--page-size", choices=("2M", "1G"), help="hw:mem_page_size (default: large)")
+    q.add_argument("--provider-config", metavar="FILE",
+                   help="also write Placement's provider config file here (a .yaml in [compute] "
+                        "provider_config_location, e.g. /etc/nova/provider_config/vstor.yaml)")
+    q.add_argument("--vhost-disks", metavar="N", type=int,
+                   help=f"the most vhost-user-blk disks each backend serves to Nova instances "
+                        f"here, in the provider config file (default {VHOST_DISKS})")
+    q.add_argument("--disk-spec", metavar="KEY=VALUE", action="append",
+                   help="with --flavors: a flavor's vstor:disk.* extra spec (repeat it); prints "
+                        "that flavor with the Placement resources and traits its disks need")
     q.set_defaults(func=cmd_config)
     q = nsub.add_parser("install-driver", help="make vstor's compute driver loadable by Nova "
                                                "(compute_driver = vstor.VstorLibvirtDriver); a wheel "
@@ -36,10 +49,24 @@ def register(sub) -> None:
 
 
 def cmd_config(ctx, args) -> int:
-    from vstor.nova import config as nova
+    import os
+    from vstor.nova import config as nova, placement
     if args.flavor and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,254}", args.flavor):
         raise BadInput(f"--flavor '{args.flavor[:40]}' is not a flavor name vstor will print into a "
                        "command", hint="letters, digits and _.:-")
+    if args.disk_spec:
+        if not (args.flavors and args.flavor):
+            raise BadInput("--disk-spec describes a flavor's disks", hint="--flavors --flavor NAME")
+        print("\n".join(placement.disk_flavor_command(_specs(args.disk_spec), args.flavor)))
+        return 0
+    if args.provider_config or args.output:
+        _check_targets(args.provider_config, args.output)
+    if args.vhost_disks is not None and not args.provider_config:
+        raise BadInput("--vhost-disks is a count in the provider config file",
+                       hint="--provider-config FILE --vhost-disks N")
+    if args.vhost_disks is not None and not 1 <= args.vhost_disks <= MAX_VHOST_DISKS:
+        raise BadInput(f"--vhost-disks {args.vhost_disks} is not a count Placement takes here",
+                       hint=f"1 to {MAX_VHOST_DISKS}")
     s = nova.setup(ctx.host, ctx.config, ctx.ledger())
     if args.flavors:
         if not s.offers:
@@ -48,15 +75,62 @@ def cmd_config(ctx, args) -> int:
         page = {"2M": 2048, "1G": 1048576}.get(args.page_size)
         print("\n".join(nova.flavor_commands(s, args.flavor, page)))
         return 0
-    text = nova.nova_conf(s, ctx.host.hostname or "this host")
+    provider = None
+    if args.provider_config:
+        from vstor.backends.qsd.export import QsdExport
+        view = placement.view(ctx.host, ctx.config, len(s.offers), vhost_disks=args.vhost_disks or VHOST_DISKS,
+                              qsd_installed=os.access(QsdExport.binary, os.X_OK))
+        provider = placement.provider_yaml(view, ctx.host.hostname or "this host")
+    text = nova.nova_conf(s, ctx.host.hostname or "this host",
+                          os.path.dirname(args.provider_config) if provider else None)
+    from vstor.atomic import write_file
+    if provider:
+        write_file(args.provider_config, provider)
+        print(f"Wrote {args.provider_config}: {len(view.inventories)} inventories, "
+              f"{len(view.traits)} traits", file=sys.stderr)
     if args.output:
-        from vstor.atomic import write_file
         write_file(args.output, text)
         print(f"Wrote {args.output}: {len(s.offers)} controllers offered, {len(s.excluded)} not",
               file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _specs(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("vstor:disk."):
+            raise BadInput(f"--disk-spec '{item[:60]}' is not vstor:disk.<...>=VALUE",
+                           hint="like --disk-spec vstor:disk.vdb.file.path=/var/lib/vstor/images/db.raw")
+        if key in out:
+            raise BadInput(f"--disk-spec {key[:60]} is given twice")
+        out[key] = value
+    return out
+
+
+def _check_targets(provider: str | None, output: str | None) -> None:
+    """Before anything is written: a refusal leaves both files as they were."""
+    import os
+    if provider is not None:
+        if not provider.endswith(".yaml"):
+            raise BadInput(f"--provider-config {provider[:80]}: nova-compute loads only *.yaml files",
+                           hint="like /etc/nova/provider_config/vstor.yaml")
+        if not os.path.isabs(provider):
+            raise BadInput(f"--provider-config {provider[:80]} is not an absolute path, and nova.conf "
+                           "names its directory", hint="like /etc/nova/provider_config/vstor.yaml")
+        if output and os.path.abspath(output) == provider:
+            raise BadInput("-o and --provider-config name the same file", hint="two files")
+    for path in (provider, output):
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise BadInput(f"cannot write {path}: {folder} is not a directory this user can write",
+                           hint=f"mkdir -p {folder}, or run as root")
+        if os.path.isdir(path):
+            raise BadInput(f"cannot write {path}: it is a directory", hint="name a file in it")
 
 
 def cmd_install_driver(ctx, args) -> int:

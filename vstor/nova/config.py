@@ -14,6 +14,16 @@ socket) and live_migratable (nova/pci/request.py _ALIAS_SCHEMA); a device
 spec's live_migratable tag is normalised like managed (nova/pci/devspec.py);
 libvirt reports an SR-IOV capable function as a PF, and Nova types it
 type-PF (nova/virt/libvirt/driver.py).
+
+Placement (`[pci] report_in_placement`): Nova makes a resource provider per
+controller with the device spec's `resource_class` and `traits`, normalised
+to CUSTOM_ upper case unless standard (nova/compute/pci_placement_translator.py),
+and cannot turn reporting off again.  With `[filter_scheduler]
+pci_in_placement` (nova-api, scheduler, conductors) an alias asks Placement
+for its own `resource_class` (else CUSTOM_PCI_<vendor>_<product>) and
+`traits`; an alias with a resource_class may leave out vendor_id and
+product_id there, but not without pci_in_placement, so vstor's aliases keep
+them and work either way (the PCI filter ignores both tags).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from vstor.planner.placement import all_housekeeping
 from vstor.records import record
 
 ALIAS_PREFIX = "vstor-nvme"
+PASSTHROUGH_TRAIT = "CUSTOM_VSTOR_PASSTHROUGH"
 PAGE_SIZES = {None: "large", 2048: "2MB", 1048576: "1GB"}
 
 
@@ -53,6 +64,12 @@ class Offer:
     @property
     def numa_policy(self) -> str:
         return "required" if self.node is not None else "legacy"
+
+    @property
+    def resource_class(self) -> str:
+        """One per alias, named after it, already in Nova's normal form:
+        a controller of another alias is never handed out for this one."""
+        return "CUSTOM_" + self.alias.upper().replace("-", "_")
 
 
 @record
@@ -104,7 +121,8 @@ def device_specs(s: NovaSetup) -> list[dict]:
     """One per controller, by address (so a controller of the same model
     that the host uses is never matched)."""
     return [{"address": o.address, "vendor_id": o.vendor_id, "product_id": o.product_id,
-             "live_migratable": "no"} for o in s.offers]
+             "live_migratable": "no", "resource_class": o.resource_class,
+             "traits": PASSTHROUGH_TRAIT} for o in s.offers]
 
 
 def aliases(s: NovaSetup) -> list[dict]:
@@ -114,7 +132,8 @@ def aliases(s: NovaSetup) -> list[dict]:
     for o in s.offers:
         out.setdefault(o.alias, {"name": o.alias, "vendor_id": o.vendor_id,
                                  "product_id": o.product_id, "device_type": o.device_type,
-                                 "numa_policy": o.numa_policy, "live_migratable": "no"})
+                                 "numa_policy": o.numa_policy, "live_migratable": "no",
+                                 "resource_class": o.resource_class, "traits": PASSTHROUGH_TRAIT})
     return list(out.values())
 
 
@@ -136,8 +155,9 @@ def flavor_specs(alias: str, count: int = 1, page_kib: int | None = None,
     return out
 
 
-def nova_conf(s: NovaSetup, source: str) -> str:
-    """A nova.conf fragment (oslo.config: repeated keys make a list)."""
+def nova_conf(s: NovaSetup, source: str, provider_dir: str | None = None) -> str:
+    """A nova.conf fragment (oslo.config: repeated keys make a list);
+    provider_dir: where the provider config file is (vstor.nova.placement)."""
     lines = [f"# Written by `vstor nova config` from {source} (Nova 2025.1 or later: aliases",
              "# with live_migratable).  Merge into nova.conf on this compute host; restart",
              "# nova-compute.  The [pci] alias lines must also be in nova.conf on every",
@@ -145,6 +165,12 @@ def nova_conf(s: NovaSetup, source: str) -> str:
              "", "[pci]"]
     for address, why in s.excluded:
         lines.append(f"# not offered: {address}: {why}")
+    lines += ["# Each controller below becomes a Placement resource provider with its",
+              f"# resource_class and trait {PASSTHROUGH_TRAIT}; Nova cannot turn this off again.",
+              "# Once every compute host reports, set [filter_scheduler] pci_in_placement = True",
+              "# on nova-api, nova-scheduler and every nova-conductor: the aliases then ask",
+              "# Placement for their resource_class and trait.",
+              "report_in_placement = True"]
     lines += [f"device_spec = {json.dumps(spec, separators=(', ', ': '))}" for spec in device_specs(s)]
     lines += [f"alias = {json.dumps(a, separators=(', ', ': '))}" for a in aliases(s)]
     lines += ["", "[compute]"]
@@ -153,6 +179,9 @@ def nova_conf(s: NovaSetup, source: str) -> str:
                      "no instance runs on them")
     lines.append(f"cpu_dedicated_set = {format_cpulist(s.dedicated)}")
     lines.append(f"cpu_shared_set = {format_cpulist(s.shared)}")
+    if provider_dir:
+        lines += ["# vstor's provider config file (vhost-user-blk disks, traits) is in this directory",
+                  f"provider_config_location = {provider_dir}"]
     return "\n".join(lines) + "\n"
 
 
@@ -165,6 +194,7 @@ def flavor_commands(s: NovaSetup, flavor: str | None, page_kib: int | None = Non
         props = " ".join(f"--property {k}={v}" for k, v in specs.items())
         nodes = sorted({o.node for o in s.offers if o.alias == a["name"] and o.node is not None})
         out.append(f"# {a['name']}: {sum(o.alias == a['name'] for o in s.offers)} controller(s)"
-                   + (f" on node(s) {','.join(map(str, nodes))}" if nodes else ""))
+                   + (f" on node(s) {','.join(map(str, nodes))}" if nodes else "")
+                   + f"; Placement: {a['resource_class']} through the alias")
         out.append(f"openstack flavor set {name} {props}")
     return out

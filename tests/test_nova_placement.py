@@ -1,0 +1,235 @@
+"""What Nova's scheduler learns of a vstor host, judged by Nova's own code
+(nova 34.0.0, run by tests/nova/oracle.py): the provider config file
+through nova-compute's loader and resource tracker, the device specs
+through the PCI placement translator, the aliases through the request
+groups the scheduler sends Placement, and the flavor properties through
+Nova's extra-spec validators and its scheduler's resource request."""
+
+import os
+import re
+
+import pytest
+
+from tests.nova import ask
+from vstor.cli.main import main
+from vstor.config import Config
+from vstor.errors import BadInput, VstorError
+
+SPECS = {"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw",
+         "vstor:disk.vdb.project": "0123456789abcdef0123456789abcdef",
+         "vstor:disk.vdc.nvme.controller": "0000:5e:00.0",
+         "vstor:disk.vdc.nvme.namespace": "1",
+         "vstor:disk.vdc.backend": "qsd",
+         "vstor:disk.vdc.readonly": "yes"}
+
+
+def _conf(tmp_path, text=""):
+    path = tmp_path / "vstor.conf"
+    path.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n{text}")
+    return str(path)
+
+
+def _run(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _write(tmp_path, capsys, root, *extra, cfg=""):
+    out = tmp_path / "provider"
+    out.mkdir(exist_ok=True)
+    code, _, err = _run(capsys, "--config", _conf(tmp_path, cfg), "--host-root", root, "nova", "config",
+                        "-o", str(tmp_path / "nova-vstor.conf"),
+                        "--provider-config", str(out / "vstor.yaml"), *extra)
+    assert code == 0, err
+    return (tmp_path / "nova-vstor.conf").read_text(), str(out)
+
+
+def test_nova_compute_loads_the_provider_file_onto_its_compute_node(tmp_path, capsys, host_layout):
+    conf, folder = _write(tmp_path, capsys, host_layout("two-socket"), "--vhost-disks", "12",
+                          cfg="[cpu]\nreactors = 2,18\n")
+    got = ask({"conf": conf, "placement": {"provider_dir": folder}})["placement"]
+    assert "provider_error" not in got, got
+    assert got["provider_config_location"] == folder
+    node = got["compute_node"]
+    assert node["inventory"]["CUSTOM_VSTOR_VHOST_QSD"] == {
+        "total": 12, "reserved": 0, "min_unit": 1, "max_unit": 12, "step_size": 1,
+        "allocation_ratio": 1.0}
+    assert set(node["inventory"]) == {"VCPU", "CUSTOM_VSTOR_VHOST_QSD"}
+    assert set(node["traits"]) == {"COMPUTE_NODE", "OWNER_NOVA", "CUSTOM_VSTOR_QSD",
+                                   "CUSTOM_VSTOR_PASSTHROUGH"}
+    text = open(os.path.join(folder, "vstor.yaml")).read()
+    # SPDK is configured, but vstor's Nova driver cannot serve it: said, not offered.
+    assert re.search(r"# not offered: CUSTOM_VSTOR_VHOST_SPDK: vstor's Nova driver serves "
+                     r"qemu-storage-daemon disks only", text)
+
+
+@pytest.mark.parametrize("layout, traits", [
+    ("two-socket", {"CUSTOM_VSTOR_SPDK", "CUSTOM_VSTOR_NVMF_RDMA", "CUSTOM_VSTOR_NVMF_TCP"}),
+    ("laptop", {"CUSTOM_VSTOR_SPDK", "CUSTOM_VSTOR_NVMF_TCP"}),     # no RDMA NIC
+])
+def test_spdk_and_nvme_of_once_the_driver_serves_them(tmp_path, host_model, layout, traits):
+    """The day vstor's driver serves SPDK disks (NOVA_BACKENDS), the same
+    file carries them, and Nova takes it."""
+    from vstor.nova import placement
+    host = host_model(layout)
+    v = placement.view(host, Config(reactors=(2,)), 0, qsd_installed=False, served=("qsd", "spdk"))
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "vstor.yaml").write_text(placement.provider_yaml(v, host.hostname))
+    got = ask({"placement": {"provider_dir": str(tmp_path / "p")}})["placement"]
+    assert "provider_error" not in got, got
+    assert set(got["compute_node"]["inventory"]) == {"VCPU", "CUSTOM_VSTOR_VHOST_SPDK"}
+    assert set(got["compute_node"]["traits"]) == traits | {"COMPUTE_NODE", "OWNER_NOVA"}
+    assert ("CUSTOM_VSTOR_QSD", "qemu-storage-daemon is not installed (apt-get install "
+            "qemu-system-common)") in v.not_offered
+
+
+def test_a_host_with_nothing_to_offer_writes_a_file_nova_takes(tmp_path, host_model):
+    from vstor.nova import placement
+    v = placement.view(host_model("no-iommu"), Config(), 0, qsd_installed=False)
+    assert v.inventories == () and v.traits == ()
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "vstor.yaml").write_text(placement.provider_yaml(v, "h\nproviders: x"))
+    got = ask({"placement": {"provider_dir": str(tmp_path / "p")}})["placement"]
+    assert "provider_error" not in got and set(got["compute_node"]["inventory"]) == {"VCPU"}
+
+
+def test_the_oracle_refuses_what_nova_refuses(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "x.yaml").write_text('meta:\n  schema_version: "1.0"\nproviders:\n'
+                                           '  - identification:\n      uuid: "$COMPUTE_NODE"\n'
+                                           '    traits:\n      additional:\n        - "VSTOR_QSD"\n')
+    got = ask({"placement": {"provider_dir": str(tmp_path / "p")}})["placement"]
+    assert "only custom traits are allowed" in got["provider_error"]
+    # Nova's translator makes the class and traits, it does not echo them.
+    conf = ('[pci]\nreport_in_placement = True\ndevice_spec = {"address": "0000:5e:00.0", '
+            '"resource_class": "vstor nvme", "traits": "fast,HW_CPU_X86_AVX"}\n')
+    dev = {"address": "0000:5e:00.0", "vendor_id": "8086", "product_id": "0a54",
+           "dev_type": "type-PCI", "numa_node": 1}
+    rp, = ask({"conf": conf, "placement": {"devices": [dev]}})["placement"]["pci_providers"].values()
+    assert set(rp["inventory"]) == {"CUSTOM_VSTOR_NVME"}
+    assert {"CUSTOM_FAST", "HW_CPU_X86_AVX"} <= set(rp["traits"])
+
+
+def test_nova_makes_a_provider_per_controller_that_its_alias_asks_for(tmp_path, capsys, host_layout,
+                                                                     host_model):
+    """report_in_placement: Nova's translator makes the providers from the
+    device specs; pci_in_placement: each alias asks for a resource class and
+    trait that exactly its own controllers' providers have."""
+    from vstor.nova import config as nova
+    from vstor.planner.ledger import Ledger
+    conf, _ = _write(tmp_path, capsys, host_layout("two-socket"))
+    assert re.search(r"^report_in_placement = True$", conf, re.M)
+    s = nova.setup(host_model("two-socket"), Config(), Ledger())
+    devices = [{"address": o.address, "vendor_id": o.vendor_id, "product_id": o.product_id,
+                "dev_type": o.device_type, "numa_node": o.node} for o in s.offers]
+    aliases = [f"{a['name']}:1" for a in nova.aliases(s)]
+    got = ask({"conf": conf, "placement": {"devices": devices, "aliases": aliases}})["placement"]
+    rps = got["pci_providers"]
+    assert set(rps) == {f"compute-7_{o.address.upper()}" for o in s.offers}
+    for alias in aliases:
+        (resources, traits), = got["groups"][alias]
+        (rc, count), = resources.items()
+        served = {name for name, rp in rps.items() if rc in rp["inventory"] and set(traits) <= set(rp["traits"])}
+        mine = {f"compute-7_{o.address.upper()}" for o in s.offers if f"{o.alias}:1" == alias}
+        assert count == 1 and traits == ["CUSTOM_VSTOR_PASSTHROUGH"] and served == mine, alias
+    assert rps["compute-7_0000:61:00.0"]["inventory"] == {
+        "CUSTOM_VSTOR_NVME_144D_A824_PF": {"total": 1, "max_unit": 1}}
+
+
+def test_the_flavor_asks_placement_for_what_the_file_offers(tmp_path, capsys, host_layout):
+    root = host_layout("two-socket")
+    args = [a for k, v in SPECS.items() for a in ("--disk-spec", f"{k}={v}")]
+    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", root, "nova", "config",
+                          "--flavors", "--flavor", "db.fast", *args)
+    assert code == 0, err
+    command, = [line for line in out.splitlines() if line.startswith("openstack flavor set db.fast ")]
+    props = dict(p.split("=", 1) for p in re.findall(r"--property (\S+)", command))
+    assert {k: v for k, v in props.items() if k.startswith("vstor:")} == SPECS
+    assert props["resources:CUSTOM_VSTOR_VHOST_QSD"] == "2"
+    assert props["trait:CUSTOM_VSTOR_QSD"] == "required"
+    conf, folder = _write(tmp_path, capsys, root)
+    got = ask({"conf": conf, "extra_specs": props,
+               "placement": {"provider_dir": folder, "flavor_specs": props}})
+    assert got["extra_specs"] == dict.fromkeys(props)
+    asked, node = got["placement"]["unsuffixed"], got["placement"]["compute_node"]
+    assert asked["resources"]["CUSTOM_VSTOR_VHOST_QSD"] == 2 <= node["inventory"]["CUSTOM_VSTOR_VHOST_QSD"]["total"]
+    assert set(asked["required"]) <= set(node["traits"])
+    bad = ask({"extra_specs": {"resources:CUSTOM_VSTOR_VHOST_QSD": "two",
+                               "trait:CUSTOM_VSTOR_QSD": "wanted"}})
+    assert all(bad["extra_specs"].values())
+
+
+def test_the_passthrough_flavors_ask_through_the_alias(tmp_path, capsys, host_layout):
+    """No resources: property for a passed-through controller: the alias
+    already asks Placement for it, and a second ask would take two."""
+    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+                          "nova", "config", "--flavors")
+    assert code == 0, err
+    assert "resources:" not in out
+    assert "# vstor-nvme-8086-0a54: 3 controller(s) on node(s) 0,1; Placement: " \
+           "CUSTOM_VSTOR_NVME_8086_0A54 through the alias" in out
+
+
+def test_an_spdk_disk_could_never_start_in_a_nova_instance(host_model):
+    """Why the provider file offers no SPDK inventory: the planner refuses
+    such a flavor's disk (vstor.nova.placement.NOVA_BACKENDS)."""
+    from vstor.nova import disks
+    from vstor.planner import Request, plan_domain
+    from vstor.planner.ledger import Ledger
+    specs = {"vstor:disk.vdb.nvme.controller": "0000:60:00.0", "vstor:disk.vdb.nvme.namespace": "1",
+             "vstor:disk.vdb.backend": "spdk", "vstor:disk.vdb.readonly": "yes"}
+    req = Request(name="instance-1", safe_name="instance-1", uuid=None, vcpus=2, memory_kib=2097152,
+                  machine="q35", intent=disks.intent_of(specs), vhost_memory="platform-hugepages",
+                  external_cpus=True)
+    with pytest.raises(BadInput, match="hugepages='none' with an SPDK disk"):
+        plan_domain(host_model("two-socket"), Config(reactors=(2, 18)), req, Ledger())
+
+
+@pytest.mark.parametrize("specs, message", [
+    ({"vstor:disk.vdc.nvme.controller": "0000:5e:00.0", "vstor:disk.vdc.readonly": "yes"},
+     "disk vdc has backend='auto': each host's [vhost] default_backend would choose"),
+    ({"vstor:disk.vdc.nvmf.subnqn": "nqn.2014-08.org.example:a", "vstor:disk.vdc.nvmf.traddr": "10.0.0.1",
+      "vstor:disk.vdc.nvmf.transport": "tcp", "vstor:disk.vdc.readonly": "yes"},
+     "disk vdc would be served by SPDK: vstor's Nova driver serves qemu-storage-daemon disks only"),
+    ({"vstor:disk.vdc.nvme.controller": "0000:5e:00.0", "vstor:disk.vdc.mode": "passthrough",
+      "vstor:disk.vdc.readonly": "yes"},
+     "asks for passthrough"),
+    ({"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw"}, "is writable and names no project"),
+])
+def test_flavor_disks_the_scheduler_cannot_count_are_refused(specs, message):
+    from vstor.nova import placement
+    with pytest.raises(BadInput, match=re.escape(message)):
+        placement.disk_flavor_specs(specs, "db.fast")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--provider-config", "{d}/vstor.yml"], "nova-compute loads only *.yaml files"),
+    (["--provider-config", "vstor.yaml"], "is not an absolute path"),
+    (["--provider-config", "{d}/missing/vstor.yaml"], "is not a directory this user can write"),
+    (["--provider-config", "{d}/nova.conf.yaml", "-o", "{d}/nova.conf.yaml"], "name the same file"),
+    (["--provider-config", "{d}/vstor.yaml", "-o", "{d}/missing/nova.conf"], "is not a directory"),
+    (["--provider-config", "{d}/dir.yaml"], "it is a directory"),
+    (["--provider-config", "{d}/vstor.yaml", "--vhost-disks", "0"], "--vhost-disks 0 is not a count"),
+    (["-o", "{d}/nova.conf", "--vhost-disks", "8"], "--vhost-disks is a count in the provider config file"),
+    (["--flavors", "--disk-spec", "vstor:disk.vdb.readonly=yes"], "--disk-spec describes a flavor's disks"),
+    (["--flavors", "--flavor", "f", "--disk-spec", "hw:cpu_policy=dedicated"], "is not vstor:disk."),
+    (["--flavors", "--flavor", "f", "--disk-spec", "vstor:disk.vdb.readonly=yes",
+      "--disk-spec", "vstor:disk.vdb.readonly=no"], "is given twice"),
+])
+def test_refusals_write_nothing(tmp_path, capsys, host_layout, args, message):
+    d = tmp_path / "out"
+    d.mkdir()
+    (d / "dir.yaml").mkdir()
+    (d / "nova.conf").write_text("# the operator's\n")
+    before = sorted(os.listdir(d))
+    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+                          "nova", "config", *[a.format(d=d) for a in args])
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(os.listdir(d)) == before and (d / "nova.conf").read_text() == "# the operator's\n"
+
+
+def test_the_pure_view_refuses_an_empty_inventory(host_model):
+    from vstor.nova import placement
+    with pytest.raises(VstorError, match="1 or more"):
+        placement.view(host_model("two-socket"), Config(), 1, qsd_installed=True, vhost_disks=0)
