@@ -37,7 +37,8 @@ LAYER = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
 PURE = ("vstor.meta", "vstor.planner", "vstor.render", "vstor.host.model", "vstor.formats",
         "vstor.runtime.actions", "vstor.runtime.kinds", "vstor.backends.qsd.export", "vstor.backends.vfio_record",
-        "vstor.migration.verdict", "vstor.pve.request", "vstor.nova.config", "vstor.nova.instance")
+        "vstor.migration.verdict", "vstor.pve.request", "vstor.nova.config", "vstor.nova.instance",
+        "vstor.nova.placement")
 # What touches the host or a service: process control, sockets, signals, locks,
 # libvirt, SPDK's client, QMP, and vstor's own host-changing modules.
 FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", "ctypes",

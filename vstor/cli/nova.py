@@ -6,7 +6,6 @@ import re
 import sys
 
 from vstor.errors import BadInput
-from vstor.nova.placement import VHOST_DISKS
 
 MAX_VHOST_DISKS = 100000
 
@@ -29,7 +28,7 @@ def register(sub) -> None:
                         "provider_config_location, e.g. /etc/nova/provider_config/vstor.yaml)")
     q.add_argument("--vhost-disks", metavar="N", type=int,
                    help=f"the most vhost-user-blk disks each backend serves to Nova instances "
-                        f"here, in the provider config file (default {VHOST_DISKS})")
+                        "here, in the provider config file (default: [nova] vhost_disks)")
     q.add_argument("--disk-spec", metavar="KEY=VALUE", action="append",
                    help="with --flavors: a flavor's vstor:disk.* extra spec (repeat it); prints "
                         "that flavor with the Placement resources and traits its disks need")
@@ -78,7 +77,7 @@ def cmd_config(ctx, args) -> int:
     provider = None
     if args.provider_config:
         from vstor.backends.qsd.export import QsdExport
-        view = placement.view(ctx.host, ctx.config, len(s.offers), vhost_disks=args.vhost_disks or VHOST_DISKS,
+        view = placement.view(ctx.host, ctx.config, len(s.offers), vhost_disks=args.vhost_disks or ctx.config.nova_vhost_disks,
                               qsd_installed=os.access(QsdExport.binary, os.X_OK))
         provider = placement.provider_yaml(view, ctx.host.hostname or "this host")
     text = nova.nova_conf(s, ctx.host.hostname or "this host",

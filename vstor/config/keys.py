@@ -149,6 +149,11 @@ KEYS: tuple[Key, ...] = (
         "How vstor's Nova driver (nova-compute, as the nova user) runs `vstor nova migrate` "
         "as root: a command prefix, run as argv, never through a shell.",
         attr="nova_migrate_command"),
+    Key("nova", "vhost_disks", Int("", 1, 100000, noun="disk count"), 64,
+        "How many vhost-user-blk disks from qemu-storage-daemon this host offers Nova's "
+        "scheduler (the CUSTOM_VSTOR_VHOST_QSD inventory of `vstor nova config "
+        "--provider-config`); 64 daemons stay on native AIO at the kernel's default "
+        "fs.aio-max-nr.", attr="nova_vhost_disks"),
 )
 
 BY_SECTION: dict[str, dict[str, Key]] = {s: {} for s in SECTIONS}
