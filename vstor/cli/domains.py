@@ -167,7 +167,7 @@ def _define(ctx, dom: Domain, dry_run: bool) -> int:
         virt.define(conn, out.to_string())
     save_pending()      # the other domains' holdings by their XML: the next plan reads them
     print(f"Domain '{plan.domain}' defined: " + ", ".join(
-        f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", node {plan.node}")
+        f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", {where(plan)}")
     return 0
 
 
@@ -189,14 +189,23 @@ def _source_text(src) -> str:
     return f"{src.kind} {src.path}"
 
 
+def where(plan: Plan) -> str:
+    """Where the plan puts the guest: its node, or its cells' nodes."""
+    if not plan.cells:
+        return f"node {plan.node}"
+    return "guest cells " + ", ".join(f"{c.id} on node {c.node}" for c in plan.cells)
+
+
 def format_plan(plan: Plan) -> str:
-    rows = [("DISK", "MODE", "BACKEND", "SOURCE", "ATTACHES AS", "REACTOR")]
+    rows = [("DISK", "MODE", "BACKEND", "SOURCE", "ATTACHES AS", "REACTOR") + (("CELL",) if plan.cells else ())]
     for d in plan.disks:
         attach = d.socket if d.mode == "vhost" else f"hostdev {d.controller}"
         rows.append((d.target, d.mode, d.backend, _source_text(d.source), attach,
-                     "-" if d.reactor is None else str(d.reactor)))
+                     "-" if d.reactor is None else str(d.reactor))
+                    + ((str(plan.disk_cell(d).id),) if plan.cells else ()))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"Domain {plan.domain} on {plan.host}: NUMA node {plan.node}"]
+    head = f"NUMA node {plan.node}" if not plan.cells else where(plan).replace("guest cells", "NUMA cells")
+    lines = [f"Domain {plan.domain} on {plan.host}: {head}"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if plan.vcpu_pins:
         cpus = f"{plan.vcpus} dedicated -> {','.join(map(str, plan.vcpu_pins))}"

@@ -162,8 +162,9 @@ def _apply_planned(ctx, args, node) -> int:
     log.change(plan.domain, f"record the plan in {snippet.plan_path(vmo.intent_path)}", log.DONE)
     if changed:
         log.change(plan.domain, f"write {', '.join(changed)} into {vmo.conf_path}", log.DONE)
+    from vstor.cli.domains import where
     print(f"VM {vmo.vmid}: " + ", ".join(f"{d.target} {d.mode}/{d.backend}" for d in plan.disks)
-          + f", node {plan.node}; " + (f"wrote {', '.join(changed)}" if changed else "config unchanged"))
+          + f", {where(plan)}; " + (f"wrote {', '.join(changed)}" if changed else "config unchanged"))
     if not vmo.conf.get("hookscript"):
         print(f"Set the hookscript, or vstor makes no backends at its start: "
               f"qm set {vmo.vmid} --hookscript {hook}")
