@@ -68,7 +68,7 @@ def make_ledger(host: Host, count: int) -> Ledger:
         ctrl = host.controllers[i % len(host.controllers)].address
         holdings.append(Holding(
             domain=f"vm{i}", uuid=None, active=i % 2 == 0, node=node, cpus=cpus,
-            reactors=(node * 32,), hugepages=(node, 2048, 64), memory=None,
+            reactors=(node * 32,), hugepages=((node, 2048, 64),), memory=(),
             passthrough=frozenset(), spdk_controllers=frozenset({ctrl}),
             volumes=frozenset({(f"file:/var/lib/vstor/images/vm{i}.raw", False),
                                (f"nvme:{ctrl}/{i}", False)}),

@@ -47,7 +47,7 @@ def filler_record(i: int, cfg, images: str):
     cpus = (FIRST_CPU + 2 * pair, FIRST_CPU + 2 * pair + 1) if i % 5 == 0 and pair < DEDICATED else ()
     ident = str(uuid.UUID(int=i + 1))
     held = Holding(domain=name, uuid=ident, active=True, node=0, cpus=frozenset(cpus), reactors=(),
-                   hugepages=None, memory=None, passthrough=frozenset(), spdk_controllers=frozenset(),
+                   hugepages=(), memory=(), passthrough=frozenset(), spdk_controllers=frozenset(),
                    volumes=frozenset((key, False) for e in exports
                                      for key in volume_keys(SimpleNamespace(kind="file", path=e.source))),
                    sockets=frozenset(e.socket_path for e in exports))

@@ -146,7 +146,7 @@ def test_the_start_check_names_the_cell_whose_cores_another_domain_took(host_mod
     host = host_model("two-socket")
     req = request(nvme("0000:3b:00.0", backend="qsd") + nvme("0000:5e:00.0", target="vdc", backend="qsd"))
     plan = plan_domain(host, SPDK_CFG, req, Ledger())
-    thief = Holding("thief", None, True, 1, frozenset(plan.cells[1] and plan.vcpu_pins[2:3]), (), (), (),
+    thief = Holding("thief", None, True, 1, frozenset(plan.vcpu_pins[2:3]), (), (), (),
                     frozenset(), frozenset(), frozenset(), frozenset())
     out = fit.problems(host, SPDK_CFG, req, plan, Ledger([thief]))
     assert out and out[0].startswith("guest cell 1: CPUs") and "thief" in out[0]

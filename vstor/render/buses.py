@@ -9,6 +9,12 @@ them.
 Every controller vstor adds carries a user alias (`ua-vstor-...`, which
 libvirt keeps), so a later render or a hot-plug knows its own.  Bus numbers
 are given from 255 down, each expander bus with room for its root ports.
+Facts measured with libvirt 9.0 and QEMU 7.2 (tests/e2e/test_cells.py): a
+q35 device needs a root port (not the expander bus itself); a parent
+controller needs a lower index than its children; PCI controllers cannot
+be hot-plugged (so the spare is made at define); i440fx's pxb takes no
+hot-plugged device; libvirt places a device without an address on any free
+root port, vstor's spare included (see `first_index`).
 
 Pure: a plan and the domain's existing controller indices in, elements out.
 """
@@ -50,8 +56,11 @@ def layout(plan: Plan, q35: bool, first_index: int):
     index, bus_nr = first_index, 256
     for cell in plan.guest_cells():
         mine = [(kind, key) for c, kind, key in placed if c == cell.id]
-        ports = len(mine) + 1 if q35 else 0
-        bus_nr -= 1 + ports
+        # Bus numbers below it up to the next one's are its hierarchy's: one
+        # per root port on q35; i440fx's pxb holds a bridge QEMU adds (libvirt
+        # 9.0's own busNr leaves one, and a guest with two ports behind one
+        # bus then hangs in its firmware).
+        bus_nr -= 2 + len(mine) if q35 else 2
         expander = index
         controllers.append(_controller(expander, "pcie-expander-bus" if q35 else "pci-expander-bus",
                                        f"cell{cell.id}", bus_nr=bus_nr, node=cell.id))
@@ -67,6 +76,44 @@ def layout(plan: Plan, q35: bool, first_index: int):
             if device[0] is not None:
                 addresses[device] = address(*where)
     return controllers, addresses
+
+
+# Devices that are not on a PCI bus (libvirt gives them no PCI address).
+_NOT_PCI = {"emulator", "serial", "console", "channel", "graphics", "parallel", "smartcard", "tpm",
+            "hub", "redirdev", "audio", "lease", "input", "video", "controller"}
+
+
+def first_index(devices, q35: bool) -> int:
+    """The index of vstor's first controller: above every PCI controller
+    the domain has, and on q35 above as many more as libvirt may add for
+    devices it has yet to address.  libvirt fills a gap of indices with
+    root ports of its own and places an unaddressed device on the first
+    free port, which is then one of those and never a cell's spare."""
+    indices = [0]
+    for c in devices.iterfind("controller[@type='pci']"):
+        try:
+            indices.append(int(c.get("index", "0")))
+        except ValueError:
+            continue
+    if not q35:
+        return max(indices) + 1
+    waiting = sum(1 for e in devices if isinstance(e.tag, str) and e.tag not in _NOT_PCI
+                  and e.find("address") is None and not own(e))
+    # + the USB controller and memory balloon libvirt adds on its own
+    return max(indices) + 1 + waiting + 2
+
+
+def orphans(devices, gone: set[int]) -> None:
+    """Drop the guest address of a device libvirt put on a controller of
+    vstor's that a new render replaces: libvirt addresses it again."""
+    for e in devices:
+        a = e.find("address[@type='pci']") if isinstance(e.tag, str) else None
+        try:
+            on = int(a.get("bus", "0"), 0) if a is not None else None
+        except ValueError:
+            continue
+        if on in gone and not own(e):
+            e.remove(a)
 
 
 def address(bus: int, slot: int):

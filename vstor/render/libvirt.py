@@ -33,7 +33,8 @@ def render(dom: Domain, plan: Plan, previous: Plan | None = None) -> Domain:
     _drop_owned(root, plan, previous)
     place(root, plan)
     devices = _child(root, "devices")
-    controllers, addresses = buses.layout(plan, "q35" in dom.machine, _next_index(devices))
+    q35 = "q35" in dom.machine
+    controllers, addresses = buses.layout(plan, q35, buses.first_index(devices, q35))
     devices.extend(controllers)
     for disk in plan.disks:
         if disk.mode == "vhost":
@@ -82,9 +83,12 @@ def _drop_owned(root, plan: Plan, previous: Plan | None) -> None:
     for hd in devices.findall("hostdev"):
         if hostdev_address(hd) in hostdevs:
             devices.remove(hd)
+    gone = set()
     for c in devices.findall("controller"):
         if buses.own(c):
+            gone.add(int(c.get("index", "-1")) if (c.get("index") or "").isdigit() else -1)
             devices.remove(c)
+    buses.orphans(devices, gone)
     if previous is not None and previous.viommu or plan.viommu:
         for iommu in devices.findall("iommu"):
             devices.remove(iommu)
@@ -143,17 +147,6 @@ def _at(device, address):
     if address is not None:
         device.append(address)
     return device
-
-
-def _next_index(devices) -> int:
-    """The first PCI controller index above every one the domain has."""
-    indices = [0]
-    for c in devices.iterfind("controller[@type='pci']"):
-        try:
-            indices.append(int(c.get("index", "0")))
-        except ValueError:
-            continue
-    return max(indices) + 1
 
 
 def _sort_devices(devices) -> None:
