@@ -21,7 +21,9 @@ import uuid
 from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
+import libvirt
 import pytest
+from lxml import etree
 
 from .guest import Guest, expected_pattern, job, label_disk, parse_console
 from .libvirtd import read_console, wait_shutoff
@@ -85,13 +87,23 @@ def _stop(pid: int, timeout: float = 10) -> None:
         time.sleep(0.1)
 
 
+def vhost_disk_xml(sock: Path, dev: str, bus: int, slot: int) -> str:
+    return f"""<disk type='vhostuser' device='disk'>
+      <driver name='qemu' type='raw' queues='1'/>
+      <source type='unix' path={quoteattr(str(sock))}><reconnect enabled='yes' timeout='10'/></source>
+      <target dev='{dev}' bus='virtio'/>
+      <address type='pci' bus='{bus}' slot='{slot}' function='0'/>
+    </disk>"""
+
+
 def cells_domain_xml(name: str, guest: Guest, cmdline_job: str, machine: str,
-                     cells: tuple[tuple[int, ...], ...], disks: list[tuple[Path, int]],
+                     cells: tuple[tuple[int, ...], ...], disks: list[tuple[Path | None, int]],
                      console: Path) -> str:
     """A TCG domain with one guest cell per entry of `cells` (its vCPUs, all
     memory bound to host node 0) and a vhost-user-blk disk per (socket, cell)
     of `disks`, behind an expander bus of that cell: on q35 a
-    pcie-expander-bus with a pcie-root-port per disk, on pc a
+    pcie-expander-bus with a pcie-root-port per disk (socket None: the port
+    alone, alias ua-vstor-portN, for a disk hot-plugged later), on pc a
     pci-expander-bus with the disks in its slots.  Controller indices follow
     pcie-root/pci-root (0) without gaps (libvirt fills a gap with controllers
     of its own), each parent before its children (QEMU: "Bus ... not found").
@@ -122,12 +134,8 @@ def cells_domain_xml(name: str, guest: Guest, cmdline_job: str, machine: str,
                                f"<alias name='ua-vstor-port{n}'/>"
                                f"<address type='pci' bus='{bus}' slot='{slot}' function='0'/></controller>")
             bus, slot = len(controllers), 0
-        disk_xml.append(f"""<disk type='vhostuser' device='disk'>
-      <driver name='qemu' type='raw' queues='1'/>
-      <source type='unix' path={quoteattr(str(sock))}><reconnect enabled='yes' timeout='10'/></source>
-      <target dev='vd{chr(ord('a') + n)}' bus='virtio'/>
-      <address type='pci' bus='{bus}' slot='{slot}' function='0'/>
-    </disk>""")
+        if sock is not None:
+            disk_xml.append(vhost_disk_xml(sock, f"vd{chr(ord('a') + n)}", bus, slot))
     cmdline = f"console=ttyS0 panic=-1 quiet printk.devkmsg=on {cmdline_job}"
     return f"""<domain type='qemu'>
   <name>{escape(name)}</name>
@@ -177,44 +185,78 @@ def domain(libvirt_conn):
         dom.undefine()
 
 
+def labelled_exports(exports, cells: tuple[int, ...]) -> tuple[list[str], list[Path], list[Path]]:
+    """One export per entry of `cells` (the cell its disk goes to): labels, files, sockets."""
+    tag = uuid.uuid4().hex[:8]
+    labels = [f"disk{n}-cell{cell}-{tag}" for n, cell in enumerate(cells)]
+    files, socks = zip(*(exports(n, label) for n, label in enumerate(labels)))
+    return labels, list(files), list(socks)
+
+
+def check_guest(log: str, labels: list[str], disk_cells: tuple[int, ...], files: list[Path],
+                seed: int) -> dict:
+    """The topology job's report and the backing files, judged: each label
+    (each backing file) seen through a PCI device on its disk's cell, each
+    cell with its CPUs, the pattern written and read through every disk and
+    found in every file."""
+    result = parse_console(log)
+    assert result["done"] and not result["fail"], log[-3000:]
+    # Guests name disks in probe order: the label read through a device says
+    # which backing file it is, the guest kernel's numa_node where it sits.
+    seen = sorted((d["label"], d["numa_node"]) for d in result["disks"].values())
+    assert seen == sorted(zip(labels, disk_cells)), result["disks"]
+    assert result["nodes"] == {i: set(cpus) for i, cpus in enumerate(CELLS)}
+    want = hashlib.sha256(expected_pattern(seed, SIZE)).hexdigest()
+    assert {dev: (io.get("wrote"), io.get("read")) for dev, io in result["devices"].items()} \
+        == {dev: (want, want) for dev in result["disks"]}
+    for disk, label in zip(files, labels):
+        with open(disk, "rb") as f:
+            assert f.read(SIZE) == expected_pattern(seed, SIZE), f"{disk} lacks the guest's data"
+            assert f.read(512).split(b"\n")[0] == label.encode(), f"{disk}: label block overwritten"
+    return result
+
+
 @pytest.mark.parametrize("machine", ["q35", "pc"])
 def test_each_disk_is_on_its_cell_in_the_guest(machine, guest_image, exports, domain,
                                                workdir, request):
-    tag = uuid.uuid4().hex[:8]
-    labels = [f"disk{n}-cell{cell}-{tag}" for n, cell in enumerate(DISK_CELLS)]
-    files, disks = [], []
-    for n, cell in enumerate(DISK_CELLS):
-        disk, sock = exports(n, labels[n])
-        files.append(disk)
-        disks.append((sock, cell))
+    labels, files, socks = labelled_exports(exports, DISK_CELLS)
     seed = int.from_bytes(os.urandom(3), "big")
     console = workdir / "console.log"
-    devs = ",".join(f"vd{chr(ord('a') + n)}" for n in range(len(disks)))
-    dom = domain(cells_domain_xml(f"vstor-cells-{machine}-{tag}", guest_image,
+    devs = ",".join(f"vd{chr(ord('a') + n)}" for n in range(len(socks)))
+    dom = domain(cells_domain_xml(f"vstor-cells-{machine}-{uuid.uuid4().hex[:8]}", guest_image,
                                   job("write-verify", dev=devs, seed=seed, size=SIZE, topology=True),
-                                  machine, CELLS, disks, console))
+                                  machine, CELLS, list(zip(socks, DISK_CELLS)), console))
 
     started = time.monotonic()
     dom.create()
     wait_shutoff(dom, timeout=120)   # a guest whose firmware hangs on its buses never shuts off
     elapsed = time.monotonic() - started
     request.node.user_properties.append(("boot_and_io_seconds", round(elapsed, 1)))
-    log = read_console(console)
-    result = parse_console(log)
-    assert result["done"] and not result["fail"], log[-3000:]
-
-    # Each backing file's label names the cell its disk was put on; the guest
-    # kernel's numa_node of the PCI device it read that label through is the judge.
-    seen = sorted((d["label"], d["numa_node"]) for d in result["disks"].values())
-    assert seen == sorted(zip(labels, DISK_CELLS)), result["disks"]
-    assert result["nodes"] == {i: set(cpus) for i, cpus in enumerate(CELLS)}
-
-    want = hashlib.sha256(expected_pattern(seed, SIZE)).hexdigest()
-    assert {dev: (io.get("wrote"), io.get("read")) for dev, io in result["devices"].items()} \
-        == {dev: (want, want) for dev in devs.split(",")}
-    for disk, label in zip(files, labels):
-        with open(disk, "rb") as f:
-            assert f.read(SIZE) == expected_pattern(seed, SIZE), f"{disk} lacks the guest's data"
-            assert f.read(512).split(b"\n")[0] == label.encode(), f"{disk}: label block overwritten"
+    result = check_guest(read_console(console), labels, DISK_CELLS, files, seed)
     print(f"{machine}: start to shut off {elapsed:.1f}s, guest uptime {result['done_uptime']}s,"
           f" disks {result['disks']}, nodes {result['nodes']}")
+
+
+def test_a_hotplugged_disk_lands_on_its_cell(guest_image, exports, domain, workdir, libvirt_conn):
+    """q35 only: a pc expander bus takes no hot-plug ("Bus ... does not
+    support hotplugging"), and PCI controllers cannot be hot-plugged, so the
+    cell's root port is there from the start."""
+    disk_cells = (0, 1)
+    labels, files, socks = labelled_exports(exports, disk_cells)
+    seed = int.from_bytes(os.urandom(3), "big")
+    console = workdir / "console.log"
+    dom = domain(cells_domain_xml(f"vstor-cells-plug-{uuid.uuid4().hex[:8]}", guest_image,
+                                  job("write-verify", dev="vda,vdb", seed=seed, size=SIZE, topology=True),
+                                  "q35", CELLS, [(socks[0], 0), (None, 1)], console))
+    dom.create()
+    deadline = time.monotonic() + 60
+    while "READY dev=vda" not in read_console(console):   # booted, waiting for vdb
+        assert time.monotonic() < deadline and dom.isActive(), read_console(console)[-3000:]
+        time.sleep(0.2)
+    (port,) = [c for c in etree.fromstring(dom.XMLDesc(0)).iterfind("devices/controller")
+               if c.find("alias") is not None and c.find("alias").get("name") == "ua-vstor-port1"]
+    dom.attachDeviceFlags(vhost_disk_xml(socks[1], "vdb", int(port.get("index")), 0),
+                          libvirt.VIR_DOMAIN_AFFECT_LIVE)
+    wait_shutoff(dom, timeout=120)
+    result = check_guest(read_console(console), labels, disk_cells, files, seed)
+    print(f"hot-plug: disks {result['disks']}")
