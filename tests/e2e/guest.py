@@ -130,12 +130,19 @@ for dev in $devs; do
     [ "$have" -ge "$size" ] || fail "/dev/$dev has $have bytes, job needs $size"
     say "READY dev=$dev"
 done
-# topo: the disk's PCI device is the parent of its virtio device.
+# topo: the disk's PCI device is the first directory named like a PCI
+# address up from its block device's (virtio: virtioN's parent; NVMe: the
+# parent of nvme/nvmeN, which has a numa_node of its own).
 if [ "$topo" = 1 ]; then
+    X=[0-9a-f]
     for dev in $devs; do
-        pci=$(readlink -f /sys/block/$dev/device/..)
+        pci=$(readlink -f /sys/block/$dev/device)
+        while [ "$pci" != /sys ]; do
+            case ${pci##*/} in $X$X$X$X:$X$X:$X$X.[0-7]) break ;; esac
+            pci=${pci%/*}
+        done
         label=$(dd if=/dev/$dev bs=512 skip=$((size / 512)) count=1 2>/dev/null | head -n 1 | tr -cd 'A-Za-z0-9._-')
-        say "DISK dev=$dev pci=${pci##*/} numa_node=$(cat $pci/numa_node) label=${label:-none}"
+        say "DISK dev=$dev pci=${pci##*/} numa_node=$(cat $pci/numa_node 2>/dev/null || echo none) label=${label:-none}"
     done
     for node in /sys/devices/system/node/node[0-9]*; do
         say "NODE node=${node##*/node} cpus=$(cat $node/cpulist)"
@@ -382,7 +389,7 @@ def parse_console(text: str) -> dict:
     """The guest's markers from a console log: {'done', 'fail', 'wrote', 'read'
     (checksums of the first device), 'devices': {dev: {'wrote', 'read'}},
     'ready': [dev...], 'start_uptime', 'done_uptime', 'markers': [lines],
-    'disks': {dev: {'pci', 'numa_node' (int), 'label'}}, 'nodes': {node:
+    'disks': {dev: {'pci', 'numa_node' (int; None: no PCI device found), 'label'}}, 'nodes': {node:
     {cpu...}}} (the last two from a topology job)."""
     out = {"done": False, "fail": None, "wrote": None, "read": None,
            "devices": {}, "ready": [], "start_uptime": None, "done_uptime": None,
@@ -405,8 +412,9 @@ def parse_console(text: str) -> dict:
         elif word == "READY":
             out["ready"].append(fields.get("dev"))
         elif word == "DISK":
+            node = fields.get("numa_node", "none")
             out["disks"][fields.get("dev")] = {"pci": fields.get("pci"), "label": fields.get("label"),
-                                               "numa_node": int(fields.get("numa_node", "-1"))}
+                                               "numa_node": int(node) if node.lstrip("-").isdigit() else None}
         elif word == "NODE":
             out["nodes"][int(fields["node"])] = cpulist(fields.get("cpus", ""))
         elif word in ("wrote", "read"):
