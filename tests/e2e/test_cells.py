@@ -1,8 +1,9 @@
-"""A guest with two NUMA cells and one vhost-user-blk disk per cell, each disk
+"""A guest with two NUMA cells and vhost-user-blk disks on both, each disk
 behind a PCI expander bus of its cell (real libvirtd, QEMU under TCG and
 qemu-storage-daemon): the guest kernel must see each disk's PCI device on
 that disk's node and each node with its CPUs, and the data it writes through
-both disks must land in their backing files.
+every disk must land in its backing file; on q35 a disk hot-plugged onto a
+spare root port of a cell lands on that cell too.
 
 The host has one NUMA node: both cells are backed by host node 0 here; what
 is checked is the guest's view.  The domain XML comes from cells_domain_xml()
