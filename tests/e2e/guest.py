@@ -5,7 +5,7 @@ The guest reads its job from the kernel command line, so one initramfs serves
 every test (see `job()`):
 
     vstor.job=write-verify|verify|read|script  vstor.dev=vda[,vdb]  vstor.seed=0..2**31-1
-    vstor.size=BYTES  vstor.timeout=SECONDS  vstor.hold=SECONDS
+    vstor.size=BYTES  vstor.timeout=SECONDS  vstor.hold=SECONDS  vstor.topo=0|1
 
 It waits for each /dev/<dev> to be a block device, holds for `hold` seconds
 (time for a test to act on the running domain), then per device:
@@ -15,6 +15,8 @@ checksum of the first `size` bytes.  Markers on the serial console, one per line
 
     VSTOR-GUEST: START uptime=S
     VSTOR-GUEST: READY dev=vda
+    VSTOR-GUEST: DISK dev=vda pci=0000:ff:00.0 numa_node=0 label=L   (with vstor.topo=1)
+    VSTOR-GUEST: NODE node=0 cpus=0-1                                 (with vstor.topo=1)
     VSTOR-GUEST: HOLD seconds=N
     VSTOR-GUEST: wrote sha256=HEX dev=vda
     VSTOR-GUEST: read sha256=HEX dev=vda
@@ -22,6 +24,12 @@ checksum of the first `size` bytes.  Markers on the serial console, one per line
     VSTOR-GUEST: DONE uptime=S        or    VSTOR-GUEST: FAIL reason
 
 then it powers off.
+
+vstor.topo=1 (job(topology=True)) reports, once every device is there, where
+each disk's PCI device is (the guest kernel's numa_node for it, -1: none) and
+the label the host put in the block just after the job's region (see
+label_disk(): guests name disks in probe order, so only the label tells which
+backing file a vdX is), then each guest node's CPUs.
 
 vstor.job=script (see script_job()) runs the sh script the host put on the
 disk and reports what it printed (`OUT line`, then `SCRIPT rc=N`).
@@ -94,7 +102,7 @@ for m in @MODULES@; do
     insmod /lib/modules/$m.ko 2>/tmp/err || fail "insmod $m: $(cat /tmp/err)"
 done
 
-job= seed=0 size=1048576 devs=vda timeout=60 hold=0 unplug= linger=0
+job= seed=0 size=1048576 devs=vda timeout=60 hold=0 unplug= linger=0 topo=0
 for arg in $(cat /proc/cmdline); do
     case $arg in
     vstor.job=*) job=${arg#*=} ;;
@@ -105,6 +113,7 @@ for arg in $(cat /proc/cmdline); do
     vstor.hold=*) hold=${arg#*=} ;;
     vstor.unplug=*) unplug=${arg#*=} ;;
     vstor.linger=*) linger=${arg#*=} ;;
+    vstor.topo=*) topo=${arg#*=} ;;
     esac
 done
 case $job in write-verify|verify|read|loop|script) ;; *) fail "unknown job '$job'" ;; esac
@@ -121,6 +130,24 @@ for dev in $devs; do
     [ "$have" -ge "$size" ] || fail "/dev/$dev has $have bytes, job needs $size"
     say "READY dev=$dev"
 done
+# topo: the disk's PCI device is the first directory named like a PCI
+# address up from its block device's (virtio: virtioN's parent; NVMe: the
+# parent of nvme/nvmeN, which has a numa_node of its own).
+if [ "$topo" = 1 ]; then
+    X=[0-9a-f]
+    for dev in $devs; do
+        pci=$(readlink -f /sys/block/$dev/device)
+        while [ "$pci" != /sys ]; do
+            case ${pci##*/} in $X$X$X$X:$X$X:$X$X.[0-7]) break ;; esac
+            pci=${pci%/*}
+        done
+        label=$(dd if=/dev/$dev bs=512 skip=$((size / 512)) count=1 2>/dev/null | head -n 1 | tr -cd 'A-Za-z0-9._-')
+        say "DISK dev=$dev pci=${pci##*/} numa_node=$(cat $pci/numa_node 2>/dev/null || echo none) label=${label:-none}"
+    done
+    for node in /sys/devices/system/node/node[0-9]*; do
+        say "NODE node=${node##*/node} cpus=$(cat $node/cpulist)"
+    done
+fi
 if [ "$hold" -gt 0 ]; then say "HOLD seconds=$hold"; sleep $hold; fi
 
 # loop: write 512-byte records "vstor seed=S n=N" (space-padded, newline-ended)
@@ -236,15 +263,44 @@ def expected_pattern(seed: int, size: int) -> bytes:
 
 
 def job(kind: str, dev: str = "vda", seed: int = 1234, size: int = 1 << 20,
-        timeout: int = 60, hold: int = 0, unplug: str = "") -> str:
+        timeout: int = 60, hold: int = 0, unplug: str = "", topology: bool = False) -> str:
     """The kernel command line words for one guest job; `dev` may list several
     devices separated by commas (each waited for: one may be hot-plugged);
-    `unplug`: a device the job then waits to see go (AWAIT-UNPLUG, GONE)."""
+    `unplug`: a device the job then waits to see go (AWAIT-UNPLUG, GONE);
+    `topology`: report DISK and NODE lines (see parse_console()), each disk's
+    label read from the block at byte `size` (see label_disk())."""
     if kind not in ("write-verify", "verify", "read"):
         raise ValueError(f"unknown guest job {kind!r}")
     expected_pattern(seed, 0)   # validates the seed
+    if topology and size % 512:
+        raise ValueError("with topology, size must be a multiple of 512 (the label block follows it)")
     return (f"vstor.job={kind} vstor.dev={dev} vstor.seed={seed} vstor.size={size}"
-            f" vstor.timeout={timeout} vstor.hold={hold}" + (f" vstor.unplug={unplug} vstor.linger=20" if unplug else ""))
+            f" vstor.timeout={timeout} vstor.hold={hold}"
+            + (f" vstor.unplug={unplug} vstor.linger=20" if unplug else "")
+            + (" vstor.topo=1" if topology else ""))
+
+
+def label_disk(path: str | os.PathLike, size: int, label: str) -> None:
+    """Write `label` into the block at byte `size` of the disk file `path`, where
+    a topology job (job(topology=True)) reads it back as its DISK line's label."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", label) or size % 512:
+        raise ValueError("a label is 1-64 of A-Za-z0-9._- at a multiple of 512 bytes")
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, (label + "\n").encode().ljust(512, b"\n"), size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def cpulist(text: str) -> set[int]:
+    """A kernel cpulist ('0-3,8') as a set of CPU numbers."""
+    out: set[int] = set()
+    for part in text.split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def loop_job(dev: str = "vda", seed: int = 1234, size: int = 32 << 10, timeout: int = 300) -> str:
@@ -332,10 +388,12 @@ def parse_loop(text: str) -> dict:
 def parse_console(text: str) -> dict:
     """The guest's markers from a console log: {'done', 'fail', 'wrote', 'read'
     (checksums of the first device), 'devices': {dev: {'wrote', 'read'}},
-    'ready': [dev...], 'start_uptime', 'done_uptime', 'markers': [lines]}."""
+    'ready': [dev...], 'start_uptime', 'done_uptime', 'markers': [lines],
+    'disks': {dev: {'pci', 'numa_node' (int; None: no PCI device found), 'label'}}, 'nodes': {node:
+    {cpu...}}} (the last two from a topology job)."""
     out = {"done": False, "fail": None, "wrote": None, "read": None,
            "devices": {}, "ready": [], "start_uptime": None, "done_uptime": None,
-           "markers": []}
+           "markers": [], "disks": {}, "nodes": {}}
     for line in text.splitlines():
         at = line.find(MARKER)
         if at < 0:
@@ -353,6 +411,12 @@ def parse_console(text: str) -> dict:
             out["start_uptime"] = float(fields.get("uptime", "nan"))
         elif word == "READY":
             out["ready"].append(fields.get("dev"))
+        elif word == "DISK":
+            node = fields.get("numa_node", "none")
+            out["disks"][fields.get("dev")] = {"pci": fields.get("pci"), "label": fields.get("label"),
+                                               "numa_node": int(node) if node.lstrip("-").isdigit() else None}
+        elif word == "NODE":
+            out["nodes"][int(fields["node"])] = cpulist(fields.get("cpus", ""))
         elif word in ("wrote", "read"):
             dev = fields.get("dev")
             out["devices"].setdefault(dev, {})[word] = fields.get("sha256")
