@@ -197,12 +197,13 @@ CASES = [
 @pytest.mark.parametrize("layout, disks, vm, cores, mib, machine, nodes", CASES,
                          ids=["2-q35-2M", "2-pc-1G", "3-q35-2M", "3-i440fx-2M-4disks", "3-q35-preferred",
                               "2-q35-passthrough-no-hugepages"])
-@pytest.mark.parametrize("busy", [False, True], ids=["bare", "busy"])
+@pytest.mark.parametrize("busy", ["", BUSY, BUSY + "ostype: win7\n"], ids=["bare", "busy", "busy-win7"])
 def test_qemu_server_starts_each_cell_on_its_node_and_each_disk_behind_its_cells_bus(
         host_layout, tmp_path, layout, disks, vm, cores, mib, machine, nodes, busy, capsys):
     pve = Pve(tmp_path, host_layout(layout))
     q35 = machine.startswith(("q35", "pc-q35"))
-    extra = BUSY.format(pcie=",pcie=1" if q35 else "") if busy else ""
+    # (Windows 7 gets its pcie=1 devices on pcie.0 itself, hostpci4 in slot 0x9.)
+    extra = busy.format(pcie=",pcie=1" if q35 else "")
     if busy and "0000:3b:00.0" in disks:
         extra = extra.replace("hostpci4: 0000:3b:00.0" + (",pcie=1" if q35 else "") + "\n", "")
     plan = applied(pve, disks, vm, cores, mib, machine, extra)
@@ -238,25 +239,29 @@ def test_a_second_apply_changes_nothing_and_unapply_gives_the_config_back(pve3, 
     assert pve3.config() == original
 
 
-@pytest.mark.parametrize("edit, key", [
-    (lambda t: t.replace("numa1: cpus=2-3,hostnodes=1", "numa1: cpus=2-3,hostnodes=0"), "numa1"),
-    (lambda t: re.sub(r"(numa2: [^\n]*)policy=bind", r"\1policy=interleave", t), "numa2"),
-    (lambda t: t.replace("numa2: ", "numa3: cpus=6,memory=1\nnuma2: "), "numa3"),
-    (lambda t: re.sub(r"(id=vstor-cell1,bus_nr=\d+,)numa_node=1", r"\1numa_node=0", t), "args"),
-    (lambda t: t.replace(",bus=vstor-cell2-vdd,addr=0x0", ""), "args"),
+@pytest.mark.parametrize("edit, said", [
+    (lambda t: t.replace("numa1: cpus=2-3,hostnodes=1", "numa1: cpus=2-3,hostnodes=0"), "(numa1 changed"),
+    (lambda t: re.sub(r"(numa2: [^\n]*)policy=bind", r"\1policy=interleave", t), "(numa2 changed"),
+    (lambda t: t.replace("numa2: ", "numa3: cpus=6,memory=1\nnuma2: "), "(numa3 changed"),
+    (lambda t: t.replace(",bus=vstor-cell2-vdd,addr=0x0", ""), "(args changed"),
+    (lambda t: re.sub(r"chassis=\d+", "chassis=5", t, count=1), "(args changed"),  # qemu-server's port 5
+    # a bus on another cell's node than vstor's: not a line vstor writes
+    (lambda t: re.sub(r"(id=vstor-cell1,bus_nr=\d+,)numa_node=1", r"\1numa_node=0", t),
+     "args has '-device pxb-pcie,id=vstor-cell1,bus_nr=252,numa_node=0,"),
 ])
-def test_a_hand_edit_of_a_cells_line_is_drift_refused_at_pre_start(pve3, edit, key):
-    applied(pve3, THREE, "<vstor:vm hugepages='2M'/>", 6, 6144, "q35",
-            "hookscript: local:snippets/vstor\n")
+def test_a_hand_edit_of_a_cells_line_is_drift_refused_at_pre_start(pve3, edit, said):
+    from tests.test_pve import _local_qemu
+    pve3.vm("cores: 6\nmemory: 6144\nmachine: q35\nname: db\nhookscript: local:snippets/vstor\n")
+    pve3.intent(THREE, vm="<vstor:vm hugepages='2M'/>")
+    assert pve3.vstor("pve", "apply", "100", "--qemu-version", ".".join(map(str, _local_qemu()))) == 0
     text = pve3.config()
     pve3.vm(edit(text))
     assert pve3.config() != text
     done = pve3.hook(100, "pre-start")
     assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("vstor: VM 100's config does not carry its vstor plan")
+    assert said in done.stderr and "(run: vstor pve apply 100)" in done.stderr, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
-    assert f"({key} changed since vstor pve apply)" in done.stderr or (
-        key in done.stderr and "vstor pve apply 100" in done.stderr), done.stderr
-    assert not os.listdir(f"{pve3.root}/vhost") if os.path.isdir(f"{pve3.root}/vhost") else True
 
 
 def test_a_one_cell_plan_keeps_its_pairs_and_a_multi_cell_suffix_is_vstors(pve2):
