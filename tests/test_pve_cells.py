@@ -221,6 +221,10 @@ def test_qemu_server_starts_each_cell_on_its_node_and_each_disk_behind_its_cells
         start = showcmd(pve.config().replace("policy=preferred", "policy=bind"), PCI, QEMU)
     check_command_line(start, plan, q35)
     assert plan.disks and all(d.cell is not None for d in plan.disks)
+    for d in plan.disks:        # the plan says where a passed-through controller is not
+        said = [r for r in d.reasons if "hostpciN line has no bus option" in r]
+        assert len(said) == (d.mode == "passthrough"), d.reasons
+        assert not said or said[0].startswith(f"in guest cell {d.cell} (host node {plan.cells[d.cell].node})")
 
 
 def test_a_second_apply_changes_nothing_and_unapply_gives_the_config_back(pve3, capsys):
