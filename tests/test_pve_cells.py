@@ -25,8 +25,8 @@ from vstor.meta.xmlmodel import parse as parse_record
 from vstor.records import replace
 from vstor.render import pve as render
 
-NS = "https://vstor.dev/xmlns/domain/1"
 QEMU = "9.2"
+PCI3 = PCI + ("0000:41:00.0", "0000:81:00.0", "0000:c1:00.0")       # the three-node host's NVMe
 # The buses and root ports pve-q35-4.0.cfg (-readconfig, not in the oracle)
 # adds on q35: ich9-pcie-port-1..4 (chassis 1-4), pcidmi, pci.0..pci.3.
 Q35_CFG_BRIDGES, Q35_CFG_CHASSIS = 9, {1, 2, 3, 4}
@@ -191,12 +191,16 @@ CASES = [
     ("three-node", FOUR, "<vstor:vm hugepages='2M'/>", 6, 6144, "pc-i440fx-9.2", [0, 1, 2]),
     ("three-node", FOUR, "<vstor:vm hugepages='2M' numa='preferred'/>", 6, 6144, "q35", [0, 1, 2]),
     ("two-socket", PASSED, "<vstor:vm/>", 4, 4096, "q35", [0, 1]),
+    # 7001 MiB over three cells: 2334 + 2334 + 2333, as qemu-server must add them up
+    ("three-node", "".join(disk(f"vd{t}", a, mode="passthrough") for t, a in
+                           zip("bcd", ("0000:41:00.0", "0000:81:00.0", "0000:c1:00.0"))),
+     "<vstor:vm/>", 6, 7001, "pc", [0, 1, 2]),
 ]
 
 
 @pytest.mark.parametrize("layout, disks, vm, cores, mib, machine, nodes", CASES,
                          ids=["2-q35-2M", "2-pc-1G", "3-q35-2M", "3-i440fx-2M-4disks", "3-q35-preferred",
-                              "2-q35-passthrough-no-hugepages"])
+                              "2-q35-passthrough-no-hugepages", "3-pc-passthrough-7001MiB"])
 @pytest.mark.parametrize("busy", ["", BUSY, BUSY + "ostype: win7\n"], ids=["bare", "busy", "busy-win7"])
 def test_qemu_server_starts_each_cell_on_its_node_and_each_disk_behind_its_cells_bus(
         host_layout, tmp_path, layout, disks, vm, cores, mib, machine, nodes, busy, capsys):
@@ -214,7 +218,7 @@ def test_qemu_server_starts_each_cell_on_its_node_and_each_disk_behind_its_cells
         assert conf.get(f"numa{c.id}") == (f"cpus={min(c.vcpus)}-{max(c.vcpus)},hostnodes={c.node},"
                                            f"memory={c.memory_kib // 1024},policy={policy}")
     assert conf.get(f"numa{len(plan.cells)}") is None
-    check_command_line(showcmd(pve.config(), PCI, QEMU), plan, q35, policy)
+    check_command_line(showcmd(pve.config(), PCI3, QEMU), plan, q35, policy)
     assert plan.disks and all(d.cell is not None for d in plan.disks)
     for d in plan.disks:        # the plan says where a passed-through controller is not
         said = [r for r in d.reasons if "hostpciN line has no bus option" in r]

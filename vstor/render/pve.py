@@ -29,7 +29,7 @@ import shlex
 from vstor.errors import BadInput
 from vstor.formats.pve import grammar
 from vstor.formats.pve.config import PveConfig
-from vstor.formats.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of
+from vstor.formats.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of, vmid_of
 from vstor.formats.pve.words import shellwords
 from vstor.host.model import format_cpulist
 from vstor.meta.plan import Plan
@@ -104,16 +104,17 @@ def _numa_line(plan: Plan, cell, policy: str) -> str:
     """numaK of one guest cell; refused (naming the cell) where qemu-server
     would refuse it or start the VM otherwise than planned."""
     which = f"{plan.domain}: guest cell {cell.id}: " if plan.cells else f"{plan.domain}: "
-    again = f"plan it again (vstor pve apply); {plan.domain} then lands on nodes 0-9"
     if plan.hugepage_kib and cell.node >= HUGEPAGE_NODES:
         raise BadInput(f"{which}hugepages on host node {cell.node}, which Proxmox cannot "
                        "bind (qemu-server's hugepages_topology takes nodes 0-9 only)",
-                       hint=again if plan.cells else f"plan it again ({plan.domain} then lands on nodes 0-9)")
-    if plan.cells and (cell.memory_kib % 1024 or (plan.hugepage_kib and cell.memory_kib % plan.hugepage_kib)):
-        size = f"{plan.hugepage_kib // 1024} MiB pages" if plan.hugepage_kib else "MiB"
+                       hint=f"plan it again ({plan.domain} then lands on nodes 0-9)")
+    unit = plan.hugepage_kib or 1024
+    if plan.cells and cell.memory_kib % max(unit, 1024):
+        size = f"{unit // 1024} MiB pages" if plan.hugepage_kib else "MiB"
         raise BadInput(f"{which}{cell.memory_kib} KiB of memory is not a whole number of {size}, "
-                       "which a numaN line of Proxmox needs", hint="give the VM memory that divides "
-                       "evenly between its cells: qm set VMID --memory ...")
+                       "which a numaN line of Proxmox needs",
+                       hint=f"give the VM memory its cells can share evenly: qm set {vmid_of(plan.domain)} "
+                            "--memory ..., then apply again")
     cpus = format_cpulist(cell.vcpus).replace(",", ";")     # Proxmox's list: 0-1;4-5
     return f"cpus={cpus},hostnodes={cell.node},memory={cell.memory_kib // 1024},policy={policy}"
 
