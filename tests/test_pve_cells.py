@@ -242,6 +242,29 @@ def test_a_second_apply_changes_nothing_and_unapply_gives_the_config_back(pve3, 
     assert pve3.config() == original
 
 
+def test_from_cells_to_one_and_back_vstors_lines_follow_the_plan(pve2, capsys):
+    """Re-applied with one cell, the cells' lines and buses go (they were
+    vstor's: the plan before wrote them); with cells again they come back
+    (numa1 now after the lines kept)."""
+    pve2.vm("cores: 4\nmemory: 4096\nmachine: q35\nname: db\nargs: -msg timestamp=on\n")
+    pve2.intent(TWO, vm="<vstor:vm hugepages='2M' numa='preferred'/>")
+    assert pve2.vstor("pve", "apply", "100", "--qemu-version", QEMU) == 0
+    spread = pve2.config()
+    assert "numa1: " in spread and "pxb-pcie" in spread
+    pve2.intent(TWO, vm="<vstor:vm hugepages='2M' numa='preferred' cells='one'/>")
+    assert pve2.vstor("pve", "apply", "100", "--qemu-version", QEMU) == 0
+    one = PveConfig.parse(pve2.config())
+    assert one.get("numa1") is None and one.get("numa0").startswith("cpus=0-3,")
+    assert "bus=" not in one.get("args") and one.get("args").startswith("-msg timestamp=on -chardev ")
+    start = showcmd(pve2.config(), PCI, QEMU)
+    assert start.code == 0 and len(start.after("-numa")) == 1
+    assert not [v for v in start.after("-device") if v.startswith(("pxb", "pcie-root-port,id=vstor"))]
+    pve2.intent(TWO, vm="<vstor:vm hugepages='2M' numa='preferred'/>")
+    assert pve2.vstor("pve", "apply", "100", "--qemu-version", QEMU) == 0
+    again, before = PveConfig.parse(pve2.config()), PveConfig.parse(spread)
+    assert {k: again.get(k) for k in again.keys()} == {k: before.get(k) for k in before.keys()}
+
+
 @pytest.mark.parametrize("edit, said", [
     (lambda t: t.replace("numa1: cpus=2-3,hostnodes=1", "numa1: cpus=2-3,hostnodes=0"), "(numa1 changed"),
     (lambda t: re.sub(r"(numa2: [^\n]*)policy=bind", r"\1policy=interleave", t), "(numa2 changed"),
