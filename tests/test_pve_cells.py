@@ -397,15 +397,56 @@ def _local_qemu() -> str:
     return re.search(r"version (\d+\.\d+)", out).group(1)
 
 
+class _Qmp:
+    """QEMU under QMP on its stdin and stdout, one command at a time."""
+
+    def __init__(self, cmd: list[str]):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.proc.stdout.readline()                     # the greeting
+        self.ask("qmp_capabilities")
+
+    def ask(self, command: str, **arguments):
+        self.proc.stdin.write(json.dumps({"execute": command, "arguments": arguments}) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                pytest.fail(f"QEMU exited: {self.proc.stderr.read()}")
+            answer = json.loads(line)
+            if "return" in answer:
+                return answer["return"]
+            assert "error" not in answer, answer
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate(timeout=30)
+
+
+def _pci_devices(buses) -> dict[str, dict]:
+    """query-pci's devices by qdev id, behind bridges too."""
+    out = {}
+    for bus in buses:
+        stack = list(bus["devices"])
+        while stack:
+            dev = stack.pop()
+            out[dev.get("qdev_id") or f"#{len(out)}"] = dev
+            stack += dev.get("pci_bridge", {}).get("devices", [])
+    return out
+
+
 @pytest.mark.skipif(not (QEMU_BIN and QSD_BIN), reason="needs qemu-system-x86_64 and qemu-storage-daemon")
 @pytest.mark.parametrize("layout, disks, machine", [("three-node", FOUR, "q35"), ("three-node", FOUR, "pc"),
                                                    ("two-socket", TWO, "q35")])
-def test_qemu_takes_the_command_lines_buses_with_each_disk_on_its_cells_node(
-        host_layout, tmp_path, layout, disks, machine):
+def test_qemu_and_its_firmware_put_each_disk_on_its_cells_bus(host_layout, tmp_path, layout, disks, machine):
     """qemu-server's -smp, -numa and args as it writes them (memory from
     memfd: this host has one node, and the machine is built without
-    hugepages); QEMU, stopped before the guest runs (-S), is asked over
-    QMP which bus each disk is on and which node each expander bus has."""
+    hugepages), on real qemu-storage-daemons.  QEMU says over QMP which bus
+    each disk is on and which node each expander bus has; then the guest's
+    firmware (SeaBIOS) numbers the buses: every disk must get a bus number
+    of its cell's expander bus range and its memory BARs, or the guest
+    would not see it."""
     pve = Pve(tmp_path, host_layout(layout))
     three = layout == "three-node"
     local = _local_qemu()
@@ -414,7 +455,7 @@ def test_qemu_takes_the_command_lines_buses_with_each_disk_on_its_cells_node(
     assert pve.vstor("pve", "apply", "100", "--qemu-version", local) == 0
     plan = recorded(pve)
     argv = showcmd(pve.config(), PCI, local).argv
-    cmd = [QEMU_BIN, "-machine", "q35" if machine == "q35" else "pc", "-accel", "tcg", "-nodefaults", "-S",
+    cmd = [QEMU_BIN, "-machine", "q35" if machine == "q35" else "pc", "-accel", "tcg", "-nodefaults",
            "-display", "none", "-qmp", "stdio", "-smp", argv[argv.index("-smp") + 1].split(",")[0],
            "-m", argv[argv.index("-m") + 1]]
     for a, b in zip(argv, argv[1:]):
@@ -427,32 +468,42 @@ def test_qemu_takes_the_command_lines_buses_with_each_disk_on_its_cells_node(
                  if a == "-chardev" and b.startswith("socket,id=vstor-"))
     cmd += argv[start:]                 # args' suffix: vstor's chardevs, buses and devices
     vhost = [d for d in plan.disks if d.mode == "vhost"]
-    cells = sorted({d.cell for d in vhost})
     image = str(tmp_path / "disk.raw")
     with open(image, "wb") as f:
         f.truncate(16 << 20)
-    asks = [{"execute": "qom-get", "arguments": {"path": f"/machine/peripheral/vstor-{d.target}",
-                                                 "property": "parent_bus"}} for d in vhost]
-    if machine == "q35":                # each root port's bus
-        asks += [{"execute": "qom-get", "arguments": {"path": f"/machine/peripheral/vstor-cell{d.cell}-{d.target}",
-                                                      "property": "parent_bus"}} for d in vhost]
-    asks += [{"execute": "qom-get", "arguments": {"path": f"/machine/peripheral/vstor-cell{c}",
-                                                  "property": "numa_node"}} for c in cells]
     procs = _serve(vhost, image)
+    qemu = None
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, input="\n".join(
-            json.dumps(a) for a in [{"execute": "qmp_capabilities"}] + asks + [{"execute": "quit"}]) + "\n")
+        qemu = _Qmp(cmd)
+        for d in vhost:
+            bus = qemu.ask("qom-get", path=f"/machine/peripheral/vstor-{d.target}", property="parent_bus")
+            if machine == "q35":        # disk -> its root port -> its cell's pxb-pcie
+                assert bus.endswith(f"/vstor-cell{d.cell}-{d.target}"), bus
+                bus = qemu.ask("qom-get", path=f"/machine/peripheral/vstor-cell{d.cell}-{d.target}",
+                               property="parent_bus")
+            assert bus.endswith(f"/vstor-cell{d.cell}"), bus      # i440fx: the bus behind the pxb
+            assert qemu.ask("qom-get", path=f"/machine/peripheral/vstor-cell{d.cell}",
+                            property="numa_node") == d.cell
+        deadline, found = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:
+            found = _pci_devices(qemu.ask("query-pci"))
+            if all(_numbered(found.get(f"vstor-{d.target}")) for d in vhost):
+                break
+            time.sleep(0.5)
     finally:
+        if qemu:
+            qemu.close()
         _stop(procs)
-    assert done.returncode == 0, done.stderr
-    answers = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{\"return\"")]
-    answers = [a["return"] for a in answers[1:1 + len(asks)]]     # not the quit's
-    assert len(answers) == len(asks), done.stdout
-    n = len(vhost)
-    for i, d in enumerate(vhost):
-        port = f"vstor-cell{d.cell}-{d.target}"
-        if machine == "q35":            # disk -> its root port -> its cell's pxb-pcie
-            assert answers[i].endswith(f"/{port}") and answers[n + i].endswith(f"/vstor-cell{d.cell}")
-        else:                           # disk -> the bus behind its cell's pxb
-            assert answers[i].endswith(f"/vstor-cell{d.cell}"), answers[i]
-    assert answers[-len(cells):] == cells
+    for d in vhost:
+        pxb = options(next(b for a, b in zip(argv, argv[1:]) if b.startswith(("pxb-pcie,", "pxb,"))
+                           and f"id=vstor-cell{d.cell}," in b))[1]
+        behind = sum(1 for x in vhost if x.cell == d.cell) if machine == "q35" else 1
+        dev = found.get(f"vstor-{d.target}")
+        assert _numbered(dev), (d.target, dev, sorted(found))
+        assert int(pxb["bus_nr"]) < dev["bus"] <= int(pxb["bus_nr"]) + behind, (d.target, dev["bus"], pxb)
+
+
+def _numbered(dev) -> bool:
+    """Found by the firmware: on a bus it numbered, its memory BARs placed."""
+    return bool(dev and dev["bus"] and all(r["address"] != 2**64 - 1 for r in dev["regions"]
+                                           if r["type"] == "memory"))
