@@ -19,8 +19,8 @@ qemu-server's own devices (its pve-q35-4.0.cfg, PVE::QemuServer::PCI):
 - bus numbers from 255 down, each expander bus with room for what is
   behind it (its root ports; the PCI bridge of a pxb): the firmware
   numbers qemu-server's bridges and root ports from 1 up;
-- a root port's chassis is the bus number it hangs on plus its place,
-  all above qemu-server's chassis 1-16 (its ich9-pcie-port-N).
+- a root port's chassis is the number of the bus behind it, above
+  qemu-server's chassis 1-16 (its ich9-pcie-port-N).
 
 Pure: a plan and the machine type in, QEMU option values out.
 """
@@ -60,6 +60,9 @@ def buses(plan: Plan, machine: str) -> tuple[list[str], dict[str, str]]:
             raise BadInput(f"{plan.domain}: more than 8 guest cells with vhost disks",
                            hint="give the guest at most 8 cells")
         bus_nr -= 1 + (len(mine) if q35 else 1)
+        if bus_nr < 64:         # qemu-server's own bridges and ports are far below
+            raise BadInput(f"{plan.domain}: guest cell {cell.id}: too many vhost disks for the PCI "
+                           "bus numbers of the guest's expander buses", hint="give the VM fewer disks")
         expander = f"{ID}cell{cell.id}"
         model, root, slot = ("pxb-pcie", "pcie.0", Q35_SLOT) if q35 else ("pxb", "pci.0", I440FX_SLOT)
         out.append(f"{model},id={expander},bus_nr={bus_nr},numa_node={cell.id},bus={root},"
