@@ -242,7 +242,7 @@ def _place_cell(host, cfg, req, taken: _Taken, k: int, node_id: int, lay: Layout
             return short
     taken.take(req.name, cpus.vcpu_pins + cpus.reserved, node_id, page_kib, pages,
                0 if page_kib else memory)
-    return CellPlan(k, node_id, vcpus, memory, pages), cpus
+    return CellPlan(k, node_id, vcpus, memory, pages, cpus.emulator), cpus
 
 
 def _count(n: int, noun: str) -> str:
