@@ -491,6 +491,8 @@ def test_the_most_disks_a_cells_buses_hold_keep_bus_numbers_above_the_root_bus(h
     numbers = sorted(int(t.get("busNr")) for t in parsed.iterfind("devices/controller/target[@busNr]"))
     theirs = [c for c in out.root.iterfind("devices/controller[@type='pci']") if not buses.own(c)]
     assert len(numbers) == cells and numbers[0] > len(theirs) and numbers[-1] <= 254
+    ranges = bus_ranges(parsed)
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])) and (not ranges or ranges[-1][1] <= 255)
     assert len(set(pci_addresses(out.root))) == len(pci_addresses(out.root))
 
 
@@ -510,6 +512,40 @@ def test_an_operators_addressed_device_keeps_its_address_to_itself(host_model):
     out = render(dom, plan).root
     used = pci_addresses(out)
     assert len({u[1:] for u in used}) == len(used), used
+
+
+def bus_ranges(root) -> list[tuple[int, int]]:
+    """(first, last) bus number of each expander bus's hierarchy: its busNr,
+    then one per root port behind it (libvirt: the buses behind an expander
+    take busNr+1, busNr+2, ...; the next lower expander's stay below busNr)."""
+    out = []
+    for e in root.iterfind("devices/controller[@model='pcie-expander-bus']"):
+        ports = [c for c in root.iterfind("devices/controller[@model='pcie-root-port']")
+                 if c.find("address") is not None and int(c.find("address").get("bus"), 16) == int(e.get("index"))]
+        first = int(e.find("target").get("busNr"))
+        out.append((first, first + len(ports)))
+    return sorted(out)
+
+
+@pytest.mark.xfail(strict=True, reason="buses.layout counts bus numbers down from 255 whatever the domain "
+                   "has: an operator's own pcie-expander-bus (libvirt gives the first one busNr 254) "
+                   "overlaps cell 0's, whose root ports take 254 and 255")
+def test_the_cells_buses_stay_clear_of_an_operators_own_expander_bus(host_model, conn, tmp_path):  # noqa: F811
+    """An NFV guest with its own expander bus for a NIC's locality, and
+    vstor disks on two nodes."""
+    own = ("<controller type='pci' index='1' model='pcie-expander-bus'><target busNr='254'><node>0</node></target>"
+           "</controller><controller type='pci' index='2' model='pcie-root-port'><address type='pci' "
+           "domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></controller><interface type='network'>"
+           "<source network='default'/><model type='virtio'/><address type='pci' domain='0x0000' bus='0x02' "
+           "slot='0x00' function='0x0'/></interface>")
+    disks = nvme("0000:41:00.0", backend="qsd") + nvme("0000:81:00.0", target="vdc", backend="qsd")
+    dom, plan = planned(host_model("three-node"), CFG3,
+                        request_xml(disks, vcpus=4, memory_mib=4096).replace("<devices/>", f"<devices>{own}</devices>"))
+    parsed = accepted(conn, render(dom, plan).to_string(), tmp_path)
+    conn.lookupByName("vm1").undefine()
+    ranges = bus_ranges(parsed)
+    assert len(ranges) == 3
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), ranges
 
 
 def test_rendering_through_libvirt_twice_changes_nothing_and_drops_forged_vstor_aliases(
