@@ -595,7 +595,12 @@ def test_rendering_through_libvirt_twice_changes_nothing_and_drops_forged_vstor_
     controller is gone and nothing points at it."""
     forged = ("<controller type='pci' index='9' model='pcie-root-port'><alias name='ua-vstor-cell0-port0'/>"
               "</controller><interface type='network'><source network='default'/><model type='virtio'/>"
-              "<address type='pci' domain='0x0000' bus='0x09' slot='0x00' function='0x0'/></interface>")
+              "<address type='pci' domain='0x0000' bus='0x09' slot='0x00' function='0x0'/></interface>"
+              # a NIC libvirt placed on a root port of its own
+              "<controller type='pci' index='1' model='pcie-root-port'><address type='pci' domain='0x0000' "
+              "bus='0x00' slot='0x02' function='0x0'/></controller><interface type='network'><source "
+              "network='default'/><model type='virtio'/><mac address='52:54:00:00:00:02'/><address type='pci' "
+              "domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></interface>")
     disks = (nvme("0000:41:00.0", backend="qsd") + nvme("0000:c1:00.0", target="vdc", backend="qsd")
              + qsd_file("/var/lib/vstor/images/x.raw", target="vdd", cell="1"))
     dom, plan = planned(host_model("three-node"), CFG3, request_xml(disks, vcpus=4, memory_mib=4096).replace(
@@ -606,9 +611,10 @@ def test_rendering_through_libvirt_twice_changes_nothing_and_drops_forged_vstor_
     second = accepted(conn, again.to_string(), tmp_path)
     conn.lookupByName("vm1").undefine()
     assert etree.tostring(first) == etree.tostring(second)
-    nic = second.find("devices/interface")
+    nic, placed = second.findall("devices/interface")
     assert nic.find("address") is None or int(nic.find("address").get("bus"), 16) not in \
         {int(c.get("index")) for c in second.iterfind("devices/controller") if buses.own(c)}
+    assert placed.find("address").get("bus") == "0x01"
     assert [c.get("index") for c in second.iterfind("devices/controller[@model='pcie-expander-bus']")]
     assert dict(topology.disk_cells(second, 2)) == {"vdb": 0, "vdc": 1, "vdd": 1}
 
