@@ -379,11 +379,12 @@ def _cell(i, cpus, kib, unit="KiB"):
 
 
 @pytest.mark.xfail(strict=True, reason="topology.cells checks only that the cells cover every vCPU "
-                   "once and sum to the memory: cells in reverse vCPU order are planned with cell 0's "
-                   "pins given to vCPUs 0-1 of cell 1 (cellfit and cputune read vcpu_pins differently); "
-                   "a negative or zero cell (int() of the attribute, no range check) becomes a holding "
-                   "with -1 GiB on a node, which frees that much in the ledger for other domains; cells "
-                   "of 1025/1023 MiB with 2M pages plan 512 pages for 1025 MiB")
+                   "once and sum to the memory: cells in reverse vCPU order are planned, pass the start "
+                   "check and run with cell 1's vCPUs 0-1 pinned on cell 0's node (cellfit and the planner "
+                   "take vcpu_pins in cell order, cputune by vCPU id); a negative or zero cell (int() of the "
+                   "attribute, no range check) is planned and refused only when the recorded plan is read "
+                   "back ('plan record is damaged ... vstor apply'); cells of 1025/1023 MiB with 2M pages "
+                   "plan 512 pages for 1025 MiB")
 @pytest.mark.parametrize("cells, vm", [
     (_cell(0, "2-3", 1048576) + _cell(1, "0-1", 1048576), "<vstor:vm cells='2'/>"),
     (_cell(0, "0-1", -1048576) + _cell(1, "2-3", 3145728), "<vstor:vm cells='2'/>"),
