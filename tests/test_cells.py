@@ -3,9 +3,11 @@ model read from sysfs (which node each CPU, controller and hugepage pool is
 on), libvirt's own parser and schema for what is rendered, and the start
 check, on layouts with disks on two and three nodes."""
 
+import copy
 import random
 
 import pytest
+from lxml import etree
 
 from tests.test_libvirt_accepts import accepted, conn  # noqa: F401  (libvirt's test driver)
 from tests.test_planner import SPDK_CFG, nvme, qsd_file, request
@@ -256,3 +258,77 @@ def test_a_hot_plugged_disk_goes_to_the_cell_of_its_devices_node(host_model):
         plan_attach(host, CFG3, req, plan, DiskIntent(target="vdd", source=NvmeSource("0000:81:00.0", 1),
                                                       cell=2), Ledger())
     assert "names guest cell 2; domain 'vm1' has cells 0-1" in str(e.value)
+
+
+# What libvirt 9.0 did with these devices, none with a PCI address, next to a
+# two-cell q35 guest of vstor's (tests/e2e/test_cells.py, real libvirtd): it
+# gave each a pcie-root-port of its own (the NIC pci.1, the USB controller
+# pci.2, SCSI pci.3, virtio-serial pci.4, the balloon pci.5, the RNG pci.6),
+# filling the indices below vstor's first controller, or else taking the first
+# free port there is: a cell's spare.
+UNADDRESSED = ("<controller type='usb' model='qemu-xhci'/><controller type='scsi' model='virtio-scsi'/>"
+               "<controller type='virtio-serial'/><memballoon model='virtio'/>"
+               "<interface type='user'><model type='virtio'/></interface>"
+               "<rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>")
+TWO_CELLS_FILES = (qsd_file("/var/lib/vstor/images/b.raw", cell="1")
+                   + qsd_file("/var/lib/vstor/images/c.raw", target="vdc", cell="0")
+                   + qsd_file("/var/lib/vstor/images/d.raw", target="vdd", cell="1"))
+
+
+def two_cell_domain(host_model, devices: str):
+    xml = request_xml(TWO_CELLS_FILES, vm="<vstor:vm cells='2' cpus='shared'/>", vcpus=2, memory_mib=256)
+    dom = Domain.parse(xml.replace("<devices/>", f"<devices>{devices}</devices>"))
+    return dom, plan_domain(host_model("laptop"), Config(), Request.from_domain(dom), Ledger())
+
+
+def vstor_controllers(dom) -> list[tuple]:
+    return [(c.get("index"), c.get("model"), c.find("alias").get("name"))
+            for c in dom.root.iterfind("devices/controller[@type='pci']") if c.find("alias") is not None]
+
+
+def test_vstors_controllers_leave_an_index_for_every_device_libvirt_has_yet_to_address(host_model):
+    dom, plan = two_cell_domain(host_model, UNADDRESSED)
+    assert [(d.target, d.cell) for d in plan.disks] == [("vdb", 1), ("vdc", 0), ("vdd", 1)]
+    assert vstor_controllers(render(dom, plan))[0] == ("7", "pcie-expander-bus", "ua-vstor-cell0")
+    # model='none': no device, no port (what the e2e guests have)
+    dom, plan = two_cell_domain(host_model, "<controller type='usb' model='none'/><memballoon model='none'/>")
+    assert vstor_controllers(render(dom, plan))[0][0] == "1"
+
+
+# The same domain as libvirt 9.0 returned it after the define (its own
+# controllers and the devices' addresses; vstor's controllers as it rendered them).
+LIBVIRT_ADDRESSED = "".join([
+    "<controller type='usb' index='0' model='qemu-xhci'><address type='pci' domain='0x0000' bus='0x02' slot='0x00' function='0x0'/></controller>",
+    "<controller type='scsi' index='0' model='virtio-scsi'><address type='pci' domain='0x0000' bus='0x03' slot='0x00' function='0x0'/></controller>",
+    "<controller type='virtio-serial' index='0'><address type='pci' domain='0x0000' bus='0x04' slot='0x00' function='0x0'/></controller>",
+    "<controller type='sata' index='0'><address type='pci' domain='0x0000' bus='0x00' slot='0x1f' function='0x2'/></controller>",
+    "<controller type='pci' index='0' model='pcie-root'/>",
+    *(f"<controller type='pci' index='{i}' model='pcie-root-port'><model name='pcie-root-port'/>"
+      f"<target chassis='{i}' port='0x{0x17 + i:x}'/><address type='pci' domain='0x0000' bus='0x00' slot='0x03'"
+      f" function='0x{i - 1:x}'{' multifunction=' + repr('on') if i == 1 else ''}/></controller>" for i in range(1, 7)),
+    "<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/>"
+    "<address type='pci' domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></interface>",
+    "<memballoon model='virtio'><address type='pci' domain='0x0000' bus='0x05' slot='0x00' function='0x0'/></memballoon>",
+    "<rng model='virtio'><backend model='random'>/dev/urandom</backend>"
+    "<address type='pci' domain='0x0000' bus='0x06' slot='0x00' function='0x0'/></rng>",
+])
+
+
+def test_a_domain_libvirt_has_addressed_renders_to_the_same_controllers(host_model):
+    """vstor apply of a defined domain: its controllers come back at the
+    indices libvirt holds (they grew by three root ports per apply before)."""
+    dom, plan = two_cell_domain(host_model, UNADDRESSED)
+    first = render(dom, plan)
+    devices = etree.fromstring(f"<devices>{LIBVIRT_ADDRESSED}</devices>")
+    for e in first.root.find("devices"):
+        if e.tag == "disk" or e.find("alias") is not None:      # vstor's, as libvirt kept them
+            devices.append(copy.deepcopy(e))
+    again_dom = copy.deepcopy(first.root)
+    again_dom.replace(again_dom.find("devices"), devices)
+    again = render(Domain(again_dom, "libvirt's XML"), plan)
+    assert vstor_controllers(again) == vstor_controllers(first)
+    addresses = {e.find("target").get("dev"): etree.tostring(e.find("address"))
+                 for e in again.root.iterfind("devices/disk")}
+    assert addresses == {e.find("target").get("dev"): etree.tostring(e.find("address"))
+                         for e in first.root.iterfind("devices/disk")}
+    assert len(again.root.findall("devices/controller[@model='pcie-root-port']")) == 6 + 5

@@ -88,7 +88,9 @@ def first_index(devices, q35: bool) -> int:
     the domain has, and on q35 above as many more as libvirt may add for
     devices it has yet to address.  libvirt fills a gap of indices with
     root ports of its own and places an unaddressed device on the first
-    free port, which is then one of those and never a cell's spare."""
+    free port, which is then one of those and never a cell's spare.  A
+    domain libvirt has addressed gets vstor's controllers at the same
+    indices again (libvirt 9.0 keeps the ports it added)."""
     indices = [0]
     for c in devices.iterfind("controller[@type='pci']"):
         try:
@@ -97,10 +99,19 @@ def first_index(devices, q35: bool) -> int:
             continue
     if not q35:
         return max(indices) + 1
-    waiting = sum(1 for e in devices if isinstance(e.tag, str) and e.tag not in _NOT_PCI
-                  and e.find("address") is None and not own(e))
-    # + the USB controller and memory balloon libvirt adds on its own
-    return max(indices) + 1 + waiting + 2
+    waiting = sum(1 for e in devices if isinstance(e.tag, str) and _waits_for_port(e))
+    # + the USB controller and memory balloon libvirt adds when the domain has none
+    waiting += sum(1 for path in ("controller[@type='usb']", "memballoon") if devices.find(path) is None)
+    return max(indices) + 1 + waiting
+
+
+def _waits_for_port(e) -> bool:
+    """A device libvirt has yet to give a PCI address (model='none': no device)."""
+    if e.find("address") is not None or own(e) or e.get("model") == "none":
+        return False
+    if e.tag == "controller":
+        return e.get("type") in ("usb", "scsi", "virtio-serial")
+    return e.tag not in _NOT_PCI
 
 
 def orphans(devices, gone: set[int]) -> None:
