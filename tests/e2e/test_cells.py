@@ -4,9 +4,11 @@ defined with `vstor define`, started through the real libvirtd (vstor's
 hook starts the qemu-storage-daemons), booted under TCG.  Inside the guest
 each disk's PCI device must report its cell as numa_node and each node its
 vCPUs, and the data the guest writes through every disk must be in that
-disk's backing file.  A NIC and an RNG without a PCI address sit next to
-the disks: libvirt places such devices on any free root port, and a cell's
-spare port must still be free after the define.  On q35 `vstor attach` of a
+disk's backing file.  Devices without a PCI address (USB, SCSI and
+virtio-serial controllers, a balloon, a NIC, an RNG) sit next to the disks:
+libvirt places such devices on any free root port, and a cell's spare port
+must still be free after the define and after a `vstor apply`, which must
+change no device.  On q35 `vstor attach` of a
 disk of cell 1 lands on that cell's spare port, and a second one into the
 same cell is refused and changes nothing.
 
@@ -38,9 +40,13 @@ V = f"{{{NS}}}"
 # two in cell 1 (two root ports behind one q35 expander bus).
 COLD = (("vdb", 1), ("vdc", 0), ("vdd", 1))
 CELL_CPUS = {0: {0}, 1: {1}}          # two vCPUs, one per cell
-# Devices libvirt addresses itself (on q35: on the first free root port).
-UNADDRESSED = ("<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/></interface>"
+# Devices libvirt addresses itself, on q35 each on a root port: one of its
+# own, or the first free one there is, a cell's spare included.
+UNADDRESSED = ("<controller type='usb' model='qemu-xhci'/><controller type='scsi' model='virtio-scsi'/>"
+               "<controller type='virtio-serial'/><memballoon model='virtio'/>"
+               "<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/></interface>"
                "<rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>")
+ELSEWHERE = ["controller-scsi", "controller-usb", "controller-virtio-serial", "interface", "memballoon", "rng"]
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +67,12 @@ def cells_env(libvirt_daemons):
 def annotated(name: str, guest, machine: str, disks: dict[str, str], guest_job: str) -> str:
     """The test guest (2 vCPUs, 256 MiB) with <vstor:vm cells='2'> and a qsd
     file disk per target in `disks` ({target: path}, cells from COLD)."""
-    root = etree.fromstring(domain_xml(name, guest, guest_job, UNADDRESSED, vcpus=2, machine=machine,
+    root = etree.fromstring(domain_xml(name, guest, guest_job, vcpus=2, machine=machine,
                                        memory_backing=None, console_log=WORK / f"{name}.console"))
+    devices = root.find("devices")
+    for e in devices.findall("controller[@type='usb']") + devices.findall("memballoon"):
+        devices.remove(e)       # model='none' in the kit's domain: these get devices
+    devices.extend(etree.fromstring(f"<x>{UNADDRESSED}</x>"))
     meta = etree.Element("metadata")
     root.insert(1, meta)
     top = etree.SubElement(meta, V + "vstor", nsmap={"vstor": NS})
@@ -94,17 +104,19 @@ def vstor_out(conf, *args) -> subprocess.CompletedProcess:
 
 def pci_layout(xml: str) -> dict[str, object]:
     """What libvirt made of the PCI topology: {'cells': {cell: [the
-    device names (disk target, or element tag) on each of its root ports, in
-    port order] (i440fx: [the devices on its expander bus])}, 'elsewhere':
-    [devices on no controller of vstor's]}."""
+    device names (disk target, controller-TYPE or element tag) on each of its
+    root ports, in port order] (i440fx: [the devices on its expander bus])},
+    'elsewhere': [devices on no controller of vstor's but pcie.0/pci.0's
+    built-ins]}."""
     devices = etree.fromstring(xml).find("devices")
     controllers = {int(c.get("index")): c for c in devices.iterfind("controller[@type='pci']")}
     on: dict[int, list[str]] = {}
     for e in devices:
         a = e.find("address[@type='pci']")
-        if e.tag == "controller" or a is None:
+        if a is None or e.tag == "controller" and e.get("type") == "pci":
             continue
-        what = e.find("target").get("dev") if e.tag == "disk" else e.tag
+        what = {"disk": lambda: e.find("target").get("dev"),
+                "controller": lambda: f"controller-{e.get('type')}"}.get(e.tag, lambda: e.tag)()
         on.setdefault(int(a.get("bus"), 0), []).append(what)
 
     def alias(index: int) -> str:
@@ -124,7 +136,8 @@ def pci_layout(xml: str) -> dict[str, object]:
             else:
                 cells[node] = sorted(on.get(index, []))
     mine = {i for i in controllers if alias(i).startswith("ua-vstor-")}
-    elsewhere = sorted(d for bus, ds in on.items() if bus not in mine for d in ds)
+    elsewhere = sorted(d for bus, ds in on.items() if bus not in mine for d in ds
+                       if d not in ("controller-sata", "controller-ide"))     # the chipset's
     return {"cells": cells, "elsewhere": elsewhere}
 
 
@@ -156,6 +169,17 @@ def define(conf, name: str, xml: str, libvirt_conn) -> str:
     return vstor(conf, "define", str(path))
 
 
+def devices(xml: str) -> list[bytes]:
+    """A domain's devices, in an order of their own (libvirt's moves vstor's controllers)."""
+    return sorted(etree.tostring(e) for e in etree.fromstring(xml).find("devices"))
+
+
+def applied_again(conf, name: str, libvirt_conn, xml: str) -> None:
+    """`vstor apply` of the defined domain changes none of its devices."""
+    vstor(conf, "apply", name)
+    assert devices(libvirt_conn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)) == devices(xml)
+
+
 def plan_cells(xml: str) -> dict[str, int]:
     plan = etree.fromstring(xml).find(f"metadata/{V}vstor/{V}plan")
     return {d.get("target"): int(d.get("cell")) for d in plan.iterfind(f"{V}disk")}
@@ -185,10 +209,11 @@ def test_q35_vstor_puts_each_disk_on_its_cell_and_hot_plugs_into_the_spare(cells
         inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
         assert plan_cells(inactive) == cold
         # Each disk on a root port of its cell's expander bus, the last port
-        # of each cell free; the NIC and RNG on libvirt's own ports.
+        # of each cell free; the devices without an address on libvirt's own ports.
         layout = pci_layout(inactive)
         assert layout == {"cells": {0: [["vdc"], []], 1: [["vdb"], ["vdd"], []]},
-                          "elsewhere": ["interface", "rng"]}, layout
+                          "elsewhere": ELSEWHERE}, layout
+        applied_again(cells_env, name, libvirt_conn, inactive)
         shown = vstor(cells_env, "plan", name)
         assert "NUMA cells 0 on node 0, 1 on node 0" in shown and "CELL" in shown, shown
 
@@ -239,7 +264,8 @@ def test_i440fx_vstor_puts_each_disk_on_its_cell(cells_env, libvirt_conn, guest_
         assert plan_cells(inactive) == cold
         layout = pci_layout(inactive)
         assert layout == {"cells": {0: ["vdc"], 1: ["vdb", "vdd"]},
-                          "elsewhere": ["interface", "rng"]}, layout
+                          "elsewhere": ELSEWHERE}, layout
+        applied_again(cells_env, name, libvirt_conn, inactive)
 
         t0 = started(dom, request)
         parsed = wait_for_marker(WORK / f"{name}.console", "DONE", dom, timeout=120)
