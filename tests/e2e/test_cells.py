@@ -18,6 +18,7 @@ annotations ask for, not read back from vstor's output."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -28,8 +29,7 @@ import libvirt
 import pytest
 from lxml import etree
 
-from .guest import domain_xml, expected_pattern, job, label_disk, parse_console
-from .libvirtd import read_console
+from .guest import domain_xml, expected_pattern, job, label_disk
 from .test_hook import ROOT, SIZE, WORK, backing, cleanup, nothing_left, stop, vstor, wait_for_marker
 from .test_hotplug import daemons
 
@@ -222,6 +222,11 @@ def test_q35_vstor_puts_each_disk_on_its_cell_and_hot_plugs_into_the_spare(cells
         console = WORK / f"{name}.console"
         wait_for_marker(console, "READY dev=vdc", dom, timeout=120)
         request.node.user_properties.append(("boot_seconds", round(time.monotonic() - t0, 1)))
+
+        # The hook made a qemu-storage-daemon per disk, whatever its cell.
+        status = json.loads(vstor(cells_env, "status", "--json", name))
+        assert status[0]["status"] == "prepared" and all(s["problem"] is None for s in status[0]["steps"])
+        assert sorted(status[0]["holding"]["sockets"]) == [f"{WORK}/vhost/{name}-{t}" for t in sorted(cold)]
 
         said = vstor(cells_env, "attach", name, write(name, "vde", 1, paths["vde"]))
         assert "attached vde" in said, said
