@@ -297,20 +297,23 @@ def test_vstors_controllers_leave_an_index_for_every_device_libvirt_has_yet_to_a
 
 # The same domain as libvirt 9.0 returned it after the define (its own
 # controllers and the devices' addresses; vstor's controllers as it rendered them).
+def pci(bus: int, slot: int = 0, function: int = 0, extra: str = "") -> str:
+    return (f"<address type='pci' domain='0x0000' bus='0x{bus:02x}' slot='0x{slot:02x}'"
+            f" function='0x{function:x}'{extra}/>")
+
+
 LIBVIRT_ADDRESSED = "".join([
-    "<controller type='usb' index='0' model='qemu-xhci'><address type='pci' domain='0x0000' bus='0x02' slot='0x00' function='0x0'/></controller>",
-    "<controller type='scsi' index='0' model='virtio-scsi'><address type='pci' domain='0x0000' bus='0x03' slot='0x00' function='0x0'/></controller>",
-    "<controller type='virtio-serial' index='0'><address type='pci' domain='0x0000' bus='0x04' slot='0x00' function='0x0'/></controller>",
-    "<controller type='sata' index='0'><address type='pci' domain='0x0000' bus='0x00' slot='0x1f' function='0x2'/></controller>",
+    f"<controller type='usb' index='0' model='qemu-xhci'>{pci(2)}</controller>",
+    f"<controller type='scsi' index='0' model='virtio-scsi'>{pci(3)}</controller>",
+    f"<controller type='virtio-serial' index='0'>{pci(4)}</controller>",
+    f"<controller type='sata' index='0'>{pci(0, 0x1f, 2)}</controller>",
     "<controller type='pci' index='0' model='pcie-root'/>",
     *(f"<controller type='pci' index='{i}' model='pcie-root-port'><model name='pcie-root-port'/>"
-      f"<target chassis='{i}' port='0x{0x17 + i:x}'/><address type='pci' domain='0x0000' bus='0x00' slot='0x03'"
-      f" function='0x{i - 1:x}'{' multifunction=' + repr('on') if i == 1 else ''}/></controller>" for i in range(1, 7)),
-    "<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/>"
-    "<address type='pci' domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></interface>",
-    "<memballoon model='virtio'><address type='pci' domain='0x0000' bus='0x05' slot='0x00' function='0x0'/></memballoon>",
-    "<rng model='virtio'><backend model='random'>/dev/urandom</backend>"
-    "<address type='pci' domain='0x0000' bus='0x06' slot='0x00' function='0x0'/></rng>",
+      f"<target chassis='{i}' port='0x{0x17 + i:x}'/>{pci(0, 3, i - 1, extra)}</controller>"
+      for i, extra in zip(range(1, 7), [" multifunction='on'"] + [""] * 5)),
+    f"<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/>{pci(1)}</interface>",
+    f"<memballoon model='virtio'>{pci(5)}</memballoon>",
+    f"<rng model='virtio'><backend model='random'>/dev/urandom</backend>{pci(6)}</rng>",
 ])
 
 
