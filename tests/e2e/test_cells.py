@@ -8,9 +8,10 @@ disk's backing file.  Devices without a PCI address (USB, SCSI and
 virtio-serial controllers, a balloon, a NIC, an RNG) sit next to the disks:
 libvirt places such devices on any free root port, and a cell's spare port
 must still be free after the define and after a `vstor apply`, which must
-change no device.  On q35 `vstor attach` of a
-disk of cell 1 lands on that cell's spare port, and a second one into the
-same cell is refused and changes nothing.
+change no device.  On q35 `vstor attach --persistent` of a disk of cell 1
+lands on that cell's spare port, and a second one into the same cell is
+refused and changes nothing; stopped, `vstor apply` places the added disk
+like the others, with a new spare, and the guest boots with it on cell 1.
 
 The host has one NUMA node: both cells are backed by host node 0 here; what
 is checked is the guest's view.  The expected cells are the ones the
@@ -228,20 +229,22 @@ def test_q35_vstor_puts_each_disk_on_its_cell_and_hot_plugs_into_the_spare(cells
         assert status[0]["status"] == "prepared" and all(s["problem"] is None for s in status[0]["steps"])
         assert sorted(status[0]["holding"]["sockets"]) == [f"{WORK}/vhost/{name}-{t}" for t in sorted(cold)]
 
-        said = vstor(cells_env, "attach", name, write(name, "vde", 1, paths["vde"]))
+        # --persistent: the definition gets the disk where the running domain has it.
+        said = vstor(cells_env, "attach", "--persistent", name, write(name, "vde", 1, paths["vde"]))
         assert "attached vde" in said, said
-        layout = pci_layout(dom.XMLDesc(0))
-        assert layout["cells"] == {0: [["vdc"], []], 1: [["vdb"], ["vdd"], ["vde"]]}, layout
-        assert plan_cells(dom.XMLDesc(0)) == {**cold, "vde": 1}
+        for xml in (dom.XMLDesc(0), dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)):
+            assert pci_layout(xml)["cells"] == {0: [["vdc"], []], 1: [["vdb"], ["vdd"], ["vde"]]}, xml
+            assert plan_cells(xml) == {**cold, "vde": 1}
 
         # Cell 1's spare is taken: a second disk there is refused, nothing changes.
-        live, held = dom.XMLDesc(0), record(name)
+        live, held = (dom.XMLDesc(0), dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)), record(name)
         qsds = daemons(name)
-        out = vstor_out(cells_env, "attach", name, write(name, "vdf", 1, extra))
+        out = vstor_out(cells_env, "attach", "--persistent", name, write(name, "vdf", 1, extra))
         assert out.returncode == 3 and "Traceback" not in out.stderr, out.stdout + out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and "no free PCI port" in out.stderr, out.stderr
         assert "guest cell 1" in out.stderr, out.stderr
-        assert dom.XMLDesc(0) == live and record(name) == held and daemons(name) == qsds
+        assert (dom.XMLDesc(0), dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)) == live
+        assert record(name) == held and daemons(name) == qsds
         assert not (WORK / "vhost" / f"{name}-vdf").exists()
 
         parsed = wait_for_marker(console, "DONE", dom, timeout=180)
@@ -249,6 +252,22 @@ def test_q35_vstor_puts_each_disk_on_its_cell_and_hot_plugs_into_the_spare(cells
         request.node.user_properties.append(("start_to_done_seconds", round(elapsed, 1)))
         check_guest(parsed, labels, {**cold, "vde": 1}, paths, seed)
         print(f"q35: start to DONE {elapsed:.1f}s, disks {parsed['disks']}, nodes {parsed['nodes']}")
+        stop(dom)
+        nothing_left(name)
+
+        # Stopped, `vstor apply` places the added disk as a cold one of cell 1,
+        # with a new spare behind it; the guest boots with all four on their cells.
+        vstor(cells_env, "apply", name)
+        inactive = libvirt_conn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        assert pci_layout(inactive) == {"cells": {0: [["vdc"], []], 1: [["vdb"], ["vdd"], ["vde"], []]},
+                                        "elsewhere": ELSEWHERE}
+        console.write_text("")      # QEMU appends to it
+        dom = libvirt_conn.lookupByName(name)
+        t0 = time.monotonic()
+        dom.create()
+        parsed = wait_for_marker(console, "DONE", dom, timeout=120)
+        request.node.user_properties.append(("second_start_to_done_seconds", round(time.monotonic() - t0, 1)))
+        check_guest(parsed, labels, {**cold, "vde": 1}, paths, seed)
         stop(dom)
         nothing_left(name)
     finally:
