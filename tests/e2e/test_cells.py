@@ -12,6 +12,8 @@ change no device.  On q35 `vstor attach --persistent` of a disk of cell 1
 lands on that cell's spare port, and a second one into the same cell is
 refused and changes nothing; stopped, `vstor apply` places the added disk
 like the others, with a new spare, and the guest boots with it on cell 1.
+On i440fx an attach is refused (QEMU hot-plugs nothing behind its expander
+bus) and changes nothing.
 
 The host has one NUMA node: both cells are backed by host node 0 here; what
 is checked is the guest's view.  The expected cells are the ones the
@@ -41,6 +43,7 @@ V = f"{{{NS}}}"
 # two in cell 1 (two root ports behind one q35 expander bus).
 COLD = (("vdb", 1), ("vdc", 0), ("vdd", 1))
 CELL_CPUS = {0: {0}, 1: {1}}          # two vCPUs, one per cell
+HOLD = 8                              # seconds the i440fx guest waits for a refused attach
 # Devices libvirt addresses itself, on q35 each on a root port: one of its
 # own, or the first free one there is, a cell's spare included.
 UNADDRESSED = ("<controller type='usb' model='qemu-xhci'/><controller type='scsi' model='virtio-scsi'/>"
@@ -281,7 +284,7 @@ def test_i440fx_vstor_puts_each_disk_on_its_cell(cells_env, libvirt_conn, guest_
     seed = 1 + int.from_bytes(uuid.uuid4().bytes[:3], "big")
     try:
         said = define(cells_env, name, annotated(name, guest_image, "pc", paths, job(
-            "write-verify", "vda,vdb,vdc", seed, SIZE, topology=True)), libvirt_conn)
+            "write-verify", "vda,vdb,vdc", seed, SIZE, hold=HOLD, topology=True)), libvirt_conn)
         assert "guest cells 0 on node 0, 1 on node 0" in said, said
         dom = libvirt_conn.lookupByName(name)
         inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
@@ -292,7 +295,18 @@ def test_i440fx_vstor_puts_each_disk_on_its_cell(cells_env, libvirt_conn, guest_
         applied_again(cells_env, name, libvirt_conn, inactive)
 
         t0 = started(dom, request)
-        parsed = wait_for_marker(WORK / f"{name}.console", "DONE", dom, timeout=120)
+        console = WORK / f"{name}.console"
+        wait_for_marker(console, "HOLD", dom, timeout=120)
+        # No hot-plug behind an i440fx expander bus (QEMU: "Bus ... does not
+        # support hotplugging"): refused before anything is made.
+        live, held, qsds = dom.XMLDesc(0), record(name), daemons(name)
+        out = vstor_out(cells_env, "attach", name, write(name, "vde", 1, backing(f"{name}-vde")))
+        assert dom.isActive(), "the guest's hold ended before the refusal: raise HOLD"
+        assert out.returncode == 3 and "Traceback" not in out.stderr, out.stdout + out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "i440fx" in out.stderr, out.stderr
+        assert dom.XMLDesc(0) == live and record(name) == held and daemons(name) == qsds
+
+        parsed = wait_for_marker(console, "DONE", dom, timeout=120)
         elapsed = time.monotonic() - t0
         request.node.user_properties.append(("start_to_done_seconds", round(elapsed, 1)))
         check_guest(parsed, labels, cold, paths, seed)
