@@ -107,6 +107,28 @@ def time_plan(host: Host, cfg: Config, count: int, repeat: int) -> float:
     return statistics.median(samples)
 
 
+SPREAD = """<domain type='kvm'><name>spread</name><memory unit='GiB'>8</memory><vcpu>8</vcpu>
+<metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'>{disks}</vstor:vstor></metadata>
+<devices/></domain>"""
+
+
+def time_spread(host: Host, cfg: Config, count: int, repeat: int, nodes: int) -> float:
+    """Median seconds for one plan of a guest whose `nodes` SPDK disks sit on
+    as many host nodes: one guest cell per node (vstor.planner.cells)."""
+    holdings_source = make_ledger(host, count).holdings
+    ctrls = [[c for c in host.controllers if c.numa_node == n][-1] for n in range(nodes)]
+    disks = "".join(f"<vstor:disk target='vd{chr(98 + i)}' backend='spdk'><vstor:nvme controller='{c.address}'/>"
+                    "</vstor:disk>" for i, c in enumerate(ctrls))
+    req = Request.from_domain(Domain.parse(SPREAD.format(disks=disks)))
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        plan = plan_domain(host, cfg, req, Ledger(holdings_source))
+        samples.append(time.perf_counter() - t0)
+    assert [c.node for c in plan.cells] == list(range(nodes)), plan.cells
+    return statistics.median(samples)
+
+
 def time_libvirt_ledger(count: int) -> tuple[float, float]:
     """Define `count` rendered vstor domains in libvirt's test driver, then time
     what `vstor plan DOMAIN` adds: loading the ledger from libvirt."""
@@ -151,10 +173,14 @@ def main() -> None:
     for count in COUNTS:
         ms = sanity.figure(f"large host, {count}", time_plan(large, cfg_large, count, repeat) * 1000)
         print(f"large host (8 nodes x 32 cores, 64 NVMe), {count:4d} domains in the ledger: {ms:.2f} ms")
+    one = time_plan(large, cfg_large, 500, repeat)
+    four = sanity.figure("four cells", time_spread(large, cfg_large, 500, repeat, 4) * 1000)
+    print(f"large host, 500 domains in the ledger, a guest with disks on 4 nodes (4 guest cells): "
+          f"{four:.2f} ms ({four / (one * 1000):.2f}x the one-node guest's plan)")
     _, load_s = time_libvirt_ledger(defined)
     ms = sanity.figure("libvirt ledger", load_s * 1000)
     print(f"loading the ledger from libvirt (test driver), {defined} defined vstor domains: {ms:.0f} ms")
-    sanity.finish(expected=2 + len(COUNTS))
+    sanity.finish(expected=3 + len(COUNTS))
 
 
 if __name__ == "__main__":

@@ -260,6 +260,35 @@ def test_a_hot_plugged_disk_goes_to_the_cell_of_its_devices_node(host_model):
     assert "names guest cell 2; domain 'vm1' has cells 0-1" in str(e.value)
 
 
+def test_preferred_cells_give_qemus_own_memory_one_node_as_libvirt_requires(host_model, conn, tmp_path):  # noqa: F811
+    host = host_model("two-socket")
+    disks = nvme("0000:3b:00.0", backend="qsd") + nvme("0000:5e:00.0", target="vdc", backend="qsd")
+    dom = Domain.parse(request_xml(disks, vm="<vstor:vm numa='preferred'/>"))
+    plan = plan_domain(host, SPDK_CFG, Request.from_domain(dom), Ledger())
+    parsed = accepted(conn, render(dom, plan).to_string(), tmp_path)
+    try:
+        assert parsed.find("numatune/memory").attrib == {"mode": "preferred", "nodeset": "0"}
+        assert [m.get("nodeset") for m in parsed.findall("numatune/memnode")] == ["0", "1"]
+    finally:
+        conn.lookupByName("vm1").undefine()
+
+
+def test_a_nova_instance_keeps_novas_cells_and_gets_none_of_vstors(host_model):
+    """Nova's flavor makes an instance's cells (hw:numa_nodes): vstor plans
+    one, and never adds expander buses, whatever cells Nova's XML has."""
+    xml = request_xml(qsd_file(), vm="<vstor:vm cpus='external' numa='none' hugepages='none'/>", vcpus=4,
+                      memory_mib=2048).replace(
+        "</os>", "</os><cpu><numa><cell id='0' cpus='0-1' memory='1048576' unit='KiB'/>"
+                 "<cell id='1' cpus='2-3' memory='1048576' unit='KiB'/></numa></cpu>")
+    nova = replace(Request.keeping_cells(Domain.parse(xml)), external_cpus=True)   # as a Nova domain's
+    assert not plan_domain(host_model("two-socket"), SPDK_CFG, nova, Ledger()).cells
+    asks = Domain.parse(xml.replace("numa='none'", "numa='none' cells='2'"))
+    with pytest.raises(BadInput) as e:
+        plan_domain(host_model("two-socket"), SPDK_CFG, replace(Request.from_domain(asks), external_cpus=True),
+                    Ledger())
+    assert "guest NUMA cells of a Nova instance are its flavor's" in str(e.value)
+
+
 # What libvirt 9.0 did with these devices, none with a PCI address, next to a
 # two-cell q35 guest of vstor's (tests/e2e/test_cells.py, real libvirtd): it
 # gave each a pcie-root-port of its own (the NIC pci.1, the USB controller

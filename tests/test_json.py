@@ -66,7 +66,8 @@ def test_host_show_json_is_the_documented_object(host_layout, cfg):
 
 def test_plan_json_is_the_documented_object_and_refuses_as_the_text_form(host_layout, cfg):
     found = set()
-    for name in ("vhost-nvmf-rdma-multipath", "vhost-local-nvme", "passthrough-guest-spdk", "qsd-file"):
+    for name in ("vhost-nvmf-rdma-multipath", "vhost-local-nvme", "passthrough-guest-spdk", "qsd-file",
+                 "vhost-two-nodes"):
         out = vstor("--config", cfg, "--host-root", host_layout("two-socket"), "plan", "--json",
                     os.path.join(TEMPLATES, f"{name}.xml"))
         assert out.returncode == 0, out.stderr

@@ -504,15 +504,17 @@ class Lab:
 # -- helpers -------------------------------------------------------------------------------
 
 def vstor_domain_xml(name: str, guest: Guest, disk: str | os.PathLike, cmdline_job: str, *,
-                     memory_mib: int = 256, target: str = "vdb") -> str:
+                     memory_mib: int = 256, target: str = "vdb", cells: bool = False) -> str:
     """The test guest with vstor metadata: shared CPUs, migratable, one
     qemu-storage-daemon disk on `disk` (vstor define renders the vhost-user
-    disk and the memfd shared memory that vhost-user needs)."""
+    disk and the memfd shared memory that vhost-user needs).  cells: two
+    guest NUMA cells (two vCPUs), the disk in cell 1."""
     root = etree.fromstring(domain_xml(name, guest, cmdline_job, memory_backing=None,
-                                       memory_mib=memory_mib))
+                                       memory_mib=memory_mib, vcpus=2 if cells else 1))
+    vm, at = ("cells='2' ", " cell='1'") if cells else ("", "")
     meta = etree.fromstring(
-        f"<metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared' migratable='yes'/>"
-        f"<vstor:disk target='{target}' backend='qsd'><vstor:file path='{disk}'/></vstor:disk>"
+        f"<metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm {vm}cpus='shared' migratable='yes'/>"
+        f"<vstor:disk target='{target}' backend='qsd'{at}><vstor:file path='{disk}'/></vstor:disk>"
         "</vstor:vstor></metadata>")
     root.insert(root.index(root.find("vcpu")) + 1, meta)
     return etree.tostring(root, encoding="unicode")

@@ -20,6 +20,7 @@ import warnings
 
 import libvirt
 import pytest
+from lxml import etree
 
 from .guest import loop_expected, loop_job, parse_loop, stop_loop
 from .libvirtd import read_console
@@ -104,13 +105,14 @@ def _stalled(text: str, seen: list) -> bool:
     return now - seen[1] > STALLED
 
 
-def start_on_a(lab: Lab, guest, name: str, seed: int) -> libvirt.virDomain:
+def start_on_a(lab: Lab, guest, name: str, seed: int, cells: bool = False) -> libvirt.virDomain:
     """Defined through `vstor define` on A and started there (A's hook prepares
     it); returns once the guest's writes are under way."""
     lab.forget(name)                             # a leftover of an interrupted run
     disk = lab.disk(name)
     src = lab.root / f"{name}.xml"
-    src.write_text(vstor_domain_xml(name, guest, disk, loop_job("vda", seed, REGION, timeout=300)))
+    src.write_text(vstor_domain_xml(name, guest, disk, loop_job("vda", seed, REGION, timeout=300),
+                                    cells=cells))
     out = lab.a.vstor("define", str(src))
     assert out.returncode == 0, out.stdout + out.stderr
     dom = lab.a.connect().lookupByName(name)
@@ -247,6 +249,48 @@ def test_live_migration_under_guest_writes(migration_lab, guest_image):
             assert result["rounds"] > parsed["progress"][-1][0]
             before = parse_loop(read_console(lab.a.console(name)))
             assert before["started"] is not None and not before["done"]
+            wait_released(lab.b, name)
+    finally:
+        lab.forget(name)
+
+
+def guest_topology(xml: str) -> tuple:
+    """What the guest sees of its NUMA layout: its cells, vstor's expander
+    buses and root ports (model, index, node, where plugged), and each disk's cell."""
+    from vstor.meta import topology
+    root = etree.fromstring(xml.encode())
+    cells = [(c.get("id"), c.get("cpus"), c.get("memory")) for c in root.iterfind("cpu/numa/cell")]
+    buses = [(c.get("model"), c.get("index"), c.findtext("target/node"),
+              c.find("address").get("bus") if c.find("address") is not None else None)
+             for c in root.iterfind("devices/controller")
+             if (c.find("alias") is not None and c.find("alias").get("name", "").startswith("ua-vstor-"))]
+    return cells, buses, topology.disk_cells(root, len(cells))
+
+
+@once_more_if_guest_lost
+def test_a_guest_with_two_cells_migrates_keeping_them(migration_lab, guest_image):
+    """The destination keeps the guest's cells and the expander bus its disk
+    sits behind (the guest's ABI; both labs' hosts have one node here)."""
+    lab, name, seed = migration_lab, "mig-cells", 2424
+    try:
+        dom = start_on_a(lab, guest_image, name, seed, cells=True)
+        before = guest_topology(dom.XMLDesc(0))
+        assert len(before[0]) == 2 and before[2] == (("vdb", 1),), before
+        prep = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname)
+        assert prep.returncode == 0, prep.stdout + prep.stderr
+        on_a = parse_loop(read_console(lab.a.console(name)))["progress"][-1][0]
+        with crash_is_loss(lab.b, name):
+            _seconds, error = lab.migrate(name, lab.a, lab.b)
+            assert error is None, f"the migration failed: {error}"
+            moved = lab.b.domain(name)
+            assert moved is not None and moved.isActive()
+            assert guest_topology(moved.XMLDesc(0)) == before
+            parsed = wait_rounds(lab.b, name, moved, on_a + 10, after_move=True)
+            assert parsed["started"] is None, "the guest started again on B"
+            wait_released(lab.a, name)
+            finish = lab.a.vstor("migrate", "finish", name, "--to", lab.b.hostname)
+            assert finish.returncode == 0, finish.stdout + finish.stderr
+            stop_and_verify(lab, lab.b, name, moved, seed, after_move=True)
             wait_released(lab.b, name)
     finally:
         lab.forget(name)

@@ -117,6 +117,8 @@ class CellPlan:
     vcpus: tuple[int, ...] = attr(CPULIST, required=True, default=())
     memory_kib: int = attr(Int(1, 2**50), required=True, default=1)
     hugepages: int = attr(Int(0, 2**40), default=0)    # pages of the plan's hugepage_kib
+    # The cell's node's housekeeping cores: its disks' qemu-storage-daemons run there.
+    emulator: tuple[int, ...] = attr(CPULIST, default=())
 
 
 @element("plan", ordered=True)
@@ -155,7 +157,8 @@ class Plan:
         without them gives the guest (node None: bound to no host node)."""
         if self.cells:
             return self.cells
-        return (_OneCell(0, self.node, tuple(range(self.vcpus)), self.memory_kib, self.hugepages),)
+        return (_OneCell(0, self.node, tuple(range(self.vcpus)), self.memory_kib, self.hugepages,
+                         self.emulator),)
 
     def disk_cell(self, disk: DiskPlan) -> CellPlan:
         cells = self.guest_cells()
@@ -176,3 +179,4 @@ class _OneCell:
     vcpus: tuple[int, ...]
     memory_kib: int
     hugepages: int
+    emulator: tuple[int, ...]

@@ -52,6 +52,9 @@ def problems(host, cfg, req, plan: Plan, choices, running, page_kib, grow) -> li
         if placed.vcpu_pins != mine:
             return [f"guest cell {c.id}: pins {format_cpulist(mine)} are not a placement vstor "
                     f"makes on node {c.node} (it would pin {format_cpulist(placed.vcpu_pins)})"]
+        if placed.emulator != c.emulator:
+            return [f"guest cell {c.id}: the plan runs its daemons on {format_cpulist(c.emulator)}, "
+                    f"node {c.node}'s housekeeping cores are {format_cpulist(placed.emulator)}"]
         emulator.update(placed.emulator)
         short = _memory(cfg, plan, c, node, taken, page_kib, grow)
         if short:

@@ -42,15 +42,19 @@ class Layout:
 
 def count(req, choices) -> int:
     """How many guest cells the domain gets (1: the one-node plan)."""
-    if req.fixed_cells:
-        return len(req.fixed_cells)
     vm = req.intent.vm
     explicit = [d.cell for d in req.intent.disks if d.cell is not None]
+    if vm.cpus == "external":
+        if vm.cells not in (None, "one", "1") or explicit:
+            raise BadInput(f"{req.who}: guest NUMA cells of a Nova instance are its flavor's "
+                           "(hw:numa_nodes), not vstor's", hint="leave cells and cell unset")
+        return 1        # Nova's flavor makes its cells, and Nova's XML keeps them
+    if req.fixed_cells:
+        return len(req.fixed_cells)
     nodes = len({c.node for c in choices if c.node is not None})
     if vm.cells is None:
-        if vm.cpus == "external" or vm.numa == "none":
-            if not explicit:
-                return 1        # Nova's flavor makes its cells; an unbound guest has no node
+        if vm.numa == "none" and not explicit:
+            return 1            # an unbound guest is on no node
         n = max(nodes if nodes > 1 else 1, max(explicit, default=0) + 1)
     elif vm.cells == "spread":
         n = max(nodes, 1, max(explicit, default=0) + 1)
@@ -58,9 +62,6 @@ def count(req, choices) -> int:
         n = 1 if vm.cells == "one" else int(vm.cells)
     if n == 1:
         return 1
-    if vm.cpus == "external":
-        raise BadInput(f"{req.who}: guest NUMA cells of a Nova instance are its flavor's "
-                       "(hw:numa_nodes), not vstor's", hint="leave cells and cell unset")
     if vm.numa == "none":
         raise BadInput(f"{req.who}: {n} guest NUMA cells with numa='none': a cell is bound "
                        "to a host node", hint="use numa='strict' or 'preferred', or cells='one'")
@@ -241,7 +242,7 @@ def _place_cell(host, cfg, req, taken: _Taken, k: int, node_id: int, lay: Layout
             return short
     taken.take(req.name, cpus.vcpu_pins + cpus.reserved, node_id, page_kib, pages,
                0 if page_kib else memory)
-    return CellPlan(k, node_id, vcpus, memory, pages), cpus
+    return CellPlan(k, node_id, vcpus, memory, pages, cpus.emulator), cpus
 
 
 def _count(n: int, noun: str) -> str:

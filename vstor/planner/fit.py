@@ -109,6 +109,9 @@ def _disks(cfg, req: Request, plan: Plan, choices, running: Ledger) -> list[str]
             if f.name not in ("reactor", "reasons", "cell") and getattr(now, f.name) != getattr(was, f.name):
                 out.append(f"{was.target}: the plan has {f.name} {_show(getattr(was, f.name))}, "
                            f"the metadata, host and config now give {_show(getattr(now, f.name))}")
+        if was.cell is not None and not plan.cells:
+            out.append(f"{was.target}: the plan puts it in guest cell {was.cell} of a guest "
+                       "with one cell")
         if was.socket and was.socket in running.sockets:
             out.append(f"{was.target}: socket {was.socket} belongs to running domain "
                        f"'{running.sockets[was.socket]}'")

@@ -80,7 +80,15 @@ def _records(node: Node):
 
 
 def make_plan(host: Host, cfg: Config, vm: Vm, ledger: Ledger) -> Plan:
-    return plan_domain(host, cfg, vm.req, ledger)
+    plan = plan_domain(host, cfg, vm.req, ledger)
+    if not plan.cells:
+        return plan
+    # What a guest with cells cannot get on Proxmox: a hostpciN line has no bus option.
+    disks = tuple(replace(d, reasons=d.reasons + (
+        f"in guest cell {plan.disk_cell(d).id} (host node {plan.disk_cell(d).node}), but on "
+        "qemu-server's own PCI buses (a hostpciN line has no bus option): the guest sees the "
+        "controller on no NUMA node",)) if d.mode == "passthrough" else d for d in plan.disks)
+    return replace(plan, disks=disks)
 
 
 def recorded_plan(vm: Vm) -> Plan:

@@ -152,7 +152,10 @@ def numatune(plan: Plan):
         return None
     cells = plan.guest_cells()
     nt = etree.Element("numatune")
-    etree.SubElement(nt, "memory", mode=plan.numa, nodeset=format_cpulist({c.node for c in cells}))
+    # QEMU's own allocations: on the cells' nodes (libvirt takes one node
+    # only for 'preferred': the first cell's)
+    nodes = [cells[0].node] if plan.numa == "preferred" else {c.node for c in cells}
+    etree.SubElement(nt, "memory", mode=plan.numa, nodeset=format_cpulist(nodes))
     for c in cells:
         etree.SubElement(nt, "memnode", cellid=str(c.id), mode=plan.numa, nodeset=str(c.node))
     return nt

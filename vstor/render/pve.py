@@ -3,7 +3,8 @@ decides nothing the plan does not say.
 
 vstor owns, in the main section only:
 - `numa`, `numa0`..`numa7`: one guest node on the plan's host node, every
-  vCPU, all memory, policy bind (strict) or preferred;
+  vCPU, all memory, policy bind (strict) or preferred; for a plan with
+  cells, `numaK` for each cell K: its vCPUs, its host node, its memory;
 - `hugepages`: the plan's page size (2 or 1024 MiB);
 - `affinity`: the plan's vCPU and emulator cores (Proxmox runs every QEMU
   thread on the set: it pins no single vCPU);
@@ -12,8 +13,10 @@ vstor owns, in the main section only:
   with Proxmox's grammar, vstor/formats/pve/grammar.py, and refused when a user's
   line hands the VM a controller vstor holds);
 - in `args`, a suffix of `-chardev socket,id=vstor-<disk>,...` and
-  `-device vhost-user-blk-pci,id=vstor-<disk>,...` pairs; the user's own
-  arguments before it are kept byte for byte.
+  `-device vhost-user-blk-pci,id=vstor-<disk>,...` pairs (for a plan with
+  cells: every -chardev, then the expander buses of vstor.render.pve_cells,
+  then every -device, each on its cell's bus); the user's own arguments
+  before it are kept byte for byte.
 Every other key is the user's.
 """
 
@@ -26,11 +29,12 @@ import shlex
 from vstor.errors import BadInput
 from vstor.formats.pve import grammar
 from vstor.formats.pve.config import PveConfig
-from vstor.formats.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of
+from vstor.formats.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of, vmid_of
 from vstor.formats.pve.words import shellwords
 from vstor.host.model import format_cpulist
 from vstor.meta.plan import Plan
 from vstor.records import field, record
+from vstor.render import pve_cells
 
 ID = "vstor-"
 PAGES = {2048: "2", 1048576: "1024"}
@@ -62,7 +66,9 @@ def render(conf: PveConfig, plan: Plan, previous: tuple[Plan, ...], qemu: tuple[
     hostpci lines are vstor's."""
     out = placement(plan)
     out.update(_hostpci(conf, plan, previous, vm, guard or Guard()))
-    out["args"] = merge_args(conf.get("args"), vhost_args(plan, qemu), vm)
+    machine = machine_of(conf)
+    pve_cells.check_machine(conf, plan, machine, vm)
+    out["args"] = merge_args(conf.get("args"), vhost_args(plan, qemu, machine), vm)
     return out
 
 
@@ -79,16 +85,11 @@ def drift(conf: PveConfig, plan: Plan, qemu: tuple[int, int], vm: int,
 
 def placement(plan: Plan) -> dict[str, str | None]:
     out: dict[str, str | None] = dict.fromkeys(NUMA_KEYS)
-    mib = plan.memory_kib // 1024
-    if plan.node is not None and (plan.hugepage_kib or plan.numa != "none"):
-        if plan.hugepage_kib and plan.node >= HUGEPAGE_NODES:
-            raise BadInput(f"{plan.domain}: hugepages on host node {plan.node}, which Proxmox cannot "
-                           "bind (qemu-server's hugepages_topology takes nodes 0-9 only)",
-                           hint=f"plan it again ({plan.domain} then lands on nodes 0-9)")
-        cpus = "0" if plan.vcpus == 1 else f"0-{plan.vcpus - 1}"
+    if plan.cells or (plan.node is not None and (plan.hugepage_kib or plan.numa != "none")):
         policy = "bind" if plan.numa == "strict" else "preferred"
         out["numa"] = "1"
-        out["numa0"] = f"cpus={cpus},hostnodes={plan.node},memory={mib},policy={policy}"
+        for cell in plan.guest_cells():
+            out[f"numa{cell.id}"] = _numa_line(plan, cell, policy)
     out["hugepages"] = PAGES.get(plan.hugepage_kib) if plan.hugepage_kib else None
     cores = set(plan.vcpu_pins) | set(plan.emulator) if plan.cpus == "dedicated" else \
         set(plan.shared_cpus) | set(plan.emulator)
@@ -99,13 +100,35 @@ def placement(plan: Plan) -> dict[str, str | None]:
     return out
 
 
-def vhost_args(plan: Plan, qemu: tuple[int, int]) -> list[str]:
-    """The -chardev/-device pairs of the plan's vhost disks, in plan order.
-    QEMU 9.2 replaced `reconnect` (seconds) with `reconnect-ms` and later
-    removed the old one."""
+def _numa_line(plan: Plan, cell, policy: str) -> str:
+    """numaK of one guest cell; refused (naming the cell) where qemu-server
+    would refuse it or start the VM otherwise than planned."""
+    which = f"{plan.domain}: guest cell {cell.id}: " if plan.cells else f"{plan.domain}: "
+    if plan.hugepage_kib and cell.node >= HUGEPAGE_NODES:
+        raise BadInput(f"{which}hugepages on host node {cell.node}, which Proxmox cannot "
+                       "bind (qemu-server's hugepages_topology takes nodes 0-9 only)",
+                       hint=f"plan it again ({plan.domain} then lands on nodes 0-9)")
+    unit = plan.hugepage_kib or 1024
+    if plan.cells and cell.memory_kib % max(unit, 1024):
+        size = f"{unit // 1024} MiB pages" if plan.hugepage_kib else "MiB"
+        raise BadInput(f"{which}{cell.memory_kib} KiB of memory is not a whole number of {size}, "
+                       "which a numaN line of Proxmox needs",
+                       hint=f"give the VM memory its cells can share evenly: qm set {vmid_of(plan.domain)} "
+                            "--memory ..., then apply again")
+    cpus = format_cpulist(cell.vcpus).replace(",", ";")     # Proxmox's list: 0-1;4-5
+    return f"cpus={cpus},hostnodes={cell.node},memory={cell.memory_kib // 1024},policy={policy}"
+
+
+def vhost_args(plan: Plan, qemu: tuple[int, int], machine: str = "pc") -> list[str]:
+    """The -chardev/-device pairs of the plan's vhost disks, in plan order;
+    for a plan with cells every -chardev, then the expander buses, then
+    every -device on its cell's bus.  QEMU 9.2 replaced `reconnect`
+    (seconds) with `reconnect-ms` and later removed the old one."""
     reconnect = (f"reconnect-ms={RECONNECT_SECONDS * 1000}" if qemu >= (9, 2)
                  else f"reconnect={RECONNECT_SECONDS}")
-    out: list[str] = []
+    buses, where = pve_cells.buses(plan, machine)
+    chardevs: list[str] = []
+    devices: list[str] = []
     for d in plan.disks:
         if d.mode != "vhost":
             continue
@@ -113,9 +136,12 @@ def vhost_args(plan: Plan, qemu: tuple[int, int]) -> list[str]:
             raise BadInput(f"vhost socket {d.socket!r} cannot go into a QEMU option",
                            hint="use letters, digits and _./+- in [paths] vhost_dir")
         name = f"{ID}{d.target}"
-        out += ["-chardev", f"socket,id={name},path={d.socket},{reconnect}",
-                "-device", f"vhost-user-blk-pci,id={name},chardev={name},num-queues={d.queues}"]
-    return out
+        chardevs += ["-chardev", f"socket,id={name},path={d.socket},{reconnect}"]
+        devices += ["-device", f"vhost-user-blk-pci,id={name},chardev={name},num-queues={d.queues}"
+                    + where.get(d.target, "")]
+    if not buses:
+        return [w for i in range(0, len(chardevs), 2) for w in chardevs[i:i + 2] + devices[i:i + 2]]
+    return chardevs + [w for b in buses for w in ("-device", b)] + devices
 
 
 def has_vstor_args(args: str | None) -> bool:
@@ -151,23 +177,8 @@ def _split(text: str, what: str, vm: int) -> list[str]:
     return words
 
 
-_CHARDEV = re.compile(r"socket,id=vstor-(vd[a-z]{1,3}),path=/[A-Za-z0-9_./+-]+,reconnect(-ms)?=[0-9]{1,9}")
-_DEVICE = re.compile(r"vhost-user-blk-pci,id=vstor-(vd[a-z]{1,3}),chardev=vstor-\1,num-queues=[0-9]{1,2}")
-_OUR_ID = re.compile(r"(^|,)(id|chardev)=" + ID + r"|\"(id|chardev)\"\s*:\s*\"" + ID)
-
-
-def _check_vstor_part(tokens: list[str], vm: int) -> None:
-    """vstor's suffix: only pairs exactly as vstor writes them."""
-    for i in range(0, len(tokens), 4):
-        group = tokens[i:i + 4]
-        chardev = len(group) > 1 and group[0] == "-chardev" and _CHARDEV.fullmatch(group[1])
-        device = len(group) > 3 and group[2] == "-device" and _DEVICE.fullmatch(group[3])
-        if not (chardev and device and chardev.group(1) == device.group(1)):
-            said = " ".join(group)[:60]
-            raise BadInput(f"VM {vm}: args has '{said}' among the arguments with vstor's id prefix "
-                           f"'{ID}', which vstor did not write",
-                           hint="vstor's -chardev/-device pairs come last: put your own arguments "
-                                "before them, with ids of your own, then apply again")
+_OUR_ID = re.compile(r"(^|,)(id|chardev|bus)=" + ID + r"|\"(id|chardev|bus)\"\s*:\s*\"" + ID)
+_check_vstor_part = pve_cells.check_vstor_part
 
 
 def _check_user_part(tokens: list[str], vm: int) -> None:

@@ -50,5 +50,5 @@ def build(plan: Plan, cfg: Config) -> list[Step]:
                 run_dir=cfg.qsd_dir, name=disk.vhost_name, source=path, kind=kind,
                 socket_path=disk.socket, readonly=disk.readonly, queues=disk.queues,
                 qemu_user=cfg.qemu_user, qemu_group=cfg.qemu_group,
-                cpus=tuple(plan.emulator))))
+                cpus=tuple(plan.disk_cell(disk).emulator))))   # its cell's node's
     return out
