@@ -320,8 +320,13 @@ def test_vstors_controllers_leave_an_index_for_every_device_libvirt_has_yet_to_a
     assert [(d.target, d.cell) for d in plan.disks] == [("vdb", 1), ("vdc", 0), ("vdd", 1)]
     assert vstor_controllers(render(dom, plan))[0] == ("7", "pcie-expander-bus", "ua-vstor-cell0")
     # model='none': no device, no port (what the e2e guests have)
-    dom, plan = two_cell_domain(host_model, "<controller type='usb' model='none'/><memballoon model='none'/>")
+    none = "<controller type='usb' model='none'/><memballoon model='none'/>"
+    dom, plan = two_cell_domain(host_model, none)
     assert vstor_controllers(render(dom, plan))[0][0] == "1"
+    # A virtio tablet is a PCI device (libvirt 9.0 put one on cell 0's spare); a USB one is not.
+    dom, plan = two_cell_domain(host_model, none + "<input type='tablet' bus='virtio'/>"
+                                "<input type='keyboard' bus='usb'/><input type='mouse' bus='ps2'/>")
+    assert vstor_controllers(render(dom, plan))[0][0] == "2"
 
 
 # The same domain as libvirt 9.0 returned it after the define (its own

@@ -111,6 +111,8 @@ def _waits_for_port(e) -> bool:
         return False
     if e.tag == "controller":
         return e.get("type") in ("usb", "scsi", "virtio-serial")
+    if e.tag == "input":
+        return e.get("bus") == "virtio"
     return e.tag not in _NOT_PCI
 
 
