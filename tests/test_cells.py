@@ -21,6 +21,7 @@ from vstor.meta.intent import DiskIntent, NvmeSource
 from vstor.planner.hotplug import plan_attach
 from vstor.planner.ledger import Holding, Ledger
 from vstor.records import replace
+from vstor.render import buses
 from vstor.render.libvirt import render
 
 CFG3 = Config(reactors=(7, 15, 23))
@@ -369,3 +370,24 @@ def test_a_domain_libvirt_has_addressed_renders_to_the_same_controllers(host_mod
     assert addresses == {e.find("target").get("dev"): etree.tostring(e.find("address"))
                          for e in first.root.iterfind("devices/disk")}
     assert len(again.root.findall("devices/controller[@model='pcie-root-port']")) == 6 + 5
+
+
+def test_vstors_controllers_keep_their_indices_below_controllers_libvirt_added_above_them():
+    """libvirt 9.0, a two-cell guest of vstor's (its controllers 11-17) with
+    an i6300esb watchdog (conventional PCI) and an ISA panic device: libvirt
+    added root ports 1-10 and 18 and, for the watchdog, a pcie-to-pci-bridge
+    19 on port 1.  vstor apply put its controllers above those (at 21, and
+    libvirt filled 11-20 with root ports) before."""
+    devices = etree.fromstring(
+        "<devices><controller type='pci' index='0' model='pcie-root'/>"
+        + "".join(f"<controller type='pci' index='{i}' model='pcie-root-port'>{pci(0, 4 + i // 8, i % 8)}"
+                  "</controller>" for i in (*range(1, 11), 18))
+        + f"<controller type='pci' index='19' model='pcie-to-pci-bridge'>{pci(1)}</controller>"
+        + f"<watchdog model='i6300esb' action='reset'>{pci(0x13, 1)}</watchdog><panic model='isa'/>"
+        + f"<memballoon model='virtio'>{pci(6)}</memballoon><controller type='usb' model='none'/></devices>")
+    assert buses.first_index(devices, True, 7) == 11
+    assert buses.first_index(devices, True, 8) == 20    # one more than fits below the bridge: above it
+    devices.append(etree.fromstring("<rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>"))
+    assert buses.first_index(devices, True, 6) == 12    # a free index below for the RNG's port
+    assert buses.first_index(devices, True, 7) == 20
+
