@@ -3,9 +3,11 @@ model read from sysfs (which node each CPU, controller and hugepage pool is
 on), libvirt's own parser and schema for what is rendered, and the start
 check, on layouts with disks on two and three nodes."""
 
+import copy
 import random
 
 import pytest
+from lxml import etree
 
 from tests.test_libvirt_accepts import accepted, conn  # noqa: F401  (libvirt's test driver)
 from tests.test_planner import SPDK_CFG, nvme, qsd_file, request
@@ -19,6 +21,7 @@ from vstor.meta.intent import DiskIntent, NvmeSource
 from vstor.planner.hotplug import plan_attach
 from vstor.planner.ledger import Holding, Ledger
 from vstor.records import replace
+from vstor.render import buses
 from vstor.render.libvirt import render
 
 CFG3 = Config(reactors=(7, 15, 23))
@@ -285,3 +288,106 @@ def test_a_nova_instance_keeps_novas_cells_and_gets_none_of_vstors(host_model):
         plan_domain(host_model("two-socket"), SPDK_CFG, replace(Request.from_domain(asks), external_cpus=True),
                     Ledger())
     assert "guest NUMA cells of a Nova instance are its flavor's" in str(e.value)
+
+
+# What libvirt 9.0 did with these devices, none with a PCI address, next to a
+# two-cell q35 guest of vstor's (tests/e2e/test_cells.py, real libvirtd): it
+# gave each a pcie-root-port of its own (the NIC pci.1, the USB controller
+# pci.2, SCSI pci.3, virtio-serial pci.4, the balloon pci.5, the RNG pci.6),
+# filling the indices below vstor's first controller, or else taking the first
+# free port there is: a cell's spare.
+UNADDRESSED = ("<controller type='usb' model='qemu-xhci'/><controller type='scsi' model='virtio-scsi'/>"
+               "<controller type='virtio-serial'/><memballoon model='virtio'/>"
+               "<interface type='user'><model type='virtio'/></interface>"
+               "<rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>")
+TWO_CELLS_FILES = (qsd_file("/var/lib/vstor/images/b.raw", cell="1")
+                   + qsd_file("/var/lib/vstor/images/c.raw", target="vdc", cell="0")
+                   + qsd_file("/var/lib/vstor/images/d.raw", target="vdd", cell="1"))
+
+
+def two_cell_domain(host_model, devices: str):
+    xml = request_xml(TWO_CELLS_FILES, vm="<vstor:vm cells='2' cpus='shared'/>", vcpus=2, memory_mib=256)
+    dom = Domain.parse(xml.replace("<devices/>", f"<devices>{devices}</devices>"))
+    return dom, plan_domain(host_model("laptop"), Config(), Request.from_domain(dom), Ledger())
+
+
+def vstor_controllers(dom) -> list[tuple]:
+    return [(c.get("index"), c.get("model"), c.find("alias").get("name"))
+            for c in dom.root.iterfind("devices/controller[@type='pci']") if c.find("alias") is not None]
+
+
+def test_vstors_controllers_leave_an_index_for_every_device_libvirt_has_yet_to_address(host_model):
+    dom, plan = two_cell_domain(host_model, UNADDRESSED)
+    assert [(d.target, d.cell) for d in plan.disks] == [("vdb", 1), ("vdc", 0), ("vdd", 1)]
+    assert vstor_controllers(render(dom, plan))[0] == ("7", "pcie-expander-bus", "ua-vstor-cell0")
+    # model='none': no device, no port (what the e2e guests have)
+    none = "<controller type='usb' model='none'/><memballoon model='none'/>"
+    dom, plan = two_cell_domain(host_model, none)
+    assert vstor_controllers(render(dom, plan))[0][0] == "1"
+    # A virtio tablet is a PCI device (libvirt 9.0 put one on cell 0's spare); a USB one is not.
+    dom, plan = two_cell_domain(host_model, none + "<input type='tablet' bus='virtio'/>"
+                                "<input type='keyboard' bus='usb'/><input type='mouse' bus='ps2'/>")
+    assert vstor_controllers(render(dom, plan))[0][0] == "2"
+
+
+# The same domain as libvirt 9.0 returned it after the define (its own
+# controllers and the devices' addresses; vstor's controllers as it rendered them).
+def pci(bus: int, slot: int = 0, function: int = 0, extra: str = "") -> str:
+    return (f"<address type='pci' domain='0x0000' bus='0x{bus:02x}' slot='0x{slot:02x}'"
+            f" function='0x{function:x}'{extra}/>")
+
+
+LIBVIRT_ADDRESSED = "".join([
+    f"<controller type='usb' index='0' model='qemu-xhci'>{pci(2)}</controller>",
+    f"<controller type='scsi' index='0' model='virtio-scsi'>{pci(3)}</controller>",
+    f"<controller type='virtio-serial' index='0'>{pci(4)}</controller>",
+    f"<controller type='sata' index='0'>{pci(0, 0x1f, 2)}</controller>",
+    "<controller type='pci' index='0' model='pcie-root'/>",
+    *(f"<controller type='pci' index='{i}' model='pcie-root-port'><model name='pcie-root-port'/>"
+      f"<target chassis='{i}' port='0x{0x17 + i:x}'/>{pci(0, 3, i - 1, extra)}</controller>"
+      for i, extra in zip(range(1, 7), [" multifunction='on'"] + [""] * 5)),
+    f"<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/>{pci(1)}</interface>",
+    f"<memballoon model='virtio'>{pci(5)}</memballoon>",
+    f"<rng model='virtio'><backend model='random'>/dev/urandom</backend>{pci(6)}</rng>",
+])
+
+
+def test_a_domain_libvirt_has_addressed_renders_to_the_same_controllers(host_model):
+    """vstor apply of a defined domain: its controllers come back at the
+    indices libvirt holds (they grew by three root ports per apply before)."""
+    dom, plan = two_cell_domain(host_model, UNADDRESSED)
+    first = render(dom, plan)
+    devices = etree.fromstring(f"<devices>{LIBVIRT_ADDRESSED}</devices>")
+    for e in first.root.find("devices"):
+        if e.tag == "disk" or e.find("alias") is not None:      # vstor's, as libvirt kept them
+            devices.append(copy.deepcopy(e))
+    again_dom = copy.deepcopy(first.root)
+    again_dom.replace(again_dom.find("devices"), devices)
+    again = render(Domain(again_dom, "libvirt's XML"), plan)
+    assert vstor_controllers(again) == vstor_controllers(first)
+    addresses = {e.find("target").get("dev"): etree.tostring(e.find("address"))
+                 for e in again.root.iterfind("devices/disk")}
+    assert addresses == {e.find("target").get("dev"): etree.tostring(e.find("address"))
+                         for e in first.root.iterfind("devices/disk")}
+    assert len(again.root.findall("devices/controller[@model='pcie-root-port']")) == 6 + 5
+
+
+def test_vstors_controllers_keep_their_indices_below_controllers_libvirt_added_above_them():
+    """libvirt 9.0, a two-cell guest of vstor's (its controllers 11-17) with
+    an i6300esb watchdog (conventional PCI) and an ISA panic device: libvirt
+    added root ports 1-10 and 18 and, for the watchdog, a pcie-to-pci-bridge
+    19 on port 1.  vstor apply put its controllers above those (at 21, and
+    libvirt filled 11-20 with root ports) before."""
+    devices = etree.fromstring(
+        "<devices><controller type='pci' index='0' model='pcie-root'/>"
+        + "".join(f"<controller type='pci' index='{i}' model='pcie-root-port'>{pci(0, 4 + i // 8, i % 8)}"
+                  "</controller>" for i in (*range(1, 11), 18))
+        + f"<controller type='pci' index='19' model='pcie-to-pci-bridge'>{pci(1)}</controller>"
+        + f"<watchdog model='i6300esb' action='reset'>{pci(0x13, 1)}</watchdog><panic model='isa'/>"
+        + f"<memballoon model='virtio'>{pci(6)}</memballoon><controller type='usb' model='none'/></devices>")
+    assert buses.first_index(devices, True, 7) == 11
+    assert buses.first_index(devices, True, 8) == 20    # one more than fits below the bridge: above it
+    devices.append(etree.fromstring("<rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>"))
+    assert buses.first_index(devices, True, 6) == 12    # a free index below for the RNG's port
+    assert buses.first_index(devices, True, 7) == 20
+

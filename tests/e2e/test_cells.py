@@ -1,263 +1,333 @@
-"""A guest with two NUMA cells and vhost-user-blk disks on both, each disk
-behind a PCI expander bus of its cell (real libvirtd, QEMU under TCG and
-qemu-storage-daemon): the guest kernel must see each disk's PCI device on
-that disk's node and each node with its CPUs, and the data it writes through
-every disk must land in its backing file; on q35 a disk hot-plugged onto a
-spare root port of a cell lands on that cell too.
+"""A guest with two NUMA cells whose domain XML vstor renders: an annotated
+domain with <vstor:vm cells='2'> and qsd file disks naming their cells,
+defined with `vstor define`, started through the real libvirtd (vstor's
+hook starts the qemu-storage-daemons), booted under TCG.  Inside the guest
+each disk's PCI device must report its cell as numa_node and each node its
+vCPUs, and the data the guest writes through every disk must be in that
+disk's backing file.  Devices without a PCI address (USB, SCSI and
+virtio-serial controllers, a balloon, a NIC, an RNG, a virtio tablet, a
+watchdog, a panic device) sit next to the disks: libvirt places such
+devices on any free root port, and a cell's spare port must still be free
+after the define and after a `vstor apply`, which must change no device.
+On q35 `vstor attach --persistent` of a disk of cell 1 lands on that cell's
+spare port, and a second one into the same cell is refused and changes
+nothing; stopped, `vstor apply` places the added disk like the others, with
+a new spare, and the guest boots with it on cell 1.  On i440fx an attach is
+refused (QEMU hot-plugs nothing behind its expander bus) and changes
+nothing.
 
 The host has one NUMA node: both cells are backed by host node 0 here; what
-is checked is the guest's view.  The domain XML comes from cells_domain_xml()
-alone."""
+is checked is the guest's view.  The expected cells are the ones the
+annotations ask for, not read back from vstor's output."""
 from __future__ import annotations
 
 import hashlib
-import os
-import pwd
+import json
 import shutil
-import signal
 import subprocess
-import tempfile
+import sys
 import time
 import uuid
-from pathlib import Path
-from xml.sax.saxutils import escape, quoteattr
 
 import libvirt
 import pytest
 from lxml import etree
 
-from .guest import Guest, expected_pattern, job, label_disk, parse_console
-from .libvirtd import read_console, wait_shutoff
+from .guest import domain_xml, expected_pattern, job, label_disk
+from .test_hook import ROOT, SIZE, WORK, backing, cleanup, nothing_left, stop, vstor, wait_for_marker
+from .test_hotplug import daemons
 
-SIZE = 1 << 20
-CELL_MIB = 128
-QEMU_USER = "libvirt-qemu"
-# Two cells of one vCPU each; the disks on them out of order, so that
-# neither the guest's probe order nor target names line up by accident, and
-# two on one cell (two root ports behind one q35 expander bus).
-CELLS = ((0,), (1,))
-DISK_CELLS = (1, 0, 1)
-
-
-@pytest.fixture
-def workdir():
-    path = Path(tempfile.mkdtemp(prefix="vstor-e2e-cells-", dir="/tmp"))
-    path.chmod(0o755)    # QEMU (libvirt-qemu) must reach the sockets
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def exports(workdir: Path):
-    """export(i, label) -> (file, socket): a 64 MiB raw file carrying `label`
-    after the job's region, served by its own qemu-storage-daemon."""
-    pids = []
-
-    def export(i: int, label: str) -> tuple[Path, Path]:
-        disk, sock, pidfile = workdir / f"disk{i}.raw", workdir / f"vhost{i}.sock", workdir / f"qsd{i}.pid"
-        with open(disk, "wb") as f:
-            f.truncate(64 << 20)
-        label_disk(disk, SIZE, label)
-        qsd = subprocess.run([
-            "qemu-storage-daemon",
-            "--blockdev", f"driver=file,node-name=file0,filename={disk}",
-            "--blockdev", "driver=raw,node-name=disk0,file=file0",
-            "--export", f"type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=unix,"
-                        f"addr.path={sock},writable=on",
-            "--pidfile", str(pidfile), "--daemonize",
-        ], capture_output=True, text=True)
-        assert qsd.returncode == 0, f"qemu-storage-daemon failed: {qsd.stderr}"
-        pids.append(int(pidfile.read_text()))
-        qemu = pwd.getpwnam(QEMU_USER)
-        os.chown(sock, qemu.pw_uid, qemu.pw_gid)
-        sock.chmod(0o660)
-        return disk, sock
-
-    yield export
-    for pid in pids:
-        _stop(pid)
+NS = "https://vstor.dev/xmlns/domain/1"
+V = f"{{{NS}}}"
+# Cold disks by target and the cell each asks for: out of order, so that
+# neither the guest's probe order nor the targets line up by accident, and
+# two in cell 1 (two root ports behind one q35 expander bus).
+COLD = (("vdb", 1), ("vdc", 0), ("vdd", 1))
+CELL_CPUS = {0: {0}, 1: {1}}          # two vCPUs, one per cell
+HOLD = 8                              # seconds the i440fx guest waits for a refused attach
+# Devices libvirt addresses itself, on q35 each on a root port: one of its
+# own, or the first free one there is, a cell's spare included.
+UNADDRESSED = ("<controller type='usb' model='qemu-xhci'/><controller type='scsi' model='virtio-scsi'/>"
+               "<controller type='virtio-serial'/><memballoon model='virtio'/>"
+               "<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/></interface>"
+               "<rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>"
+               "<input type='tablet' bus='virtio'/><watchdog model='i6300esb'/><panic model='isa'/>")
+ELSEWHERE = ["controller-scsi", "controller-usb", "controller-virtio-serial", "input", "interface", "memballoon",
+             "rng", "watchdog"]
+# q35: libvirt adds a pcie-to-pci-bridge for the (conventional PCI) watchdog,
+# with an index above vstor's controllers.
+ELSEWHERE_Q35 = sorted(ELSEWHERE + ["controller-pci"])
 
 
-def _stop(pid: int, timeout: float = 10) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+@pytest.fixture(scope="module")
+def cells_env(libvirt_daemons):
+    """test_hook's vstor_env, with housekeeping cores for shared vCPUs."""
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
+    WORK.chmod(0o755)
+    conf = WORK / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {WORK}/state\nvhost_dir = {WORK}/vhost\nqsd_dir = {WORK}/qsd\n"
+                    f"images = {WORK}\n[cpu]\nhousekeeping = 0-1\nreactors =\n")
+    from vstor.cli.hooks import render_hook
+    libvirt_daemons.install_hook("vstor", render_hook(str(conf)))
+    yield conf
+    shutil.rmtree(WORK, ignore_errors=True)
 
 
-def vhost_disk_xml(sock: Path, dev: str, bus: int, slot: int) -> str:
-    return f"""<disk type='vhostuser' device='disk'>
-      <driver name='qemu' type='raw' queues='1'/>
-      <source type='unix' path={quoteattr(str(sock))}><reconnect enabled='yes' timeout='10'/></source>
-      <target dev='{dev}' bus='virtio'/>
-      <address type='pci' bus='{bus}' slot='{slot}' function='0'/>
-    </disk>"""
+def annotated(name: str, guest, machine: str, disks: dict[str, str], guest_job: str) -> str:
+    """The test guest (2 vCPUs, 256 MiB) with <vstor:vm cells='2'> and a qsd
+    file disk per target in `disks` ({target: path}, cells from COLD)."""
+    root = etree.fromstring(domain_xml(name, guest, guest_job, vcpus=2, machine=machine,
+                                       memory_backing=None, console_log=WORK / f"{name}.console"))
+    devices = root.find("devices")
+    for e in devices.findall("controller[@type='usb']") + devices.findall("memballoon"):
+        devices.remove(e)       # model='none' in the kit's domain: these get devices
+    devices.extend(etree.fromstring(f"<x>{UNADDRESSED}</x>"))
+    meta = etree.Element("metadata")
+    root.insert(1, meta)
+    top = etree.SubElement(meta, V + "vstor", nsmap={"vstor": NS})
+    etree.SubElement(top, V + "vm", cells="2", cpus="shared", numa="strict")
+    for target, cell in COLD:
+        top.append(etree.fromstring(disk_intent(target, cell, disks[target])))
+    return etree.tostring(root, encoding="unicode")
 
 
-def cells_domain_xml(name: str, guest: Guest, cmdline_job: str, machine: str,
-                     cells: tuple[tuple[int, ...], ...], disks: list[tuple[Path | None, int]],
-                     console: Path) -> str:
-    """A TCG domain with one guest cell per entry of `cells` (its vCPUs, all
-    memory bound to host node 0) and a vhost-user-blk disk per (socket, cell)
-    of `disks`, behind an expander bus of that cell: on q35 a
-    pcie-expander-bus with a pcie-root-port per disk (socket None: the port
-    alone, alias ua-vstor-portN, for a disk hot-plugged later), on pc a
-    pci-expander-bus with the disks in its slots.  Controller indices follow
-    pcie-root/pci-root (0) without gaps (libvirt fills a gap with controllers
-    of its own), each parent before its children (QEMU: "Bus ... not found").
-    Each expander bus gets a busNr with room for its own bus and one per root
-    port behind it, from 255 down: libvirt 9.0 leaves only two bus numbers per
-    expander bus, and a guest with two root ports behind one never gets past
-    its firmware."""
-    vcpus = sum(len(c) for c in cells)
-    cell_xml = "".join(
-        f"<cell id='{i}' cpus='{','.join(map(str, c))}' memory='{CELL_MIB}' unit='MiB' memAccess='shared'/>"
-        for i, c in enumerate(cells))
-    memnodes = "".join(f"<memnode cellid='{i}' mode='strict' nodeset='0'/>" for i in range(len(cells)))
-    model = {"q35": "pcie-expander-bus", "pc": "pci-expander-bus"}[machine]
-    controllers, disk_xml = [], []
-    bus_of_cell, top = {}, 256
-    for i in range(len(cells)):
-        ports = sum(1 for _, cell in disks if cell == i) if machine == "q35" else 1
-        top -= 1 + ports
-        bus_of_cell[i] = index = len(controllers) + 1
-        controllers.append(f"<controller type='pci' index='{index}' model='{model}'>"
-                           f"<alias name='ua-vstor-cell{i}'/>"
-                           f"<target busNr='{top}'><node>{i}</node></target></controller>")
-    for n, (sock, cell) in enumerate(disks):
-        # The n-th disk of its cell: that slot of the cell's bus, or of its root port.
-        bus, slot = bus_of_cell[cell], sum(1 for _, c in disks[:n] if c == cell)
-        if machine == "q35":
-            controllers.append(f"<controller type='pci' index='{len(controllers) + 1}' model='pcie-root-port'>"
-                               f"<alias name='ua-vstor-port{n}'/>"
-                               f"<address type='pci' bus='{bus}' slot='{slot}' function='0'/></controller>")
-            bus, slot = len(controllers), 0
-        if sock is not None:
-            disk_xml.append(vhost_disk_xml(sock, f"vd{chr(ord('a') + n)}", bus, slot))
-    cmdline = f"console=ttyS0 panic=-1 quiet printk.devkmsg=on {cmdline_job}"
-    return f"""<domain type='qemu'>
-  <name>{escape(name)}</name>
-  <memory unit='MiB'>{CELL_MIB * len(cells)}</memory>
-  <memoryBacking><source type='memfd'/><access mode='shared'/></memoryBacking>
-  <vcpu>{vcpus}</vcpu>
-  <numatune><memory mode='strict' nodeset='0'/>{memnodes}</numatune>
-  <os>
-    <type arch='x86_64' machine='{machine}'>hvm</type>
-    <kernel>{escape(str(guest.kernel))}</kernel>
-    <initrd>{escape(str(guest.initrd))}</initrd>
-    <cmdline>{escape(cmdline)}</cmdline>
-  </os>
-  <features><acpi/></features>
-  <cpu><topology sockets='{len(cells)}' dies='1' cores='{vcpus // len(cells)}' threads='1'/>
-    <numa>{cell_xml}</numa></cpu>
-  <clock offset='utc'/>
-  <on_poweroff>destroy</on_poweroff>
-  <on_reboot>destroy</on_reboot>
-  <on_crash>destroy</on_crash>
-  <devices>
-    <console type='file'><source path={quoteattr(str(console))}/><target type='serial'/></console>
-    <controller type='usb' model='none'/>
-    <memballoon model='none'/>
-    {"".join(controllers)}
-    {"".join(disk_xml)}
-  </devices>
-</domain>
-"""
+def disk_intent(target: str, cell: int, path: str) -> str:
+    return (f"<vstor:disk xmlns:vstor='{NS}' target='{target}' backend='qsd' cell='{cell}'>"
+            f"<vstor:file path='{path}'/></vstor:disk>")
 
 
-@pytest.fixture
-def domain(libvirt_conn):
-    """Defines domains from XML; destroys and undefines them afterwards."""
-    defined = []
-
-    def define(xml: str):
-        dom = libvirt_conn.defineXML(xml)
-        defined.append(dom.name())
-        return dom
-
-    yield define
-    for name in defined:
-        dom = libvirt_conn.lookupByName(name)
-        if dom.isActive():
-            dom.destroy()
-        dom.undefine()
-
-
-def labelled_exports(exports, cells: tuple[int, ...]) -> tuple[list[str], list[Path], list[Path]]:
-    """One export per entry of `cells` (the cell its disk goes to): labels, files, sockets."""
+def labelled(name: str, targets) -> tuple[dict[str, str], dict[str, str]]:
+    """A backing file per target, each with its own label: ({target: path}, {target: label})."""
     tag = uuid.uuid4().hex[:8]
-    labels = [f"disk{n}-cell{cell}-{tag}" for n, cell in enumerate(cells)]
-    files, socks = zip(*(exports(n, label) for n, label in enumerate(labels)))
-    return labels, list(files), list(socks)
+    paths = {t: backing(f"{name}-{t}") for t in targets}
+    labels = {t: f"{t}-{tag}" for t in targets}
+    for t in targets:
+        label_disk(paths[t], SIZE, labels[t])
+    return paths, labels
 
 
-def check_guest(log: str, labels: list[str], disk_cells: tuple[int, ...], files: list[Path],
-                seed: int) -> dict:
-    """The topology job's report and the backing files, judged: each label
-    (each backing file) seen through a PCI device on its disk's cell, each
-    cell with its CPUs, the pattern written and read through every disk and
-    found in every file."""
-    result = parse_console(log)
-    assert result["done"] and not result["fail"], log[-3000:]
+def vstor_out(conf, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vstor.cli.main", "--config", str(conf), *args],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def pci_layout(xml: str) -> dict[str, object]:
+    """What libvirt made of the PCI topology: {'cells': {cell: [the
+    device names (disk target, controller-TYPE or element tag) on each of its
+    root ports, in port order] (i440fx: [the devices on its expander bus])},
+    'elsewhere': [devices on no controller of vstor's but pcie.0/pci.0's
+    built-ins]}."""
+    devices = etree.fromstring(xml).find("devices")
+    controllers = {int(c.get("index")): c for c in devices.iterfind("controller[@type='pci']")}
+    on: dict[int, list[str]] = {}
+    for e in devices:
+        a = e.find("address[@type='pci']")
+        if a is None or e.get("model") in ("pcie-root-port", "pcie-expander-bus", "pci-expander-bus"):
+            continue        # (bridges count: a device libvirt adds one for takes a port)
+        what = {"disk": lambda: e.find("target").get("dev"),
+                "controller": lambda: f"controller-{e.get('type')}"}.get(e.tag, lambda: e.tag)()
+        on.setdefault(int(a.get("bus"), 0), []).append(what)
+
+    def alias(index: int) -> str:
+        found = controllers[index].find("alias")
+        return found.get("name") if found is not None else ""
+
+    cells: dict[int, list] = {}
+    for index, c in sorted(controllers.items()):
+        if c.get("model") in ("pcie-expander-bus", "pci-expander-bus"):
+            node = int(c.find("target/node").text)
+            assert alias(index) == f"ua-vstor-cell{node}", etree.tostring(c)
+            if c.get("model") == "pcie-expander-bus":
+                ports = [i for i, p in sorted(controllers.items()) if p.get("model") == "pcie-root-port"
+                         and int(p.find("address").get("bus"), 0) == index]
+                assert all(alias(i).startswith(f"ua-vstor-cell{node}-port") for i in ports)
+                cells[node] = [sorted(on.get(i, [])) for i in ports]
+            else:
+                cells[node] = sorted(on.get(index, []))
+    mine = {i for i in controllers if alias(i).startswith("ua-vstor-")}
+    elsewhere = sorted(d for bus, ds in on.items() if bus not in mine for d in ds
+                       if d not in ("controller-sata", "controller-ide"))     # the chipset's
+    return {"cells": cells, "elsewhere": elsewhere}
+
+
+def check_guest(parsed: dict, labels: dict[str, str], cells: dict[str, int], paths: dict[str, str],
+                seed: int) -> None:
+    """Each label (each backing file) seen through a PCI device on its
+    disk's cell, each cell with its vCPUs, the pattern written and read
+    through every disk and found in every file."""
+    assert parsed["done"] and not parsed["fail"], parsed["markers"]
     # Guests name disks in probe order: the label read through a device says
     # which backing file it is, the guest kernel's numa_node where it sits.
-    seen = sorted((d["label"], d["numa_node"]) for d in result["disks"].values())
-    assert seen == sorted(zip(labels, disk_cells)), result["disks"]
-    assert result["nodes"] == {i: set(cpus) for i, cpus in enumerate(CELLS)}
+    seen = sorted((d["label"], d["numa_node"]) for d in parsed["disks"].values())
+    assert seen == sorted((labels[t], cells[t]) for t in labels), parsed["disks"]
+    assert parsed["nodes"] == CELL_CPUS
     want = hashlib.sha256(expected_pattern(seed, SIZE)).hexdigest()
-    assert {dev: (io.get("wrote"), io.get("read")) for dev, io in result["devices"].items()} \
-        == {dev: (want, want) for dev in result["disks"]}
-    for disk, label in zip(files, labels):
-        with open(disk, "rb") as f:
-            assert f.read(SIZE) == expected_pattern(seed, SIZE), f"{disk} lacks the guest's data"
-            assert f.read(512).split(b"\n")[0] == label.encode(), f"{disk}: label block overwritten"
-    return result
+    assert {dev: (io.get("wrote"), io.get("read")) for dev, io in parsed["devices"].items()} \
+        == {dev: (want, want) for dev in parsed["disks"]}
+    for target, path in paths.items():
+        with open(path, "rb") as f:
+            assert f.read(SIZE) == expected_pattern(seed, SIZE), f"{path} lacks the guest's data"
+            assert f.read(512).split(b"\n")[0] == labels[target].encode(), f"{path}: label overwritten"
 
 
-@pytest.mark.parametrize("machine", ["q35", "pc"])
-def test_each_disk_is_on_its_cell_in_the_guest(machine, guest_image, exports, domain,
-                                               workdir, request):
-    labels, files, socks = labelled_exports(exports, DISK_CELLS)
-    seed = int.from_bytes(os.urandom(3), "big")
-    console = workdir / "console.log"
-    devs = ",".join(f"vd{chr(ord('a') + n)}" for n in range(len(socks)))
-    dom = domain(cells_domain_xml(f"vstor-cells-{machine}-{uuid.uuid4().hex[:8]}", guest_image,
-                                  job("write-verify", dev=devs, seed=seed, size=SIZE, topology=True),
-                                  machine, CELLS, list(zip(socks, DISK_CELLS)), console))
+def define(conf, name: str, xml: str, libvirt_conn) -> str:
+    """`vstor define` of the annotated domain; what it said."""
+    cleanup(libvirt_conn, name)          # a leftover of an interrupted run
+    path = WORK / f"{name}.xml"
+    path.write_text(xml)
+    return vstor(conf, "define", str(path))
 
-    started = time.monotonic()
+
+def devices(xml: str) -> list[bytes]:
+    """A domain's devices, in an order of their own (libvirt's moves vstor's controllers)."""
+    return sorted(etree.tostring(e) for e in etree.fromstring(xml).find("devices"))
+
+
+def applied_again(conf, name: str, libvirt_conn, xml: str) -> None:
+    """`vstor apply` of the defined domain changes none of its devices."""
+    vstor(conf, "apply", name)
+    assert devices(libvirt_conn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)) == devices(xml)
+
+
+def plan_cells(xml: str) -> dict[str, int]:
+    plan = etree.fromstring(xml).find(f"metadata/{V}vstor/{V}plan")
+    return {d.get("target"): int(d.get("cell")) for d in plan.iterfind(f"{V}disk")}
+
+
+def started(dom, request) -> float:
+    t = time.monotonic()
     dom.create()
-    wait_shutoff(dom, timeout=120)   # a guest whose firmware hangs on its buses never shuts off
-    elapsed = time.monotonic() - started
-    request.node.user_properties.append(("boot_and_io_seconds", round(elapsed, 1)))
-    result = check_guest(read_console(console), labels, DISK_CELLS, files, seed)
-    print(f"{machine}: start to shut off {elapsed:.1f}s, guest uptime {result['done_uptime']}s,"
-          f" disks {result['disks']}, nodes {result['nodes']}")
+    request.node.user_properties.append(("start_seconds", round(time.monotonic() - t, 1)))
+    return t
 
 
-def test_a_hotplugged_disk_lands_on_its_cell(guest_image, exports, domain, workdir, libvirt_conn):
-    """q35 only: a pc expander bus takes no hot-plug ("Bus ... does not
-    support hotplugging"), and PCI controllers cannot be hot-plugged, so the
-    cell's root port is there from the start."""
-    disk_cells = (0, 1)
-    labels, files, socks = labelled_exports(exports, disk_cells)
-    seed = int.from_bytes(os.urandom(3), "big")
-    console = workdir / "console.log"
-    dom = domain(cells_domain_xml(f"vstor-cells-plug-{uuid.uuid4().hex[:8]}", guest_image,
-                                  job("write-verify", dev="vda,vdb", seed=seed, size=SIZE, topology=True),
-                                  "q35", CELLS, [(socks[0], 0), (None, 1)], console))
-    dom.create()
-    deadline = time.monotonic() + 60
-    while "READY dev=vda" not in read_console(console):   # booted, waiting for vdb
-        assert time.monotonic() < deadline and dom.isActive(), read_console(console)[-3000:]
-        time.sleep(0.2)
-    (port,) = [c for c in etree.fromstring(dom.XMLDesc(0)).iterfind("devices/controller")
-               if c.find("alias") is not None and c.find("alias").get("name") == "ua-vstor-port1"]
-    dom.attachDeviceFlags(vhost_disk_xml(socks[1], "vdb", int(port.get("index")), 0),
-                          libvirt.VIR_DOMAIN_AFFECT_LIVE)
-    wait_shutoff(dom, timeout=120)
-    result = check_guest(read_console(console), labels, disk_cells, files, seed)
-    print(f"hot-plug: disks {result['disks']}")
+def test_q35_vstor_puts_each_disk_on_its_cell_and_hot_plugs_into_the_spare(cells_env, libvirt_conn,
+                                                                           guest_image, request):
+    name = "e2e-cells-q35"
+    cold = dict(COLD)
+    paths, labels = labelled(name, [*cold, "vde"])
+    extra = backing(f"{name}-vdf")
+    seed = 1 + int.from_bytes(uuid.uuid4().bytes[:3], "big")
+    try:
+        # The guest waits for its three disks (vda..vdc), then for the one
+        # vstor attaches (vdd); then it reports and writes through all four.
+        said = define(cells_env, name, annotated(name, guest_image, "q35", paths, job(
+            "write-verify", "vda,vdb,vdc,vdd", seed, SIZE, timeout=180, topology=True)), libvirt_conn)
+        assert "guest cells 0 on node 0, 1 on node 0" in said, said
+        dom = libvirt_conn.lookupByName(name)
+        inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        assert plan_cells(inactive) == cold
+        # Each disk on a root port of its cell's expander bus, the last port
+        # of each cell free; the devices without an address on libvirt's own ports.
+        layout = pci_layout(inactive)
+        assert layout == {"cells": {0: [["vdc"], []], 1: [["vdb"], ["vdd"], []]},
+                          "elsewhere": ELSEWHERE_Q35}, layout
+        applied_again(cells_env, name, libvirt_conn, inactive)
+        shown = vstor(cells_env, "plan", name)
+        assert "NUMA cells 0 on node 0, 1 on node 0" in shown and "CELL" in shown, shown
+
+        t0 = started(dom, request)
+        assert pci_layout(dom.XMLDesc(0)) == layout      # the running domain as defined
+        console = WORK / f"{name}.console"
+        wait_for_marker(console, "READY dev=vdc", dom, timeout=120)
+        request.node.user_properties.append(("boot_seconds", round(time.monotonic() - t0, 1)))
+
+        # The hook made a qemu-storage-daemon per disk, whatever its cell.
+        status = json.loads(vstor(cells_env, "status", "--json", name))
+        assert status[0]["status"] == "prepared" and all(s["problem"] is None for s in status[0]["steps"])
+        assert sorted(status[0]["holding"]["sockets"]) == [f"{WORK}/vhost/{name}-{t}" for t in sorted(cold)]
+
+        # --persistent: the definition gets the disk where the running domain has it.
+        said = vstor(cells_env, "attach", "--persistent", name, write(name, "vde", 1, paths["vde"]))
+        assert "attached vde" in said, said
+        for xml in (dom.XMLDesc(0), dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)):
+            assert pci_layout(xml)["cells"] == {0: [["vdc"], []], 1: [["vdb"], ["vdd"], ["vde"]]}, xml
+            assert plan_cells(xml) == {**cold, "vde": 1}
+
+        # Cell 1's spare is taken: a second disk there is refused, nothing changes.
+        live, held = (dom.XMLDesc(0), dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)), record(name)
+        qsds = daemons(name)
+        out = vstor_out(cells_env, "attach", "--persistent", name, write(name, "vdf", 1, extra))
+        assert out.returncode == 3 and "Traceback" not in out.stderr, out.stdout + out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "no free PCI port" in out.stderr, out.stderr
+        assert "guest cell 1" in out.stderr, out.stderr
+        assert (dom.XMLDesc(0), dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)) == live
+        assert record(name) == held and daemons(name) == qsds
+        assert not (WORK / "vhost" / f"{name}-vdf").exists()
+
+        parsed = wait_for_marker(console, "DONE", dom, timeout=180)
+        elapsed = time.monotonic() - t0
+        request.node.user_properties.append(("start_to_done_seconds", round(elapsed, 1)))
+        check_guest(parsed, labels, {**cold, "vde": 1}, paths, seed)
+        print(f"q35: start to DONE {elapsed:.1f}s, disks {parsed['disks']}, nodes {parsed['nodes']}")
+        stop(dom)
+        nothing_left(name)
+
+        # Stopped, `vstor apply` places the added disk as a cold one of cell 1,
+        # with a new spare behind it; the guest boots with all four on their cells.
+        vstor(cells_env, "apply", name)
+        inactive = libvirt_conn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        assert pci_layout(inactive) == {"cells": {0: [["vdc"], []], 1: [["vdb"], ["vdd"], ["vde"], []]},
+                                        "elsewhere": ELSEWHERE_Q35}
+        console.write_text("")      # QEMU appends to it
+        dom = libvirt_conn.lookupByName(name)
+        t0 = time.monotonic()
+        dom.create()
+        parsed = wait_for_marker(console, "DONE", dom, timeout=120)
+        request.node.user_properties.append(("second_start_to_done_seconds", round(time.monotonic() - t0, 1)))
+        check_guest(parsed, labels, {**cold, "vde": 1}, paths, seed)
+        stop(dom)
+        nothing_left(name)
+    finally:
+        cleanup(libvirt_conn, name)
+
+
+def test_i440fx_vstor_puts_each_disk_on_its_cell(cells_env, libvirt_conn, guest_image, request):
+    name = "e2e-cells-pc"
+    cold = dict(COLD)
+    paths, labels = labelled(name, cold)
+    seed = 1 + int.from_bytes(uuid.uuid4().bytes[:3], "big")
+    try:
+        said = define(cells_env, name, annotated(name, guest_image, "pc", paths, job(
+            "write-verify", "vda,vdb,vdc", seed, SIZE, hold=HOLD, topology=True)), libvirt_conn)
+        assert "guest cells 0 on node 0, 1 on node 0" in said, said
+        dom = libvirt_conn.lookupByName(name)
+        inactive = dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        assert plan_cells(inactive) == cold
+        layout = pci_layout(inactive)
+        assert layout == {"cells": {0: ["vdc"], 1: ["vdb", "vdd"]},
+                          "elsewhere": ELSEWHERE}, layout
+        applied_again(cells_env, name, libvirt_conn, inactive)
+
+        t0 = started(dom, request)
+        console = WORK / f"{name}.console"
+        wait_for_marker(console, "HOLD", dom, timeout=120)
+        # No hot-plug behind an i440fx expander bus (QEMU: "Bus ... does not
+        # support hotplugging"): refused before anything is made.
+        live, held, qsds = dom.XMLDesc(0), record(name), daemons(name)
+        out = vstor_out(cells_env, "attach", name, write(name, "vde", 1, backing(f"{name}-vde")))
+        assert dom.isActive(), "the guest's hold ended before the refusal: raise HOLD"
+        assert out.returncode == 3 and "Traceback" not in out.stderr, out.stdout + out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and "i440fx" in out.stderr, out.stderr
+        assert dom.XMLDesc(0) == live and record(name) == held and daemons(name) == qsds
+
+        parsed = wait_for_marker(console, "DONE", dom, timeout=120)
+        elapsed = time.monotonic() - t0
+        request.node.user_properties.append(("start_to_done_seconds", round(elapsed, 1)))
+        check_guest(parsed, labels, cold, paths, seed)
+        print(f"pc: start to DONE {elapsed:.1f}s, disks {parsed['disks']}, nodes {parsed['nodes']}")
+        stop(dom)
+        nothing_left(name)
+    finally:
+        cleanup(libvirt_conn, name)
+
+
+def write(name: str, target: str, cell: int, path: str) -> str:
+    out = WORK / f"{name}-{target}.xml"
+    out.write_text(disk_intent(target, cell, path) + "\n")
+    return str(out)
+
+
+def record(name: str) -> str:
+    return (WORK / "state" / "domains" / f"{name}.json").read_text()

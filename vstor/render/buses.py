@@ -83,24 +83,45 @@ _NOT_PCI = {"emulator", "serial", "console", "channel", "graphics", "parallel", 
             "hub", "redirdev", "audio", "lease", "input", "video", "controller"}
 
 
-def first_index(devices, q35: bool) -> int:
-    """The index of vstor's first controller: above every PCI controller
-    the domain has, and on q35 above as many more as libvirt may add for
+def first_index(devices, q35: bool, count: int = 1) -> int:
+    """The index of vstor's first controller (of `count`, contiguous): the
+    lowest with none of the domain's PCI controllers among them and, on
+    q35, as many free indices below as libvirt may need root ports for
     devices it has yet to address.  libvirt fills a gap of indices with
     root ports of its own and places an unaddressed device on the first
-    free port, which is then one of those and never a cell's spare."""
-    indices = [0]
+    free port, which is then one of those and never a cell's spare.  A
+    domain libvirt has addressed gets vstor's controllers at the same
+    indices again (libvirt 9.0 keeps the controllers it added, some above
+    vstor's: a pcie-to-pci-bridge for a conventional PCI device)."""
+    used, unindexed = {0}, 0
     for c in devices.iterfind("controller[@type='pci']"):
         try:
-            indices.append(int(c.get("index", "0")))
-        except ValueError:
-            continue
-    if not q35:
-        return max(indices) + 1
-    waiting = sum(1 for e in devices if isinstance(e.tag, str) and e.tag not in _NOT_PCI
-                  and e.find("address") is None and not own(e))
-    # + the USB controller and memory balloon libvirt adds on its own
-    return max(indices) + 1 + waiting + 2
+            used.add(int(c.get("index")))
+        except (TypeError, ValueError):
+            unindexed += 1          # libvirt numbers it: one of the free indices
+    need = unindexed
+    if q35:
+        need += sum(1 for e in devices if isinstance(e.tag, str) and _waits_for_port(e))
+        # + the USB controller and memory balloon libvirt adds when the domain has none
+        need += sum(1 for path in ("controller[@type='usb']", "memballoon") if devices.find(path) is None)
+    first, free_below = 1, 0
+    while free_below < need or used & set(range(first, first + count)):
+        free_below += first not in used
+        first += 1
+    return first
+
+
+def _waits_for_port(e) -> bool:
+    """A device libvirt has yet to give a PCI address (model='none': no device)."""
+    if e.find("address") is not None or own(e) or e.get("model") == "none":
+        return False
+    if e.tag == "controller":
+        return e.get("type") in ("usb", "scsi", "virtio-serial")
+    if e.tag == "input":
+        return e.get("bus") == "virtio"
+    if e.tag == "panic":
+        return e.get("model") == "pvpanic"
+    return e.tag not in _NOT_PCI
 
 
 def orphans(devices, gone: set[int]) -> None:
