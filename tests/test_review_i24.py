@@ -489,11 +489,6 @@ def test_the_start_check_refuses_a_one_cell_plan_for_a_domain_whose_xml_now_has_
 # -- the expander buses ----------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="render.buses.layout never counts what fits: 8 cells x 30 "
-                   "disks on q35 give an expander busNr 0 (the root bus's) and controller indices "
-                   "256-258; 32 disks in one q35 cell or 40 on an i440fx cell give slot 0x20; vstor "
-                   "writes the XML and libvirt refuses it ('Invalid PCI address'); after an operator's controller "
-                   "at index 250 vstor's indices run past 255 alike")
 @pytest.mark.parametrize("cells, per_cell, machine, devices", [
     (8, 30, "q35", ""), (2, 32, "q35", ""), (2, 40, "pc", ""),
     (2, 1, "q35", "<controller type='pci' index='250' model='pcie-root-port'/>")])
@@ -536,10 +531,6 @@ def test_the_most_disks_a_cells_buses_hold_keep_bus_numbers_above_the_root_bus(h
     assert len(set(pci_addresses(out.root))) == len(pci_addresses(out.root))
 
 
-@pytest.mark.xfail(strict=True, reason="buses.first_index counts the domain's PCI controllers and "
-                   "unaddressed devices, not the buses devices' own addresses name: a NIC written at "
-                   "bus 0x04 (libvirt would add that root port) shares 04:00.0 with vstor's first disk, "
-                   "whose root port now has index 4")
 def test_an_operators_addressed_device_keeps_its_address_to_itself(host_model):
     """`vstor define FILE` of a hand-written domain: devices with guest
     addresses on buses the XML declares no controller for (libvirt adds
@@ -567,9 +558,6 @@ def bus_ranges(root) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-@pytest.mark.xfail(strict=True, reason="buses.layout counts bus numbers down from 255 whatever the domain "
-                   "has: an operator's own pcie-expander-bus (libvirt gives the first one busNr 254) "
-                   "overlaps cell 0's, whose root ports take 254 and 255")
 def test_the_cells_buses_stay_clear_of_an_operators_own_expander_bus(host_model, conn, tmp_path):  # noqa: F811
     """An NFV guest with its own expander bus for a NIC's locality, and
     vstor disks on two nodes."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from lxml import etree
 
+from vstor.errors import BadInput
 from vstor.meta.plan import Plan
 
 ALIAS = "ua-vstor-"
@@ -46,16 +47,21 @@ def devices_of(plan: Plan) -> list[tuple[int, str, str]]:
     return out
 
 
-def layout(plan: Plan, q35: bool, first_index: int):
+def layout(plan: Plan, q35: bool, first_index: int, top: int = 256):
     """(controllers, {(kind, key): guest <address>}) for a plan with cells;
-    ([], {}) for one with a single cell."""
+    ([], {}) for one with a single cell.  `top`: the lowest bus number the
+    domain's own expander buses take (vstor's go below it).  BadInput when
+    the cells' devices need more indices, slots or bus numbers than PCI has."""
     if len(plan.guest_cells()) < 2:
         return [], {}
     placed = devices_of(plan)
     controllers, addresses = [], {}
-    index, bus_nr = first_index, 256
+    index, bus_nr = first_index, top
     for cell in plan.guest_cells():
         mine = [(kind, key) for c, kind, key in placed if c == cell.id]
+        if len(mine) + q35 > 32:
+            raise _full(plan, f"guest cell {cell.id} has {len(mine)} devices; its expander bus has "
+                              f"32 slots{' (one for the spare root port)' if q35 else ''}")
         # Bus numbers below it up to the next one's are its hierarchy's: one
         # per root port on q35; i440fx's pxb holds a bridge QEMU adds (libvirt
         # 9.0's own busNr leaves one, and a guest with two ports behind one
@@ -75,7 +81,32 @@ def layout(plan: Plan, q35: bool, first_index: int):
                 where = (expander, slot)
             if device[0] is not None:
                 addresses[device] = address(*where)
+    # The root bus's own ports and bridges take the bus numbers from 1 up
+    # (one per controller below vstor's): the expanders' ranges lie above.
+    if index - 1 > 255 or bus_nr < first_index:
+        raise _full(plan, f"its {len(placed)} devices in {len(plan.guest_cells())} cells need "
+                          f"PCI controller indices up to {index - 1} and bus numbers down to {bus_nr} "
+                          "(at most 255, and above the root bus's)")
     return controllers, addresses
+
+
+def _full(plan: Plan, why: str):
+    return BadInput(f"domain '{plan.domain}': {why}",
+                    hint="put fewer disks in a cell or the guest, or use cells='one'")
+
+
+def top_bus(devices) -> int:
+    """The lowest bus number an expander bus of the domain's own takes (256:
+    none): vstor numbers its buses below it."""
+    out = 256
+    for c in devices.iterfind("controller[@type='pci']"):
+        if own(c) or c.get("model") not in ("pcie-expander-bus", "pci-expander-bus"):
+            continue
+        try:
+            out = min(out, int(c.find("target").get("busNr")))
+        except (AttributeError, TypeError, ValueError):
+            out = min(out, 254)     # libvirt's choice for the first one without busNr
+    return out
 
 
 # Devices that are not on a PCI bus (libvirt gives them no PCI address).
@@ -99,6 +130,11 @@ def first_index(devices, q35: bool, count: int = 1) -> int:
             used.add(int(c.get("index")))
         except (TypeError, ValueError):
             unindexed += 1          # libvirt numbers it: one of the free indices
+    for a in devices.iterfind("*/address[@type='pci']"):
+        try:                        # a bus a device of the operator's names is never vstor's
+            used.add(int(a.get("bus", "0"), 0))
+        except ValueError:
+            continue
     need = unindexed
     if q35:
         need += sum(1 for e in devices if isinstance(e.tag, str) and _waits_for_port(e))

@@ -34,8 +34,9 @@ def render(dom: Domain, plan: Plan, previous: Plan | None = None) -> Domain:
     place(root, plan)
     devices = _child(root, "devices")
     q35 = "q35" in dom.machine
-    count = len(buses.layout(plan, q35, 0)[0])
-    controllers, addresses = buses.layout(plan, q35, buses.first_index(devices, q35, count))
+    top = buses.top_bus(devices)
+    count = len(buses.layout(plan, q35, 0, top)[0])
+    controllers, addresses = buses.layout(plan, q35, buses.first_index(devices, q35, count), top)
     devices.extend(controllers)
     for disk in plan.disks:
         if disk.mode == "vhost":
