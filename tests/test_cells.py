@@ -124,7 +124,7 @@ def test_cells_sharing_a_node_never_share_a_core(host_model):
      "none of its 2 guest cells is there"),
     ("", nvme("0000:c1:00.0", target="vdd", backend="qsd", cell="1"), "guest cell 1 cannot be on host node 1 and on node 2"),
     ("<vstor:vm cells='2'/>", qsd_file("/var/lib/vstor/images/c.raw", target="vdd", cell="2"),
-     "is in guest cell 2; the guest has cells 0-1"),
+     "a disk is in guest cell 2; the guest has 2 cells"),
 ])
 def test_cells_that_cannot_be_made_are_bad_input_naming_the_cell(host_model, vm, disks, words):
     host = host_model("three-node")

@@ -92,9 +92,6 @@ def pci_addresses(root) -> list[tuple[str, int, int, int]]:
 # -- the start check on plans vstor just made ---------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="cellfit.problems gives each cell every reserved SMT sibling "
-                   "of its node (`near`), the earlier cell's included, which the cell before took into "
-                   "`taken` for this very domain: 'guest cell 1: CPUs 5 are held by running domain vm1'")
 @pytest.mark.parametrize("layout, cells, vcpus", [("laptop", 2, 2), ("two-socket", 4, 4), ("three-node", 4, 4)])
 def test_a_fresh_plan_whose_cells_share_a_host_node_passes_the_start_check(host_model, layout, cells, vcpus):
     """Dedicated vCPUs, one per cell, two cells on one host node (a one-node
@@ -107,10 +104,6 @@ def test_a_fresh_plan_whose_cells_share_a_host_node_passes_the_start_check(host_
     assert start_check(host, cfg, render(dom, plan), plan) == []
 
 
-@pytest.mark.xfail(strict=True, reason="topology.disk_cells reads the cells of <disk> elements only: "
-                   "a passed-through controller (a <hostdev> behind its cell's expander bus) is taken to "
-                   "be in cell 0, so the start check refuses the plan just made: 'the plan's 2 guest cells "
-                   "(vCPUs, memory or disks) are not the ones the metadata gives now'")
 @pytest.mark.parametrize("disks", [
     nvme("0000:3b:00.0", mode="passthrough") + nvme("0000:5e:00.0", target="vdc", mode="passthrough"),
     nvme("0000:3b:00.0", backend="qsd") + nvme("0000:5e:00.0", target="vdc", mode="passthrough"),
@@ -156,11 +149,10 @@ def test_random_fresh_plans_pass_the_start_check_replan_the_same_and_render_idem
     some disks naming a cell, q35 and i440fx): every plan vstor makes is
     the same when made again, passes the start check as the rendered
     domain gives it, renders to the same XML again, and libvirt takes it.
-    Plans whose cells share a host node with reserved siblings are the
-    xfail above, and left out here."""
+    (Plans whose cells share a host node with reserved siblings included.)"""
     host, cfg = host_model(layout), CFGS[layout]
     rng = random.Random(2400 + len(layout))
-    made = with_cells = left_out = 0
+    made = with_cells = 0
     for i in range(120):
         dom = Domain.parse(_random_guest(rng, layout, i))
         try:
@@ -175,14 +167,11 @@ def test_random_fresh_plans_pass_the_start_check_replan_the_same_and_render_idem
         if plan.cells:
             with_cells += 1
             check_cells(host, cfg, plan)
-        if plan.cells and shares_a_node(plan) and plan.reserved:
-            left_out += 1
-            continue
         assert start_check(host, cfg, out, plan) == [], out.to_string()
         if i % 6 == 0:
             accepted(conn, out.to_string(), tmp_path)
             conn.lookupByName(dom.name).undefine()
-    assert made >= 40 and with_cells >= 15 and left_out < with_cells
+    assert made >= 40 and with_cells >= 15
 
 
 @pytest.mark.parametrize("layout", ["three-node", "two-socket"])
@@ -218,9 +207,6 @@ def test_many_guests_with_more_cells_than_nodes_never_share_a_core_or_overpromis
             assert promised <= pool.free
 
 
-@pytest.mark.xfail(strict=True, reason="cells.place ranks the nodes once, before any cell takes "
-                   "cores: cells='4' on two nodes puts cells 0, 2 and 3 on node 0 and only cell 1 on "
-                   "node 1, though the doc says cells no device ties go to the freest nodes")
 def test_cells_no_device_ties_are_spread_over_the_nodes_evenly(host_model):
     host = host_model("two-socket")
     _, plan = planned(host, CFG2, request_xml(qsd_file(), vm="<vstor:vm cells='4'/>", vcpus=8, memory_mib=4096))
@@ -288,10 +274,6 @@ def planned_on(host, cfg, xml: str, ledger):
 # -- what the default now refuses ---------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="cells.count makes cells unset mean one cell per node of "
-                   "the disks even when the guest cannot be split: a 1-vCPU guest (or 1 GiB of 1G "
-                   "pages) with disks on two nodes, planned as one cell before issue 24, is now "
-                   "BadInput ('1 vCPU for 2 guest NUMA cells')")
 @pytest.mark.parametrize("vm, vcpus, mib", [("<vstor:vm numa='preferred'/>", 1, 1024),
                                             ("<vstor:vm numa='preferred' hugepages='1G'/>", 2, 1024)])
 def test_a_guest_that_cannot_be_split_still_plans_when_cells_are_unset(host_model, vm, vcpus, mib):
@@ -303,9 +285,6 @@ def test_a_guest_that_cannot_be_split_still_plans_when_cells_are_unset(host_mode
     assert plan.disks
 
 
-@pytest.mark.xfail(strict=True, reason="cells.count returns 1 for cells='one' (or '1') before any "
-                   "disk's cell is looked at: a disk naming cell 1 is planned in the one cell, silently, "
-                   "where cells='2' with a disk in cell 2 is refused")
 @pytest.mark.parametrize("cells", ["one", "1"])
 def test_a_disk_naming_a_cell_the_guest_does_not_have_is_refused_with_one_cell_too(host_model, cells):
     disks = qsd_file() + qsd_file("/var/lib/vstor/images/b.raw", target="vdc", cell="1")
@@ -336,9 +315,6 @@ print(cpu.to_xml())
 """
 
 
-@pytest.mark.xfail(strict=True, reason="lifecycle.plan_of reads every domain's cells with "
-                   "Request.keeping_cells, Nova's too; topology.cells refuses cells that are not a range "
-                   "of vCPUs each, which Nova writes for hw:numa_cpus.0=0,2: the instance cannot start")
 def test_a_nova_instance_with_the_cells_its_flavor_asks_for_can_start(tmp_path):
     """Nova makes an instance's cells (hw:numa_nodes, hw:numa_cpus.N,
     hw:numa_mem.N), which vstor leaves alone: the start hook must take any
@@ -378,13 +354,6 @@ def _cell(i, cpus, kib, unit="KiB"):
     return f"<cell id='{i}' cpus='{cpus}' memory='{kib}' unit='{unit}'/>"
 
 
-@pytest.mark.xfail(strict=True, reason="topology.cells checks only that the cells cover every vCPU "
-                   "once and sum to the memory: cells in reverse vCPU order are planned, pass the start "
-                   "check and run with cell 1's vCPUs 0-1 pinned on cell 0's node (cellfit and the planner "
-                   "take vcpu_pins in cell order, cputune by vCPU id); a negative or zero cell (int() of the "
-                   "attribute, no range check) is planned and refused only when the recorded plan is read "
-                   "back ('plan record is damaged ... vstor apply'); cells of 1025/1023 MiB with 2M pages "
-                   "plan 512 pages for 1025 MiB")
 @pytest.mark.parametrize("cells, vm", [
     (_cell(0, "2-3", 1048576) + _cell(1, "0-1", 1048576), "<vstor:vm cells='2'/>"),
     (_cell(0, "0-1", -1048576) + _cell(1, "2-3", 3145728), "<vstor:vm cells='2'/>"),
@@ -407,9 +376,6 @@ def test_forged_arriving_cells_are_refused_or_placed_right(host_model, cells, vm
     assert all(kib > 0 for _n, kib in Holding.from_plan(plan).memory)
 
 
-@pytest.mark.xfail(strict=True, reason="topology.cells parses a cell's cpus with parse_cpulist, which "
-                   "builds every CPU of a range: '0-4000000000' in a migration agent request's XML "
-                   "(raw, not libvirt's) takes tens of GB before the coverage check can refuse it")
 def test_a_huge_cpu_range_in_arriving_cells_is_refused_without_eating_memory():
     """In a child with 600 MiB of address space: the refusal must come
     before the memory runs out."""
@@ -471,10 +437,6 @@ def test_forged_expander_nodes_and_bus_loops_put_a_disk_in_cell_0_without_a_cras
                                                  "vdg": 1, "vdh": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="fit.problems checks a one-cell plan by its node only: a "
-                   "domain whose XML was edited to two <cpu><numa> cells after vstor rendered it starts "
-                   "with the one-cell plan's check, though lifecycle.plan_of reads the XML's cells "
-                   "('what will run')")
 def test_the_start_check_refuses_a_one_cell_plan_for_a_domain_whose_xml_now_has_two_cells(host_model):
     host = host_model("two-socket")
     dom, plan = planned(host, CFG2, request_xml(qsd_file(), vm="<vstor:vm cpus='shared'/>", vcpus=4,
@@ -640,9 +602,7 @@ def test_a_hot_plugged_disk_takes_its_cells_spare_port_and_a_later_render_keeps_
     assert buses.free_port(parsed.find("devices"), 1) is not None
 
 
-@pytest.mark.parametrize("vcpus, hugepages", [(6, "none"), (6, "2M"), pytest.param(3, "none", marks=pytest.mark.xfail(
-    strict=True, reason="the start check's reserved-sibling bug (above): one vCPU per cell, cells 0 and 2 "
-    "on node 0 of the destination, whose start check then refuses the plan made for the arriving guest"))])
+@pytest.mark.parametrize("vcpus, hugepages", [(6, "none"), (6, "2M"), (3, "none")])
 def test_a_three_cell_guest_arriving_on_two_nodes_keeps_its_abi_and_pins_each_cell_on_its_node(
         host_model, conn, tmp_path, vcpus, hugepages):  # noqa: F811
     """Live migration from the three-node host to the two-socket one: the

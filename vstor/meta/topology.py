@@ -8,6 +8,8 @@ XML (threats.md): checked here, refused with the reason.
 
 from __future__ import annotations
 
+import re
+
 from vstor.errors import BadInput
 from vstor.host.model import parse_cpulist
 from vstor.meta.intent import MAX_CELLS
@@ -32,30 +34,42 @@ def cells(root, vcpus: int, memory_kib: int, who: str) -> tuple[GuestCell, ...]:
     all vCPUs and all memory; () when it has none."""
     out = []
     for i, e in enumerate(root.iterfind("cpu/numa/cell")):
+        text = e.get("cpus", "")
+        if i >= MAX_CELLS:
+            raise _not_vstors(who)
         try:
-            cpus = tuple(sorted(parse_cpulist(e.get("cpus", ""))))
+            if any(int(n) >= vcpus for n in re.findall(r"[0-9]+", text)):
+                raise ValueError    # before a forged range is expanded
+            cpus = tuple(sorted(parse_cpulist(text)))
             kib = int(e.get("memory", "")) * _UNITS[e.get("unit", "KiB")]
             cid = int(e.get("id", str(i)))
         except (ValueError, KeyError):
-            raise BadInput(f"{who}: guest NUMA cell {i} is not cpus/memory/unit vstor reads",
+            raise BadInput(f"{who}: guest NUMA cell {i} is not cpus/memory/unit vstor reads (at most "
+                           f"{MAX_CELLS} cells of its {vcpus} vCPUs)",
                            hint="give each <cell> id, cpus, memory and unit='KiB'") from None
         out.append(GuestCell(cid, cpus, int(kib)))
     if not out:
         return ()
-    whole = sorted(v for c in out for v in c.vcpus)
-    if ([c.id for c in out] != list(range(len(out))) or len(out) > MAX_CELLS
+    whole = [v for c in out for v in c.vcpus]       # in cell order: vCPU i's cell is the i-th range's
+    if ([c.id for c in out] != list(range(len(out)))
             or whole != list(range(vcpus)) or any(c.vcpus != tuple(range(c.vcpus[0], c.vcpus[-1] + 1))
                                                    for c in out if c.vcpus)
-            or any(not c.vcpus for c in out) or sum(c.memory_kib for c in out) != memory_kib):
-        raise BadInput(f"{who}: its guest NUMA cells are not ones vstor gives (at most {MAX_CELLS}, "
-                       "numbered from 0, each a range of vCPUs, together all vCPUs and memory)",
-                       hint="migrate a domain as vstor rendered it")
+            or any(not c.vcpus or c.memory_kib <= 0 for c in out)
+            or sum(c.memory_kib for c in out) != memory_kib):
+        raise _not_vstors(who)
     return tuple(out)
 
 
+def _not_vstors(who: str) -> BadInput:
+    return BadInput(f"{who}: its guest NUMA cells are not ones vstor gives (at most {MAX_CELLS}, "
+                    "numbered from 0, each a range of vCPUs in order and some memory, together "
+                    "all vCPUs and memory)", hint="migrate a domain as vstor rendered it")
+
+
 def disk_cells(root, count: int) -> tuple[tuple[str, int], ...]:
-    """(target, cell) of each disk behind a PCI expander bus whose <node> is
-    a guest cell; a disk elsewhere (the root bus) is in cell 0."""
+    """(target, cell) of each disk, and (host PCI address, cell) of each
+    passed-through PCI device, behind a PCI expander bus whose <node> is a
+    guest cell; a device elsewhere (the root bus) is in cell 0."""
     by_index = {}
     for c in root.iterfind("devices/controller[@type='pci']"):
         try:
@@ -69,6 +83,15 @@ def disk_cells(root, count: int) -> tuple[tuple[str, int], ...]:
             continue
         node = _node(d, by_index)
         out.append((target.get("dev"), node if node is not None and 0 <= node < count else 0))
+    for h in root.iterfind("devices/hostdev[@type='pci']"):
+        a = h.find("source/address")
+        try:
+            key = "%04x:%02x:%02x.%x" % tuple(int(a.get(k, "0"), 0)
+                                            for k in ("domain", "bus", "slot", "function"))
+        except (AttributeError, ValueError):
+            continue
+        node = _node(h, by_index)
+        out.append((key, node if node is not None and 0 <= node < count else 0))
     return tuple(out)
 
 

@@ -83,6 +83,8 @@ class Request:
         a live migration's arriving domain keeps (the guest's ABI); the
         host nodes under them are this host's to choose."""
         req = cls.from_domain(dom, imports)
+        if req.external_cpus or req.intent.vm.cpus == "external":
+            return req          # Nova's flavor makes a Nova instance's cells, whatever they are
         fixed = topology.cells(dom.root, dom.vcpus, dom.memory_kib, req.who)
         if len(fixed) < 2:
             return replace(req, fixed_cells=fixed)
@@ -103,7 +105,7 @@ def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
     if isinstance(choices, NoFit):
         raise DoesNotFit(f"{req.who} does not fit: {choices.reason}")
     page_kib = page_size(req, choices)
-    n = cells.count(req, choices)
+    n = cells.count(req, choices, page_kib)
     if n > 1:
         lay = cells.layout(req, choices, n, page_kib)
         placed = cells.place(host, cfg, req, choices, ledger, lay, page_kib, grow_pool(cfg, req))

@@ -41,7 +41,7 @@ def problems(host, cfg, req, plan: Plan, choices, running, page_kib, grow) -> li
     for c in plan.cells:
         node = host.node(c.node)
         mine = tuple(next(pins) for _ in c.vcpus) if plan.vcpu_pins else ()
-        near = tuple(x for x in plan.reserved if x in node.cpus)
+        near = tuple(x for x in plan.reserved if x in node.cpus and x not in taken.cpu_owner.maps[0])
         why = cpu_problems(host, cfg, node, mine + near, taken) if mine else []
         if why:
             return [f"guest cell {c.id}: {w}" for w in why]

@@ -40,7 +40,7 @@ class Layout:
         return len(self.vcpus)
 
 
-def count(req, choices) -> int:
+def count(req, choices, page_kib: int | None = None) -> int:
     """How many guest cells the domain gets (1: the one-node plan)."""
     vm = req.intent.vm
     explicit = [d.cell for d in req.intent.disks if d.cell is not None]
@@ -56,10 +56,16 @@ def count(req, choices) -> int:
         if vm.numa == "none" and not explicit:
             return 1            # an unbound guest is on no node
         n = max(nodes if nodes > 1 else 1, max(explicit, default=0) + 1)
+        if not explicit and (req.vcpus < n or req.memory_kib // (page_kib or 1024) < n):
+            return 1            # unset: vstor's choice, and this guest cannot be split
     elif vm.cells == "spread":
         n = max(nodes, 1, max(explicit, default=0) + 1)
     else:
         n = 1 if vm.cells == "one" else int(vm.cells)
+    if explicit and max(explicit) >= n:
+        raise BadInput(f"{req.who}: a disk is in guest cell {max(explicit)}; the guest has "
+                       f"{n} cell{'s' if n != 1 else ''}", hint=f"use cells='{max(explicit) + 1}', "
+                       "or leave cells unset")
     if n == 1:
         return 1
     if vm.numa == "none":
@@ -79,7 +85,12 @@ def layout(req, choices, n: int, page_kib: int | None) -> Layout:
         vcpus = tuple(c.vcpus for c in req.fixed_cells)
         memory = tuple(c.memory_kib for c in req.fixed_cells)
         fixed = dict(req.fixed_disk_cells)
-        cell = {c.disk.target: fixed.get(c.disk.target, 0) for c in choices}
+        cell = {c.disk.target: fixed.get(c.disk.target, fixed.get(c.controller, 0) if c.mode ==
+                                         "passthrough" else 0) for c in choices}
+        for k, kib in enumerate(memory):
+            if page_kib and kib % page_kib:
+                raise BadInput(f"{req.who}: guest cell {k} has {kib} KiB, not a whole number of "
+                               f"{page_kib} KiB hugepages", hint="migrate a domain as vstor rendered it")
     else:
         vcpus, memory = _split(req, n, page_kib)
         cell = {c.disk.target: c.disk.cell for c in choices if c.disk.cell is not None}
@@ -172,9 +183,9 @@ def place(host, cfg, req, choices, ledger, lay: Layout, page_kib, grow):
     or NoFit naming the cell."""
     vm = req.intent.vm
     taken = _Taken(ledger)
-    ranked = ranked_nodes(host, cfg, ledger)
     cells, pins, reserved, shared, emulator, reasons = [], [], set(), set(), set(), []
     for k in range(lay.count):
+        ranked = ranked_nodes(host, cfg, taken)      # as the cells before left them
         wanted = lay.nodes[k]
         if wanted is None:
             used = {c.node for c in cells} | {n for n in lay.nodes if n is not None}
@@ -182,7 +193,7 @@ def place(host, cfg, req, choices, ledger, lay: Layout, page_kib, grow):
             why = "no device ties it to a node; the freest"
         else:
             tries = [wanted] + ([] if vm.numa == "strict" else [n for n in ranked if n != wanted])
-            why = f"where its disks' devices are"
+            why = "where its disks' devices are"
         failures = []
         for node_id in dict.fromkeys(tries):
             got = _place_cell(host, cfg, req, taken, k, node_id, lay, page_kib, grow)

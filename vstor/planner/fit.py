@@ -57,6 +57,8 @@ def problems(host: Host, cfg: Config, req: Request, plan: Plan, running: Ledger)
     out += _node(host, cfg, req, plan, choices, running)
     if out:
         return out
+    if not plan.cells and len(req.fixed_cells) > 1:
+        return [f"the domain's XML gives the guest {len(req.fixed_cells)} NUMA cells, its plan one"]
     if plan.cells:
         page_kib = page_size(req, choices)
         if plan.hugepage_kib != page_kib:
