@@ -632,9 +632,6 @@ def test_a_three_cell_guest_arriving_on_two_nodes_keeps_its_abi_and_pins_each_ce
 
 # -- Proxmox's buses -------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="pve_cells.buses checks bus numbers only: 33 disks in one q35 "
-                   "cell give a pcie-root-port at addr=0x20 on the pxb-pcie, 32 on i440fx a "
-                   "vhost-user-blk-pci at addr=0x20; apply writes args QEMU refuses at start")
 @pytest.mark.parametrize("per_cell, machine", [(33, "q35"), (32, "pc")])
 def test_proxmox_refuses_more_disks_than_a_cells_bus_has_slots(host_model, per_cell, machine):
     _, plan = planned(host_model("three-node"), CFG3, request_xml(

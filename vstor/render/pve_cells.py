@@ -56,6 +56,10 @@ def buses(plan: Plan, machine: str) -> tuple[list[str], dict[str, str]]:
         mine = [d.target for d in plan.disks if d.mode == "vhost" and plan.disk_cell(d).id == cell.id]
         if not mine:
             continue
+        if len(mine) > (32 if q35 else 31):     # i440fx: slot 0 of a pxb is its bridge's
+            raise BadInput(f"{plan.domain}: guest cell {cell.id} has {len(mine)} vhost disks; its "
+                           f"expander bus has {32 if q35 else 31} slots",
+                           hint="put fewer disks in the cell, or give the guest more cells")
         if function > 7:        # MAX_CELLS is 8: cannot happen
             raise BadInput(f"{plan.domain}: more than 8 guest cells with vhost disks",
                            hint="give the guest at most 8 cells")
