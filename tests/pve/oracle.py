@@ -87,21 +87,30 @@ def agrees_with_plan(start: Start, plan, mib: int, user_vfio=()) -> None:
     node, kb = plan.get("node"), plan.get("hugepage_kib")
     policy = "bind" if plan.get("numa", "strict") == "strict" else "preferred"
     backends = [v for v in start.after("-object") if v.startswith("memory-backend")]
-    if kb:
-        assert backends == [f"memory-backend-file,id=ram-node0,size={mib}M,mem-path=/run/hugepages/kvm/"
-                            f"{kb}kB,share=on,prealloc=yes,host-nodes={node},policy={policy}"], backends
-        assert start.topology == {str(int(kb) // 1024): {node: int(plan.get("hugepages"))}}, start.topology
     vcpus = int(plan.get("vcpus"))
+    # The guest's cells (a plan without <vstor:cell>: one, on its node, of everything).
+    cells = [(c.get("id"), c.get("node"), c.get("vcpus"), int(c.get("memory_kib")) // 1024,
+              int(c.get("hugepages", "0"))) for c in plan.findall(f"{{{NS}}}cell")] or \
+        [("0", node, "0" if vcpus == 1 else f"0-{vcpus - 1}", mib, int(plan.get("hugepages", "0")))]
+    if kb:
+        assert backends == [f"memory-backend-file,id=ram-node{k},size={m}M,mem-path=/run/hugepages/kvm/"
+                            f"{kb}kB,share=on,prealloc=yes,host-nodes={n},policy={policy}"
+                            for k, n, _c, m, _p in cells], backends
+        pages: dict = {}
+        for _k, n, _c, _m, p in cells:
+            pages[n] = pages.get(n, 0) + p
+        assert start.topology == {str(int(kb) // 1024): pages}, start.topology
     if backends:
-        assert start.after("-numa") == [f"node,nodeid=0,cpus={'0' if vcpus == 1 else f'0-{vcpus - 1}'},"
-                                        "memdev=ram-node0"]
+        assert start.after("-numa") == [f"node,nodeid={k},cpus={c},memdev=ram-node{k}"
+                                        for k, _n, c, _m, _p in cells]
     # Every QEMU thread on the plan's cores (taskset: Proxmox pins no single vCPU).
     want = cpus(plan.get("pins")) | cpus(plan.get("emulator")) | cpus(plan.get("shared"))
     assert start.argv[:3] == ["/usr/bin/taskset", "--cpu-list", "--all-tasks"]
     assert cpus(start.argv[3]) == want
     disks = plan.findall(f"{{{NS}}}disk")
     chardevs = [v for v in start.after("-chardev") if "id=vstor-" in v]
-    devices = [v for v in start.after("-device") if "id=vstor-" in v]
+    devices = [v.split(",bus=")[0] for v in start.after("-device")
+               if v.startswith("vhost-user-blk-pci,id=vstor-")]
     vhost = [d for d in disks if d.get("mode") == "vhost"]
     assert len(chardevs) == len(devices) == len(vhost), (chardevs, devices)
     for d, chardev, device in zip(vhost, chardevs, devices):

@@ -20,8 +20,7 @@ from vstor.meta.plan import DiskPlan, Plan
 from vstor.planner import cells
 from vstor.planner.disks import DiskChoice, NoFit, choose_all
 from vstor.planner.ledger import Ledger
-from vstor.planner.placement import (CpuPlacement, dedicated_pool, place_cpus, place_hugepages,
-                                     place_memory, place_reactor)
+from vstor.planner.placement import CpuPlacement, dedicated_pool, place_reactor
 from vstor.planner.spdk_paths import attach_paths
 from vstor.records import record, replace
 
@@ -189,24 +188,12 @@ def candidate_nodes(host, cfg, req, choices, ledger):
 
 
 def _place_on(host, cfg, req, choices, ledger, node_id, page_kib):
+    got = cells.place_node(host, cfg, req, node_id, req.vcpus, req.memory_kib, ledger, page_kib,
+                           grow_pool(cfg, req), bind=req.intent.vm.numa != "none")
+    if isinstance(got, NoFit):
+        return got
+    cpus, pages = got
     node = host.node(node_id)
-    if node is None:
-        return NoFit(f"node {node_id} is not online on this host")
-    cpus = place_cpus(host, cfg, node, req.vcpus, req.intent.vm.cpus, ledger)
-    if isinstance(cpus, NoFit):
-        return cpus
-    pages = 0
-    if page_kib and req.hugepage_nodes is not None and node_id >= req.hugepage_nodes:
-        return NoFit(f"node {node_id}: {req.who}'s platform binds hugepages only on host nodes "
-                     f"0-{req.hugepage_nodes - 1} (Proxmox's qemu-server, hugepages_topology)")
-    if page_kib:
-        pages = place_hugepages(node, page_kib, req.memory_kib, ledger, grow_pool(cfg, req))
-        if isinstance(pages, NoFit):
-            return pages
-    elif req.intent.vm.numa != "none":
-        short = place_memory(cfg, node, req.memory_kib, ledger)
-        if short:
-            return short
     reactors: dict[str, tuple[int, str]] = {}
     load = Counter(ledger.reactor_load)
     for c in choices:

@@ -232,28 +232,35 @@ def place(host, cfg, req, choices, ledger, lay: Layout, page_kib, grow):
 
 
 def _place_cell(host, cfg, req, taken: _Taken, k: int, node_id: int, lay: Layout, page_kib, grow):
+    vcpus, memory = lay.vcpus[k], lay.memory_kib[k]
+    got = place_node(host, cfg, req, node_id, len(vcpus), memory, taken, page_kib, grow)
+    if isinstance(got, NoFit):
+        return got
+    cpus, pages = got
+    taken.take(req.name, cpus.vcpu_pins + cpus.reserved, node_id, page_kib, pages,
+               0 if page_kib else memory)
+    return CellPlan(k, node_id, vcpus, memory, pages, cpus.emulator), cpus
+
+
+def place_node(host, cfg, req, node_id: int, vcpus: int, memory_kib: int, ledger, page_kib, grow,
+               bind: bool = True):
+    """vCPUs and memory (hugepages from the node's pool, or ordinary memory
+    bound there when `bind`) on one host node: (CpuPlacement, pages) or NoFit.
+    A one-node guest's whole placement, or one cell's."""
     node = host.node(node_id)
     if node is None:
         return NoFit(f"node {node_id} is not online on this host")
-    vcpus, memory = lay.vcpus[k], lay.memory_kib[k]
-    cpus = place_cpus(host, cfg, node, len(vcpus), req.intent.vm.cpus, taken)
+    cpus = place_cpus(host, cfg, node, vcpus, req.intent.vm.cpus, ledger)
     if isinstance(cpus, NoFit):
         return cpus
-    pages = 0
     if page_kib and req.hugepage_nodes is not None and node_id >= req.hugepage_nodes:
         return NoFit(f"node {node_id}: {req.who}'s platform binds hugepages only on host nodes "
                      f"0-{req.hugepage_nodes - 1} (Proxmox's qemu-server, hugepages_topology)")
     if page_kib:
-        pages = place_hugepages(node, page_kib, memory, taken, grow)
-        if isinstance(pages, NoFit):
-            return pages
-    else:
-        short = place_memory(cfg, node, memory, taken)
-        if short:
-            return short
-    taken.take(req.name, cpus.vcpu_pins + cpus.reserved, node_id, page_kib, pages,
-               0 if page_kib else memory)
-    return CellPlan(k, node_id, vcpus, memory, pages, cpus.emulator), cpus
+        pages = place_hugepages(node, page_kib, memory_kib, ledger, grow)
+        return pages if isinstance(pages, NoFit) else (cpus, pages)
+    short = place_memory(cfg, node, memory_kib, ledger) if bind else None
+    return short or (cpus, 0)
 
 
 def _count(n: int, noun: str) -> str:
