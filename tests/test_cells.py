@@ -175,6 +175,16 @@ def test_an_intent_without_cells_keeps_the_digest_plans_were_made_for():
     assert b"cell" not in canonical(Metadata(req.intent.vm, req.intent.disks))
 
 
+def one_owner_each(holdings) -> dict[int, str]:
+    """CPU -> the one holding that has it (asserted: never two)."""
+    owners: dict[int, str] = {}
+    for h in holdings:
+        for cpu in h.cpus:
+            assert cpu not in owners, f"CPU {cpu} of {h.domain} is {owners[cpu]}'s"
+            owners[cpu] = h.domain
+    return owners
+
+
 def test_spread_guests_mixed_with_one_node_guests_never_share_a_core(host_model):
     """A placement simulation: random guests, some spread over the nodes of
     their disks, planned one after another against the ledger of the ones
@@ -198,11 +208,7 @@ def test_spread_guests_mixed_with_one_node_guests_never_share_a_core(host_model)
         if plan.cells:
             check_cells(host, CFG3, plan)
         holdings.append(Holding.from_plan(plan, active=rng.random() < 0.5))
-    owners: dict[int, str] = {}
-    for h in holdings:
-        for cpu in h.cpus:
-            assert cpu not in owners, f"CPU {cpu} of {h.domain} is {owners[cpu]}'s"
-            owners[cpu] = h.domain
+    owners = one_owner_each(holdings)
     assert spread >= 5 and len(holdings) >= 10
     assert not set(owners) & set(CFG3.reactors)
     for node in host.nodes:

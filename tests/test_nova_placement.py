@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.nova import ask
-from vstor.cli.main import main
+from tests.test_nova import _conf, _run
 from vstor.config import Config
 from vstor.errors import BadInput, VstorError
 
@@ -23,16 +23,6 @@ SPECS = {"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw",
          "vstor:disk.vdc.readonly": "yes"}
 
 
-def _conf(tmp_path, text=""):
-    path = tmp_path / "vstor.conf"
-    path.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n{text}")
-    return str(path)
-
-
-def _run(capsys, *args):
-    code = main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def _write(tmp_path, capsys, root, *extra, cfg=""):

@@ -19,7 +19,7 @@ import sys
 import pytest
 from lxml import etree
 
-from tests.test_cells import check_cells, request_xml
+from tests.test_cells import check_cells, one_owner_each, request_xml
 from tests.test_libvirt_accepts import accepted, conn  # noqa: F401  (libvirt's test driver)
 from tests.test_planner import nvme, qsd_file
 from vstor.config import Config
@@ -194,11 +194,7 @@ def test_many_guests_with_more_cells_than_nodes_never_share_a_core_or_overpromis
             continue
         check_cells(host, cfg, plan)
         holdings.append(Holding.from_plan(plan, active=rng.random() < 0.5))
-    owners: dict[int, str] = {}
-    for h in holdings:
-        for cpu in h.cpus:
-            assert cpu not in owners, f"CPU {cpu} of {h.domain} is {owners[cpu]}'s"
-            owners[cpu] = h.domain
+    owners = one_owner_each(holdings)
     assert len(holdings) >= 5 and full and not set(owners) & set(cfg.reactors)
     for node in host.nodes:
         for pool in node.hugepages:
