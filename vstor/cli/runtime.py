@@ -84,7 +84,9 @@ def cmd_status(ctx, args) -> int:
         h = row["holding"]
         cpus = ",".join(map(str, h.get("cpus", []))) or "none dedicated"
         libvirt = f"; libvirt: {row['libvirt']}" if row["libvirt"] else ""
-        print(f"{row['domain']}: {row['status']}{libvirt}; node {h.get('node')}; CPUs {cpus}; "
+        where = (f"guest cells {', '.join(f'{c} on node {n}' for c, n in h['cells'])}"
+                 if h.get("cells") else f"node {h.get('node')}")
+        print(f"{row['domain']}: {row['status']}{libvirt}; {where}; CPUs {cpus}; "
               f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
         m = row["migration"] or {}
         if row["status"] == "exporting":

@@ -32,6 +32,7 @@ class Holding:
     sockets: frozenset[str]
     # (NVMe-oF path with host NQN, SPDK controller): SPDK has one per path.
     connections: frozenset[tuple[str, str]] = frozenset()
+    cells: tuple[tuple[int, int], ...] = ()      # (guest cell, host node) of a guest with several
 
     @classmethod
     def from_plan(cls, plan: Plan, active: bool = False) -> "Holding":
@@ -53,6 +54,7 @@ class Holding:
             volumes=frozenset((key, d.readonly) for d in plan.disks for key in volume_keys(d.source)),
             sockets=frozenset(d.socket for d in plan.disks if d.socket),
             connections=frozenset(connections(plan.disks)),
+            cells=tuple((c.id, c.node) for c in plan.cells),
         )
 
 
@@ -84,7 +86,8 @@ def holding_to_json(h: Holding) -> dict:
             "memory": [list(m) for m in h.memory] or None,
             "passthrough": sorted(h.passthrough), "spdk_controllers": sorted(h.spdk_controllers),
             "volumes": sorted([k, ro] for k, ro in h.volumes), "sockets": sorted(h.sockets),
-            "connections": sorted([p, c] for p, c in h.connections)}
+            "connections": sorted([p, c] for p, c in h.connections),
+            "cells": [list(c) for c in h.cells]}
 
 
 def holding_from_json(d: dict, active: bool = True) -> Holding:
@@ -96,4 +99,5 @@ def holding_from_json(d: dict, active: bool = True) -> Holding:
                    spdk_controllers=frozenset(d.get("spdk_controllers", ())),
                    volumes=frozenset((k, ro) for k, ro in d.get("volumes", ())),
                    sockets=frozenset(d.get("sockets", ())),
-                   connections=frozenset((p, c) for p, c in d.get("connections", ())))
+                   connections=frozenset((p, c) for p, c in d.get("connections", ())),
+                   cells=tuple(tuple(c) for c in d.get("cells", ())))
