@@ -642,9 +642,6 @@ def test_proxmox_refuses_more_disks_than_a_cells_bus_has_slots(host_model, per_c
     assert max(slots) <= 0x1f          # a PCI device number has 5 bits
 
 
-@pytest.mark.xfail(strict=True, reason="render.pve.merge_args checks the user's args for vstor's ids "
-                   "and buses only: root's own pxb-pcie at addr=0x8.0 with bus_nr=254 is kept before "
-                   "vstor's cell 0 bus at the same slot and bus number, which QEMU refuses at start")
 def test_proxmox_refuses_args_whose_own_expander_bus_takes_vstors_slot_and_bus_number(host_model):
     from vstor.records import replace
     from vstor.render import pve as render_pve

@@ -158,7 +158,10 @@ def merge_args(current: str | None, ours: list[str], vm: int) -> str | None:
     m = _START.search(text)
     user, theirs = (text[:m.start()].rstrip(), text[m.start():]) if m else (text.rstrip(), "")
     _check_vstor_part(_split(theirs, "vstor's part of args", vm), vm)
-    _check_user_part(_split(user, "args", vm), vm)
+    mine = _split(user, "args", vm)
+    _check_user_part(mine, vm)
+    if any(w.startswith("pxb") for w in ours):
+        _check_expanders(mine, vm)
     merged = " ".join(p for p in (user, shlex.join(ours)) if p)
     words = shellwords(merged) or []
     if words[len(words) - len(ours):] != ours:
@@ -199,6 +202,18 @@ def _check_user_part(tokens: list[str], vm: int) -> None:
             said = f"{word} {value}".strip()[:60]
             raise BadInput(f"VM {vm}: args has '{said}', which {why}",
                            hint=f"remove it from args (qm set {vm} --args '...'), then apply again")
+
+
+def _check_expanders(tokens: list[str], vm: int) -> None:
+    """A guest with several cells: vstor's expander buses take a root-bus
+    slot and the bus numbers from 255 down; a user's own would collide."""
+    for i, word in enumerate(tokens[:-1]):
+        value = tokens[i + 1]
+        if word.lstrip("-") == "device" and re.match(r"pxb(-pcie)?(,|$)", value):
+            raise BadInput(f"VM {vm}: args has '{word} {value[:40]}', a PCI expander bus; vstor's "
+                           "guest cells bring their own, in the slot and bus numbers it would take",
+                           hint=f"remove it from args (qm set {vm} --args '...'), or plan the VM "
+                                "with cells='one'")
 
 
 def _memory_backend(value: str) -> bool:
