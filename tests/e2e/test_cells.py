@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ import pytest
 from lxml import etree
 
 from .guest import domain_xml, expected_pattern, job, label_disk
-from .test_hook import ROOT, SIZE, WORK, backing, cleanup, nothing_left, stop, vstor, wait_for_marker
+from .test_hook import ROOT, SIZE, WORK, backing, hooked, cleanup, nothing_left, stop, vstor, wait_for_marker
 from .test_hotplug import daemons
 
 NS = "https://vstor.dev/xmlns/domain/1"
@@ -62,16 +61,7 @@ ELSEWHERE_Q35 = sorted(ELSEWHERE + ["controller-pci"])
 @pytest.fixture(scope="module")
 def cells_env(libvirt_daemons):
     """test_hook's vstor_env, with housekeeping cores for shared vCPUs."""
-    shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True)
-    WORK.chmod(0o755)
-    conf = WORK / "vstor.conf"
-    conf.write_text(f"[paths]\nstate_dir = {WORK}/state\nvhost_dir = {WORK}/vhost\nqsd_dir = {WORK}/qsd\n"
-                    f"images = {WORK}\n[cpu]\nhousekeeping = 0-1\nreactors =\n")
-    from vstor.cli.hooks import render_hook
-    libvirt_daemons.install_hook("vstor", render_hook(str(conf)))
-    yield conf
-    shutil.rmtree(WORK, ignore_errors=True)
+    yield from hooked(libvirt_daemons, housekeeping="0-1")
 
 
 def annotated(name: str, guest, machine: str, disks: dict[str, str], guest_job: str) -> str:

@@ -26,15 +26,21 @@ SIZE = 1 << 20
 
 @pytest.fixture(scope="module")
 def vstor_env(libvirt_daemons):
-    """A vstor config of its own, the hook installed into libvirt's qemu.d."""
+    """A vstor config of its own, the hook installed into libvirt's qemu.d.
+    No housekeeping cores on this 2-CPU machine: two 1-vCPU domains get a
+    dedicated core each, with their emulator threads on their own core."""
+    yield from hooked(libvirt_daemons, housekeeping="")
+
+
+def hooked(libvirt_daemons, housekeeping: str):
+    """vstor's config under WORK with these housekeeping cores, and its hook
+    installed; WORK removed afterwards."""
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     WORK.chmod(0o755)
     conf = WORK / "vstor.conf"
-    # No housekeeping cores on this 2-CPU machine: two 1-vCPU domains get a
-    # dedicated core each, with their emulator threads on their own core.
     conf.write_text(f"[paths]\nstate_dir = {WORK}/state\nvhost_dir = {WORK}/vhost\nqsd_dir = {WORK}/qsd\nimages = {WORK}\n"
-                    "[cpu]\nhousekeeping =\nreactors =\n")
+                    f"[cpu]\nhousekeeping = {housekeeping}\nreactors =\n")
     from vstor.cli.hooks import render_hook
     libvirt_daemons.install_hook("vstor", render_hook(str(conf)))
     yield conf

@@ -84,15 +84,25 @@ def disk_cells(root, count: int) -> tuple[tuple[str, int], ...]:
         node = _node(d, by_index)
         out.append((target.get("dev"), node if node is not None and 0 <= node < count else 0))
     for h in root.iterfind("devices/hostdev[@type='pci']"):
-        a = h.find("source/address")
-        try:
-            key = "%04x:%02x:%02x.%x" % tuple(int(a.get(k, "0"), 0)
-                                            for k in ("domain", "bus", "slot", "function"))
-        except (AttributeError, ValueError):
+        key = hostdev_address(h)
+        if key is None:
             continue
         node = _node(h, by_index)
         out.append((key, node if node is not None and 0 <= node < count else 0))
     return tuple(out)
+
+
+def hostdev_address(hd) -> str | None:
+    """A PCI <hostdev>'s source address as '0000:5e:00.0'; None for another
+    kind of hostdev or an address that is not numbers."""
+    a = hd.find("source/address")
+    if a is None or hd.get("type") != "pci":
+        return None
+    try:
+        return "%04x:%02x:%02x.%x" % tuple(int(a.get(k, "0"), 0)
+                                         for k in ("domain", "bus", "slot", "function"))
+    except ValueError:
+        return None
 
 
 def _node(device, by_index) -> int | None:

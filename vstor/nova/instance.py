@@ -28,7 +28,7 @@ from vstor.errors import BadInput
 from vstor.host.model import Host, parse_cpulist
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 from vstor.records import record
-from vstor.render.elements import hostdev_address
+from vstor.meta.topology import hostdev_address
 
 NOVA_NS = "http://openstack.org/xmlns/libvirt/nova/1.1"
 N = "{%s}" % NOVA_NS

@@ -20,7 +20,7 @@ from vstor.meta.plan import DiskPlan, Plan
 from vstor.planner import cells
 from vstor.planner.disks import DiskChoice, NoFit, choose_all
 from vstor.planner.ledger import Ledger
-from vstor.planner.placement import CpuPlacement, dedicated_pool, place_reactor
+from vstor.planner.placement import CpuPlacement, place_reactor, ranked_nodes
 from vstor.planner.spdk_paths import attach_paths
 from vstor.records import record, replace
 
@@ -178,9 +178,7 @@ def candidate_nodes(host, cfg, req, choices, ledger):
     elif len(host.nodes) == 1:
         yield host.nodes[0].id, f"node {host.nodes[0].id}: the host's only node"
         return
-    not_ours = frozenset(cfg.reactors)
-    ranked = sorted(host.nodes, key=lambda n: (-len(dedicated_pool(host, cfg, n, ledger, not_ours)), n.id))
-    for n in ranked:
+    for n in ranked_nodes(host, cfg, ledger):
         if device and n.id == device[0][0]:
             continue
         yield n.id, (f"node {n.id}: the device's node has no room (numa='{req.intent.vm.numa}')"

@@ -21,8 +21,8 @@ from vstor.host.model import format_cpulist
 from vstor.meta.intent import MAX_CELLS
 from vstor.meta.plan import CellPlan
 from vstor.planner.disks import NoFit
-from vstor.planner.placement import (CpuPlacement, dedicated_pool, all_housekeeping, place_cpus,
-                                     place_hugepages, place_memory, place_reactor)
+from vstor.planner.placement import (CpuPlacement, counted, place_cpus, place_hugepages, place_memory,
+                                     place_reactor, ranked_nodes)
 from vstor.records import record
 
 
@@ -170,13 +170,6 @@ class _Taken:
         return self.base.bound_memory_kib(node) + self._bound[node]
 
 
-def ranked_nodes(host, cfg, ledger) -> list[int]:
-    """Host nodes, the most free dedicated cores first."""
-    not_ours = all_housekeeping(host, cfg) | frozenset(cfg.reactors)
-    return [n.id for n in sorted(host.nodes, key=lambda n: (-len(dedicated_pool(
-        host, cfg, n, ledger, not_ours)), n.id))]
-
-
 def place(host, cfg, req, choices, ledger, lay: Layout, page_kib, grow):
     """Each cell placed on its node (a cell no device ties to a node: the
     freest, nodes no other cell has first); (cells, cpus, reactors, reasons)
@@ -185,7 +178,7 @@ def place(host, cfg, req, choices, ledger, lay: Layout, page_kib, grow):
     taken = _Taken(ledger)
     cells, pins, reserved, shared, emulator, reasons = [], [], set(), set(), set(), []
     for k in range(lay.count):
-        ranked = ranked_nodes(host, cfg, taken)      # as the cells before left them
+        ranked = [n.id for n in ranked_nodes(host, cfg, taken)]    # as the cells before left them
         wanted = lay.nodes[k]
         if wanted is None:
             used = {c.node for c in cells} | {n for n in lay.nodes if n is not None}
@@ -203,7 +196,7 @@ def place(host, cfg, req, choices, ledger, lay: Layout, page_kib, grow):
             cell, cpus = got
             break
         else:
-            return NoFit(f"guest cell {k} ({_count(len(lay.vcpus[k]), 'vCPU')}, "
+            return NoFit(f"guest cell {k} ({counted(len(lay.vcpus[k]), 'vCPU')}, "
                          f"{lay.memory_kib[k] // 1024} MiB): {failures[0]}")
         if cell.node != wanted and wanted is not None:
             why = f"node {wanted}, where its disks' devices are, has no room (numa='{vm.numa}')"
@@ -261,7 +254,3 @@ def place_node(host, cfg, req, node_id: int, vcpus: int, memory_kib: int, ledger
         return pages if isinstance(pages, NoFit) else (cpus, pages)
     short = place_memory(cfg, node, memory_kib, ledger) if bind else None
     return short or (cpus, 0)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"

@@ -57,6 +57,12 @@ def dedicated_pool(host: Host, cfg: Config, node: NumaNode, ledger: Ledger,
     return tuple(pool)
 
 
+def ranked_nodes(host: Host, cfg: Config, ledger: Ledger) -> list[NumaNode]:
+    """Host nodes, the most free dedicated cores first (ties: lowest id)."""
+    not_ours = frozenset(cfg.reactors)
+    return sorted(host.nodes, key=lambda n: (-len(dedicated_pool(host, cfg, n, ledger, not_ours)), n.id))
+
+
 def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
                ledger: Ledger, only: frozenset[int] | None = None) -> CpuPlacement | NoFit:
     """`only`: take from these CPUs alone (the start check asks whether a
@@ -94,7 +100,7 @@ def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
     return CpuPlacement(pins, reserved, (), emulator, tuple(reasons))
 
 
-def _count(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
@@ -113,7 +119,7 @@ def _whole_cores(host: Host, pool: tuple[int, ...], vcpus: int):
             cores.append(siblings)
     threads = [t for core in cores for t in core]
     if len(threads) < vcpus:
-        return NoFit(f"{_count(len(cores), 'whole free core')} ({_count(len(threads), 'thread')}) "
+        return NoFit(f"{counted(len(cores), 'whole free core')} ({counted(len(threads), 'thread')}) "
                      f"for dedicated vCPUs, the VM needs {vcpus} (free cores or use cpus='shared')")
     pins: list[int] = []
     reserved: list[int] = []

@@ -57,19 +57,6 @@ def hostdev(address: str):
     return hd
 
 
-def hostdev_address(hd) -> str | None:
-    """A PCI <hostdev>'s source address as '0000:5e:00.0'; None for another
-    kind of hostdev or an address that is not numbers."""
-    a = hd.find("source/address")
-    if a is None or hd.get("type") != "pci":
-        return None
-    try:
-        return "%04x:%02x:%02x.%x" % tuple(int(a.get(k, "0"), 0)
-                                         for k in ("domain", "bus", "slot", "function"))
-    except ValueError:
-        return None
-
-
 def iommu():
     iommu = etree.Element("iommu", model="intel")
     # caching_mode lets the guest's vfio-pci (SPDK in the guest) map DMA.

@@ -23,7 +23,7 @@ from vstor.host.model import Host, format_cpulist
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
 from vstor.records import record
-from vstor.render.elements import hostdev_address
+from vstor.meta.topology import hostdev_address
 
 # SPDK in the guest gets 2 MiB pages (x86's default size, and setup.sh's) on
 # the guest's only NUMA cell (vstor renders one): min(1024 MB, a quarter of

@@ -17,7 +17,7 @@ from vstor.meta.document import Domain
 from vstor.meta import metadata
 from vstor.meta.plan import Plan
 from vstor.render import buses, elements
-from vstor.render.elements import hostdev_address   # its readers import it from here
+from vstor.meta.topology import hostdev_address   # its readers import it from here
 
 # libvirt's own order of <domain> children; new elements go where libvirt
 # would put them, so the output is stable and reads like `virsh dumpxml`.
