@@ -48,11 +48,16 @@ only `node.cores` and `nvme.address` are required:
     name = "vg0-root"            # dm name; 'md0' style names make an md device
     on = ["nvme0n1p3"]
     mount = "/"                  # also: swap = true, fs = "xfs", source = "/dev/root"
+    partitions = []              # as a namespace's (an md device's: md0p1, ...)
 
     [[disk]]                     # non-NVMe disks: sdX behind an AHCI controller
     name = "sda"
     size = "480GB"
     mount = "/srv"
+
+    [[disk]]                     # loopN, nbdN, ublkbN, ramN, zramN, rbdN, drbdN: virtual
+    name = "loop0"
+    backing = "/home/u/x.img"    # a loop device's backing file
 
     [[pci]]                      # any other PCI function (NIC, bridge, GPU...)
     address = "0000:5e:00.1"

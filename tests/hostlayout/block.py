@@ -12,6 +12,11 @@ from .model import KEYS, USE_KEYS, Block, Build, Pci, check_keys, parse_size, pc
 from .pci import AHCI
 
 SCHEDULERS = ["none", "mq-deadline", "kyber", "bfq"]
+# Disks no controller serves, under /sys/devices/virtual/block, by kernel
+# name prefix: their major (zram's, ublk's and rbd's are dynamic; these are
+# typical).  rbd really sits under /sys/devices/rbd/N/block; nothing vstor
+# reads depends on that.
+VIRTUAL = {"loop": 7, "nbd": 43, "ram": 1, "zram": 251, "ublkb": 250, "rbd": 249, "drbd": 147}
 
 
 def write_controllers(b: Build) -> None:
@@ -114,6 +119,16 @@ def write_disks(b: Build) -> None:
     for k, spec in enumerate(b.layout.get("disk", [])):
         check_keys(spec, KEYS["disk"], f"disk {spec.get('name', k)}")
         name = spec.get("name", f"sd{chr(ord('a') + k)}")
+        virtual = re.fullmatch(r"([a-z]+?)(\d+)", name)
+        if virtual and virtual.group(1) in VIRTUAL:
+            number = int(virtual.group(2))
+            path, major, minors = f"/sys/devices/virtual/block/{name}", VIRTUAL[virtual.group(1)], \
+                iter(range(16 * number, 16 * number + 16))
+            extra = {"loop/backing_file": spec["backing"]} if "backing" in spec else {}
+            _disk(b, name, path, {"scheduler": "none", **spec}, major, minors, extra, "16GiB")
+            continue
+        if "backing" in spec:
+            raise BadInput(f"disk {name}: only a loop device has a backing file")
         controller = b.pci[pci_address(spec.get("pci", AHCI))]
         if name.startswith("sd"):
             path = f"{controller.path}/ata{k + 1}/host{k}/target{k}:0:0/{k}:0:0:0/block/{name}"
@@ -140,8 +155,11 @@ def write_volumes(b: Build) -> None:
             kname, path = f"dm-{minor}", f"/sys/devices/virtual/block/dm-{minor}"
             extra = {"dm/name": name, "dm/uuid": f"LVM-vstor{minor:04d}", "dm/suspended": 0}
             major, source = 254, f"/dev/mapper/{name}"
-        volume = {k: v for k, v in spec.items() if k in USE_KEYS} | {"size": size}
-        _disk(b, kname, path, volume, major, iter([minor]), extra, source=source)
+        volume = {k: v for k, v in spec.items() if k in USE_KEYS | {"partitions"}} | {"size": size}
+        # An md device's partitions (md0p1) take minors of its major past any
+        # device's own (the kernel gives them blkext's 259:N; nothing reads that).
+        minors = itertools.chain([minor], itertools.count(1024 + 16 * minor))
+        _disk(b, kname, path, volume, major, minors, extra, source=source)
         for member in members:
             b.t.link(f"{b.blocks[member].path}/holders/{kname}", path)
             b.t.link(f"{path}/slaves/{member}", b.blocks[member].path)

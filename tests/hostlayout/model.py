@@ -30,8 +30,8 @@ KEYS = {
              "port", "netdevs"},
     "namespace": {"size", "nsid", "scheduler", "partitions"} | USE_KEYS,
     "partition": {"size"} | USE_KEYS,
-    "disk": {"name", "size", "pci", "scheduler", "partitions"} | USE_KEYS,
-    "volume": {"name", "on", "size", "level"} | USE_KEYS,
+    "disk": {"name", "size", "pci", "scheduler", "partitions", "backing"} | USE_KEYS,
+    "volume": {"name", "on", "size", "level", "partitions"} | USE_KEYS,
 }
 DEFAULT_CMDLINE = "BOOT_IMAGE=/boot/vmlinuz-6.1.0-18-amd64 ro quiet"
 
