@@ -30,7 +30,7 @@ VARIANTS = ["mode='passthrough'", "mode='vhost' backend='spdk'", "mode='vhost' b
 def _requests(host):
     for path in TEMPLATES:
         yield os.path.basename(path), Request.from_domain(Domain.load(path))
-    free = [d.name for d in host.block_devices if not d.in_use][:2]
+    free = [d.name for d in host.block_devices if not (d.in_use or d.stacks_on)][:2]
     blocks = "".join(f"<vstor:disk target='vd{t}'><vstor:block path='/dev/{n}'/></vstor:disk>"
                      for t, n in zip("cd", free))
     for ctrl in host.controllers:

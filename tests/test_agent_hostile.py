@@ -14,6 +14,7 @@ import pytest
 
 from vstor.config import Config
 from vstor.errors import BadInput
+from vstor.host.model import is_listed
 from vstor.host.sysfs import SysFS
 from vstor.migration import request as requests
 from vstor.migration import storage
@@ -190,7 +191,7 @@ def _a_real_disk():
         except OSError:
             continue
         if stat.S_ISBLK(st.st_mode) and dev == f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}" \
-                and not name.startswith(("loop", "ram", "zram")):
+                and is_listed(name):
             try:       # a container's device cgroup may refuse it
                 os.close(os.open(f"/dev/{name}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
                 return name, dev, True
@@ -312,3 +313,17 @@ def test_an_error_vstor_did_not_foresee_is_still_one_answer_exit_1(dest, tmp_pat
     d = type("D", (), {"tmp": dest.tmp, "images": dest.images, "conf": str(conf), "root": dest.root})()
     answer = agent(d, {"vstor_agent": 1, "op": "status", "name": "vm"})
     assert answer["exit_code"] == 1 and answer["message"].startswith("internal error: NotADirectoryError")
+
+
+# -- a block source judged by what it stacks on (issue 28) -----------------------------------
+
+@pytest.mark.parametrize("path, words", [
+    ("/dev/dm-1", "/dev/dm-1 stacks on /dev/loop2 through /dev/md6p1, /dev/md6, a loop device: "),
+    ("/dev/md5", "/dev/md5 stacks on /dev/loop1, a loop device: "),
+    ("/dev/nbd0", "/dev/nbd0 is a network block device (nbd): "),
+])
+def test_a_block_source_on_a_file_vstor_never_opened_is_described_as_the_planner_refuses_it(host_layout, path, words):
+    """Before /dev is looked at: the planner's words, from the same stack."""
+    with pytest.raises(BadInput) as e:
+        storage.describe(Config(), "block", path, SysFS(host_layout("stacked")))
+    assert e.value.message.startswith(words)

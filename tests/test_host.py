@@ -321,15 +321,29 @@ def as_nobody(fn):
     return tuple(json.loads(data))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
-def test_a_permission_denied_read_refuses_the_host_instead_of_reading_it_as_absent():
+@pytest.fixture
+def open_tree():
+    """name -> the tree of tests/hosts/<name>.toml where nobody may read it
+    (pytest's tmp_path is root-only), read once as root first (what
+    read_host imports lazily may lie where nobody can read); removed after."""
     import shutil
     import tempfile
-    work = tempfile.mkdtemp(prefix="vs-perm-", dir="/tmp")     # pytest's tmp_path is root-only
+    work = tempfile.mkdtemp(prefix="vs-perm-", dir="/tmp")
     os.chmod(work, 0o755)
-    root = build_tree(os.path.join(os.path.dirname(__file__), "hosts", "two-socket.toml"), os.path.join(work, "r"))
-    for d, _, _ in os.walk(root):
-        os.chmod(d, 0o755)
+
+    def build(name: str) -> str:
+        root = build_tree(os.path.join(os.path.dirname(__file__), "hosts", f"{name}.toml"), os.path.join(work, name))
+        for d, _, _ in os.walk(root):
+            os.chmod(d, 0o755)
+        read_host(SysFS(root))
+        return root
+    yield build
+    shutil.rmtree(work)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_a_permission_denied_read_refuses_the_host_instead_of_reading_it_as_absent(open_tree):
+    root = open_tree("two-socket")
     assert as_nobody(lambda: len(read_host(SysFS(root)).controllers)) == ("ok", "5")
     # The driver link of a controller, behind a directory nobody else may enter.
     dev = os.path.realpath(os.path.join(root, "sys/bus/pci/devices/0000:5e:00.0"))
@@ -337,7 +351,6 @@ def test_a_permission_denied_read_refuses_the_host_instead_of_reading_it_as_abse
     kind, message = as_nobody(lambda: read_host(SysFS(root)))
     assert kind == "Unreadable" and "Permission denied (run vstor as root)" in message
     assert "/sys/bus/pci/devices/0000:5e:00.0/" in message
-    shutil.rmtree(work)
 
 
 def test_the_host_nqns_uuid_is_the_uuid_modules():
@@ -348,3 +361,39 @@ def test_the_host_nqns_uuid_is_the_uuid_modules():
     for _ in range(2000):
         b = os.urandom(16)
         assert _uuid4(b) == str(uuid.UUID(bytes=b, version=4))
+
+
+# --- what a block device stacks on (issue 28) ----------------------------------------
+
+def test_each_block_device_knows_the_loop_nbd_ublk_or_ram_device_it_stacks_on(host_model):
+    """tests/hosts/stacked.toml: down slaves/ (dm, md) and from a partition
+    to its disk, to the first device the model does not list as a disk."""
+    stacks = {d.name: d.stacks_on for d in host_model("stacked").block_devices}
+    assert stacks == {
+        "dm-0": ("dm-0", "loop0"), "dm-1": ("dm-1", "md6p1", "md6", "loop2"), "dm-2": ("dm-2", "nbd0p1"),
+        "dm-3": ("dm-3", "ublkb0"), "dm-4": ("dm-4", "zram0"), "md5": ("md5", "loop1"),
+        "md6": ("md6", "loop2"), "md6p1": ("md6p1", "md6", "loop2"), "md7": ("md7", "loop3"),
+        # on disks: an NVMe partition (dm-5), an rbd device (dm-6); drbd and rbd themselves
+        "dm-5": (), "dm-6": (), "drbd0": (), "rbd0": (), "nvme0n1": (), "nvme0n1p1": (), "nvme0n1p2": (),
+        "sda": (), "sda1": (), "sda2": ()}
+
+
+def test_a_stack_deeper_than_the_kernel_makes_is_a_refusal_not_nothing_below(tmp_path):
+    """Two dm devices each the other's slave: no kernel makes that; a
+    hand-edited tree does, and vstor cannot tell what either stacks on."""
+    from vstor.host.sysfs import Unreadable
+    root = build_tree({"volume": [{"name": "a"}, {"name": "b"}]}, tmp_path / "r")
+    os.symlink("../../dm-1", f"{root}/sys/devices/virtual/block/dm-0/slaves/dm-1")
+    os.symlink("../../dm-0", f"{root}/sys/devices/virtual/block/dm-1/slaves/dm-0")
+    with pytest.raises(Unreadable, match=r"/dev/dm-0 stacks more than 16 devices deep"):
+        read_host(SysFS(root))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_a_slaves_directory_the_kernel_refuses_is_a_refusal_not_nothing_below(open_tree):
+    root = open_tree("stacked")
+    assert as_nobody(lambda: read_host(SysFS(root)).block_device("dm-0").stacks_on) == ("ok", "('dm-0', 'loop0')")
+    os.chmod(f"{root}/sys/devices/virtual/block/dm-5/slaves", 0o700)
+    kind, message = as_nobody(lambda: read_host(SysFS(root)))
+    assert (kind, message) == ("Unreadable", "cannot read /sys/class/block/dm-5/slaves: Permission denied "
+                                             "(run vstor as root)")

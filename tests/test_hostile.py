@@ -62,7 +62,7 @@ from lxml import etree
 from tests import snapshot
 from tests.doubles.kernel_sysfs import KernelSysfsDouble
 from tests.doubles.spdk_target import SpdkTargetDouble
-from tests.hostlayout import build_tree
+from tests.hostlayout import build_tree, load_layout
 from vstor import records
 from vstor.cli.main import main
 from vstor.meta import intent as intent_decl
@@ -87,6 +87,17 @@ BAD, FIT = 2, 3
 
 # -- the host: built once, at import, so the cases can be generated from it ------------------
 
+def _host_layout() -> dict:
+    """two-socket.toml, and devices that serve files vstor never opened
+    (issue 28): dm-0 on loop0, md5 on loop1, an nbd device; and a free
+    disk, sdb, whose plan a forgery re-points at them."""
+    layout = load_layout(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"))
+    layout["disk"] = layout["disk"] + [{"name": "sdb", "size": "2TB"}, {"name": "loop0", "backing": "/tmp/x.img"},
+                                       {"name": "loop1"}, {"name": "nbd0"}]
+    layout["volume"] = [{"name": "vg-loop", "on": ["loop0"]}, {"name": "md5", "on": ["loop1"]}]
+    return layout
+
+
 class World:
     """A two-socket host tree, a config whose every directory lies under one
     temporary directory, image files, decoys, and (once the module fixture
@@ -98,7 +109,7 @@ class World:
         self.dir = path or tempfile.mkdtemp(prefix="vs-hx-", dir="/tmp")
         os.chmod(self.dir, 0o755)
         d = self.dir
-        self.host = build_tree(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"), f"{d}/host")
+        self.host = build_tree(_host_layout(), f"{d}/host")
         self.state, self.vhost, self.qsd = f"{d}/state", f"{d}/vhost", f"{d}/qsd"
         self.images, self.outside, self.cases = f"{d}/images", f"{d}/outside", f"{d}/cases"
         for sub in (self.images, self.outside, self.cases):
@@ -1187,3 +1198,44 @@ def test_an_inert_plan_field_is_carried_out_exactly_as_the_honest_plan(w, entry,
     assert (o.code, o.err) == (0, ""), o.err
     assert _normalised(o.changes) == _HONEST[entry]
     assert not left, left
+
+
+# -- block devices judged by what they stack on (issue 28) -----------------------------------------
+#
+# The world's host (_host_layout) has dm-0 on loop0, md5 on loop1 and nbd0:
+# each serves a file vstor never opened.  Each is refused when planned; and a
+# plan made for the free disk sdb, then re-pointed at one (metadata and plan,
+# the digest made anew: it is no signature), is refused at start with the
+# planner's own words, before anything changes.
+
+STACKED = {"dm-over-loop": "/dev/dm-0", "md-over-loop": "/dev/md5", "nbd": "/dev/nbd0"}
+
+
+def _block_domain(w: World, path: str) -> str:
+    return domain_xml(w, name="stk1", disks=f"<vstor:disk target='vdb'><vstor:block path='{path}'/></vstor:disk>")
+
+
+def _repointed(w: World, path: str) -> bytes:
+    from vstor.meta.document import Domain
+    from vstor.meta.metadata import digest
+    from vstor.planner import Request
+    xml = render_in(w, _block_domain(w, "/dev/sdb").encode(), "stacked-sdb").decode().replace("/dev/sdb", path)
+    (old,) = set(re.findall(r'digest="(sha256:[0-9a-f]{64})"', xml))
+    return xml.replace(old, digest(Request.from_domain(Domain.parse(xml)).intent)).encode()
+
+
+@pytest.mark.parametrize("entry", ["plan", "render"])
+@pytest.mark.parametrize("label", STACKED)
+def test_a_block_device_on_a_file_vstor_never_opened_is_refused_when_planned(w, label, entry):
+    o = assert_refused(w, entry, _block_domain(w, STACKED[label]).encode(), "stk1", BAD)
+    assert o.err.startswith(f"vstor: error: {STACKED[label]} ")
+
+
+@pytest.mark.parametrize("entry", START)
+@pytest.mark.parametrize("label", STACKED)
+def test_a_plan_repointed_at_such_a_device_is_refused_at_start_with_the_planners_words(w, label, entry):
+    path = STACKED[label]
+    o = assert_refused(w, entry, _repointed(w, path), "stk1", FIT)
+    reason = o.err.split("cannot start: ", 1)[1].split(" (if the host changed for good", 1)[0]
+    assert reason.startswith(f"{path} ") and ("loop device" in reason or "nbd" in reason)
+    assert cli(w, "plan", w.write("stk1.xml", _block_domain(w, path)))[2].startswith(f"vstor: error: {reason} (")

@@ -1,6 +1,7 @@
 """The planner's decisions and refusals on realistic host layouts."""
 
 import os
+import re
 
 import pytest
 
@@ -492,3 +493,84 @@ def test_a_remote_disk_always_names_its_host_nqn(host_layout, tmp_path):
     why = refused(read_host(SysFS(root)), SPDK_CFG, request(nvmf()))
     assert "vdb: this host has no NVMe host NQN to attach with" in why and "[nvmf] hostnqn" in why
     assert nqns(cfg) == {"nqn.2026-01.example:cfg"}
+
+
+# -- block devices judged by what they stack on (issue 28) ------------------------------
+#
+# tests/hosts/stacked.toml: dm, md and partitions over loop, nbd, ublk and zram
+# devices, beside an LVM volume on an NVMe partition and devices of rbd and
+# drbd, which vstor takes.
+
+def block(path: str) -> Request:
+    return request(f"<vstor:disk target='vdb'><vstor:block path='{path}'/></vstor:disk>")
+
+
+LOOP_WHY = "vstor does not serve a loop device or what stacks on one, as the file behind it may lie outside"
+
+
+@pytest.mark.parametrize("path, words, fix", [
+    ("/dev/dm-0", f"/dev/dm-0 stacks on /dev/loop0, a loop device: {LOOP_WHY}", "losetup --list /dev/loop0"),
+    ("/dev/md5", f"/dev/md5 stacks on /dev/loop1, a loop device: {LOOP_WHY}", "losetup --list /dev/loop1"),
+    ("/dev/md7", "/dev/md7 stacks on /dev/loop3, a loop device", "losetup --list /dev/loop3"),
+    ("/dev/dm-1", "/dev/dm-1 stacks on /dev/loop2 through /dev/md6p1, /dev/md6, a loop device",
+     "losetup --list /dev/loop2"),
+    ("/dev/md6p1", "/dev/md6p1 stacks on /dev/loop2 through /dev/md6, a loop device",
+     "losetup --list /dev/loop2"),
+    ("/dev/dm-2", "/dev/dm-2 stacks on /dev/nbd0p1, a network block device (nbd): vstor does not serve "
+                  "a network block device (nbd) or what stacks on one", "the nbd server's command line"),
+    ("/dev/nbd0", "/dev/nbd0 is a network block device (nbd): vstor does not serve", "nbd server"),
+    ("/dev/nbd0p1", "/dev/nbd0p1 is a network block device (nbd)", "nbd server"),
+    ("/dev/dm-3", "/dev/dm-3 stacks on /dev/ublkb0, a ublk device", "the ublk server's command line"),
+    ("/dev/ublkb0", "/dev/ublkb0 is a ublk device", "ublk server"),
+    ("/dev/dm-4", "/dev/dm-4 stacks on /dev/zram0, a RAM disk", "use a disk, a partition or a file"),
+])
+def test_a_device_stacked_on_a_loop_nbd_ublk_or_ram_device_is_refused_like_one(host_model, path, words, fix):
+    with pytest.raises(BadInput) as e:
+        plan_domain(host_model("stacked"), Config(), block(path), Ledger())
+    assert e.value.exit_code == 2 and words in e.value.message and fix in e.value.hint
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("path", ["/dev/dm-5", "/dev/dm-6", "/dev/drbd0"])
+def test_a_device_stacked_on_disks_is_taken(host_model, path):
+    """An LVM volume on an NVMe partition, one on an rbd device, a drbd
+    device: storage root configured, served by the kernel."""
+    assert plan_domain(host_model("stacked"), Config(), block(path), Ledger()).disks[0].source.path == path
+
+
+def test_start_refuses_a_block_source_that_came_to_stack_on_a_loop_device_with_the_plans_words(host_model):
+    """Planned while /dev/dm-5 was on an NVMe partition; at start it is on
+    a loop device (the same name, another stack): the start refuses it with
+    the words the planner uses."""
+    from vstor.planner import fit
+    from vstor.records import replace
+    host = host_model("stacked")
+    plan = plan_domain(host, Config(), block("/dev/dm-5"), Ledger())
+    assert fit.problems(host, Config(), block("/dev/dm-5"), plan, Ledger()) == []
+    moved = replace(host, block_devices=tuple(replace(d, stacks_on=("dm-5", "loop0")) if d.name == "dm-5" else d
+                                              for d in host.block_devices))
+    with pytest.raises(BadInput) as e:
+        plan_domain(moved, Config(), block("/dev/dm-5"), Ledger())
+    assert fit.problems(moved, Config(), block("/dev/dm-5"), plan, Ledger()) == [e.value.message]
+    assert e.value.message.startswith("/dev/dm-5 stacks on /dev/loop0, a loop device")
+
+
+def test_host_show_never_offers_a_stacked_device_and_each_row_plans_as_it_says(host_layout, capsys):
+    from vstor.cli.main import main
+    from vstor.host.read import block_sources, read_host
+    from vstor.host.sysfs import SysFS
+    assert main(["--host-root", host_layout("stacked"), "host", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "  block sources vstor would take: /dev/dm-5 (107 GB), /dev/dm-6 (17 GB), /dev/drbd0 (17 GB)\n" in out
+    assert "    not /dev/dm-1: stacks on /dev/loop2 through /dev/md6p1, /dev/md6, a loop device\n" in out
+    assert "    not /dev/md6: stacks on /dev/loop2, a loop device; held by dm-1 (vg-part) (md6p1)\n" in out
+    assert "never a loop, nbd, ublk or RAM device or what stacks on one" in out
+    host = read_host(SysFS(host_layout("stacked")))
+    for path, _, use in block_sources(host):
+        if not use:
+            assert plan_domain(host, Config(), block(path), Ledger()).disks[0].source.path == path
+        elif use[0].startswith("stacks on"):
+            with pytest.raises(BadInput, match=f"^{re.escape(f'{path} {use[0]}: ')}"):
+                plan_domain(host, Config(), block(path), Ledger())
+        else:
+            assert use[0] in refused(host, Config(), block(path))

@@ -1,6 +1,7 @@
 """Block devices and what the host uses them for: mounts, swaps and dm/md
-holders, followed up the stack.  Every read a "not in use" answer rests on
-must succeed: unreadable is a refusal."""
+holders, followed up the stack; and what each stacks on, followed down it.
+Every read a "not in use" or "stacks on nothing" answer rests on must
+succeed: unreadable is a refusal."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import posixpath
 import re
 
 from vstor.errors import Unavailable
-from vstor.host.model import BlockDevice, is_listed
-from vstor.host.sysfs import SysFS
+from vstor.host.model import BlockDevice, is_listed, unvouched
+from vstor.host.sysfs import SysFS, Unreadable
 
-# Hidden multipath path devices (nvme0c0n1) and devices that are not disks.
+MAX_STACK = 16      # devices below one another; the kernel's own stacks are far shallower
 
 
 class BlockUsage:
@@ -126,13 +127,40 @@ def unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
+def stack_of(sysfs: SysFS, name: str, depth: int = 0) -> tuple[str, ...]:
+    """NAME and the devices below it, down to the first one vstor cannot
+    vouch for (a loop, nbd, ublk or RAM device: host.model.unvouched):
+    ('dm-1', 'md5', 'loop1'); () when there is none.
+    Below a dm, md or bcache device are its slaves/; below a partition, its
+    disk.  A listing the kernel refuses raises (Unreadable): never "nothing
+    below"."""
+    if unvouched(name):
+        return (name,)
+    if depth == MAX_STACK:
+        raise Unreadable(f"/dev/{name} stacks more than {MAX_STACK} devices deep in "
+                         f"{sysfs.path('/sys/class/block')}: vstor cannot tell what it stacks on",
+                         hint="check the host's device stack (lsblk --inverse)")
+    base = f"/sys/class/block/{name}"
+    if sysfs.exists(f"{base}/partition"):
+        real = sysfs.resolve(base)
+        below = [posixpath.basename(posixpath.dirname(real))] if real else []
+    else:
+        below = sysfs.listdir(f"{base}/slaves")
+    for lower in below:
+        found = stack_of(sysfs, lower, depth + 1)
+        if found:
+            return (name, *found)
+    return ()
+
+
 def read_block_devices(sysfs: SysFS, usage: BlockUsage) -> tuple[BlockDevice, ...]:
     devices = []
     for disk in sysfs.listdir("/sys/block"):
         if not is_listed(disk):
             continue
         devices.append(BlockDevice(disk, sysfs.read_int(f"/sys/block/{disk}/size", 0) * 512,
-                                   tuple(why for why, _ in usage.disk_uses(disk))))
+                                   tuple(why for why, _ in usage.disk_uses(disk)),
+                                   stack_of(sysfs, disk)))
         # A partition is in use when it is, or when its whole disk itself is
         # (an LVM PV or md member on the whole disk, say).
         whole = tuple(why for why, _ in usage._uses(disk, f"/sys/block/{disk}", "", 0))
@@ -140,7 +168,8 @@ def read_block_devices(sysfs: SysFS, usage: BlockUsage) -> tuple[BlockDevice, ..
             base = f"/sys/block/{disk}/{part}"
             own = tuple(why for why, _ in usage._uses(part, base, "", 0))
             devices.append(BlockDevice(part, sysfs.read_int(f"{base}/size", 0) * 512,
-                                       own + tuple(f"{why} (whole disk {disk})" for why in whole)))
+                                       own + tuple(f"{why} (whole disk {disk})" for why in whole),
+                                       stack_of(sysfs, part)))
     return tuple(devices)
 
 

@@ -114,6 +114,10 @@ class BlockDevice:
     name: str                   # 'sdb', 'nvme0n1', 'nvme0n1p2'
     size_bytes: int = 0
     in_use: tuple[str, ...] = ()
+    # From this device down to one vstor cannot vouch for (a loop, nbd,
+    # ublk or RAM device), through dm/md slaves and a partition's disk:
+    # ('dm-1', 'md5', 'loop1'); () when nothing below it is one.
+    stacks_on: tuple[str, ...] = ()
 
 
 @record
@@ -179,33 +183,74 @@ class Host:
 
 # Which kernel block device names the host model lists as disks (and why
 # the others are never a block source): hidden multipath path devices are
-# not usable disks (their head is); loop, ram and zram devices are not disks.
+# not usable disks (their head is); the devices below are not storage vstor
+# can vouch for, and neither is a dm, md or bcache device stacked on one
+# (host.blocks.stack_of finds that, through slaves/ and a partition's disk).
 _PATH_DEVICE = re.compile(r"nvme\d+c\d+n\d+")
-_NOT_DISKS = ("loop", "ram", "zram")
+_SERVE_INSTEAD = ("serve the storage itself: a file under [paths] images as <vstor:file path='...'/>, "
+                  "or a disk of this host; ")
+# Kernel name prefix (a partition, loop0p1, starts with its disk's name):
+# what the device is, why vstor does not serve it, and the fix.  rbd, drbd,
+# iSCSI and NVMe-oF devices are not here: a kernel driver serves them from
+# storage root configured (a Ceph image, a lower disk, a remote LUN), as an
+# HBA does; vstor looks at what the host uses them for, as for any disk.
+_UNVOUCHED = {
+    "loop": ("a loop device", "the file behind it may lie outside the image roots and vstor cannot "
+                              "check what it never opened",
+             "serve the file itself: <vstor:file path='...'/> under [paths] images "
+             "(losetup --list {dev} names it)"),
+    "nbd": ("a network block device (nbd)", "a process at the other end of a socket decides what it "
+                                            "holds, from a file or host vstor never opened",
+            _SERVE_INSTEAD + "the nbd server's command line names what it serves"),
+    "ublkb": ("a ublk device", "a process decides what it holds (Linux lets an unprivileged user "
+                               "create one), from a file vstor never opened",
+              _SERVE_INSTEAD + "the ublk server's command line names what it serves"),
+    "ram": ("a RAM disk", "it is not storage a VM keeps", "use a disk, a partition or a file"),
+    "zram": ("a RAM disk", "it is not storage a VM keeps", "use a disk, a partition or a file"),
+}
+
+
+def unvouched(name: str) -> str | None:
+    """The kind of device vstor cannot vouch for that kernel name NAME is
+    (its prefix: 'loop', 'nbd', 'ublkb', 'ram', 'zram'), or None."""
+    return next((prefix for prefix in _UNVOUCHED if name.startswith(prefix)), None)
 
 
 def is_listed(name: str) -> bool:
     """Whether the host model lists a disk or partition of this kernel name
     (when sysfs has it): hidden multipath path devices are not usable disks
-    (their head is), and loop, ram and zram devices are not disks."""
-    return not (name.startswith(_NOT_DISKS) or _PATH_DEVICE.fullmatch(name))
+    (their head is), and loop, nbd, ublk and RAM devices are not storage
+    vstor can vouch for."""
+    return not (unvouched(name) or _PATH_DEVICE.fullmatch(name))
 
 
-def unlisted(path: str) -> tuple[str, str] | None:
-    """(why, fix) when a /dev path names a device vstor never takes as a block
-    source.  A loop device is a view of a host file that vstor did not open
-    and cannot vouch for: its backing file may lie outside the image roots
+def unservable(path: str, stack: tuple[str, ...] = ()) -> tuple[str, str] | None:
+    """(why, fix) when a /dev path names a device vstor never takes as a
+    block source: by its own name, or because it stacks on such a device
+    (`stack`: kernel names from it down to that device, BlockDevice.stacks_on).
+    A loop device is a view of a host file that vstor did not open and
+    cannot vouch for: its backing file may lie outside the image roots
     (threats.md), may be swapped or unlinked while it is attached, and
-    qemu-storage-daemon serves that file directly anyway."""
+    qemu-storage-daemon serves that file directly anyway; an nbd or ublk
+    device is that file seen through a process; a dm or md device over
+    either serves the same file."""
     name = path[len("/dev/"):] if path.startswith("/dev/") else ""
-    if name.startswith("loop"):
-        return (f"{path} is a loop device: vstor does not serve a loop device, as the file behind it "
-                "may lie outside the image roots and vstor cannot check what it never opened",
-                f"serve the file itself: <vstor:file path='...'/> under [paths] images "
-                f"(losetup --list {path} names it)")
-    if name.startswith(("ram", "zram")):
-        return (f"{path} is a RAM disk, not storage a VM keeps", "use a disk, a partition or a file")
+    if stack:
+        what, why, fix = _UNVOUCHED[unvouched(stack[-1])]
+        return (f"{path} {stacked_on(stack)}: vstor does not serve {what} or what stacks on one, "
+                f"as {why}", fix.format(dev=f"/dev/{stack[-1]}"))
+    kind = unvouched(name)
+    if kind:
+        what, why, fix = _UNVOUCHED[kind]
+        return f"{path} is {what}: vstor does not serve {what}, as {why}", fix.format(dev=path)
     if _PATH_DEVICE.fullmatch(name):
         head = re.sub(r"c\d+n", "n", name)
         return (f"{path} is one path of a multipath NVMe namespace", f"use its head device /dev/{head}")
     return None
+
+
+def stacked_on(stack: tuple[str, ...]) -> str:
+    """'stacks on /dev/loop1 through /dev/md5, a loop device', for a
+    BlockDevice's stacks_on ('dm-1', 'md5', 'loop1')."""
+    through = f" through {', '.join(f'/dev/{n}' for n in stack[1:-1])}" if len(stack) > 2 else ""
+    return f"stacks on /dev/{stack[-1]}{through}, {_UNVOUCHED[unvouched(stack[-1])][0]}"

@@ -11,7 +11,7 @@ import posixpath
 import re
 
 from vstor.host.model import (NVME_CLASS, Cpu, HugepagePool, Host, Namespace, NetDev,
-                    NumaNode, NvmeController, PciDevice, RdmaNic, parse_cpulist)
+                    NumaNode, NvmeController, PciDevice, RdmaNic, parse_cpulist, stacked_on)
 from vstor.host.blocks import BlockUsage, read_block_devices
 from vstor.host.sysfs import SysFS
 
@@ -262,11 +262,12 @@ def irqbalance_running(sysfs: SysFS) -> bool:
 
 def block_sources(host: Host) -> list[tuple[str, int, tuple[str, ...]]]:
     """Every block device the planner would consider as a <vstor:block>
-    source, as (path, bytes, what the host uses it for: empty when vstor
-    would take it), in the planner's order: an NVMe namespace by its
-    controller's reading, any other disk or partition by the host model's.
-    Loop, RAM and multipath path devices are never block sources
-    (host.model.unlisted)."""
+    source, as (path, bytes, why vstor would not take it: what it stacks on
+    and what the host uses it for; empty when vstor would take it), in the
+    planner's order: an NVMe namespace by its controller's reading, any
+    other disk or partition by the host model's.  Loop, nbd, ublk, RAM and
+    multipath path devices are never block sources, nor is what stacks on
+    one (host.model.unservable)."""
     out, seen = [], set()
     for ctrl in host.controllers:
         for ns in ctrl.namespaces:
@@ -274,7 +275,8 @@ def block_sources(host: Host) -> list[tuple[str, int, tuple[str, ...]]]:
             out.append((f"/dev/{ns.name}", ns.size_bytes, tuple(ns.in_use)))
     for dev in host.block_devices:
         if dev.name not in seen:
-            out.append((f"/dev/{dev.name}", dev.size_bytes, tuple(dev.in_use)))
+            stack = (stacked_on(dev.stacks_on),) if dev.stacks_on else ()
+            out.append((f"/dev/{dev.name}", dev.size_bytes, stack + tuple(dev.in_use)))
     return out
 
 
@@ -284,4 +286,5 @@ def block_source_lines(host: Host) -> list[str]:
     free = [f"{p} ({size // 10**9} GB)" for p, size, use in rows if not use]
     lines = [f"  block sources vstor would take: {', '.join(free) or 'none'}"]
     lines += [f"    not {p}: {'; '.join(use)}" for p, _, use in rows if use]
-    return lines + ["    (never a loop, RAM or multipath path device: serve a loop's file as <vstor:file>)"]
+    return lines + ["    (never a loop, nbd, ublk or RAM device or what stacks on one, nor a multipath "
+                    "path device: serve a loop's file as <vstor:file>)"]

@@ -14,7 +14,8 @@ import stat
 
 from vstor.config import Config
 from vstor.errors import BadInput
-from vstor.host.model import is_listed, unlisted
+from vstor.host.blocks import stack_of
+from vstor.host.model import is_listed, unservable
 from vstor.host.sysfs import SysFS
 from vstor.meta.names import inside
 
@@ -57,14 +58,16 @@ def describe(cfg: Config, kind: str, path: str, sysfs: SysFS) -> dict:
 
 def _block_device(sysfs: SysFS, path: str) -> int:
     """The device number of a block source, looked at before anything opens
-    it: /dev/NAME for a disk or partition NAME of the host model, a block
-    device node (never a link, a character device or a FIFO) of the number
-    sysfs gives NAME."""
+    it: /dev/NAME for a disk or partition NAME of the host model, stacked on
+    nothing the planner refuses (host.model.unservable), a block device node
+    (never a link, a character device or a FIFO) of the number sysfs gives
+    NAME."""
     name = path[len("/dev/"):] if path.startswith("/dev/") else ""
     known = _KERNEL_NAME.fullmatch(name) and is_listed(name)
     devnum = sysfs.read(f"/sys/class/block/{name}/dev") if known else None
-    if devnum is None and unlisted(path):
-        raise BadInput(unlisted(path)[0], hint=unlisted(path)[1])
+    refused = unservable(path, stack_of(sysfs, name) if devnum is not None else ())
+    if refused:
+        raise BadInput(refused[0], hint=refused[1])
     if devnum is None:
         raise BadInput(f"{path} is not a disk or partition vstor can see on this host",
                        hint="name the kernel device, like /dev/sdb or /dev/nvme0n1p3")

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from vstor.config import Config
 from vstor.errors import BadInput
-from vstor.host.model import unlisted
-from vstor.host.model import Host, NvmeController
+from vstor.host.model import Host, NvmeController, unservable
 from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.meta.names import inside, volume_keys
 from vstor.planner.ledger import Ledger
@@ -196,8 +195,9 @@ def _block_use(host: Host, path: str):
                 node = ctrl.numa_node if ctrl.numa_node >= 0 else None
                 return node, f"NVMe {ctrl.address}", None
     dev = host.block_device(name)
-    if dev is None and unlisted(path):
-        raise BadInput(unlisted(path)[0], hint=unlisted(path)[1])
+    refused = unservable(path, dev.stacks_on if dev else ())
+    if refused:
+        raise BadInput(refused[0], hint=refused[1])
     if dev is None:
         # What vstor cannot see it cannot vouch for: refuse, never assume unused.
         raise BadInput(f"{path} is not a disk or partition vstor can see on this host, so it "
