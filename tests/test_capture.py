@@ -35,7 +35,7 @@ def members(archive) -> dict[str, tarfile.TarInfo]:
         return {m.name: m for m in tar.getmembers()}
 
 
-@pytest.mark.parametrize("name", ["laptop", "two-socket", "nvme-root", "dirty-group", "no-iommu"])
+@pytest.mark.parametrize("name", ["laptop", "two-socket", "nvme-root", "dirty-group", "no-iommu", "stacked"])
 def test_round_trip_gives_the_same_host(host_layout, tmp_path, name):
     archive = tmp_path / "capture.tar.gz"
     paths = capture(host_layout(name), str(archive))

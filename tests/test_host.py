@@ -257,7 +257,7 @@ def test_read_host_on_this_machine():
             assert f.read().strip() == NVME_CLASS
 
 
-@pytest.mark.parametrize("name", ["laptop", "two-socket", "nvme-root", "dirty-group", "no-iommu"])
+@pytest.mark.parametrize("name", ["laptop", "two-socket", "nvme-root", "dirty-group", "no-iommu", "stacked"])
 def test_every_named_layout_reads_consistently(host_model, name):
     host = host_model(name)
     assert {c.id for c in host.cpus} == {c for n in host.nodes for c in n.cpus}
