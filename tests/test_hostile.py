@@ -1239,3 +1239,155 @@ def test_a_plan_repointed_at_such_a_device_is_refused_at_start_with_the_planners
     reason = o.err.split("cannot start: ", 1)[1].split(" (if the host changed for good", 1)[0]
     assert reason.startswith(f"{path} ") and ("loop device" in reason or "nbd" in reason)
     assert cli(w, "plan", w.write("stk1.xml", _block_domain(w, path)))[2].startswith(f"vstor: error: {reason} (")
+
+
+# -- the state directory: root's alone, and vstor's files in it never followed nor blocked on ------
+#
+# vstor trusts its records because root alone can write them (threats.md).
+# A state directory someone else may change is refused before anything is
+# read from it or done; a link planted at a name vstor writes is replaced,
+# never written through; a record that is no regular file is damaged (exit
+# 4) and found without blocking.  Each ran against a host of its own (no
+# victim): these break the state directory on purpose.
+
+@pytest.fixture
+def bare():
+    w = World()
+    yield w
+    planted = f"{w.state}/domains/x.json"         # what a test put there, whatever it is
+    if os.path.isdir(planted) and not os.path.islink(planted):
+        os.rmdir(planted)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(planted)
+    cli(w, "release", "--force", "hx1")
+    w.remove()
+
+
+def _domain_in(w: World) -> str:
+    xml = domain_xml(w)
+    code, _, err = cli(w, "render", w.write("hx1-in.xml", xml), "-o", f"{w.cases}/hx1.xml")
+    assert code == 0, err
+    return f"{w.cases}/hx1.xml"
+
+
+def _one_line(err: str) -> bool:
+    return err.startswith("vstor: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+NOBODY = 65534
+
+
+@pytest.mark.parametrize("how", ["owner", "mode", "parent", "domains", "link"])
+def test_a_state_directory_anyone_else_may_change_is_refused_before_anything(bare, how):
+    w = bare
+    xml = _domain_in(w)
+    os.makedirs(f"{w.state}/domains", mode=0o700)
+    where = w.state
+    if how == "owner":
+        os.chown(w.state, NOBODY, -1)
+    elif how == "mode":
+        os.chmod(w.state, 0o777)
+    elif how == "parent":
+        where = w.dir
+        os.chmod(w.dir, 0o777)
+    elif how == "domains":
+        where = f"{w.state}/domains"
+        os.chmod(where, 0o733)
+    else:                       # the configured path is a link someone else owns
+        os.rename(w.state, f"{w.dir}/real-state")
+        os.symlink(f"{w.dir}/real-state", w.state)
+        os.lchown(w.state, NOBODY, -1)
+    before = w.snapshot()
+    for args in (("status",), ("prepare", "--dry-run", xml), ("prepare", xml), ("gc",)):
+        code, out, err = cli(w, *args)
+        assert code == 4 and _one_line(err), (args, code, err)
+        assert f"{where} " in err and "not root's alone" in err and "chmod go-w" in err, err
+    assert snapshot.diff(before, w.snapshot()) == []
+    assert not os.path.exists(f"{w.vhost}/hx1-vdb")
+
+
+def test_links_planted_at_the_names_vstor_writes_are_never_written_through(bare):
+    """What root's own state files are replaced by is vstor's JSON at
+    vstor's own names, never a file a link there points at."""
+    w = bare
+    xml = _domain_in(w)
+    code, _, err = cli(w, "status")             # the index made
+    assert code == 0, err
+    os.makedirs(f"{w.state}/index/keys", exist_ok=True)
+    targets = {}
+    for name in ("index/sums.json.tmp", "index/keys/hx1.json.tmp", "index/dirty", "index/stamp.tmp",
+                 "plans.json.tmp", "domains/hx1.json.tmp", "lock", "plan.lock"):
+        target = f"{w.outside}/{name.replace('/', '-')}"
+        with open(target, "w") as f:
+            f.write("root's own\n")
+        targets[target] = name
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{w.state}/{name}")
+        os.makedirs(os.path.dirname(f"{w.state}/{name}"), mode=0o700, exist_ok=True)
+        os.symlink(target, f"{w.state}/{name}")
+    code, out, err = cli(w, "prepare", xml)
+    held = [n for n in ("lock", "plan.lock") if os.path.islink(f"{w.state}/{n}")]
+    if held:        # a lock file that is a link is refused: nothing was started
+        assert code == 4 and _one_line(err) and "Too many levels of symbolic links" in err, err
+        for n in held:
+            os.unlink(f"{w.state}/{n}")
+        code, out, err = cli(w, "prepare", xml)
+    assert code == 0, err
+    code, out, err = cli(w, "release", "hx1")
+    assert code == 0, err
+    for target, name in targets.items():
+        with open(target) as f:
+            assert f.read() == "root's own\n", f"{name} was written through"
+
+
+def _fifo(path):
+    os.mkfifo(path)
+
+
+def _zero(path):
+    os.symlink("/dev/zero", path)
+
+
+def _directory(path):
+    os.mkdir(path)
+
+
+def _socket(path):
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(path)
+    s.close()
+
+
+def _link_to_a_record(path):
+    with open(path + ".elsewhere", "w") as f:
+        f.write('{"format":1,"key":"x","domain":"x","uuid":null,"status":"prepared","holding":{},'
+                '"steps":[],"updated":0}')
+    os.symlink(path + ".elsewhere", path)
+
+
+@pytest.mark.parametrize("make", [_fifo, _zero, _directory, _socket, _link_to_a_record],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_record_that_is_not_a_regular_file_is_damaged_and_found_without_blocking(bare, make):
+    w = bare
+    xml = _domain_in(w)
+    os.makedirs(f"{w.state}/domains", mode=0o700)
+    make(f"{w.state}/domains/x.json")
+    for args, want in ((("status",), 1), (("prepare", "--dry-run", xml), 4), (("prepare", xml), 4),
+                       (("gc",), 4)):
+        t0 = time.monotonic()
+        code, out, err = _in_thread(lambda: cli(w, *args), TIME_LIMIT)
+        assert time.monotonic() - t0 < TIME_LIMIT
+        assert code == want and "Traceback" not in out + err, (args, code, out, err)
+        assert "x.json is damaged (it is " in out + err, (args, out, err)
+    assert not os.path.exists(f"{w.vhost}/hx1-vdb")
+
+
+def _in_thread(fn, timeout: float):
+    """fn() in a thread: a hang fails the test instead of stopping the suite."""
+    import threading
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert box, f"did not finish within {timeout:g}s (it blocks)"
+    return box[0]

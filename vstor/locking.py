@@ -16,9 +16,9 @@ from vstor.errors import Unavailable
 def flocked(path: str, what: str, timeout: float, create: bool = False):
     """Hold an exclusive lock on `path` (a file, or a directory) for the block.
     `what` names the holder in the error when the deadline passes."""
-    flags = (os.O_RDWR | os.O_CREAT) if create else (os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    flags = (os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW) if create else (os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
     except OSError as e:
         raise Unavailable(f"cannot lock {what}: {e.strerror}", hint="run as root") from None
     try:
@@ -67,7 +67,10 @@ def range_locked(path: str, name: str, what: str, timeout: float):
     Unlike flock there is a lock per name without a file per name, and unlike
     POSIX record locks it belongs to this descriptor alone: another thread
     closing the same file keeps it.  Independent of flock on the same file."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise Unavailable(f"cannot lock {path}: {e.strerror}", hint="run as root") from None
     try:
         deadline = time.monotonic() + timeout
         while not try_range(fd, name):

@@ -12,6 +12,7 @@ from vstor.meta.document import Domain
 from vstor.errors import VstorError
 from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.runtime import virt
+from vstor.runtime.recordfile import read_text, write_text
 
 
 def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
@@ -81,8 +82,7 @@ def _load_cache(path: str | None) -> dict:
     if not path:
         return {}
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = json.loads(read_text(path) or "{}")
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -91,15 +91,11 @@ def _load_cache(path: str | None) -> dict:
 def _save_cache(path: str, data: dict) -> None:
     """Best effort: a reader that may not write the state directory (not
     root) parses again next time."""
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, separators=(",", ":")))
-        os.replace(tmp, path)
+        write_text(path, json.dumps(data, separators=(",", ":")), shared=True)
     except OSError:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(f"{path}.{os.getpid()}.tmp")
 
 
 def plans_cache(cfg) -> str:

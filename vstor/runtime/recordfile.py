@@ -1,8 +1,15 @@
-"""A state record's file: what is checked before vstor trusts it (its
-format, its shape), and the refusal when it cannot be (DamagedRecord).
-vstor.runtime.state reads and writes the files."""
+"""A state record's file: what is checked before vstor trusts it (the
+directory it lies in, that it is a regular file, its format, its shape), the
+refusal when it cannot be (DamagedRecord), and the one reader and writer of
+vstor's own files in the state directory (records, the index, the plans
+cache): never through a symbolic link, never blocking on a FIFO or a device.
+vstor.runtime.state keeps the records."""
 
 from __future__ import annotations
+
+import errno
+import os
+import stat
 
 from vstor.errors import Unavailable
 
@@ -48,3 +55,127 @@ def check_shape(rec) -> None:
         raise TypeError("migration is not an object of strings")
     if rec.holding:
         holding_from_json(rec.holding)
+
+
+# -- the state directory and vstor's files in it -----------------------------
+
+def check_trusted(path: str) -> None:
+    """The state directory is trusted because root alone can change it
+    (docs/security.md): every directory on its path (as written and as
+    resolved) is root's and writable by nobody else (a sticky one, as /tmp,
+    above it may be: nobody else can rename root's entry there), and so are
+    the state directory itself and its domains/ and index/.  A symbolic link
+    on the way must be root's.  What does not exist yet is made by vstor
+    (0700) inside what was checked.  Unavailable (exit 4) otherwise."""
+    if path in _TRUSTED:
+        return
+    real = os.path.realpath(path)
+    whole = True
+    for walk in (os.path.abspath(path), real):
+        for p, last in _prefixes(walk):
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                whole = False
+                break
+            except OSError as e:
+                raise Unavailable(f"cannot check state directory {path}: {p}: {e.strerror}",
+                                  hint="run vstor as root") from None
+            if stat.S_ISLNK(st.st_mode):
+                if st.st_uid != 0:
+                    _untrusted(path, p, f"is a symbolic link owned by uid {st.st_uid}")
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                _untrusted(path, p, "is not a directory")
+            sticky = st.st_mode & stat.S_ISVTX and not last
+            if st.st_uid != 0 or (st.st_mode & 0o022 and not sticky):
+                _untrusted(path, p, f"is owned by uid {st.st_uid} with mode "
+                                    f"{stat.S_IMODE(st.st_mode):04o}")
+    for sub in ("domains", "index"):
+        try:
+            st = os.lstat(os.path.join(real, sub))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise Unavailable(f"cannot check state directory {path}: {sub}: {e.strerror}",
+                              hint="run vstor as root") from None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            _untrusted(path, os.path.join(real, sub), "is not a directory only root can write")
+    if whole:
+        _TRUSTED.add(path)
+
+
+_TRUSTED: set[str] = set()      # checked whole in this process
+
+
+def _prefixes(path: str) -> list[tuple[str, bool]]:
+    """("/", False), ("/run", False), ..., (path, True)."""
+    parts = [p for p in path.split("/") if p]
+    out = [("/", not parts)]
+    out += [("/" + "/".join(parts[:i]), i == len(parts)) for i in range(1, len(parts) + 1)]
+    return out
+
+
+def _untrusted(path: str, where: str, why: str):
+    raise Unavailable(f"state directory {path} is not root's alone: {where} {why}, so whoever owns "
+                      "it could forge what vstor holds",
+                      hint=f"chown root:root {where} && chmod go-w {where}; or set [paths] state_dir "
+                           "in vstor.conf to a directory only root can write")
+
+
+class NotAFile(OSError):
+    """One of vstor's files in the state directory is something else."""
+
+
+def read_text(path: str) -> str | None:
+    """A file vstor wrote in the state directory; None when there is none.
+    NotAFile when the name is a symbolic link, a directory, a FIFO, a
+    device or a socket: opened without following a link and without
+    blocking, and judged by what was opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno in _NOT_FILES:
+            raise NotAFile(e.errno, f"it is {_NOT_FILES[e.errno]}, not a file vstor wrote") from None
+        raise
+    try:
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind != stat.S_IFREG:
+            raise NotAFile(errno.EINVAL, f"it is {_KINDS.get(kind, 'not a regular file')}, "
+                                         "not a file vstor wrote")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read().decode()
+    finally:
+        os.close(fd)
+
+
+_NOT_FILES = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}
+_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}
+
+
+def write_text(path: str, text: str, sync: bool = False, shared: bool = False) -> None:
+    """Replace `path` whole: a temporary file beside it, made anew (never
+    through a link someone left at its name), renamed over it.  `shared`:
+    written without a lock, so each process's temporary name is its own."""
+    tmp = f"{path}.{os.getpid()}.tmp" if shared else f"{path}.tmp"
+    try:
+        os.unlink(tmp)          # a killed writer's, or a link: the name goes, not its target
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        if sync:
+            f.flush()
+            os.fsync(fd)
+    os.replace(tmp, path)
+
+
+def create_empty(path: str, content: str = "") -> None:
+    """A marker file at `path`, made or truncated, never through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(content)

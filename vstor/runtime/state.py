@@ -36,8 +36,9 @@ from vstor.errors import BadInput, Unavailable
 from vstor.locking import flocked, range_locked, try_range
 from vstor.meta.names import is_safe_name
 from vstor.records import field, record
-from vstor.runtime.recordfile import (RECORD_FORMAT, _FIX, DamagedRecord,  # noqa: F401 (named here too)
-                                      check_format as _check_format, check_shape as _check_shape)
+from vstor.runtime.recordfile import (RECORD_FORMAT, _FIX, DamagedRecord, NotAFile,  # noqa: F401 (named here too)
+                                      check_format as _check_format, check_shape as _check_shape,
+                                      check_trusted, read_text, write_text)
 
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
@@ -84,6 +85,12 @@ class StateDir:
         self.domains = os.path.join(path, "domains")
         self._index = None
 
+    def trusted(self) -> "StateDir":
+        """Refuse (Unavailable) a state directory anyone but root may change
+        (recordfile.check_trusted); every use of the directory asks first."""
+        check_trusted(self.path)
+        return self
+
     @property
     def index(self):
         """What every record holds, kept beside them (vstor.runtime.index)."""
@@ -92,10 +99,12 @@ class StateDir:
             # one taking of the host lock must not keep two views of it.
             from vstor.runtime.index import Index
             where = os.path.realpath(self.path)
+            self.trusted()
             self._index = _INDEXES.get(where) or _INDEXES.setdefault(where, Index(self))
         return self._index
 
     def _ensure(self) -> None:
+        self.trusted()
         try:
             os.makedirs(self.domains, mode=0o700, exist_ok=True)
         except OSError as e:
@@ -162,8 +171,9 @@ class StateDir:
         """A run holds the domain's record lock right now (in another process)."""
         if _HELD.get(f"{self._file(key)}#lock"):
             return False
+        self.trusted()
         try:
-            fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR)
+            fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return False
         try:
@@ -177,6 +187,7 @@ class StateDir:
         (the file it was to replace) is still whole.  Only names save()
         makes.  Each record lock drops its own; this (the index's rebuild,
         gc) the ones of records nobody locked since."""
+        self.trusted()
         try:
             names = os.listdir(self.domains)
         except FileNotFoundError:
@@ -195,14 +206,20 @@ class StateDir:
         """The record, None when there is none; a damaged one blocks its
         domain (DamagedRecord, exit 4); records() says what else it blocks."""
         path = self._file(key)
+        self.trusted()
         try:
-            with open(path) as f:
-                data = json.load(f)
+            text = read_text(path)
+            if text is None:
+                return None
+            data = json.loads(text)
             _check_format(data, path)
             rec = Record.from_json(data)
             _check_shape(rec)
-        except FileNotFoundError:
-            return None
+        except NotAFile as e:
+            raise DamagedRecord(f"state record {path} is damaged ({e.strerror})", hint=_FIX) from None
+        except OSError as e:
+            raise Unavailable(f"cannot read state record {path}: {e.strerror}",
+                              hint="run vstor as root") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DamagedRecord(f"state record {path} is damaged ({type(e).__name__}: {e})",
                                 hint=_FIX) from None
@@ -219,6 +236,7 @@ class StateDir:
         "holds nothing".  Only a reader that reports it and decides nothing
         from the rest alone (status, gc, which then leaves what it may own)
         passes `damaged`: it is left where it is and named there."""
+        self.trusted()
         try:
             names = sorted(os.listdir(self.domains))
         except FileNotFoundError:
@@ -251,16 +269,17 @@ class StateDir:
 
     def _write(self, rec: Record) -> None:
         path = self._file(rec.key)
-        tmp = f"{path}.tmp"
         marked = self.index.marked()        # before the temporary file: it changes the directory too
-        with open(tmp, "w") as f:
-            # One line, by json's C encoder: indenting takes its Python one,
-            # ten times the cost, at every save (python3 -m json.tool FILE
-            # shows it indented).
-            f.write(json.dumps(rec.to_json(), sort_keys=True, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # One line, by json's C encoder: indenting takes its Python one, ten
+        # times the cost, at every save (python3 -m json.tool FILE shows it
+        # indented).
+        text = json.dumps(rec.to_json(), sort_keys=True, separators=(",", ":")) + "\n"
+        try:
+            write_text(path, text, sync=True)
+        except OSError as e:
+            raise Unavailable(f"cannot write state record {path}: {e.strerror}",
+                              hint="see what is at that name; vstor writes only regular files "
+                                   "there") from None
         self.index.last_mark = self.index.mark() if marked else None
         _fsync_dir(self.domains)
 

@@ -20,6 +20,8 @@ import contextlib
 import json
 import os
 
+from vstor.runtime.recordfile import read_text, write_text
+
 EPOCH = 946684800 * 10**9      # 2000-01-01, in ns
 
 
@@ -43,8 +45,7 @@ def mark(domains: str) -> str:
 
 def saved(index: str) -> str | None:
     try:
-        with open(os.path.join(index, "stamp")) as f:
-            return f.read()
+        return read_text(os.path.join(index, "stamp"))
     except OSError:
         return None
 
@@ -55,8 +56,7 @@ def marked(domains: str, index: str) -> bool:
     if here == saved(index):
         return True
     try:
-        with open(os.path.join(index, "sums.json")) as f:
-            return here == json.load(f).get("stamp")
+        return here == json.loads(read_text(os.path.join(index, "sums.json")) or "{}").get("stamp")
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -66,8 +66,4 @@ def keep(index: str, stamp: str) -> None:
     writers at once may keep one the directory no longer has; the next run
     then lists it)."""
     with contextlib.suppress(OSError):
-        path = os.path.join(index, "stamp")
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(stamp)
-        os.replace(tmp, path)
+        write_text(os.path.join(index, "stamp"), stamp, shared=True)

@@ -37,6 +37,7 @@ import os
 
 from vstor.runtime.index import stamp
 from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, items, summary
+from vstor.runtime.recordfile import create_empty, read_text, write_text
 from vstor.runtime.state import DamagedRecord, _FIX
 
 class Index:
@@ -94,8 +95,7 @@ class Index:
         if os.path.lexists(os.path.join(self.path, "dirty")):
             return None
         try:
-            with open(os.path.join(self.path, "sums.json")) as f:
-                sums = json.load(f)
+            sums = json.loads(read_text(os.path.join(self.path, "sums.json")) or "null")
         except (OSError, ValueError):
             return None
         if not isinstance(sums, dict) or sums.get("boot") != boot_id() or \
@@ -149,8 +149,10 @@ class Index:
         self._fresh()
         if key not in self._summaries:
             try:
-                with open(os.path.join(self.path, "keys", key + ".json")) as f:
-                    self._summaries[key] = json.load(f)
+                text = read_text(os.path.join(self.path, "keys", key + ".json"))
+                if text is None:
+                    raise FileNotFoundError(key)
+                self._summaries[key] = json.loads(text)
             except FileNotFoundError:
                 if not os.path.lexists(os.path.join(self.state.domains, key + ".json")):
                     self._summaries[key] = None
@@ -197,8 +199,7 @@ class Index:
         old = self.indexed(key)         # after sums(): a rebuild there read it again
         mark = os.path.join(self.path, "dirty")
         try:
-            with open(mark, "w") as f:
-                f.write(key)
+            create_empty(mark, key)
             write()
             self._apply(self.path, sums, key, old, new)
             if self.last_mark:      # else the old stamp: the next run lists the directory
@@ -215,7 +216,7 @@ class Index:
         for table, item in sorted(after - before):
             d = os.path.join(root, "by", table, file_name(item))
             os.makedirs(d, mode=0o700, exist_ok=True)
-            open(os.path.join(d, key), "w").close()
+            create_empty(os.path.join(d, key))
         for table, item in sorted(before - after):
             d = os.path.join(root, "by", table, file_name(item))
             with contextlib.suppress(FileNotFoundError):
@@ -317,11 +318,7 @@ def plain(s: dict | None):
 
 
 def _write_json(path: str, data) -> None:
-    tmp = path + ".tmp"
-    text = json.dumps(data, separators=(",", ":"), sort_keys=True)   # one shot: json's C encoder
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, separators=(",", ":"), sort_keys=True))  # json's C encoder
 
 
 def reindex(state) -> bool:
