@@ -304,15 +304,31 @@ def test_a_block_device_of_the_number_sysfs_gives_is_opened_and_described(dest):
                                      "listed in [migrate] shared on both)")
 
 
-def test_an_error_vstor_did_not_foresee_is_still_one_answer_exit_1(dest, tmp_path):
-    """A state directory that is a file (no check names it): exit 1, the
-    one answer saying what failed, no traceback unless VSTOR_DEBUG."""
+def test_a_state_directory_that_is_a_file_is_one_answer_naming_it(dest, tmp_path):
+    """A state directory that is a file: the state directory's check names
+    it (exit 4), one answer, no traceback."""
     (tmp_path / "statefile").write_text("")
     conf = tmp_path / "broken.conf"
     conf.write_text(open(dest.conf).read().replace(f"{dest.tmp}/state", f"{tmp_path}/statefile"))
     d = type("D", (), {"tmp": dest.tmp, "images": dest.images, "conf": str(conf), "root": dest.root})()
     answer = agent(d, {"vstor_agent": 1, "op": "status", "name": "vm"})
+    assert answer["exit_code"] == 4 and answer["message"].startswith(
+        f"state directory {tmp_path}/statefile is not root's alone: {tmp_path}/statefile is not a directory")
+
+
+def test_an_error_vstor_did_not_foresee_is_still_one_answer_exit_1(monkeypatch):
+    """A bug (here one made on purpose): exit 1, the one answer saying what
+    failed, no traceback unless VSTOR_DEBUG."""
+    import io
+    from vstor.migration import agent as agent_mod
+
+    def bug(here, request):
+        raise NotADirectoryError(20, "Not a directory")
+    monkeypatch.setattr(agent_mod, "_serve", bug)
+    monkeypatch.delenv("VSTOR_DEBUG", raising=False)
+    answer = agent_mod.answer(None, io.BytesIO(json.dumps({"vstor_agent": 1, "op": "status", "name": "vm"}).encode()))
     assert answer["exit_code"] == 1 and answer["message"].startswith("internal error: NotADirectoryError")
+    assert "\n" not in answer["message"]
 
 
 # -- a block source judged by what it stacks on (issue 28) -----------------------------------

@@ -148,7 +148,16 @@ def test_the_lock_serialises_two_processes(tmp_path):
 
 @pytest.mark.parametrize("content", ["{", "[]", '{"key": "vm2"}', '{"key": "vm2", "domain": "vm2", "steps": [1]}',
                                      '{"key": "other", "domain": "vm2"}',
-                                     '{"key": "vm2", "domain": "vm2", "holding": {"domain": "vm2", "cpus": 5}}'])
+                                     '{"key": "vm2", "domain": "vm2", "holding": {"domain": "vm2", "cpus": 5}}',
+                                     # A fresh hostile pass over record files (issue 28): JSON nested
+                                     # past Python's parser, holdings not shaped as vstor writes them.
+                                     "[" * 100000 + "]" * 100000, '{"a":' * 30000 + "1" + "}" * 30000,
+                                     *(f'{{"key": "vm2", "domain": "vm2", "holding": {{"domain": "vm2", '
+                                       f'"{k}": {v}}}}}' for k, v in (
+                                           ("memory", '"' + "x" * 5000 + '"'), ("memory", '"\\udcff"'),
+                                           ("hugepages", "[[0, 2048]]"), ("cpus", "[-1]"), ("cpus", "[true]"),
+                                           ("volumes", '[["k", 1]]'), ("cells", "[[0]]"), ("node", '"0"'),
+                                           ("sockets", "[1]"), ("connections", '[["p"]]')))])
 def test_a_damaged_record_is_named_and_refuses_what_needs_every_record(tmp_path, content):
     """What a damaged record holds cannot be known: a reader of every record
     (a ledger, the others of a start) is refused; one that only reports

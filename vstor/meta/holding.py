@@ -91,13 +91,57 @@ def holding_to_json(h: Holding) -> dict:
 
 
 def holding_from_json(d: dict, active: bool = True) -> Holding:
+    """A holding as holding_to_json wrote it (and as older vstors did:
+    node_amounts).  Every field is checked for the shape vstor writes, so
+    a record that is not what vstor wrote is damaged (ValueError,
+    TypeError), never half read."""
+    if not isinstance(d, dict):
+        raise TypeError("the holding is not an object")
+    if not isinstance(d["domain"], str) or not (d.get("uuid") is None or isinstance(d["uuid"], str)) \
+            or not (d.get("node") is None or _count(d["node"])):
+        raise ValueError("the holding's domain, uuid or node is not what vstor writes")
     return Holding(domain=d["domain"], uuid=d.get("uuid"), active=active, node=d.get("node"),
-                   cpus=frozenset(d.get("cpus", ())), reactors=tuple(d.get("reactors", ())),
-                   hugepages=tuple(map(tuple, node_amounts(d.get("hugepages")))),
-                   memory=tuple(map(tuple, node_amounts(d.get("memory")))),
-                   passthrough=frozenset(d.get("passthrough", ())),
-                   spdk_controllers=frozenset(d.get("spdk_controllers", ())),
-                   volumes=frozenset((k, ro) for k, ro in d.get("volumes", ())),
-                   sockets=frozenset(d.get("sockets", ())),
-                   connections=frozenset((p, c) for p, c in d.get("connections", ())),
-                   cells=tuple(tuple(c) for c in d.get("cells", ())))
+                   cpus=frozenset(_items(d, "cpus", _count)),
+                   reactors=tuple(_items(d, "reactors", _count)),
+                   hugepages=tuple(map(tuple, _rows(node_amounts(_items(d, "hugepages", _any)), 3,
+                                                    "hugepages"))),
+                   memory=tuple(map(tuple, _rows(node_amounts(_items(d, "memory", _any)), 2, "memory"))),
+                   passthrough=frozenset(_items(d, "passthrough", _text)),
+                   spdk_controllers=frozenset(_items(d, "spdk_controllers", _text)),
+                   volumes=frozenset(map(tuple, _items(d, "volumes", _pair(_text, _flag)))),
+                   sockets=frozenset(_items(d, "sockets", _text)),
+                   connections=frozenset(map(tuple, _items(d, "connections", _pair(_text, _text)))),
+                   cells=tuple(map(tuple, _items(d, "cells", _pair(_count, _count)))))
+
+
+def _count(v) -> bool:
+    return type(v) is int and 0 <= v < 1 << 62
+
+
+def _text(v) -> bool:
+    return isinstance(v, str)
+
+
+def _flag(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _any(v) -> bool:
+    return True
+
+
+def _pair(first, second):
+    return lambda v: isinstance(v, list) and len(v) == 2 and first(v[0]) and second(v[1])
+
+
+def _items(d: dict, key: str, ok) -> list:
+    value = d.get(key) or []
+    if not isinstance(value, list) or not all(ok(v) for v in value):
+        raise ValueError(f"the holding's {key} is not what vstor writes")
+    return value
+
+
+def _rows(rows: list, width: int, key: str) -> list:
+    if not all(len(r) == width and all(_count(n) for n in r) for r in rows):
+        raise ValueError(f"the holding's {key} is not what vstor writes")
+    return rows

@@ -12,7 +12,7 @@ from vstor.meta.document import Domain
 from vstor.errors import VstorError
 from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.runtime import virt
-from vstor.runtime.recordfile import read_text, write_text
+from vstor.runtime.recordfile import read_json, write_text
 
 
 def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
@@ -82,7 +82,7 @@ def _load_cache(path: str | None) -> dict:
     if not path:
         return {}
     try:
-        data = json.loads(read_text(path) or "{}")
+        data = read_json(path, {})
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -8,6 +8,7 @@ vstor.runtime.state keeps the records."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 
@@ -149,6 +150,19 @@ def read_text(path: str) -> str | None:
             return f.read().decode()
     finally:
         os.close(fd)
+
+
+def read_json(path: str, missing=None):
+    """read_text, parsed; `missing` when there is none.  JSON nested too
+    deep for Python's parser is ValueError, as any other that is not what
+    vstor writes."""
+    text = read_text(path)
+    if text is None:
+        return missing
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep to be what vstor writes") from None
 
 
 _NOT_FILES = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}

@@ -38,7 +38,7 @@ from vstor.meta.names import is_safe_name
 from vstor.records import field, record
 from vstor.runtime.recordfile import (RECORD_FORMAT, _FIX, DamagedRecord, NotAFile,  # noqa: F401 (named here too)
                                       check_format as _check_format, check_shape as _check_shape,
-                                      check_trusted, read_text, write_text)
+                                      check_trusted, read_json, write_text)
 
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
@@ -208,10 +208,9 @@ class StateDir:
         path = self._file(key)
         self.trusted()
         try:
-            text = read_text(path)
-            if text is None:
+            data = read_json(path, missing=FileNotFoundError)
+            if data is FileNotFoundError:
                 return None
-            data = json.loads(text)
             _check_format(data, path)
             rec = Record.from_json(data)
             _check_shape(rec)

@@ -17,10 +17,9 @@ check, which lists everything."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
-from vstor.runtime.recordfile import read_text, write_text
+from vstor.runtime.recordfile import read_json, read_text, write_text
 
 EPOCH = 946684800 * 10**9      # 2000-01-01, in ns
 
@@ -56,7 +55,7 @@ def marked(domains: str, index: str) -> bool:
     if here == saved(index):
         return True
     try:
-        return here == json.loads(read_text(os.path.join(index, "sums.json")) or "{}").get("stamp")
+        return here == read_json(os.path.join(index, "sums.json"), {}).get("stamp")
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -37,7 +37,7 @@ import os
 
 from vstor.runtime.index import stamp
 from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, items, summary
-from vstor.runtime.recordfile import create_empty, read_text, write_text
+from vstor.runtime.recordfile import create_empty, read_json, write_text
 from vstor.runtime.state import DamagedRecord, _FIX
 
 class Index:
@@ -95,7 +95,7 @@ class Index:
         if os.path.lexists(os.path.join(self.path, "dirty")):
             return None
         try:
-            sums = json.loads(read_text(os.path.join(self.path, "sums.json")) or "null")
+            sums = read_json(os.path.join(self.path, "sums.json"))
         except (OSError, ValueError):
             return None
         if not isinstance(sums, dict) or sums.get("boot") != boot_id() or \
@@ -149,10 +149,10 @@ class Index:
         self._fresh()
         if key not in self._summaries:
             try:
-                text = read_text(os.path.join(self.path, "keys", key + ".json"))
-                if text is None:
+                found = read_json(os.path.join(self.path, "keys", key + ".json"), FileNotFoundError)
+                if found is FileNotFoundError:
                     raise FileNotFoundError(key)
-                self._summaries[key] = json.loads(text)
+                self._summaries[key] = found
             except FileNotFoundError:
                 if not os.path.lexists(os.path.join(self.state.domains, key + ".json")):
                     self._summaries[key] = None
