@@ -318,3 +318,22 @@ def test_in_use_is_exit_3_on_every_path(work, capsys, host_layout, version):
         assert spdk.vhost == {} and spdk.nvme == {}
     finally:
         spdk.stop()
+
+
+# -- issue 28: release refuses before it says anything ----------------------------------------
+
+def test_a_refused_release_prints_nothing_before_its_refusal(work, capsys):
+    """'Releasing X:' is said once something is undone: a release QEMU's
+    connection refuses (exit 3) prints only the refusal."""
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    assert vstor(work, "prepare", rendered) == 0
+    capsys.readouterr()
+    with socket.socket(socket.AF_UNIX) as qemu:
+        qemu.connect(f"{work.dir}/vhost/cli1-vdb")
+        assert vstor(work, "release", "cli1") == 3
+        out, err = capsys.readouterr()
+        assert out == "" and "still using its storage: a client (QEMU) is connected" in err
+    assert vstor(work, "release", "cli1") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Releasing cli1:\n") and "Domain 'cli1' released" in out

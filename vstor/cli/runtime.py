@@ -47,6 +47,18 @@ def _say(message: str) -> None:
     print(f"  {message}", flush=True)
 
 
+def _headed(title: str):
+    """_say, with `title` printed before the first line: a run refused
+    before it changes anything prints its refusal alone."""
+    untold = [title]
+
+    def say(message: str) -> None:
+        if untold:
+            print(untold.pop(), flush=True)
+        _say(message)
+    return say
+
+
 # -- status ---------------------------------------------------------------------------
 
 def cmd_status(ctx, args) -> int:
@@ -246,8 +258,8 @@ def _release(ctx, args) -> int:
             raise InUse(f"domain '{args.domain}' is running; its backends are in use",
                            hint="stop it first (the hook then releases), or --force")
     key = _key_of(ctx, args.domain)
-    print(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
-    rec = release(_runtime(ctx, args.dry_run, args.force), _state(ctx), key, progress=_say)
+    say = _headed(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
+    rec = release(_runtime(ctx, args.dry_run, args.force), _state(ctx), key, progress=say)
     if rec is None:
         print(f"vstor holds nothing for domain '{args.domain}'")
     elif not args.dry_run:
