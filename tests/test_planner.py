@@ -492,3 +492,30 @@ def test_a_remote_disk_always_names_its_host_nqn(host_layout, tmp_path):
     why = refused(read_host(SysFS(root)), SPDK_CFG, request(nvmf()))
     assert "vdb: this host has no NVMe host NQN to attach with" in why and "[nvmf] hostnqn" in why
     assert nqns(cfg) == {"nqn.2026-01.example:cfg"}
+
+
+# -- issue 28: a refusal names who holds what is short ----------------------------------------
+
+def test_no_free_cores_names_the_domains_that_hold_them_and_whether_they_run(host_model):
+    """Here a shut-off domain held the node's cores: the refusal says so
+    (its plan holds them while it is defined)."""
+    host = host_model("laptop")
+    web1 = plan_domain(host, Config(), request(qsd_file("/var/lib/vstor/images/w.raw"), name="web1"), Ledger())
+    db2 = plan_domain(host, Config(), request(qsd_file("/var/lib/vstor/images/d.raw"), name="db2", vcpus=2),
+                      Ledger([Holding.from_plan(web1)]))
+    ledger = Ledger([Holding.from_plan(web1, active=False), Holding.from_plan(db2, active=True)])
+    why = refused(host, Config(), request(qsd_file(), vcpus=2), ledger)
+    assert ("node 0: 0 whole free cores (0 threads) for dedicated vCPUs, the VM needs 2 (free cores or use "
+            "cpus='shared'); cores held by web1 (not running), db2 (running)") in why
+
+
+def test_the_holders_named_are_a_few_then_how_many_more(host_model):
+    from vstor.planner.placement import holders
+    host, ledger = host_model("two-socket"), Ledger()
+    for i in range(6):
+        plan = plan_domain(host, Config(), request(qsd_file(f"/var/lib/vstor/images/{i}.raw"), name=f"vm{i}",
+                                                  vcpus=2), ledger)
+        ledger = Ledger([*ledger.holdings, Holding.from_plan(plan, active=i != 2)])
+    # In the order of their CPUs: the planner put the even ones on node 0.
+    assert holders(ledger, range(128)) == "vm0 (running), vm2 (not running), vm4 (running) and 3 more"
+    assert holders(ledger, ()) == ""
