@@ -100,3 +100,10 @@ class Ledger:
                 if not (ro and readonly):
                     return domain
         return None
+
+
+def held_by(ledger, domain: str) -> str:
+    """A holder as a refusal names it: its name and whether it runs, as the
+    ledger (Ledger, or the index's) knows it."""
+    running = ledger.running(domain)
+    return domain if running is None else f"{domain} ({'running' if running else 'not running'})"

@@ -11,7 +11,7 @@ from collections import Counter
 from vstor.config import Config
 from vstor.host.model import Host, NumaNode, format_cpulist
 from vstor.planner.disks import NoFit
-from vstor.planner.ledger import Ledger
+from vstor.planner.ledger import Ledger, held_by
 from vstor.records import record
 
 
@@ -113,12 +113,6 @@ def holders(ledger: Ledger, cpus, most: int = 3) -> str:
     names = list(dict.fromkeys(ledger.cpu_owner[c] for c in cpus if c in ledger.cpu_owner))
     said = ", ".join(held_by(ledger, name) for name in names[:most])
     return said + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-def held_by(ledger: Ledger, domain: str) -> str:
-    """A holder's name and whether it runs, as the ledger knows it."""
-    running = ledger.running(domain)
-    return domain if running is None else f"{domain} ({'running' if running else 'not running'})"
 
 
 def _whole_cores(host: Host, pool: tuple[int, ...], vcpus: int):
