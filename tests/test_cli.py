@@ -259,3 +259,23 @@ def test_a_control_character_in_a_message_is_shown_escaped_never_a_second_line()
     from vstor.errors import BadInput
     assert str(BadInput("domain 'a\nb'", hint="x\x1b[2J\u2028")) == "domain 'a\\nb' (x\\x1b[2J\\u2028)"
     assert str(BadInput("naïve é")) == "naïve é"
+
+
+# -- issue 28: plan says where a disk can be attached live ------------------------------------
+
+def test_plan_says_how_many_spare_root_ports_the_domain_will_have(host_layout, cfg, tmp_path):
+    """What libvirt leaves after the define: a q35 guest's empty root ports
+    less those its devices take (vstor's disks, and the USB controller and
+    balloon libvirt adds); one spare per guest cell for a guest with cells."""
+    def plan(name, ports=0):
+        text = open(os.path.join(TEMPLATES, f"{name}.xml")).read()
+        path = tmp_path / f"{name}.xml"
+        path.write_text(text.replace("<devices>", "<devices>" + "<controller type='pci' model='pcie-root-port'/>"
+                                     * ports, 1))
+        return vstor("--config", cfg, "--host-root", host_layout("two-socket"), "plan", str(path),
+                     check_code=0).stdout
+    assert "\nHot-plug: 0 spare PCIe root ports\n" in plan("vhost-local-nvme")
+    # five ports: its root disk, vstor's vdb, the USB controller and the balloon take four
+    assert "\nHot-plug: 1 spare PCIe root port\n" in plan("vhost-local-nvme", ports=5)
+    assert "\nHot-plug: spare PCIe root ports per guest cell: 0: 1, 1: 1\n" in plan("vhost-two-nodes")
+    assert "Hot-plug" not in plan("qsd-file")          # i440fx: pci.0's slots, no ports

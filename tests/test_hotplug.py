@@ -26,8 +26,8 @@ class GuestDouble:
     """A test double of vstor.runtime.virt.LiveDomain: it records what
     libvirt would be asked, and refuses the device when told to."""
 
-    def __init__(self, dom: Domain, refuse: str | None = None, plan="same"):
-        self.dom, self.refuse = dom, refuse
+    def __init__(self, dom: Domain, refuse: str | None = None, plan="same", ports: int = 4):
+        self.dom, self.refuse = with_ports(dom, ports), refuse
         self.calls: list[tuple] = []
         self.present: set[str] = {d.target for d in dom.recorded_plan().disks}
         self.saved = dom.recorded_plan() if plan == "same" else plan
@@ -58,6 +58,27 @@ class GuestDouble:
 
     def detach_config(self, disk):
         self.calls.append(("detach_config", disk.target))
+
+
+def with_ports(dom: Domain, ports: int) -> Domain:
+    """A q35 domain as libvirt shows it running: each vstor disk on a root
+    port of its own, a USB controller and a balloon (model none here), and
+    `ports` empty root ports, as an operator gives a guest that takes disks
+    live (libvirt adds none spare)."""
+    if "q35" not in dom.root.find("os/type").get("machine", ""):
+        return dom
+    from lxml import etree
+    root = Domain.parse(dom.to_string()).root
+    devices = root.find("devices")
+    placed = [e for e in devices if e.tag in ("disk", "hostdev") and e.find("address") is None]
+    for index in range(1, len(placed) + ports + 1):
+        devices.append(etree.Element("controller", type="pci", index=str(index), model="pcie-root-port"))
+        if index <= len(placed):
+            etree.SubElement(placed[index - 1], "address", type="pci", domain="0x0000", bus=f"0x{index:02x}",
+                             slot="0x00", function="0x0")
+    etree.SubElement(devices, "controller", type="usb", model="none")
+    etree.SubElement(devices, "memballoon", model="none")
+    return Domain(root)
 
 
 def disk(text: str, tmp_path):
@@ -444,3 +465,76 @@ def test_attach_plans_under_the_planning_lock_and_lets_it_go_once_recorded(env, 
 
 def _short(planning):
     return lambda timeout=0.3, dry_run=False: planning(timeout=0.3, dry_run=dry_run)
+
+
+# -- issue 28: a q35 guest's free root ports, foreseen -----------------------------------------
+
+# A q35 domain as libvirt 9.0 defines it (every device addressed): root ports
+# 1-5, the NIC on 1, the USB controller on 2, the balloon on 3; 4 is free,
+# 5 has hot-plug off.
+DEFINED_Q35 = """<domain type='kvm'><name>web1</name><memory unit='KiB'>1048576</memory><vcpu>2</vcpu>
+  <os><type arch='x86_64' machine='pc-q35-7.2'>hvm</type></os>
+  <devices>
+    <controller type='pci' index='0' model='pcie-root'><alias name='pcie.0'/></controller>
+    <controller type='pci' index='1' model='pcie-root-port'><model name='pcie-root-port'/>
+      <target chassis='1' port='0x10'/><alias name='pci.1'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x02' function='0x0' multifunction='on'/></controller>
+    <controller type='pci' index='2' model='pcie-root-port'><model name='pcie-root-port'/>
+      <target chassis='2' port='0x11'/><alias name='pci.2'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x02' function='0x1'/></controller>
+    <controller type='pci' index='3' model='pcie-root-port'><model name='pcie-root-port'/>
+      <target chassis='3' port='0x12'/><alias name='pci.3'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x02' function='0x2'/></controller>
+    <controller type='pci' index='4' model='pcie-root-port'><model name='pcie-root-port'/>
+      <target chassis='4' port='0x13'/><alias name='pci.4'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x02' function='0x3'/></controller>
+    <controller type='pci' index='5' model='pcie-root-port'><model name='pcie-root-port'/>
+      <target chassis='5' port='0x14' hotplug='off'/><alias name='pci.5'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x02' function='0x4'/></controller>
+    <controller type='usb' index='0' model='qemu-xhci'><alias name='usb'/>
+      <address type='pci' domain='0x0000' bus='0x02' slot='0x00' function='0x0'/></controller>
+    <controller type='sata' index='0'><alias name='ide'/>
+      <address type='pci' domain='0x0000' bus='0x00' slot='0x1f' function='0x2'/></controller>
+    <interface type='network'><mac address='52:54:00:12:34:56'/><source network='default'/>
+      <model type='virtio'/><alias name='net0'/>
+      <address type='pci' domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></interface>
+    <memballoon model='virtio'><alias name='balloon0'/>
+      <address type='pci' domain='0x0000' bus='0x03' slot='0x00' function='0x0'/></memballoon>
+  </devices></domain>"""
+
+
+def test_the_spare_root_ports_of_a_defined_q35_domain_are_its_empty_hot_pluggable_ones():
+    from vstor.runtime.hotplug import spare_ports
+    dom = Domain.parse(DEFINED_Q35)
+    assert spare_ports(dom, 1) == (1,)                      # root port 4
+    taken = DEFINED_Q35.replace("</devices>", "<rng model='virtio'><backend model='random'>/dev/urandom</backend>"
+                                "<address type='pci' domain='0x0000' bus='0x04' slot='0x00' function='0x0'/>"
+                                "</rng></devices>")
+    assert spare_ports(Domain.parse(taken), 1) == (0,)
+    waiting = DEFINED_Q35.replace("</devices>", "<rng model='virtio'><backend model='random'>/dev/urandom"
+                                  "</backend></rng></devices>")
+    assert spare_ports(Domain.parse(waiting), 1) == (0,)    # libvirt gives the RNG the free one at define
+    i440fx = DEFINED_Q35.replace("pc-q35-7.2", "pc-i440fx-7.2")
+    assert spare_ports(Domain.parse(i440fx), 1) is None     # i440fx: slots of pci.0, no ports
+    assert spare_ports(Domain.parse(i440fx), 2) == (0, 0)   # with cells: none (its cells' pxb take none)
+
+
+def test_an_attach_into_a_q35_guest_without_a_free_root_port_is_refused_by_its_dry_run_too(env, tmp_path):
+    """libvirt would refuse the device after vstor made its backend (exit 5,
+    rolled back): the dry run and the attach refuse first, in one line
+    with the fix, and change nothing."""
+    dom = running(env, local_spdk())
+    rec, vhosts = env.state.load("vm1"), dict(env.spdk.vhost)
+    for dry_run in (True, False):
+        rt = env.rt()
+        rt.dry_run = dry_run
+        guest = GuestDouble(dom, ports=0)
+        with pytest.raises(DoesNotFit) as e:
+            attach(rt, env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path), guest)
+        assert e.value.message == "domain 'vm1' has no free PCIe root port, where a q35 guest takes a hot-plugged disk"
+        assert "<controller type='pci' model='pcie-root-port'/>" in e.value.hint and "virsh edit vm1" in e.value.hint
+        assert "\n" not in str(e.value)
+        assert guest.calls == [] and env.state.load("vm1").steps == rec.steps and env.spdk.vhost == vhosts
+    new = attach(env.rt(), env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path),
+                 GuestDouble(dom, ports=1))
+    assert new.disk("vdc") is not None                      # one empty port is enough

@@ -329,7 +329,7 @@ def test_two_domains_planned_apart_but_given_the_same_cores_cannot_both_start(en
     prepare(env.rt(), env.state, env.host(), a)
     with pytest.raises(DoesNotFit) as e:
         prepare(env.rt(), env.state, env.host(), b)
-    assert "held by running domain 'a'" in str(e.value)
+    assert "held by domain a (running)" in str(e.value)
     assert env.sysfs.driver_of("0000:60:00.0") == "nvme" and [r.domain for r in env.state.records()] == ["a"]
     release(env.rt(), env.state, "a")
 

@@ -200,7 +200,7 @@ def test_a_controller_passed_through_elsewhere_is_refused_with_its_owner(host_mo
     owner = plan_domain(host, SPDK_CFG, request(nvme("0000:60:00.0", mode="passthrough"), name="db"), Ledger())
     message = refused(host, SPDK_CFG, request(nvme("0000:60:00.0", mode="passthrough")),
                       Ledger([Holding.from_plan(owner)]))
-    assert "passed through to domain 'db'" in message
+    assert "passed through to domain db (not running)" in message
 
 
 def test_a_file_written_by_another_domain_is_refused_unless_both_readonly(host_model):
@@ -208,7 +208,7 @@ def test_a_file_written_by_another_domain_is_refused_unless_both_readonly(host_m
     a = plan_domain(host, Config(), request(qsd_file(readonly="yes"), name="a"), Ledger())
     ledger = Ledger([Holding.from_plan(a)])
     plan_domain(host, Config(), request(qsd_file(readonly="yes")), ledger)
-    assert "already used by domain 'a'" in refused(host, Config(), request(qsd_file()), ledger)
+    assert "already used by domain a (not running)" in refused(host, Config(), request(qsd_file()), ledger)
 
 
 def test_the_same_request_gives_the_same_plan(host_model):
@@ -392,7 +392,7 @@ def test_two_writers_of_one_remote_namespace_are_refused_on_any_shared_path(host
     a = plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", paths=("192.168.101.8",)), name="a"),
                     Ledger())
     held = Ledger([Holding.from_plan(a)])
-    assert "already used by domain 'a'" in refused(host, SPDK_CFG, request(nvmf_at("192.168.101.8")), held)
+    assert "already used by domain a (" in refused(host, SPDK_CFG, request(nvmf_at("192.168.101.8")), held)
     # the same NQN on another target is another namespace; readers share
     plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.102.8")), held)
     plan_domain(host, SPDK_CFG, request(nvmf_at("192.168.100.8", nsid=2, paths=("192.168.101.8",))), held)
@@ -574,3 +574,71 @@ def test_host_show_never_offers_a_stacked_device_and_each_row_plans_as_it_says(h
                 plan_domain(host, Config(), block(path), Ledger())
         else:
             assert use[0] in refused(host, Config(), block(path))
+
+
+# -- issue 28: a refusal names who holds what is short ----------------------------------------
+
+def test_no_free_cores_names_the_domains_that_hold_them_and_whether_they_run(host_model):
+    """Here a shut-off domain held the node's cores: the refusal says so
+    (its plan holds them while it is defined)."""
+    host = host_model("laptop")
+    web1 = plan_domain(host, Config(), request(qsd_file("/var/lib/vstor/images/w.raw"), name="web1"), Ledger())
+    db2 = plan_domain(host, Config(), request(qsd_file("/var/lib/vstor/images/d.raw"), name="db2", vcpus=2),
+                      Ledger([Holding.from_plan(web1)]))
+    ledger = Ledger([Holding.from_plan(web1, active=False), Holding.from_plan(db2, active=True)])
+    why = refused(host, Config(), request(qsd_file(), vcpus=2), ledger)
+    assert ("node 0: 0 whole free cores (0 threads) for dedicated vCPUs, the VM needs 2 (free cores or use "
+            "cpus='shared'); cores held by web1 (not running), db2 (running)") in why
+
+
+def test_the_holders_named_are_a_few_then_how_many_more(host_model):
+    from vstor.planner.placement import holders
+    host, ledger = host_model("two-socket"), Ledger()
+    for i in range(6):
+        plan = plan_domain(host, Config(), request(qsd_file(f"/var/lib/vstor/images/{i}.raw"), name=f"vm{i}",
+                                                  vcpus=2), ledger)
+        ledger = Ledger([*ledger.holdings, Holding.from_plan(plan, active=i != 2)])
+    # In the order of their CPUs: the planner put the even ones on node 0.
+    assert holders(ledger, range(128)) == "vm0 (running), vm2 (not running), vm4 (running) and 3 more"
+    assert holders(ledger, ()) == ""
+
+
+# -- issue 28: a volume's holder, whether it runs, and how to free it -------------------------
+
+BLOCK_NS = "<vstor:disk target='vdb'><vstor:block path='/dev/nvme1n1'/></vstor:disk>"
+
+
+@pytest.mark.parametrize("held, asked", [(nvme("0000:5e:00.0"), BLOCK_NS), (BLOCK_NS, nvme("0000:5e:00.0"))],
+                         ids=["nvme-then-block", "block-then-nvme"])
+def test_a_namespace_named_as_nvme_and_as_its_block_device_is_one_volume(host_model, held, asked):
+    """<vstor:nvme controller ns> and <vstor:block path='/dev/nvmeXnY'> are
+    one namespace: a domain that is not running holds it by its plan, and
+    the refusal names it, its state and how to free it."""
+    host = host_model("two-socket")
+    web1 = plan_domain(host, Config(), request(held, name="web1"), Ledger())
+    why = refused(host, Config(), request(asked, name="db2"), Ledger([Holding.from_plan(web1, active=False)]))
+    assert "web1 (not running)" in why, why
+    if asked == BLOCK_NS:
+        assert "/dev/nvme1n1 is already used by domain web1 (not running); two writers would corrupt it" in why
+        assert "give web1 another disk and vstor apply web1, or virsh undefine web1" in why
+
+
+def test_a_file_held_by_a_domain_that_is_not_running_says_how_to_free_it(host_model):
+    host = host_model("two-socket")
+    web1 = plan_domain(host, Config(), request(qsd_file(), name="web1"), Ledger())
+    for active, fix in ((False, "web1 is not running, but its plan holds it: give web1 another disk and vstor "
+                                "apply web1, or virsh undefine web1; or make both readonly='yes'"),
+                        (True, "make both readonly='yes' or pick another; if web1 has stopped, vstor release web1")):
+        why = refused(host, Config(), request(qsd_file(), name="db2"), Ledger([Holding.from_plan(web1, active=active)]))
+        assert f"already used by domain web1 ({'running' if active else 'not running'}); two writers would corrupt it ({fix})" \
+            in why, why
+
+
+def test_a_controller_a_stopped_domain_passes_through_is_not_planned_for_another(host_model):
+    """Its plan takes the whole controller from the kernel at its start: no
+    namespace of it is another domain's meanwhile."""
+    host = host_model("three-node")
+    web1 = plan_domain(host, Config(), request(nvme("0000:81:00.0", mode="passthrough"), name="web1"), Ledger())
+    ns2 = "<vstor:disk target='vdb'><vstor:nvme controller='0000:81:00.0' namespace='2'/></vstor:disk>"
+    why = refused(host, Config(), request(ns2, name="db2"), Ledger([Holding.from_plan(web1, active=False)]))
+    assert "qsd: the controller is passed through to web1 (not running)" in why, why

@@ -955,3 +955,18 @@ def test_under_systemd_a_daemon_gets_a_scope_of_its_own(tmp_path, monkeypatch):
     argv = scope("vm1-vdb", booted=str(tmp_path))
     assert argv[:2] == ["/usr/bin/systemd-run", "--scope"] and argv[-1] == "--"
     assert "--slice=vstor.slice" in argv and "--collect" in argv
+
+
+# -- issue 28: the other writer is named ------------------------------------------------------
+
+def test_a_second_writer_refusal_names_the_vstor_disk_that_holds_the_source(area):
+    """vstor's daemon serves a socket named <domain>-<target>: the refusal
+    names that domain and the release that frees it if it has stopped."""
+    first = area.export("web1-vdb")
+    pid = start(first)
+    with pytest.raises(DoesNotFit) as e:
+        start(area.export("db2-vdb"))
+    assert e.value.message == (f"disk source {area.disk} is already exported by qemu-storage-daemon pid {pid} "
+                               f"for vstor disk web1-vdb ({first.socket_path})")
+    assert e.value.hint == ("two writers would corrupt it: if domain web1 does not run, vstor release web1 "
+                            "stops it; otherwise make both readonly or stop the other")

@@ -318,3 +318,53 @@ def test_in_use_is_exit_3_on_every_path(work, capsys, host_layout, version):
         assert spdk.vhost == {} and spdk.nvme == {}
     finally:
         spdk.stop()
+
+
+# -- issue 28: release refuses before it says anything ----------------------------------------
+
+def test_a_refused_release_prints_nothing_before_its_refusal(work, capsys):
+    """'Releasing X:' is said once something is undone: a release QEMU's
+    connection refuses (exit 3) prints only the refusal."""
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    assert vstor(work, "prepare", rendered) == 0
+    capsys.readouterr()
+    with socket.socket(socket.AF_UNIX) as qemu:
+        qemu.connect(f"{work.dir}/vhost/cli1-vdb")
+        assert vstor(work, "release", "cli1") == 3
+        out, err = capsys.readouterr()
+        assert out == "" and "still using its storage: a client (QEMU) is connected" in err
+    assert vstor(work, "release", "cli1") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Releasing cli1:\n") and "Domain 'cli1' released" in out
+
+
+# -- issue 28: status says where a disk can be attached live ----------------------------------
+
+def test_status_says_how_many_spare_root_ports_a_domain_has(work, capsys):
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    assert vstor(work, "prepare", rendered) == 0
+    conn = libvirt.open("test:///default")
+    dom = conn.defineXML(
+        "<domain type='test'><name>cli1</name><memory>262144</memory>"
+        "<os><type arch='x86_64' machine='q35'>hvm</type></os><devices>"
+        "<controller type='pci' index='0' model='pcie-root'/>"
+        "<controller type='pci' index='1' model='pcie-root-port'/>"
+        "<controller type='pci' index='2' model='pcie-root-port'/>"
+        "<controller type='usb' model='none'/><memballoon model='none'/>"
+        "<interface type='network'><source network='default'/>"
+        "<address type='pci' domain='0x0000' bus='0x01' slot='0x00' function='0x0'/></interface>"
+        "</devices></domain>")
+    try:
+        capsys.readouterr()
+        assert vstor(work, "status") == 0
+        out = capsys.readouterr().out
+        assert "cli1: prepared; libvirt: shut off;" in out and "\n  hot-plug: 1 spare PCIe root port\n" in out
+        assert vstor(work, "status", "--json") == 0
+        assert json.loads(capsys.readouterr().out)[0]["spare_ports"] == [1]
+    finally:
+        dom.undefine()
+        conn.close()
+    assert vstor(work, "status", "--json") == 0
+    assert json.loads(capsys.readouterr().out)[0]["spare_ports"] is None     # not defined: not known

@@ -8,6 +8,7 @@ import sys
 
 from vstor import records
 from vstor.atomic import write_file
+from vstor.cli.hotplug import hotplug_text
 from vstor.errors import BadInput
 from vstor.host.model import format_cpulist
 from vstor.meta.document import Domain
@@ -82,12 +83,13 @@ def _previous_plan(dom: Domain) -> Plan | None:
 
 
 def cmd_plan(ctx, args) -> int:
-    plan = make_plan(ctx, load_source(ctx, args.source))
     if args.json:
-        json.dump(plan_to_json(plan), sys.stdout, indent=2)
+        json.dump(plan_to_json(make_plan(ctx, load_source(ctx, args.source))), sys.stdout, indent=2)
         print()
-    else:
-        print(format_plan(plan))
+        return 0
+    from vstor.runtime.hotplug import spare_ports
+    plan, out = rendered(ctx, load_source(ctx, args.source))
+    print(format_plan(plan, spare_ports(out, len(plan.guest_cells()))))
     return 0
 
 
@@ -196,7 +198,7 @@ def where(plan: Plan) -> str:
     return "guest cells " + ", ".join(f"{c.id} on node {c.node}" for c in plan.cells)
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, spare: tuple[int, ...] | None = None) -> str:
     rows = [("DISK", "MODE", "BACKEND", "SOURCE", "ATTACHES AS", "REACTOR") + (("CELL",) if plan.cells else ())]
     for d in plan.disks:
         attach = d.socket if d.mode == "vhost" else f"hostdev {d.controller}"
@@ -216,6 +218,8 @@ def format_plan(plan: Plan) -> str:
     if plan.hugepage_kib:
         mem += f", {plan.hugepages} x {plan.hugepage_kib} KiB hugepages"
     lines.append(f"Memory:   {mem}")
+    if hotplug_text(spare):
+        lines.append(f"Hot-plug: {hotplug_text(spare)}")
     lines.append("Why:")
     lines += [f"  - {r}" for r in plan.reasons]
     for d in plan.disks:

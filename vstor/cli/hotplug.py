@@ -72,3 +72,39 @@ def cmd_detach(ctx, args) -> int:
                    args.timeout, args.persistent, _say)
     print(f"{'would detach' if args.dry_run else 'detached'} {args.target} from {args.domain}")
     return 0
+
+
+# -- spare ports, for status and plan ------------------------------------------------------
+
+def hotplug_text(ports: tuple[int, ...] | None) -> str | None:
+    """A domain's spare PCIe root ports (vstor.runtime.hotplug.spare_ports),
+    where `vstor attach` puts a disk live; None when it has no such ports
+    to count (i440fx)."""
+    from vstor.planner.placement import counted
+    if ports is None:
+        return None
+    if len(ports) == 1:
+        return counted(ports[0], "spare PCIe root port")
+    return "spare PCIe root ports per guest cell: " + ", ".join(f"{i}: {n}" for i, n in enumerate(ports))
+
+
+def spare_ports_of(ctx, records, said: dict[str, str]) -> dict[str, list[int]]:
+    """Per domain libvirt has, its spare PCIe root ports per guest cell
+    (vstor.runtime.hotplug.spare_ports), from its live XML while it runs;
+    a domain whose XML cannot be read is left out (null: not known)."""
+    import libvirt
+    from vstor.errors import VstorError
+    from vstor.meta.document import Domain
+    from vstor.runtime.hotplug import spare_ports
+    out = {}
+    for r in records:
+        if said.get(r.domain) in (None, "not defined", "libvirt unreachable"):
+            continue
+        try:
+            dom = Domain.parse(ctx.conn.lookupByName(r.domain).XMLDesc(0), f"domain '{r.domain}'")
+        except (VstorError, libvirt.libvirtError):
+            continue
+        ports = spare_ports(dom, max(len(r.holding.get("cells") or ()), 1))
+        if ports is not None:
+            out[r.domain] = list(ports)
+    return out

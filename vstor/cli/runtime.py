@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from vstor.cli.hotplug import hotplug_text, spare_ports_of
 from vstor.cli.hooks import register as hooks_register
 from vstor.errors import BadInput, InUse
 
@@ -47,6 +48,18 @@ def _say(message: str) -> None:
     print(f"  {message}", flush=True)
 
 
+def _headed(title: str):
+    """_say, with `title` printed before the first line: a run refused
+    before it changes anything prints its refusal alone."""
+    untold = [title]
+
+    def say(message: str) -> None:
+        if untold:
+            print(untold.pop(), flush=True)
+        _say(message)
+    return say
+
+
 # -- status ---------------------------------------------------------------------------
 
 def cmd_status(ctx, args) -> int:
@@ -63,11 +76,13 @@ def cmd_status(ctx, args) -> int:
     rt = _runtime(ctx)
     elsewhere = _pve_elsewhere(ctx, records)
     said = _libvirt_says(ctx, [r.domain for r in records if r.domain not in elsewhere])
+    spare = spare_ports_of(ctx, records, said)
     spdk_pid = _spdk_pid(rt) if any(e.get("kind", "").startswith("spdk")
                                     for r in records for e in r.steps) else None
     rows = [{"domain": r.domain, "status": r.status, "libvirt": said.get(r.domain),
              "holding": r.holding, "elsewhere": elsewhere.get(r.domain),
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
+             "spare_ports": spare.get(r.domain),
              "steps": [{"step": s, "state": st, "problem": p, **labelled(entry, spdk_pid)}
                        for entry, (s, st, p) in zip(r.steps, health(rt, r))]}
             for r in records]
@@ -88,6 +103,8 @@ def cmd_status(ctx, args) -> int:
                  if h.get("cells") else f"node {h.get('node')}")
         print(f"{row['domain']}: {row['status']}{libvirt}; {where}; CPUs {cpus}; "
               f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
+        if hotplug_text(row["spare_ports"]):
+            print(f"  hot-plug: {hotplug_text(row['spare_ports'])}")
         m = row["migration"] or {}
         if row["status"] == "exporting":
             print(f"  runs on {m.get('to') or 'another host'}, reading its disk through this host's "
@@ -246,8 +263,8 @@ def _release(ctx, args) -> int:
             raise InUse(f"domain '{args.domain}' is running; its backends are in use",
                            hint="stop it first (the hook then releases), or --force")
     key = _key_of(ctx, args.domain)
-    print(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
-    rec = release(_runtime(ctx, args.dry_run, args.force), _state(ctx), key, progress=_say)
+    say = _headed(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
+    rec = release(_runtime(ctx, args.dry_run, args.force), _state(ctx), key, progress=say)
     if rec is None:
         print(f"vstor holds nothing for domain '{args.domain}'")
     elif not args.dry_run:

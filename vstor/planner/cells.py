@@ -166,6 +166,9 @@ class _Taken:
     def promised_hugepages(self, node: int, size_kib: int) -> int:
         return self.base.promised_hugepages(node, size_kib) + self._pages[(node, size_kib)]
 
+    def running(self, domain: str) -> bool | None:
+        return self.base.running(domain)
+
     def bound_memory_kib(self, node: int) -> int:
         return self.base.bound_memory_kib(node) + self._bound[node]
 

@@ -11,7 +11,8 @@ from vstor.errors import BadInput
 from vstor.host.model import Host, NvmeController, unservable
 from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.meta.names import inside, volume_keys
-from vstor.planner.ledger import Ledger
+from vstor.planner.ledger import Ledger, held_by
+from vstor.planner.volumes import controller_taken, kernel_users, names, namespace_at, two_writers, volumes_of
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 from vstor.planner.spdk_paths import attach_paths, connections_of, host_nqn
 from vstor.records import record
@@ -47,17 +48,17 @@ class _Taken:
         self.connections: dict[str, str] = {}
         self.volumes: dict[str, tuple[str, bool]] = {}     # key -> (target, readonly)
 
-    def check_volume(self, disk: DiskIntent) -> None:
-        """Two disks of one domain on one volume: both read-only, or refused
-        (the ledger says so between domains; within one it is the intent's
-        contradiction, exit 2)."""
-        for key in volume_keys(disk.source):
+    def check_volume(self, disk: DiskIntent, keys: tuple[str, ...]) -> None:
+        """Two disks of one domain on one volume (`keys`: the disk's, see
+        volumes_of): both read-only, or refused (the ledger says so between
+        domains; within one it is the intent's contradiction, exit 2)."""
+        for key in keys:
             other = self.volumes.get(key)
             if other is not None and not (other[1] and disk.readonly):
                 raise BadInput(f"disk {disk.target}: its source is also disk {other[0]}'s; two "
                                "writers would corrupt it",
                                hint="make both readonly='yes', or give each disk its own source")
-        self.volumes.update((key, (disk.target, disk.readonly)) for key in volume_keys(disk.source))
+        self.volumes.update((key, (disk.target, disk.readonly)) for key in keys)
 
     def add(self, choice: DiskChoice) -> None:
         self.connections.update(choice.connections)
@@ -72,7 +73,7 @@ def choose_all(host: Host, cfg: Config, vm: VmIntent, disks, ledger: Ledger):
     taken = _Taken()
     out = []
     for disk in disks:
-        taken.check_volume(disk)
+        taken.check_volume(disk, volumes_of(host, disk.source))
         choice = choose(host, cfg, vm, disk, ledger, taken)
         if isinstance(choice, NoFit):
             return choice
@@ -115,8 +116,7 @@ def _nvmf(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger, taken: _Tak
     other = ledger.volume_conflict(volume_keys(src), disk.readonly)
     if other:
         return NoFit(f"{t}: namespace {src.namespace} of {src.subnqn} at {src.traddr}:{src.trsvcid} "
-                     f"is already used by domain '{other}'; two writers would corrupt it "
-                     "(make both readonly='yes' or pick another)")
+                     + two_writers(ledger, other))
     hostnqn = host_nqn(cfg, host, src)
     if not hostnqn:
         return NoFit(f"{t}: this host has no NVMe host NQN to attach with (no /etc/nvme/hostnqn, "
@@ -169,14 +169,13 @@ def _local_volume(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger) -> 
                        f"({', '.join(cfg.images) or 'none'})",
                        hint="move it under one of them, or add its directory to [paths] images "
                             "in vstor.conf")
-    other = ledger.volume_conflict(volume_keys(src), disk.readonly)
+    other = ledger.volume_conflict(volumes_of(host, src), disk.readonly)
     if other:
-        return NoFit(f"{t}: {src.path} is already used by domain '{other}'; two writers "
-                     "would corrupt it (make both readonly='yes' or pick another)")
+        return NoFit(f"{t}: {src.path} {two_writers(ledger, other)}")
     reasons = [f"{src.kind} source: vhost-user-blk from qemu-storage-daemon (the embedded backend)"]
     node, node_from = None, ""
     if src.kind == "block":
-        found = _block_use(host, src.path)
+        found = _block_use(host, src.path, ledger)
         if isinstance(found, NoFit):
             return NoFit(f"{t}: {found.reason}")
         node, node_from, why = found
@@ -185,15 +184,18 @@ def _local_volume(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger) -> 
     return DiskChoice(disk, "vhost", "qsd", None, node, node_from, tuple(reasons))
 
 
-def _block_use(host: Host, path: str):
+def _block_use(host: Host, path: str, ledger: Ledger):
     name = path[len("/dev/"):]
-    for ctrl in host.controllers:
-        for ns in ctrl.namespaces:
-            if ns.name == name:
-                if ns.in_use:
-                    return NoFit(f"{path} is in use by the host ({'; '.join(ns.in_use)})")
-                node = ctrl.numa_node if ctrl.numa_node >= 0 else None
-                return node, f"NVMe {ctrl.address}", None
+    found = namespace_at(host, path)
+    if found:
+        ctrl, ns = found
+        if ns.in_use:
+            return NoFit(f"{path} is in use by the host ({'; '.join(ns.in_use)})")
+        whole = controller_taken(ledger, ctrl.address)
+        if whole:
+            return NoFit(f"{path} is a namespace of NVMe controller {ctrl.address}, and {whole}")
+        node = ctrl.numa_node if ctrl.numa_node >= 0 else None
+        return node, f"NVMe {ctrl.address}", None
     dev = host.block_device(name)
     refused = unservable(path, dev.stacks_on if dev else ())
     if refused:
@@ -273,15 +275,11 @@ def _passthrough_problems(host, cfg, vm, ctrl: NvmeController, ledger, taken) ->
         problems.append("the VM is migratable and a passed-through device blocks live migration")
     owner = ledger.passthrough.get(ctrl.address)
     if owner:
-        problems.append(f"it is passed through to domain '{owner}'")
-    users = _kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
+        problems.append(f"it is passed through to domain {held_by(ledger, owner)}")
+    users = kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
     if users:
-        problems.append("its namespaces are served by qemu-storage-daemon to " + ", ".join(sorted(users)))
+        problems.append("its namespaces are served by qemu-storage-daemon to " + names(ledger, users))
     return problems
-
-
-def _kernel_users(ctrl: NvmeController, ledger: Ledger) -> set[str]:
-    return ledger.namespace_users(ctrl.address) - set(ledger.spdk_users.get(ctrl.address, ()))
 
 
 def _pick_backend(host, cfg, disk, ctrl, ledger, taken):
@@ -307,10 +305,10 @@ _BACKEND_WHY = {
 def _spdk_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
     owner = ledger.passthrough.get(ctrl.address)
     if owner or ctrl.address in taken.passthrough:
-        return f"the controller is passed through to {owner or 'this VM'}"
-    users = _kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
+        return f"the controller is passed through to {held_by(ledger, owner) if owner else 'this VM'}"
+    users = kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
     if users:
-        return "other namespaces are served through the kernel to " + ", ".join(sorted(users))
+        return "other namespaces are served through the kernel to " + names(ledger, users)
     # Already on a userspace driver (SPDK's setup.sh did it): vstor binds nothing,
     # so the IOMMU and vfio-pci facts do not matter for it.
     bound = ctrl.driver in USERSPACE_DRIVERS
@@ -320,9 +318,9 @@ def _spdk_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
                                  spdk_owned=False)
     if problems:
         return "SPDK's PCIe driver takes the whole controller from the kernel, but " + "; ".join(problems)
-    other = ledger.volume_conflict(volume_keys(disk.source), disk.readonly)
+    other = ledger.volume_conflict(volumes_of(host, disk.source), disk.readonly)
     if other:
-        return f"namespace {disk.source.namespace} is already served to domain '{other}'"
+        return f"namespace {disk.source.namespace} is already served to domain {held_by(ledger, other)}"
     return None
 
 
@@ -332,17 +330,15 @@ def _qsd_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
                 "driver, so it has no block device")
     if ctrl.address in taken.spdk:
         return "SPDK serves another namespace of it to this VM"
-    spdk = ledger.spdk_users.get(ctrl.address)
-    if spdk:
-        # SPDK's PCIe driver takes the whole controller from the kernel when
-        # that domain starts: this namespace's block device would vanish.
-        return "SPDK takes the whole controller for " + ", ".join(sorted(set(spdk)))
+    whole = controller_taken(ledger, ctrl.address)
+    if whole:
+        return whole
     ns = ctrl.namespace(disk.source.namespace)
     if ns is None:
         return f"it has no namespace {disk.source.namespace}"
     if ns.in_use:
         return f"{ns.dev_path} is in use by the host ({'; '.join(ns.in_use)})"
-    other = ledger.volume_conflict(volume_keys(disk.source), disk.readonly)
+    other = ledger.volume_conflict(volumes_of(host, disk.source), disk.readonly)
     if other:
-        return f"{ns.dev_path} is already served to domain '{other}'"
+        return f"{ns.dev_path} is already served to domain {held_by(ledger, other)}"
     return None

@@ -28,10 +28,12 @@ class Ledger:
         self.connections: dict[str, list[tuple[str, str]]] = {}   # path -> [(controller, domain)]
         self._pages: Counter[tuple[int, int]] = Counter()
         self._bound: Counter[int] = Counter()
+        self._running: dict[str, bool] = {}
         for h in self.holdings:
             self._index(h)
 
     def _index(self, h: Holding) -> None:
+        self._running.setdefault(h.domain, h.active)
         for cpu in h.cpus:
             self.cpu_owner.setdefault(cpu, h.domain)
         self.reactor_load.update(h.reactors)
@@ -64,6 +66,12 @@ class Ledger:
             return self
         return Ledger(keep)
 
+    def running(self, domain: str) -> bool | None:
+        """Whether a domain the ledger holds runs (its holding is active:
+        libvirt runs it, or its state record is prepared); None when the
+        ledger holds nothing of it."""
+        return self._running.get(domain)
+
     def path_conflict(self, path: str, controller: str) -> str | None:
         """The domain whose SPDK controller of another name has this path."""
         return next((domain for name, domain in self.connections.get(path, ())
@@ -92,3 +100,10 @@ class Ledger:
                 if not (ro and readonly):
                     return domain
         return None
+
+
+def held_by(ledger, domain: str) -> str:
+    """A holder as a refusal names it: its name and whether it runs, as the
+    ledger (Ledger, or the index's) knows it."""
+    running = ledger.running(domain)
+    return domain if running is None else f"{domain} ({'running' if running else 'not running'})"

@@ -11,7 +11,7 @@ from collections import Counter
 from vstor.config import Config
 from vstor.host.model import Host, NumaNode, format_cpulist
 from vstor.planner.disks import NoFit
-from vstor.planner.ledger import Ledger
+from vstor.planner.ledger import Ledger, held_by
 from vstor.records import record
 
 
@@ -84,7 +84,8 @@ def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
         pool = tuple(c for c in pool if c in only)
     picked = _whole_cores(host, pool, vcpus)
     if isinstance(picked, NoFit):
-        return NoFit(f"node {node.id}: {picked.reason}")
+        who = holders(ledger, node.cpus)
+        return NoFit(f"node {node.id}: {picked.reason}" + (f"; cores held by {who}" if who else ""))
     pins, reserved = picked
     reasons = [f"{vcpus} vCPU{'s' if vcpus != 1 else ''} pinned 1:1 to dedicated cores {format_cpulist(pins)} on node {node.id}"]
     if reserved:
@@ -102,6 +103,16 @@ def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
 
 def counted(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def holders(ledger: Ledger, cpus, most: int = 3) -> str:
+    """The domains holding any of `cpus`, as a refusal names them:
+    'web1 (not running), db2 (running)', the first `most`, then how many
+    more.  A domain that is not running holds its cores by its plan, while
+    it is defined (or reserved for an incoming migration)."""
+    names = list(dict.fromkeys(ledger.cpu_owner[c] for c in cpus if c in ledger.cpu_owner))
+    said = ", ".join(held_by(ledger, name) for name in names[:most])
+    return said + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _whole_cores(host: Host, pool: tuple[int, ...], vcpus: int):
@@ -228,7 +239,7 @@ def cpu_problems(host: Host, cfg: Config, node: NumaNode, cpus, ledger: Ledger) 
         elif cpu in not_ours:
             reason = "are housekeeping cores now"
         elif cpu in ledger.cpu_owner:
-            reason = f"are held by running domain '{ledger.cpu_owner[cpu]}'"
+            reason = f"are held by domain {held_by(ledger, ledger.cpu_owner[cpu])}"
         elif isolated and cpu not in isolated:
             reason = "are not among the host's isolated CPUs"
         else:

@@ -21,6 +21,8 @@ Pure: a plan and the domain's existing controller indices in, elements out.
 
 from __future__ import annotations
 
+import re
+
 from lxml import etree
 
 from vstor.errors import BadInput
@@ -135,16 +137,20 @@ def first_index(devices, q35: bool, count: int = 1) -> int:
             used.add(int(a.get("bus", "0"), 0))
         except ValueError:
             continue
-    need = unindexed
-    if q35:
-        need += sum(1 for e in devices if isinstance(e.tag, str) and _waits_for_port(e))
-        # + the USB controller and memory balloon libvirt adds when the domain has none
-        need += sum(1 for path in ("controller[@type='usb']", "memballoon") if devices.find(path) is None)
+    need = unindexed + (_waiting(devices) if q35 else 0)
     first, free_below = 1, 0
     while free_below < need or used & set(range(first, first + count)):
         free_below += first not in used
         first += 1
     return first
+
+
+def _waiting(devices) -> int:
+    """How many root ports a q35 domain's devices take at define: those
+    libvirt has yet to address, and the USB controller and memory balloon
+    libvirt adds when the domain has none."""
+    need = sum(1 for e in devices if isinstance(e.tag, str) and _waits_for_port(e))
+    return need + sum(1 for path in ("controller[@type='usb']", "memballoon") if devices.find(path) is None)
 
 
 def _waits_for_port(e) -> bool:
@@ -192,12 +198,47 @@ def _controller(index: int, model: str, name: str, *, bus_nr=None, node=None, pl
 def free_port(devices, cell: int):
     """The guest <address> of a spare root port of `cell` no device uses
     (where a hot-plugged disk goes), or None."""
-    used = {int(a.get("bus", "0"), 0) for a in devices.iterfind("*/address[@type='pci']")}
-    for c in devices.iterfind("controller[@model='pcie-root-port']"):
-        alias = c.find("alias")
-        if alias is None or not (alias.get("name") or "").startswith(f"{ALIAS}cell{cell}-"):
+    index = next((i for k, i in _free_ports(devices) if k == cell and i is not None), None)
+    return None if index is None else address(index, 0)
+
+
+def spare_ports(devices, cells: int) -> tuple[int, ...]:
+    """Per guest cell, the q35 ports a hot-plugged disk can take: a guest
+    with cells takes one on its cell's own ports (vstor's, by alias), one
+    with a single cell on any of the domain's, less those the devices
+    libvirt has yet to address take at define (none in a running domain's
+    XML, which libvirt has addressed)."""
+    free: dict[int | None, int] = {}
+    for cell, _ in _free_ports(devices):
+        free[cell] = free.get(cell, 0) + 1
+    if cells > 1:
+        return tuple(free.get(k, 0) for k in range(cells))
+    return (max(free.get(None, 0) - _waiting(devices), 0),)
+
+
+_PORTS = ("pcie-root-port", "pcie-switch-downstream-port")
+_CELL_PORT = re.compile(rf"{ALIAS}cell([0-9]+)-")
+
+
+def _free_ports(devices):
+    """(vstor's guest cell or None, index) of each port a q35 guest takes a
+    hot-plugged device on: a root port (or a switch's downstream port) no
+    device sits on, hot-plug not off (index None: libvirt numbers it)."""
+    used = set()
+    for a in devices.iterfind("*/address[@type='pci']"):
+        try:
+            used.add(int(a.get("bus", "0"), 0))
+        except ValueError:
             continue
-        index = int(c.get("index"))
+    for c in devices.iterfind("controller[@type='pci']"):
+        target = c.find("target")
+        if c.get("model") not in _PORTS or (target is not None and target.get("hotplug") == "off"):
+            continue
+        try:
+            index = int(c.get("index"))
+        except (TypeError, ValueError):
+            index = None
         if index not in used:
-            return address(index, 0)
-    return None
+            alias = c.find("alias")
+            found = _CELL_PORT.match((alias.get("name") or "") if alias is not None else "")
+            yield (int(found.group(1)) if found else None), index

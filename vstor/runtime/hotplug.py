@@ -56,7 +56,7 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
     with contextlib.ExitStack() as host_lock:
         host_lock.enter_context(state.lock(dry_run=rt.dry_run))
         req, plan = plan_of(dom)
-        problem = pci_hotplug_problem(dom)
+        problem = pci_hotplug_problem(dom) or _no_port(dom, plan)
         if problem:
             raise DoesNotFit(problem[0], hint=problem[1])
         if persistent:
@@ -129,6 +129,30 @@ def _port(dom: Domain, plan: Plan, disk):
                          hint="stop the domain, add the disk to its metadata, vstor apply (a new "
                               "spare), start it")
     return port
+
+
+def spare_ports(dom: Domain, cells: int) -> tuple[int, ...] | None:
+    """Per guest cell, how many disks the guest (as its XML says: libvirt's
+    live XML of a running one) can be given live: a q35 guest's empty root
+    ports (vstor render/buses.py); none for an i440fx guest with cells;
+    None for an i440fx guest without (it takes them in the free slots of
+    pci.0, which libvirt's refusal names)."""
+    if not _q35(dom):
+        return (0,) * cells if cells > 1 else None
+    devices = dom.root.find("devices")
+    return buses.spare_ports(devices if devices is not None else dom.root.makeelement("devices"), cells)
+
+
+def _no_port(dom: Domain, plan: Plan) -> tuple[str, str] | None:
+    """(why, fix) when a q35 guest with one cell has no free root port:
+    libvirt would refuse the device after the backend was made.  A guest
+    with cells is looked at in its disk's cell (_port)."""
+    if plan.cells or spare_ports(dom, 1) != (0,):
+        return None
+    return (f"domain '{dom.name}' has no free PCIe root port, where a q35 guest takes a hot-plugged disk",
+            f"give it spare ports while it is stopped (virsh edit {dom.name}: one <controller type='pci' "
+            "model='pcie-root-port'/> per disk to add live; libvirt adds none), then start it; or add the "
+            f"disk to its metadata, vstor apply {dom.name} and start it")
 
 
 def _q35(dom: Domain) -> bool:

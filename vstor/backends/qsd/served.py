@@ -11,6 +11,7 @@ import os
 from vstor.backends.qsd import files, proc
 from vstor.backends.qsd.export import QsdExport, _export_opts
 from vstor.errors import DoesNotFit
+from vstor.meta.names import is_disk_name
 
 
 def differs(export: QsdExport, src, p: int, opts: dict) -> str | None:
@@ -70,10 +71,23 @@ def check_no_other_writer(export: QsdExport, mine: os.stat_result, handover: boo
         if (handover and os.path.basename(sock or "") == export.name
                 and None not in (here, _mount_ns(p)) and _mount_ns(p) != here):
             continue
-        raise DoesNotFit(f"disk source {export.source} is already exported by "
-                         f"qemu-storage-daemon pid {p} ({sock or 'a socket'})",
-                         hint="two writers would corrupt it; make both readonly "
-                              "or stop the other")
+        raise _second_writer(export, p, sock)
+
+
+def _second_writer(export: QsdExport, pid: int, sock: str | None) -> DoesNotFit:
+    """The refusal, naming the vstor disk the other daemon serves when its
+    socket has vstor's name (<domain>-<target>): a domain that stopped
+    without its release keeps it until vstor release."""
+    name = os.path.basename(sock or "")
+    if not is_disk_name(name):
+        return DoesNotFit(f"disk source {export.source} is already exported by qemu-storage-daemon "
+                          f"pid {pid} ({sock or 'a socket'})",
+                          hint="two writers would corrupt it; make both readonly or stop the other")
+    domain = name.rsplit("-", 1)[0]
+    return DoesNotFit(f"disk source {export.source} is already exported by qemu-storage-daemon pid {pid} "
+                      f"for vstor disk {name} ({sock})",
+                      hint=f"two writers would corrupt it: if domain {domain} does not run, vstor release "
+                           f"{domain} stops it; otherwise make both readonly or stop the other")
 
 
 def _mount_ns(pid) -> str | None:

@@ -66,6 +66,13 @@ class IndexLedger:
                 out.append(holding_from_json(s["holding"], active=s["active"]))
         return tuple(out)
 
+    def running(self, domain: str) -> bool | None:
+        for key in self._keys("name", domain):
+            s = self.index.indexed(key)
+            if s:
+                return s["active"]
+        return None
+
     def path_conflict(self, path: str, controller: str) -> str | None:
         for key in self._keys("conn", path):
             s = self.index.indexed(key) or {"holding": {}}
