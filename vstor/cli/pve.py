@@ -68,6 +68,7 @@ def _qemu(node, args) -> tuple[int, int]:
 
 
 def _planned(ctx, args):
+    from vstor.host import sources
     from vstor.pve import manage
     from vstor.formats.pve.vm import vmid
     node = _node(ctx)
@@ -75,6 +76,7 @@ def _planned(ctx, args):
     vmo = manage.load(node, vm, args.conf, args.intent, tolerant=True,
                       missing="check the VMID (qm list), or pass --conf FILE")
     plan = manage.make_plan(ctx.host, ctx.config, vmo, manage.ledger(node, ctx.records(), skip=vm))
+    sources.foresee(plan, ctx.config.images)
     return node, vmo, plan
 
 
