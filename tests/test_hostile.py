@@ -1196,8 +1196,9 @@ def test_an_inert_plan_field_is_carried_out_exactly_as_the_honest_plan(w, entry,
 # A guest cell's memory of 400 digits reached float arithmetic (OverflowError);
 # a cell's CPU range in non-ASCII digits was expanded whole (a billion CPUs);
 # a link into /proc of a process that ended raised from the walk's readlink.
-# Each is now a one-line refusal, exit 2.  The cells are a rendered domain's
-# own, edited: plan and render re-plan without reading them.
+# So was a plan record's version of 4,400 digits, or '²'.  Each is now a
+# one-line refusal, exit 2.  The cells and the version are a rendered
+# domain's own, edited: plan and render re-plan without reading them.
 
 def _cell(w: World, new: str) -> bytes:
     return _edited(w, 'id="0" cpus="0-0" memory="524288" unit="KiB"', new)
@@ -1212,6 +1213,11 @@ NUMBER_CASES = [
     Case("cell-cpus-arabic-indic-billion", lambda w: _cell(w, 'id="0" cpus="0-١٠٠٠٠٠٠٠٠٠" memory="524288" '
                                                              'unit="KiB"'), expect=_CELLS_READ_AT_START),
     Case("cell-id-fullwidth", lambda w: _cell(w, 'id="０" cpus="0-0" memory="524288" unit="KiB"'),
+         expect=_CELLS_READ_AT_START),
+    # the plan record's version, compared as a number: plan and render re-plan over it
+    Case("plan-version-superscript", lambda w: _edited(w, 'version="2"', 'version="²"'),
+         expect=_CELLS_READ_AT_START),
+    Case("plan-version-4400-digits", lambda w: _edited(w, 'version="2"', f'version="{"9" * 4400}"'),
          expect=_CELLS_READ_AT_START),
 ]
 
