@@ -57,7 +57,7 @@ def _node(ctx):
 
 def _version(text: str) -> tuple[int, int]:
     """--qemu-version, checked as the arguments are read (before anything else)."""
-    m = re.fullmatch(r"(\d{1,3})\.(\d{1,3})", text)
+    m = re.fullmatch(r"([0-9]{1,3})\.([0-9]{1,3})", text)
     if not m:
         raise argparse.ArgumentTypeError(f"'{text[:20]}' is not X.Y, like 9.2")
     return int(m.group(1)), int(m.group(2))
