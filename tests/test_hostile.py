@@ -36,7 +36,7 @@ reason='BUG: ...'), so the suite is green and the bug cannot silently vanish.
 
 from __future__ import annotations
 
-from tests import installed_hook  # noqa: E402
+from tests import ended_process, installed_hook  # noqa: E402
 import atexit
 import contextlib
 import copy
@@ -1230,14 +1230,8 @@ def test_a_number_vstor_cannot_read_is_refused_with_one_line(w, case, entry):
 @pytest.fixture
 def ended(w):
     """A link in the image root into /proc/PID/cwd of a process that has
-    ended but not been reaped: its /proc entry is there, its cwd link
-    answers ENOENT, as a short-lived process's does between the walk's open
-    and its readlink."""
-    child = subprocess.Popen(["true"])
-    deadline = time.monotonic() + 10
-    while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    ended (tests.ended_process)."""
+    child = ended_process()
     link = f"{w.images}/proc.raw"
     os.symlink(f"/proc/{child.pid}/cwd/a.raw", link)
     yield link

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from tests import qsd_fds
+from tests import ended_process, qsd_fds
 from tests.test_contract import hook, rendered, vstor, work  # noqa: F401 (work: a fixture)
 from tests.test_lifecycle import env  # noqa: F401 (a fixture)
 from vstor.errors import BadInput, Unavailable
@@ -323,22 +323,12 @@ def test_attach_of_a_fifo_is_refused_at_once_and_changes_nothing(env, tmp_path):
 # gives: a process's cwd link answers ENOENT once the process ended (it may
 # end between the walk's open and its readlink), pid 1's may answer EACCES.
 
-def _ended() -> subprocess.Popen:
-    """A process that ended and is not reaped: its /proc entry is there, its
-    cwd link answers ENOENT."""
-    child = subprocess.Popen(["true"])
-    with bounded(10):
-        while open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
-            time.sleep(0.01)
-    return child
-
-
 @pytest.mark.parametrize("target", ["/proc/{ended}/cwd/a.raw", "/proc/self/cwd/a.raw", "/proc/self/fd/0",
                                     "/proc/self/root/etc/shadow", "a/" * 2000 + "x"],
                          ids=["ended-process-cwd", "self-cwd", "self-fd-0", "self-root", "4000-byte-target"])
 def test_a_link_through_proc_or_past_the_kernel_s_limits_is_one_refusal(tree, target):
     _base, root = tree
-    child = _ended()
+    child = ended_process()
     os.symlink(target.format(ended=child.pid), root / "p.raw")
     before = sorted(os.listdir("/proc/self/fd"))
     try:
