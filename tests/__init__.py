@@ -23,3 +23,19 @@ def installed_hook() -> str:
 
 
 _HOOK = None
+
+
+def ended_process():
+    """A process that has ended and is not reaped (the caller waits for it):
+    its /proc entry is there, its cwd link answers ENOENT, as a short-lived
+    process's does between a walk's open of the link and its readlink."""
+    import subprocess
+    import time
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{child.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return child
+        assert time.monotonic() < deadline, "the child did not end"
+        time.sleep(0.01)

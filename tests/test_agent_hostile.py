@@ -343,3 +343,26 @@ def test_a_block_source_on_a_file_vstor_never_opened_is_described_as_the_planner
     with pytest.raises(BadInput) as e:
         storage.describe(Config(), "block", path, SysFS(host_layout("stacked")))
     assert e.value.message.startswith(words)
+
+
+
+
+# -- issue 28: a guest cell's numbers ---------------------------------------------------------
+#
+# A migrating domain's guest cells are its ABI, read by `check` and `prepare`:
+# a cell's memory of 400 digits in KB reached float arithmetic (an internal
+# error, exit 1); a CPU range in other digits was expanded whole.
+
+def _celled(cell: str) -> str:
+    return domain().replace("<devices/>", f"<cpu><numa>{cell}</numa></cpu><devices/>")
+
+
+@pytest.mark.parametrize("cell, words", [
+    (f"<cell id='0' cpus='0' memory='{'9' * 400}' unit='KB'/>", "is not a whole number of at most 20 digits"),
+    ("<cell id='0' cpus='0-١٠٠٠٠٠٠٠٠٠' memory='524288' unit='KiB'/>", "is not a CPU or a range of CPUs"),
+], ids=["memory-400-digits", "cpus-arabic-indic"])
+def test_a_cell_vstor_cannot_read_is_a_problem_check_names_and_prepare_refuses(dest, cell, words):
+    answer = agent(dest, check(xml=_celled(cell)))
+    assert answer["ok"] is True and any(words in p for p in answer["problems"]), answer
+    answer = agent(dest, prepare(xml=_celled(cell)))
+    assert answer["ok"] is False and answer["exit_code"] == 2 and words in answer["message"], answer

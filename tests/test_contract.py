@@ -219,19 +219,27 @@ def test_one_domains_hook_never_undoes_anothers_record(work):
 
 @pytest.mark.parametrize("where", ["outside", "symlink"])
 def test_a_file_source_outside_the_image_roots_is_never_exported(work, capsys, where):
-    """Planning refuses a path outside [paths] images; a symlink inside that
-    points out is refused at start, before anything changes (CLI and hook)."""
+    """Planning refuses a path outside [paths] images, and a symlink inside
+    that points out; one re-pointed out after planning is refused at start,
+    before anything changes (CLI and hook), with the same message."""
     if where == "outside":
         assert vstor(work, "render", domain_xml(work, "<vstor:disk target='vdb'>"
                      "<vstor:file path='/etc/shadow'/></vstor:disk>"), "-o", f"{work.dir}/x.xml") == 2
         assert "outside the image roots" in capsys.readouterr().err
         return
     link = os.path.join(work.dir, "innocent.raw")
+    open(os.path.join(work.dir, "real.raw"), "wb").close()
+    os.symlink("real.raw", link)
+    disk = f"<vstor:disk target='vdb' readonly='yes'><vstor:file path='{link}'/></vstor:disk>"
+    xml = rendered(work, disk)
+    os.unlink(link)
     os.symlink("/etc/hostname", link)
-    xml = rendered(work, f"<vstor:disk target='vdb' readonly='yes'><vstor:file path='{link}'/></vstor:disk>")
     capsys.readouterr()
+    assert vstor(work, "render", domain_xml(work, disk), "-o", f"{work.dir}/x.xml") == 2
+    refused = capsys.readouterr().err
+    assert "resolves to /etc/hostname, outside the image roots" in refused
     assert vstor(work, "prepare", xml) == 2
-    assert "resolves to /etc/hostname, outside the image roots" in capsys.readouterr().err
+    assert capsys.readouterr().err == refused
     out = hook(work, "prepare", xml)
     assert out.returncode == 2 and b"outside the image roots" in out.stderr
     assert qsd_serving("/etc/hostname") == []

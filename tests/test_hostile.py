@@ -36,7 +36,7 @@ reason='BUG: ...'), so the suite is green and the bug cannot silently vanish.
 
 from __future__ import annotations
 
-from tests import installed_hook  # noqa: E402
+from tests import ended_process, installed_hook  # noqa: E402
 import atexit
 import contextlib
 import copy
@@ -117,12 +117,15 @@ class World:
         self.spdk_sock = f"{d}/spdk.sock"
         self.conf = f"{d}/vstor.conf"
         # The start cases' plans are made as if before the victim started (a
-        # state directory of their own), so the start itself must refuse them.
+        # state directory of their own), and on a host whose image roots take
+        # in where the image root's links lead (plan and render refuse those
+        # too), so the start itself must refuse them.
         self.plan_conf = f"{d}/plan.conf"
-        for conf, state in ((self.conf, self.state), (self.plan_conf, f"{d}/plan-state")):
+        for conf, state, images in ((self.conf, self.state, self.images),
+                                    (self.plan_conf, f"{d}/plan-state", f"{self.images} {self.outside} /etc")):
             with open(conf, "w") as f:
                 f.write(f"[paths]\nstate_dir = {state}\nvhost_dir = {self.vhost}\nqsd_dir = {self.qsd}\n"
-                        f"images = {self.images}\n[cpu]\nreactors = 2,18\n"
+                        f"images = {images}\n[cpu]\nreactors = 2,18\n"
                         f"[spdk]\nrpc_socket = {self.spdk_sock}\ntimeout = 5\n")
         for name in ("a.raw", "data.raw", "data2.raw", "victim.raw"):
             with open(f"{self.images}/{name}", "wb") as f:
@@ -647,13 +650,12 @@ def _cases() -> list[Case]:
         Case("path-block-traversal", with_disk(lambda w: "/dev/../etc/shadow", "block")),
         Case("path-block-outside-dev", with_disk(lambda w: w.secret, "block")),
         Case("path-file-is-dev-null", with_disk(lambda w: "/dev/null")),
-        # refused at start: the plan is made (the planner reads no files), the start refuses
-        Case("start-symlink-out-of-image-root", with_disk(lambda w: f"{w.images}/escape.raw"),
-             expect={"plan": 0, "render": 0}, rendered=True),
-        Case("start-symlink-to-shadow", with_disk(lambda w: f"{w.images}/shadow.raw"),
-             expect={"plan": 0, "render": 0}, rendered=True),
-        Case("start-directory-symlink-out", with_disk(lambda w: f"{w.images}/outdir/secret"),
-             expect={"plan": 0, "render": 0}, rendered=True),
+        # a link out of the image root: refused by plan and render (they walk the
+        # source as a start does), and by the start of a domain rendered elsewhere
+        Case("start-symlink-out-of-image-root", with_disk(lambda w: f"{w.images}/escape.raw"), rendered=True),
+        Case("start-symlink-to-shadow", with_disk(lambda w: f"{w.images}/shadow.raw"), rendered=True),
+        Case("start-directory-symlink-out", with_disk(lambda w: f"{w.images}/outdir/secret"), rendered=True),
+        # refused at start: an image may be made after its domain is planned
         Case("start-file-missing", with_disk(lambda w: f"{w.images}/missing.raw"),
              expect={"plan": 0, "render": 0}, rendered=True),
         Case("start-second-writer-on-victims-image", with_disk(lambda w: f"{w.images}/victim.raw"),
@@ -1391,3 +1393,68 @@ def _in_thread(fn, timeout: float):
     t.join(timeout)
     assert box, f"did not finish within {timeout:g}s (it blocks)"
     return box[0]
+
+
+# -- issue 28: numbers and sources that were internal errors ------------------------------------
+#
+# A guest cell's memory of 400 digits reached float arithmetic (OverflowError);
+# a cell's CPU range in non-ASCII digits was expanded whole (a billion CPUs);
+# a link into /proc of a process that ended raised from the walk's readlink.
+# So was a plan record's version of 4,400 digits, or '²'.  Each is now a
+# one-line refusal, exit 2.  The cells and the version are a rendered
+# domain's own, edited: plan and render re-plan without reading them.
+
+def _cell(w: World, new: str) -> bytes:
+    return _edited(w, 'id="0" cpus="0-0" memory="524288" unit="KiB"', new)
+
+
+_CELLS_READ_AT_START = {"plan": 0, "render": 0}
+NUMBER_CASES = [
+    Case("cell-memory-400-digits-KB", lambda w: _cell(w, f'id="0" cpus="0-0" memory="{"9" * 400}" unit="KB"'),
+         expect=_CELLS_READ_AT_START),
+    Case("cell-memory-over-1-EiB", lambda w: _cell(w, f'id="0" cpus="0-0" memory="{2**50 + 1}" unit="KiB"'),
+         expect=_CELLS_READ_AT_START),
+    Case("cell-cpus-arabic-indic-billion", lambda w: _cell(w, 'id="0" cpus="0-١٠٠٠٠٠٠٠٠٠" memory="524288" '
+                                                             'unit="KiB"'), expect=_CELLS_READ_AT_START),
+    Case("cell-id-fullwidth", lambda w: _cell(w, 'id="０" cpus="0-0" memory="524288" unit="KiB"'),
+         expect=_CELLS_READ_AT_START),
+    # the plan record's version, compared as a number: plan and render re-plan over it
+    Case("plan-version-superscript", lambda w: _edited(w, 'version="2"', 'version="²"'),
+         expect=_CELLS_READ_AT_START),
+    Case("plan-version-4400-digits", lambda w: _edited(w, 'version="2"', f'version="{"9" * 4400}"'),
+         expect=_CELLS_READ_AT_START),
+]
+
+
+@pytest.mark.parametrize("case, entry", list(_entry_params(NUMBER_CASES)))
+def test_a_number_vstor_cannot_read_is_refused_with_one_line(w, case, entry):
+    assert_refused(w, entry, case_xml(w, case, entry), case.name, case.expected(entry))
+
+
+@pytest.fixture
+def ended(w):
+    """A link in the image root into /proc/PID/cwd of a process that has
+    ended (tests.ended_process)."""
+    child = ended_process()
+    link = f"{w.images}/proc.raw"
+    os.symlink(f"/proc/{child.pid}/cwd/a.raw", link)
+    yield link
+    os.unlink(link)
+    child.wait()
+
+
+@pytest.mark.parametrize("entry", START)
+def test_a_link_into_proc_of_an_ended_process_is_refused_at_start(w, ended, entry):
+    xml = render_in(w, domain_xml(w, disks=file_disk(ended)).encode(), "proc")     # not there: the start's to refuse
+    o = assert_refused(w, entry, xml, "hx1", BAD)
+    assert "No such file or directory" in o.err
+
+
+def test_define_refuses_a_link_out_of_the_image_root_as_the_start_does(w):
+    xml = domain_xml(w, disks=file_disk(f"{w.images}/escape.raw")).encode()
+    started = render_in(w, xml, "escape")
+    start = assert_refused(w, "dry-run", started, "hx1", BAD).err
+    assert "outside the image roots" in start
+    for args in (["define", "--dry-run"], ["define"], ["plan"], ["render"]):
+        code, _, err = cli(w, *args, w.write("escape.xml", xml))
+        assert (code, err) == (BAD, start), args

@@ -27,14 +27,14 @@ def spec(**kw) -> dict:
     return out
 
 
-def hook(xml: str, *op, host=None, tmp_path=None, env=None):
+def hook(xml: str, *op, host=None, tmp_path=None, env=None, timeout=None):
     conf = tmp_path / "vstor.conf"
     conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n[pci]\nblocked = 0000:5f:00.0\n")
     run_env = {**os.environ, "PYTHONPATH": ROOT, "VSTOR_CONFIG": str(conf), **(env or {})}
     if host:
         run_env["VSTOR_HOST_ROOT"] = host
     return subprocess.run([installed_hook(), "instance-0000002a", *(op or ("prepare", "begin", "-"))],
-                          input=xml.encode(), capture_output=True, env=run_env)
+                          input=xml.encode(), capture_output=True, env=run_env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,22 @@ def test_other_instances_pass_untouched_without_importing_vstor(domains, tmp_pat
         assert (out.returncode, out.stdout, out.stderr) == (0, b"", b"")
     out = hook(domains["ok"], tmp_path=tmp_path, env=env)        # a vstor one does import it
     assert out.returncode == 1 and b"cannot load vstor" in out.stderr
+
+
+# -- issue 28: the numbers of a Nova instance's pins --------------------------------------
+#
+# Nova writes the vCPU pins and the memory nodeset; whoever can define a
+# domain may write them too.  A range to CPU 99,999,999,999 was expanded whole
+# (a hang, then MemoryError), '0x10' or '²' were internal errors.
+
+@pytest.mark.parametrize("old, new", [
+    ('cpuset="16"', 'cpuset="0-99999999999"'),
+    ('cpuset="16"', 'cpuset="0x10"'),
+    ('cpuset="16"', 'cpuset="²"'),
+    ('nodeset="1"', 'nodeset="0-١٠٠٠٠٠٠٠٠٠"'),
+], ids=["pin-huge-range", "pin-hex", "pin-superscript", "nodeset-arabic-indic-range"])
+def test_a_pin_or_nodeset_vstor_cannot_read_is_refused_in_one_line(domains, host_layout, tmp_path, old, new):
+    assert old in domains["ok"]
+    out = hook(domains["ok"].replace(old, new, 1), host=host_layout("two-socket"), tmp_path=tmp_path, timeout=20)
+    err = out.stderr.decode()
+    assert out.returncode == 2 and err.count("\n") == 1 and "is not a list of CPUs or nodes" in err, err

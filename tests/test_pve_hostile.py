@@ -235,3 +235,35 @@ def test_while_a_config_write_is_pending_no_other_plan_takes_the_old_controller(
     assert node.vstor("pve", "apply", "102", "--qemu-version", QEMU) == 3
     err = capsys.readouterr().err
     assert PASSED in err and "pve-100" in err, err
+
+
+# -- issue 28: a memory vstor cannot read -------------------------------------------------
+#
+# A user with VM.Config.Memory writes `memory:`.  qemu-server's grammar has no
+# maximum, and 4,400 digits passed it into an integer parse that Python
+# refuses past 4,300 digits (an internal error at plan, apply and pre-start);
+# Proxmox reads the config's bytes, so fullwidth digits are not a number to
+# it, and were 4096 MiB to vstor.
+
+@pytest.mark.parametrize("memory, words", [
+    ("9" * 4400, "is more than the 1099511627776 MiB (1 EiB) vstor plans"),
+    ("1099511627777", "is more than the 1099511627776 MiB (1 EiB) vstor plans"),
+    ("４０９６", "is not as Proxmox reads it (current: type check ('integer') failed"),
+], ids=["4400-digits", "over-1-EiB", "fullwidth"])
+def test_a_memory_vstor_cannot_read_is_one_refusal_at_plan_apply_and_pre_start(tmp_path, host_layout, capsys,
+                                                                               memory, words):
+    p = Pve(tmp_path, host_layout("two-socket"))
+    p.vm(BASE)
+    p.intent(p.file_disk())
+    assert p.vstor("pve", "apply", "100", "--qemu-version", QEMU) == 0
+    p.vm(p.config().replace("memory: 2048", f"memory: {memory}"))
+    assert p.vstor("pve", "hooks", "install") == 0
+    before, intents = p.config(), sorted(os.listdir(p.snippets))
+    capsys.readouterr()
+    for args in (("plan", "100"), ("apply", "100")):
+        assert p.vstor("pve", *args, "--qemu-version", QEMU) == 2, args
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1 and "internal error" not in err, err
+    done = p.hook(100, "pre-start")
+    assert done.returncode == 2 and words in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert p.config() == before and sorted(os.listdir(p.snippets)) == intents

@@ -25,10 +25,10 @@ import time
 
 import pytest
 
-from tests import qsd_fds
+from tests import ended_process, qsd_fds
 from tests.test_contract import hook, rendered, vstor, work  # noqa: F401 (work: a fixture)
 from tests.test_lifecycle import env  # noqa: F401 (a fixture)
-from vstor.errors import BadInput
+from vstor.errors import BadInput, Unavailable
 from vstor.host import sources
 from vstor.host.sysfs import SysFS
 
@@ -315,3 +315,25 @@ def test_attach_of_a_fifo_is_refused_at_once_and_changes_nothing(env, tmp_path):
     assert guest.calls == [] and env.state.load("vm1").steps == before
     assert sorted(os.listdir(env.cfg.vhost_dir)) == ["vm1-vdb"]
     release(env.rt(), env.state, "vm1")
+
+
+# -- issue 28: every OS error of the walk is a refusal ------------------------------------------
+#
+# /proc answers a walk that names it with errors a plain directory never
+# gives: a process's cwd link answers ENOENT once the process ended (it may
+# end between the walk's open and its readlink), pid 1's may answer EACCES.
+
+@pytest.mark.parametrize("target", ["/proc/{ended}/cwd/a.raw", "/proc/self/cwd/a.raw", "/proc/self/fd/0",
+                                    "/proc/self/root/etc/shadow", "a/" * 2000 + "x"],
+                         ids=["ended-process-cwd", "self-cwd", "self-fd-0", "self-root", "4000-byte-target"])
+def test_a_link_through_proc_or_past_the_kernel_s_limits_is_one_refusal(tree, target):
+    _base, root = tree
+    child = ended_process()
+    os.symlink(target.format(ended=child.pid), root / "p.raw")
+    before = sorted(os.listdir("/proc/self/fd"))
+    try:
+        with bounded(5), pytest.raises((BadInput, Unavailable)):
+            sources.open_file(str(root / "p.raw"), [str(root)])
+    finally:
+        child.wait()
+    assert sorted(os.listdir("/proc/self/fd")) == before

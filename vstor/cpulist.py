@@ -3,20 +3,33 @@ written by the host model, the plan, the config and the renderers."""
 
 from __future__ import annotations
 
+import re
 
-def parse_cpulist(text: str) -> tuple[int, ...]:
-    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); '' -> ()."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        part = part.strip()
-        if not part:
+# The largest CPU number vstor reads anywhere (the plan's CPU attributes
+# take the same): far above any host's (the kernel's NR_CPUS is at most
+# 8192), and small enough that a whole list of them is cheap to hold.
+MAX_CPU = 65535
+_SPAN = re.compile(r"\s*([0-9]{1,5})\s*(?:-\s*([0-9]{1,5})\s*)?", re.ASCII)
+
+
+def parse_cpulist(text: str, below: int = MAX_CPU + 1) -> tuple[int, ...]:
+    """'0-3,8,10-11' -> (0, 1, 2, 3, 8, 10, 11); '' -> (); a range that
+    runs backwards ('3-1') names no CPU.  ValueError for anything else (a
+    sign, a digit that is not ASCII) and for a CPU of `below` or more: a
+    list written by a user costs no more than the CPUs it names, however
+    its ranges overlap."""
+    spans = []
+    for part in text.split(","):
+        if not part.strip():
             continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            cpus.update(range(int(lo), int(hi) + 1))
-        else:
-            cpus.add(int(part))
-    return tuple(sorted(cpus))
+        m = _SPAN.fullmatch(part)
+        if not m or max(int(n) for n in m.groups("0")) >= below:
+            raise ValueError(f"'{part.strip()[:20]}' is not a CPU or a range of CPUs below {below}")
+        spans.append((int(m.group(1)), int(m.group(2) or m.group(1))))
+    cpus: list[int] = []
+    for lo, hi in sorted(spans):
+        cpus.extend(range(max(lo, cpus[-1] + 1 if cpus else 0), hi + 1))
+    return tuple(cpus)
 
 
 def format_cpulist(cpus) -> str:

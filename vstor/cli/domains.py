@@ -60,9 +60,12 @@ def load_source(ctx, source: str) -> Domain:
 
 
 def make_plan(ctx, dom: Domain, ledger=None) -> Plan:
+    from vstor.host import sources
     from vstor.planner import Request, plan_domain
     request = Request.from_domain(dom)
-    return plan_domain(ctx.host, ctx.config, request, ledger if ledger is not None else ctx.ledger())
+    plan = plan_domain(ctx.host, ctx.config, request, ledger if ledger is not None else ctx.ledger())
+    sources.foresee(plan, ctx.config.images)
+    return plan
 
 
 def rendered(ctx, dom: Domain, ledger=None) -> tuple[Plan, Domain]:

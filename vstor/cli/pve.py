@@ -57,7 +57,7 @@ def _node(ctx):
 
 def _version(text: str) -> tuple[int, int]:
     """--qemu-version, checked as the arguments are read (before anything else)."""
-    m = re.fullmatch(r"(\d{1,3})\.(\d{1,3})", text)
+    m = re.fullmatch(r"([0-9]{1,3})\.([0-9]{1,3})", text)
     if not m:
         raise argparse.ArgumentTypeError(f"'{text[:20]}' is not X.Y, like 9.2")
     return int(m.group(1)), int(m.group(2))
@@ -68,6 +68,7 @@ def _qemu(node, args) -> tuple[int, int]:
 
 
 def _planned(ctx, args):
+    from vstor.host import sources
     from vstor.pve import manage
     from vstor.formats.pve.vm import vmid
     node = _node(ctx)
@@ -75,6 +76,7 @@ def _planned(ctx, args):
     vmo = manage.load(node, vm, args.conf, args.intent, tolerant=True,
                       missing="check the VMID (qm list), or pass --conf FILE")
     plan = manage.make_plan(ctx.host, ctx.config, vmo, manage.ledger(node, ctx.records(), skip=vm))
+    sources.foresee(plan, ctx.config.images)
     return node, vmo, plan
 
 

@@ -67,20 +67,18 @@ class CpuList(Kind):
     what = "CPU list, as in /sys (0-1,32-33)"
 
     def parse(self, raw: str) -> tuple[int, ...]:
-        cpus: set[int] = set()
+        from vstor.cpulist import MAX_CPU, parse_cpulist
         for part in raw.split(","):
-            part = part.strip()
-            if not part:
+            lo, dash, hi = (p.strip() for p in part.partition("-"))
+            if not lo and not dash:
                 continue
-            lo, _, hi = part.partition("-")
-            lo, hi = lo.strip(), hi.strip()
-            if not (_whole(lo) and (not _ or _whole(hi))):
+            if not (_whole(lo) and (not dash or _whole(hi))):
                 raise Bad(f"'{raw}' is not a CPU list")
-            lo_n, hi_n = int(lo), int(hi) if _ else int(lo)
-            if hi_n < lo_n:
-                raise Bad(f"'{raw}' is not a CPU list: the range {part} runs backwards")
-            cpus.update(range(lo_n, hi_n + 1))
-        return tuple(sorted(cpus))
+            if max(len(lo), len(hi)) > len(str(MAX_CPU)) or int(hi or lo) > MAX_CPU:
+                raise Bad(f"'{raw[:40]}' is not a CPU list: CPUs are numbered 0 to {MAX_CPU}")
+            if dash and int(hi) < int(lo):
+                raise Bad(f"'{raw}' is not a CPU list: the range {part.strip()} runs backwards")
+        return parse_cpulist(raw)
 
     def format(self, value) -> str:
         from vstor.cpulist import format_cpulist

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from vstor.cpulist import format_cpulist, parse_cpulist  # noqa: F401 (where the planner reads them)
+from vstor.cpulist import MAX_CPU, format_cpulist, parse_cpulist  # noqa: F401 (where the planner reads them)
 from vstor.records import field, record
 
 NVME_CLASS = "0x010802"

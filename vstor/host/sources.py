@@ -74,8 +74,8 @@ def open_file(path: str, roots) -> Source:
     (`[paths] images`, root's config: the roots themselves are trusted)."""
     fd, resolved, chain = _walk(path)
     try:
-        st = os.fstat(fd)
-        if not _inside_a_root(resolved, chain, roots):
+        st = _fstat(fd, resolved, path)
+        if not _inside_a_root(resolved, chain, roots, path):
             raise BadInput(f"file source {path} resolves to {resolved}, outside the image roots "
                            f"({', '.join(roots) or 'none'})",
                            hint="move it under one of them, or add its directory to [paths] images")
@@ -93,6 +93,20 @@ def open_file(path: str, roots) -> Source:
     return Source(fd, path, resolved, "file", st)
 
 
+def foresee(plan, roots) -> None:
+    """Refuse at plan time, as its start would, a plan's file source whose
+    symlinks lead outside the image roots, or that is not a regular file.
+    Walked as a start walks it and opened for nothing.  A file that is not
+    there yet is the start's to refuse: an image may be made after the
+    domain is defined."""
+    for disk in plan.disks:
+        if disk.source.kind == "file":
+            try:
+                open_file(disk.source.path, roots).close()
+            except _Missing:
+                pass
+
+
 def open_block(path: str, kernel_name) -> Source:
     """A block source: `/dev/<kernel name>` itself (never a link), a block
     device whose device number the host's sysfs names with that same kernel
@@ -108,7 +122,7 @@ def open_block(path: str, kernel_name) -> Source:
         raise BadInput(f"disk source {path}: {e.strerror}", hint=f"fix <vstor:block path='{path}'>") \
             from None
     try:
-        st = os.fstat(fd)
+        st = _fstat(fd, path, path)
         if not stat.S_ISBLK(st.st_mode):
             raise BadInput(f"disk source {path} is {_what(st.st_mode)}, not a block device",
                            hint="use <vstor:file> for image files")
@@ -158,20 +172,22 @@ def _walk(path: str) -> tuple[int, str, list[tuple[str, int]]]:
                     os.close(chain.pop()[1])
                 continue
             fd = _open_at(chain[-1][1], part, path)
-            st = os.fstat(fd)
-            if stat.S_ISLNK(st.st_mode):
-                links += 1
-                if links > MAX_LINKS:
-                    os.close(fd)
-                    raise BadInput(f"file source {path}: too many levels of symbolic links")
-                target = os.readlink("", dir_fd=fd)       # the link held, not its name now
+            try:
+                target = _link_target(fd, part, path)
+            except BaseException:
                 os.close(fd)
-                if target.startswith("/"):
-                    while len(chain) > 1:
-                        os.close(chain.pop()[1])
-                todo.extend(target.split("/")[::-1])
+                raise
+            if target is None:
+                chain.append((part, fd))
                 continue
-            chain.append((part, fd))
+            os.close(fd)
+            links += 1
+            if links > MAX_LINKS:
+                raise BadInput(f"file source {path}: too many levels of symbolic links")
+            if target.startswith("/"):
+                while len(chain) > 1:
+                    os.close(chain.pop()[1])
+            todo.extend(target.split("/")[::-1])
         if len(chain) < 2:
             raise BadInput(f"file source {path} names a directory, not a file")
         last_name, last = chain.pop()
@@ -186,18 +202,47 @@ def _walk(path: str) -> tuple[int, str, list[tuple[str, int]]]:
 def _open_at(dir_fd: int | None, name: str, path: str) -> int:
     try:
         return os.open(name, _PATH | (os.O_DIRECTORY if dir_fd is None else 0), dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise BadInput(f"disk source {path}: No such file or directory",
-                       hint=f"create it (qemu-img create -f raw {path} SIZE) or fix "
-                            f"<vstor:file path='{path}'>") from None
     except OSError as e:
-        if e.errno in (errno.EACCES, errno.EPERM):
-            raise Unavailable(f"cannot look at {name} on the way to {path}: {e.strerror}",
-                              hint="run vstor as root") from None
-        raise BadInput(f"disk source {path}: {e.strerror}") from None
+        raise _refusal(e, name, path) from None
 
 
-def _inside_a_root(resolved: str, chain: list[tuple[str, int]], roots) -> bool:
+def _link_target(fd: int, name: str, path: str) -> str | None:
+    """What the link held open says (not what its name says now); None
+    when it is not a link."""
+    try:
+        if not stat.S_ISLNK(os.fstat(fd).st_mode):
+            return None
+        return os.readlink("", dir_fd=fd)
+    except OSError as e:
+        raise _refusal(e, name, path) from None
+
+
+def _fstat(fd: int, name: str, path: str) -> os.stat_result:
+    try:
+        return os.fstat(fd)
+    except OSError as e:
+        raise _refusal(e, name, path) from None
+
+
+def _refusal(e: OSError, name: str, path: str) -> BadInput | Unavailable:
+    """An OS error on the way to `path` (at `name`), as what it says of the
+    source.  Any of them may come from a name that changed under the walk:
+    an entry of /proc whose process ended answers ENOENT or ESRCH."""
+    if e.errno == errno.ENOENT:
+        return _Missing(f"disk source {path}: No such file or directory",
+                        hint=f"create it (qemu-img create -f raw {path} SIZE) or fix "
+                             f"<vstor:file path='{path}'>")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return Unavailable(f"cannot look at {name} on the way to {path}: {e.strerror}",
+                           hint="run vstor as root")
+    return BadInput(f"disk source {path}: {e.strerror or e}")
+
+
+class _Missing(BadInput):
+    """A name on the way to a source, or the source, is not there."""
+
+
+def _inside_a_root(resolved: str, chain: list[tuple[str, int]], roots, path: str) -> bool:
     """Is `resolved` strictly below a root, and is the directory held at
     that root's depth the root itself (same device and inode)?  The held
     chain, not the name, is what was walked."""
@@ -211,7 +256,7 @@ def _inside_a_root(resolved: str, chain: list[tuple[str, int]], roots) -> bool:
             want = os.stat(real)
         except OSError:
             continue
-        held = os.fstat(chain[len(parts)][1])
+        held = _fstat(chain[len(parts)][1], real, path)
         if (held.st_dev, held.st_ino) == (want.st_dev, want.st_ino) and stat.S_ISDIR(held.st_mode):
             return True
     return False

@@ -15,11 +15,32 @@ from vstor.meta.names import safe_key
 from vstor.meta.plan import Plan
 from vstor.meta import xmlmodel
 
-_UNITS = {  # libvirt's memory units, to KiB
-    "b": 1 / 1024, "bytes": 1 / 1024, "KB": 1000 / 1024, "k": 1, "KiB": 1,
-    "MB": 1000**2 / 1024, "M": 1024, "MiB": 1024, "GB": 1000**3 / 1024,
-    "G": 1024**2, "GiB": 1024**2, "TB": 1000**4 / 1024, "T": 1024**3, "TiB": 1024**3,
+# libvirt's memory units, in bytes: integers, so no value of any length
+# reaches a float.
+_UNITS = {
+    "b": 1, "bytes": 1, "KB": 1000, "k": 1024, "KiB": 1024, "MB": 1000**2, "M": 1024**2,
+    "MiB": 1024**2, "GB": 1000**3, "G": 1024**3, "GiB": 1024**3, "TB": 1000**4, "T": 1024**4,
+    "TiB": 1024**4,
 }
+# The most memory vstor reads anywhere (a domain's, a guest cell's, a
+# Proxmox VM's): 1 EiB, below libvirt's own limit (2^63 - 1 bytes, "value
+# too large" beyond) and far above what any host's physical address width
+# can hold.
+MAX_MEMORY_KIB = 2**50
+
+
+def to_kib(text: str, unit: str) -> int:
+    """An amount of memory in a libvirt unit, in whole KiB (a part of a KiB
+    dropped); ValueError for a unit vstor does not read, for anything but
+    ASCII digits, and for more than MAX_MEMORY_KIB."""
+    if unit not in _UNITS:
+        raise ValueError(f"unit '{unit[:20]}' is not one vstor reads ({', '.join(_UNITS)})")
+    if not re.fullmatch(r"[0-9]{1,20}", text.strip(), re.ASCII):
+        raise ValueError(f"memory '{text[:20]}' is not a whole number of at most 20 digits")
+    kib = int(text) * _UNITS[unit] // 1024
+    if kib > MAX_MEMORY_KIB:
+        raise ValueError(f"memory {text.strip()} {unit} is more than 1 EiB")
+    return kib
 
 
 def _parser() -> etree.XMLParser:
@@ -108,8 +129,11 @@ class Domain:
         if unit not in _UNITS:
             raise BadInput(f"{self.origin}: <memory unit='{unit[:20]}'> is not a libvirt unit")
         text = e.text.strip()
-        kib = int(int(text) * _UNITS[unit]) if re.fullmatch(r"[0-9]{1,20}", text, re.ASCII) else 0
-        if not 1 <= kib <= 2**50:
+        try:
+            kib = to_kib(text, unit)
+        except ValueError:
+            kib = 0
+        if kib < 1:
             raise BadInput(f"{self.origin}: <memory> is '{text[:20]}', not an amount of memory "
                            "from 1 KiB to 1 EiB")
         return kib

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from vstor.digest import sha256
 
 from lxml import etree
@@ -65,7 +66,7 @@ def load_plan(elem: etree._Element, domain: str, uuid: str | None) -> Plan | Non
         # Every release reads the plan version the previous ones wrote (2 since
         # the first package; tests/test_packaging.py keeps them loading); a
         # newer one is a newer vstor's, which this one must not re-plan over.
-        if version is not None and version.isdigit() and int(version) > int(PLAN_VERSION):
+        if re.fullmatch(r"[0-9]{1,9}", version or "", re.ASCII) and int(version) > int(PLAN_VERSION):
             raise BadInput(f"domain '{domain}': its vstor plan record has version {version}, "
                            f"newer than this vstor's {PLAN_VERSION}",
                            hint="install the vstor release that planned it (or a newer one) here")

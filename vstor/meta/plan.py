@@ -11,15 +11,15 @@ one of its outputs.
 
 from __future__ import annotations
 
-from vstor.host.model import format_cpulist, parse_cpulist
+from vstor.host.model import MAX_CPU, format_cpulist, parse_cpulist
 from vstor.meta.intent import (ABSPATH, ADDR, BDF, CELL, DEVPATH, NQN, PORT, SECONDS, SOURCES, TARGET,
                                Source)
-from vstor.meta.types import Enum, Int, Text, YesNo
+from vstor.meta.types import Enum, Int, Invalid, Text, YesNo
 from vstor.meta.xmlmodel import attr, children, choice, element, texts
 from vstor.records import record
 
 PLAN_VERSION = "2"
-CPU = Int(0, 65535)
+CPU = Int(0, MAX_CPU)
 
 
 @record
@@ -28,7 +28,10 @@ class CpuList(Text):
 
     def parse(self, text, name):
         super().parse(text, name)
-        return parse_cpulist(text)
+        try:
+            return parse_cpulist(text, below=10**5)     # any the pattern takes, as the schema does
+        except ValueError:
+            raise Invalid(self.problem, self.hint) from None
 
     def format(self, value):
         return format_cpulist(value)

@@ -12,12 +12,11 @@ import re
 
 from vstor.errors import BadInput
 from vstor.host.model import parse_cpulist
+from vstor.meta.document import to_kib
 from vstor.meta.intent import MAX_CELLS
 from vstor.records import record
 
 _EXPANDERS = ("pcie-expander-bus", "pci-expander-bus")
-_UNITS = {"b": 1 / 1024, "bytes": 1 / 1024, "KiB": 1, "k": 1, "KB": 1000 / 1024, "MiB": 1024,
-          "M": 1024, "MB": 1000000 / 1024, "GiB": 1024 ** 2, "G": 1024 ** 2}
 
 
 @record
@@ -38,16 +37,17 @@ def cells(root, vcpus: int, memory_kib: int, who: str) -> tuple[GuestCell, ...]:
         if i >= MAX_CELLS:
             raise _not_vstors(who)
         try:
-            if any(int(n) >= vcpus for n in re.findall(r"[0-9]+", text)):
-                raise ValueError    # before a forged range is expanded
-            cpus = tuple(sorted(parse_cpulist(text)))
-            kib = int(e.get("memory", "")) * _UNITS[e.get("unit", "KiB")]
-            cid = int(e.get("id", str(i)))
-        except (ValueError, KeyError):
-            raise BadInput(f"{who}: guest NUMA cell {i} is not cpus/memory/unit vstor reads (at most "
-                           f"{MAX_CELLS} cells of its {vcpus} vCPUs)",
+            cpus = parse_cpulist(text, below=vcpus)
+            kib = to_kib(e.get("memory", ""), e.get("unit", "KiB"))
+            cid = e.get("id", str(i))
+            if not re.fullmatch(r"[0-9]{1,4}", cid, re.ASCII):
+                raise ValueError(f"id '{cid[:20]}' is not a number")
+            cid = int(cid)
+        except ValueError as e:
+            raise BadInput(f"{who}: guest NUMA cell {i} is not cpus/memory/unit vstor reads ({e}; at "
+                           f"most {MAX_CELLS} cells of its {vcpus} vCPUs)",
                            hint="give each <cell> id, cpus, memory and unit='KiB'") from None
-        out.append(GuestCell(cid, cpus, int(kib)))
+        out.append(GuestCell(cid, cpus, kib))
     if not out:
         return ()
     whole = [v for c in out for v in c.vcpus]       # in cell order: vCPU i's cell is the i-th range's
@@ -72,10 +72,9 @@ def disk_cells(root, count: int) -> tuple[tuple[str, int], ...]:
     guest cell; a device elsewhere (the root bus) is in cell 0."""
     by_index = {}
     for c in root.iterfind("devices/controller[@type='pci']"):
-        try:
-            by_index[int(c.get("index", ""))] = c
-        except ValueError:
-            continue
+        index = _number(c.get("index", ""), 0xFF)
+        if index is not None:
+            by_index[index] = c
     out = []
     for d in root.iterfind("devices/disk"):
         target = d.find("target")
@@ -98,11 +97,8 @@ def hostdev_address(hd) -> str | None:
     a = hd.find("source/address")
     if a is None or hd.get("type") != "pci":
         return None
-    try:
-        return "%04x:%02x:%02x.%x" % tuple(int(a.get(k, "0"), 0)
-                                         for k in ("domain", "bus", "slot", "function"))
-    except ValueError:
-        return None
+    parts = tuple(_number(a.get(k, "0"), hi) for k, hi in _PCI_FIELDS)
+    return None if None in parts else "%04x:%02x:%02x.%x" % parts
 
 
 def _node(device, by_index) -> int | None:
@@ -112,18 +108,28 @@ def _node(device, by_index) -> int | None:
     e = device
     while True:
         a = e.find("address[@type='pci']")
-        try:
-            bus = int(a.get("bus", "0"), 0) if a is not None else 0
-        except ValueError:
-            return None
+        bus = _number(a.get("bus", "0"), 0xFF) if a is not None else 0
         c = by_index.get(bus)
         if c is None or bus in seen or bus == 0:
             return None
         seen.add(bus)
         if c.get("model") in _EXPANDERS:
             node = c.find("target/node")
-            try:
-                return int(node.text) if node is not None else None
-            except (TypeError, ValueError):
-                return None
+            return _number(node.text or "", 0xFFFF) if node is not None else None
         e = c
+
+
+# libvirt's bounds of a PCI address's parts (virPCIDeviceAddressIsValid).
+_PCI_FIELDS = (("domain", 0xFFFF), ("bus", 0xFF), ("slot", 0x1F), ("function", 7))
+
+
+def _number(text: str, hi: int) -> int | None:
+    """A number of a device's address as libvirt reads it (strtoul with
+    base 0: 0x hexadecimal, a leading 0 octal, else decimal), from 0 to
+    `hi`; None for anything else."""
+    m = re.fullmatch(r"\s*\+?(?:0[xX]([0-9a-fA-F]{1,8})|0([0-7]{0,11})|([1-9][0-9]{0,9}))", text, re.ASCII)
+    if not m:
+        return None
+    hexadecimal, octal, decimal = m.groups()
+    n = int(hexadecimal, 16) if hexadecimal else int(decimal) if decimal else int(octal or "0", 8)
+    return n if n <= hi else None

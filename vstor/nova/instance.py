@@ -79,13 +79,13 @@ def find(root) -> NovaInstance | None:
     pins = root.findall("cputune/vcpupin")
     cpus: set[int] = set()
     for p in pins:
-        cpus.update(parse_cpulist(p.get("cpuset", "")))
+        cpus.update(_cpulist(p.get("cpuset", ""), "<vcpupin cpuset>"))
     mem = root.find("numatune/memory")
     return NovaInstance(
         name=(inst.findtext(f"{N}name") or "").strip()[:80], flavor=flavor.get("name") or "",
         specs=specs, hostdevs=tuple(_hostdevs(root)), pins=tuple(sorted(cpus)),
         unpinned=len({p.get("vcpu") for p in pins}) < vcpus,
-        memory_nodes=tuple(parse_cpulist(mem.get("nodeset", ""))) if mem is not None else None,
+        memory_nodes=None if mem is None else _cpulist(mem.get("nodeset", ""), "<numatune><memory nodeset>"),
         project=(inst.find(f"{N}owner/{N}project").get("uuid", "")
                  if inst.find(f"{N}owner/{N}project") is not None else ""))
 
@@ -137,6 +137,13 @@ def _hostdevs(root):
 
 
 def _int(text: str, what: str) -> int:
-    if not re.fullmatch(r"[0-9]{1,4}", text.strip()):
+    if not re.fullmatch(r"[0-9]{1,4}", text.strip(), re.ASCII):
         raise BadInput(f"<{what}> is '{text[:20]}', not a number")
     return int(text)
+
+
+def _cpulist(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return parse_cpulist(text)
+    except ValueError as e:
+        raise BadInput(f"{what} is not a list of CPUs or nodes: {e}") from None

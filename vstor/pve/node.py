@@ -111,7 +111,7 @@ class Node:
             return False
         except OSError as e:
             raise Unavailable(f"cannot read {path}: {e.strerror}") from None
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):
             return False
         try:
             with open(f"/proc/{int(text)}/cmdline", "rb") as f:

@@ -23,8 +23,9 @@ PC = pve-common/src, GC = pve-guest-common/src):
   node's name and `path` its `;`-separated full addresses;
 - `numaN`: QS:PVE/QemuServer/Memory.pm ($numa_fmt); `memory`
   ($memory_fmt); `machine`: QS:PVE/QemuServer/Machine.pm ($machine_fmt);
-  `affinity`: QS:PVE/QemuServer.pm pve_verify_cpuset, PC:PVE/CpuSet.pm
-  parse_cpuset; `hugepages`: QS:PVE/QemuServer.pm (enum any, 2, 1024).
+  `hugepages`: QS:PVE/QemuServer.pm (enum any, 2, 1024).  Perl matches
+  the config's bytes, where a digit or a blank is an ASCII one: so do
+  these (re.ASCII).
 qemu-server drops a value it cannot parse (a warning, the VM starts
 without it); vstor refuses it instead wherever it decides something.
 tests/test_pve_grammar.py holds this port to the real Perl."""
@@ -102,9 +103,9 @@ HUGEPAGES = ("any", "2", "1024")
 
 
 def _boolean(text: str) -> str | None:
-    if re.fullmatch(r"(?i:1|on|yes|true)", text):
+    if re.fullmatch(r"(?i:1|on|yes|true)", text, re.ASCII):
         return "1"
-    if re.fullmatch(r"(?i:0|off|no|false)", text):
+    if re.fullmatch(r"(?i:0|off|no|false)", text, re.ASCII):
         return "0"
     return None
 
@@ -150,12 +151,12 @@ def parse(fmt: dict[str, Prop], text: str) -> dict[str, str]:
 
 def _check(key: str, prop: Prop, value: str) -> None:
     kinds = {BOOL: r"[01]", INT: r"[+-]?\d+", NUM: r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"}
-    if prop.type in kinds and not re.fullmatch(kinds[prop.type], value):
+    if prop.type in kinds and not re.fullmatch(kinds[prop.type], value, re.ASCII):
         raise Invalid(f"{key}: type check ('{prop.type}') failed - got '{value[:40]}'")
     if prop.enum and value not in prop.enum:
         raise Invalid(f"{key}: value '{value[:40]}' does not have a value in the enumeration "
                       f"'{', '.join(prop.enum)}'")
-    if prop.pattern and not re.fullmatch(f"(?:{prop.pattern.strip('^$')})", value):
+    if prop.pattern and not re.fullmatch(f"(?:{prop.pattern.strip('^$')})", value, re.ASCII):
         raise Invalid(f"{key}: value does not match the regex pattern")
     if prop.max_length is not None and len(value) > prop.max_length:
         raise Invalid(f"{key}: value may only be {prop.max_length} characters long")
@@ -163,22 +164,6 @@ def _check(key: str, prop: Prop, value: str) -> None:
         raise Invalid(f"{key}: value must have a minimum value of {prop.minimum}")
     if prop.maximum is not None and float(value) > prop.maximum:
         raise Invalid(f"{key}: value must have a maximum value of {prop.maximum}")
-
-
-def number_sets(text: str) -> list[tuple[int, int]]:
-    """`0-3;7` (numaN cpus and hostnodes) as ranges."""
-    return [(int(a), int(b or a)) for a, _, b in (p.partition("-") for p in text.split(";"))]
-
-
-def cpuset(text: str) -> set[int]:
-    """`affinity`: PC:PVE/CpuSet.pm parse_cpuset, or Invalid."""
-    out: set[int] = set()
-    for part in text.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
-        if not m or int(m.group(2) or m.group(1)) < int(m.group(1)):
-            raise Invalid("unable to parse cpuset option")
-        out |= set(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
-    return out
 
 
 # -- hostpciN -----------------------------------------------------------------------------
@@ -215,16 +200,16 @@ def parse_mappings(text: str) -> dict[str, list[str]]:
     """pci.cfg -> each mapping id's raw `map` values (a later section of the
     same id replaces an earlier one, as SectionConfig's hash does)."""
     out: dict[str, list[str]] = {}
-    lines = [line for line in text.split("\n") if not re.match(r"\s*#", line)]
+    lines = [line for line in text.split("\n") if not re.match(r"\s*#", line, re.ASCII)]
     i = 0
     while i < len(lines):
-        header = re.fullmatch(r"(\S+)\s*", lines[i])
+        header = re.fullmatch(r"(\S+)\s*", lines[i], re.ASCII)
         i += 1
         if not header:
             continue
         maps: list[str] = []
         while i < len(lines) and lines[i] not in ("", "0"):
-            m = re.fullmatch(r"\s+(\S+)(?:\s+(.*\S))?\s*", lines[i])
+            m = re.fullmatch(r"\s+(\S+)(?:\s+(.*\S))?\s*", lines[i], re.ASCII)
             if m and m.group(1) == "map":
                 maps.append(m.group(2) or "")
             i += 1

@@ -40,9 +40,20 @@ def vmid_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# qemu-server's memory grammar has a minimum (16) and no maximum; vstor
+# reads at most 2^40 MiB, 1 EiB, as for a libvirt domain (vstor.meta.document).
+MAX_MEMORY_MIB = 2**40
+
+
 def memory_mib(conf: PveConfig, where: str) -> int:
     raw = conf.get("memory") or "512"
-    return int(_props(grammar.MEMORY, raw, "memory", where, "qm set VMID --memory 4096")["current"])
+    fix = "qm set VMID --memory 4096"
+    current = _props(grammar.MEMORY, raw, "memory", where, fix)["current"]
+    digits = current.lstrip("+0")       # the grammar's integer: [+-]?\d+, at least 16
+    if len(digits) > len(str(MAX_MEMORY_MIB)) or int(digits) > MAX_MEMORY_MIB:
+        raise BadInput(f"{where}: memory '{raw[:40]}' is more than the {MAX_MEMORY_MIB} MiB (1 EiB) "
+                       "vstor plans", hint=fix)
+    return int(digits)
 
 
 def machine_of(conf: PveConfig, where: str = "the VM") -> str:
