@@ -261,3 +261,20 @@ def test_a_names_lock_byte_is_the_one_every_vstor_version_took():
     assert _slot("vm1") == 135316766831856
     for name in ("vm1", "web-01", "pve-100", "vm1-vdb", "x" * 64):
         assert _slot(name) == 1 + int.from_bytes(hashlib.sha256(name.encode()).digest()[:6], "big")
+
+
+def test_the_state_directory_is_made_root_only_whatever_the_umask(tmp_path):
+    """A daemon that runs vstor with umask 0 must not leave the directories
+    it makes writable by all (the state directory's check would then
+    refuse every later run)."""
+    old = os.umask(0)
+    try:
+        state = StateDir(str(tmp_path / "run" / "vstor" / "state"))
+        state.save(Record("vm1", "vm1", None))
+    finally:
+        os.umask(old)
+    modes = {p: oct(os.stat(tmp_path / p).st_mode & 0o777)
+             for p in ("run", "run/vstor", "run/vstor/state", "run/vstor/state/domains")}
+    assert modes == {"run": "0o755", "run/vstor": "0o755", "run/vstor/state": "0o700",
+                     "run/vstor/state/domains": "0o700"}
+    assert StateDir(state.path).load("vm1").key == "vm1"

@@ -106,7 +106,7 @@ class StateDir:
     def _ensure(self) -> None:
         self.trusted()
         try:
-            os.makedirs(self.domains, mode=0o700, exist_ok=True)
+            _make_dirs(self.domains, private=(self.path, self.domains))
         except OSError as e:
             raise Unavailable(f"cannot create state directory {self.path}: {e.strerror}",
                               hint="run as root or set [paths] state_dir in vstor.conf") from None
@@ -324,6 +324,25 @@ def _holding(path: str):
         _HELD[path] -= 1
         if not _HELD[path]:
             del _HELD[path]
+
+
+def _make_dirs(path: str, private) -> None:
+    """`path` and what is missing above it, with their modes whatever the
+    umask (a daemon's 0 would leave them writable by all, which the state
+    directory's check then refuses): those in `private` 0700, the others
+    0755 (above the state directory may also lie the socket directory QEMU
+    must reach)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        mode = 0o700 if d in private else 0o755
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:         # another vstor made it meanwhile
+            continue
+        os.chmod(d, mode)
 
 
 def _fsync_dir(path: str) -> None:
