@@ -157,7 +157,9 @@ def test_the_lock_serialises_two_processes(tmp_path):
                                            ("memory", '"' + "x" * 5000 + '"'), ("memory", '"\\udcff"'),
                                            ("hugepages", "[[0, 2048]]"), ("cpus", "[-1]"), ("cpus", "[true]"),
                                            ("volumes", '[["k", 1]]'), ("cells", "[[0]]"), ("node", '"0"'),
-                                           ("sockets", "[1]"), ("connections", '[["p"]]')))])
+                                           ("sockets", "[1]"), ("connections", '[["p"]]'),
+                                           ("cpus", "null"), ("cpus", "0"), ("sockets", "null"),
+                                           ("sockets", "0")))])
 def test_a_damaged_record_is_named_and_refuses_what_needs_every_record(tmp_path, content):
     """What a damaged record holds cannot be known: a reader of every record
     (a ledger, the others of a start) is refused; one that only reports

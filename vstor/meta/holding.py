@@ -135,7 +135,9 @@ def _pair(first, second):
 
 
 def _items(d: dict, key: str, ok) -> list:
-    value = d.get(key) or []
+    value = d.get(key, [])
+    if value is None and key in ("hugepages", "memory"):    # holding_to_json's "none"
+        value = []
     if not isinstance(value, list) or not all(ok(v) for v in value):
         raise ValueError(f"the holding's {key} is not what vstor writes")
     return value
