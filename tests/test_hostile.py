@@ -1342,6 +1342,30 @@ def test_links_planted_at_the_names_vstor_writes_are_never_written_through(bare)
             assert f.read() == "root's own\n", f"{name} was written through"
 
 
+# (review i28) Reached through a chain of links, the kernel passes through
+# every directory and link on the way: one someone else may change there
+# re-points the state directory after any check.
+@pytest.mark.parametrize("how", ["their-link", "roots-link-in-their-directory"])
+def test_a_state_directory_reached_through_a_link_someone_else_may_change_is_refused(bare, how):
+    w = bare
+    real, theirs = f"{w.dir}/real-state", f"{w.dir}/theirs"
+    os.makedirs(f"{real}/domains", mode=0o700)
+    os.mkdir(theirs)
+    os.chown(theirs, NOBODY, -1)
+    if how == "their-link":         # in root's directory, a link of theirs
+        link, where = f"{w.dir}/link", f"{w.dir}/link "
+        os.symlink(real, link)
+        os.lchown(link, NOBODY, -1)
+    else:                           # root's link, in their directory
+        link, where = f"{theirs}/link", f"{theirs} "
+        os.symlink("../real-state", link)
+    os.symlink(link, w.state)
+    for args in (("status",), ("prepare", "--dry-run", _domain_in(w))):
+        code, out, err = cli(w, *args)
+        assert code == 4 and _one_line(err), (args, code, err)
+        assert "not root's alone" in err and where in err, err
+
+
 def _fifo(path):
     os.mkfifo(path)
 
