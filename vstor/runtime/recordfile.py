@@ -152,6 +152,25 @@ def _untrusted(path: str, where: str, why: str):
                            "in vstor.conf to a directory only root can write")
 
 
+def make_dirs(path: str, private) -> None:
+    """`path` and what is missing above it, with their modes whatever the
+    umask (a daemon's 0 would leave them writable by all, which the state
+    directory's check then refuses): those in `private` 0700, the others
+    0755 (above the state directory may also lie the socket directory QEMU
+    must reach)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        mode = 0o700 if d in private else 0o755
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:         # another vstor made it meanwhile
+            continue
+        os.chmod(d, mode)
+
+
 class NotAFile(OSError):
     """One of vstor's files in the state directory is something else."""
 
