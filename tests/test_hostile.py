@@ -1342,12 +1342,27 @@ def test_links_planted_at_the_names_vstor_writes_are_never_written_through(bare)
             assert f.read() == "root's own\n", f"{name} was written through"
 
 
+def test_planning_refuses_a_state_directory_anyone_else_may_change(bare):
+    """(review i28) Planning reads the state directory too (what domains
+    prepared outside libvirt hold, and plans.json): only one vstor may not
+    read (not root) is a warning; one someone else may change is refused,
+    as docs/security.md says."""
+    w = bare
+    xml = w.write("hx1-in.xml", domain_xml(w))
+    os.makedirs(f"{w.state}/domains", mode=0o700)
+    os.chown(w.state, NOBODY, -1)
+    for args in (("plan", xml), ("render", xml), ("define", "--dry-run", xml), ("nova", "config")):
+        code, out, err = cli(w, *args)
+        assert code == 4 and _one_line(err) and "not root's alone" in err, (args, code, err)
+
+
 # (review i28) Reached through a chain of links, the kernel passes through
 # every directory and link on the way: one someone else may change there
 # re-points the state directory after any check.
 @pytest.mark.parametrize("how", ["their-link", "roots-link-in-their-directory"])
 def test_a_state_directory_reached_through_a_link_someone_else_may_change_is_refused(bare, how):
     w = bare
+    xml = _domain_in(w)
     real, theirs = f"{w.dir}/real-state", f"{w.dir}/theirs"
     os.makedirs(f"{real}/domains", mode=0o700)
     os.mkdir(theirs)
@@ -1360,7 +1375,7 @@ def test_a_state_directory_reached_through_a_link_someone_else_may_change_is_ref
         link, where = f"{theirs}/link", f"{theirs} "
         os.symlink("../real-state", link)
     os.symlink(link, w.state)
-    for args in (("status",), ("prepare", "--dry-run", _domain_in(w))):
+    for args in (("status",), ("prepare", "--dry-run", xml)):
         code, out, err = cli(w, *args)
         assert code == 4 and _one_line(err), (args, code, err)
         assert "not root's alone" in err and where in err, err

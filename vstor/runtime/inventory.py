@@ -102,12 +102,14 @@ def readable_records(state_dir: str) -> list:
     """Every state record, for a planner that may not be root (nova-compute
     runs as nova, who cannot enter the root-only state directory, nor so
     much as check it): none then, as the hook reads them again, as root,
-    and refuses what they forbid.  A damaged record still refuses."""
+    and refuses what they forbid.  A damaged record, or a state directory
+    someone else may change, still refuses."""
     from vstor.errors import Unavailable
-    from vstor.runtime.state import DamagedRecord, StateDir
+    from vstor.runtime.recordfile import DamagedRecord, UntrustedState
+    from vstor.runtime.state import StateDir
     try:
         return StateDir(state_dir).records()
-    except DamagedRecord:
+    except (DamagedRecord, UntrustedState):
         raise
     except (OSError, Unavailable):
         return []

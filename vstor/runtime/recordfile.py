@@ -145,8 +145,14 @@ def _checked(path: str, p: str, st: os.stat_result) -> None:
         _untrusted(path, p, f"is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}")
 
 
+class UntrustedState(Unavailable):
+    """A state directory someone but root may change (check_trusted): a
+    refusal even where a state directory vstor may not read is only a
+    warning (planning as a user who is not root)."""
+
+
 def _untrusted(path: str, where: str, why: str):
-    raise Unavailable(f"state directory {path} is not root's alone: {where} {why}, so whoever owns "
+    raise UntrustedState(f"state directory {path} is not root's alone: {where} {why}, so whoever owns "
                       "it could forge what vstor holds",
                       hint=f"chown root:root {where} && chmod go-w {where}; or set [paths] state_dir "
                            "in vstor.conf to a directory only root can write")
