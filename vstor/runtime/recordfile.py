@@ -119,7 +119,7 @@ def _resolved(path: str) -> str | None:
             links += 1
             if st.st_uid != 0 or links > 40:
                 _untrusted(path, step, f"is a symbolic link owned by uid {st.st_uid}" if st.st_uid
-                           else "is a symbolic link in a loop")
+                           else "is a symbolic link in a loop", f"chown -h root:root {step}")
             todo[:0] = [p for p in target.split("/") if p not in ("", ".")]
             here = "/" if target.startswith("/") else here
             continue
@@ -151,11 +151,11 @@ class UntrustedState(Unavailable):
     warning (planning as a user who is not root)."""
 
 
-def _untrusted(path: str, where: str, why: str):
+def _untrusted(path: str, where: str, why: str, fix: str = ""):
     raise UntrustedState(f"state directory {path} is not root's alone: {where} {why}, so whoever owns "
-                      "it could forge what vstor holds",
-                      hint=f"chown root:root {where} && chmod go-w {where}; or set [paths] state_dir "
-                           "in vstor.conf to a directory only root can write")
+                         "it could forge what vstor holds",
+                         hint=f"{fix or f'chown root:root {where} && chmod go-w {where}'}; or set [paths] "
+                              "state_dir in vstor.conf to a directory only root can write")
 
 
 def make_dirs(path: str, private) -> None:
