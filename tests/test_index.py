@@ -318,3 +318,24 @@ def test_a_hand_change_in_the_same_clock_tick_as_vstors_writes_is_seen(tmp_path)
         with StateDir(state.path).lock() as fresh:
             assert idx.IndexLedger(fresh.index).cpu_owner.get(40 + hand % 20) == name
         os.unlink(os.path.join(state.domains, name + ".json"))
+
+
+# -- (review i28) an index file of bytes that are not UTF-8 -----------------------------------------
+
+@pytest.mark.parametrize("name", ["stamp", "sums.json", "keys/vm1.json"])
+def test_an_index_file_that_is_not_utf8_is_rebuilt_not_an_internal_error(tmp_path, name):
+    """What a torn write or a bad disk leaves in vstor's own index files is
+    read as any other damage to them: the index is read again from the
+    records (a UnicodeDecodeError from the stamp was an internal error at
+    every save)."""
+    from vstor.runtime.state import _INDEXES
+    state = StateDir(str(tmp_path / "state"))
+    state.save(Record("vm1", "vm1", None, status=PREPARED))
+    with open(tmp_path / "state" / "index" / name, "wb") as f:
+        f.write(b"\xff\xfe")
+    os.utime(tmp_path / "state" / "domains", None)      # the records' directory changed since
+    _INDEXES.clear()
+    again = StateDir(state.path)
+    again.save(Record("vm2", "vm2", None, status=PREPARED))
+    assert sorted(r.key for r in again.records()) == ["vm1", "vm2"]
+    assert again.index.indexed("vm1") is not None

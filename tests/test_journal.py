@@ -280,3 +280,27 @@ def test_the_state_directory_is_made_root_only_whatever_the_umask(tmp_path):
     assert modes == {"run": "0o755", "run/vstor": "0o755", "run/vstor/state": "0o700",
                      "run/vstor/state/domains": "0o700"}
     assert StateDir(state.path).load("vm1").key == "vm1"
+
+
+def test_a_directory_someone_else_makes_while_vstor_makes_the_state_directory_is_refused(tmp_path, monkeypatch):
+    """(review i28) In a sticky directory (as /tmp) anyone may make the name
+    vstor is about to make on the state directory's path: what was made is
+    checked again before anything is put in it."""
+    from vstor.errors import Unavailable
+    from vstor.runtime import state as state_mod
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    made = state_mod.make_dirs
+
+    def raced(path, private):
+        os.mkdir(sticky / "vstor")          # theirs, just before vstor's mkdir
+        os.chown(sticky / "vstor", 65534, -1)
+        made(path, private)
+
+    monkeypatch.setattr(state_mod, "make_dirs", raced)
+    state = StateDir(str(sticky / "vstor" / "state"))
+    with pytest.raises(Unavailable, match=f"{sticky}/vstor is owned by uid 65534"):
+        with state.lock():
+            pass
+    assert os.listdir(sticky / "vstor" / "state") == ["domains"]

@@ -196,3 +196,27 @@ def test_an_instance_arrives_shared_on_the_destinations_socket_as_nova_placed_it
     path.write_text(arriving)
     valid = subprocess.run(["virt-xml-validate", str(path), "domain"], capture_output=True, text=True)
     assert valid.returncode == 0, valid.stdout + valid.stderr
+
+
+def test_the_driver_as_the_nova_user_plans_without_the_root_only_state_directory():
+    """(review i28) nova-compute runs as the nova user, who cannot enter the
+    state directory (root's, 0700), nor so much as check it: the driver
+    plans without its records (the hook reads them again, as root) instead
+    of failing every instance with vstor disks on the state directory's
+    check.  As root, a damaged record still refuses."""
+    import tempfile
+    from tests.test_host import as_nobody
+    from vstor.runtime.inventory import readable_records
+    from vstor.runtime.state import DamagedRecord
+    d = tempfile.mkdtemp(prefix="vs-nova-", dir="/tmp")
+    try:
+        os.chmod(d, 0o755)
+        os.makedirs(f"{d}/state/domains", mode=0o700)
+        os.chmod(f"{d}/state", 0o700)
+        assert as_nobody(lambda: readable_records(f"{d}/state")) == ("ok", "[]")
+        with open(f"{d}/state/domains/x.json", "w") as f:
+            f.write("{")
+        with pytest.raises(DamagedRecord):
+            readable_records(f"{d}/state")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

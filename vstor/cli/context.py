@@ -61,10 +61,10 @@ class Context:
         warning, as the start checks them again, as root."""
         from vstor.errors import Unavailable
         from vstor.runtime.index import recorded
-        from vstor.runtime.state import DamagedRecord
+        from vstor.runtime.recordfile import DamagedRecord, UntrustedState
         try:
             return recorded(self.here.state())
-        except DamagedRecord:
+        except (DamagedRecord, UntrustedState):
             raise
         except (OSError, Unavailable) as e:
             why = e.strerror if isinstance(e, OSError) else e.message

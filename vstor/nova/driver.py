@@ -45,14 +45,9 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
             from vstor.host.read import read_host
             from vstor.host.sysfs import SysFS
             from vstor.nova.guest import augment
-            from vstor.runtime.inventory import load_ledger
-            from vstor.runtime.state import StateDir
+            from vstor.runtime.inventory import load_ledger, readable_records
             cfg = config_mod.load()
-            try:
-                records = StateDir(cfg.state_dir).records()
-            except OSError:
-                records = []    # nova-compute runs as nova; the hook checks again as root
-            ledger = load_ledger(self._host.get_connection(), records)
+            ledger = load_ledger(self._host.get_connection(), readable_records(cfg.state_dir))
             augment(guest, specs, instance.flavor.name, instance.project_id,
                     read_host(SysFS("/")), cfg, ledger)
         return guest

@@ -98,6 +98,23 @@ def _save_cache(path: str, data: dict) -> None:
             os.unlink(f"{path}.{os.getpid()}.tmp")
 
 
+def readable_records(state_dir: str) -> list:
+    """Every state record, for a planner that may not be root (nova-compute
+    runs as nova, who cannot enter the root-only state directory, nor so
+    much as check it): none then, as the hook reads them again, as root,
+    and refuses what they forbid.  A damaged record, or a state directory
+    someone else may change, still refuses."""
+    from vstor.errors import Unavailable
+    from vstor.runtime.recordfile import DamagedRecord, UntrustedState
+    from vstor.runtime.state import StateDir
+    try:
+        return StateDir(state_dir).records()
+    except (DamagedRecord, UntrustedState):
+        raise
+    except (OSError, Unavailable):
+        return []
+
+
 def plans_cache(cfg) -> str:
     """Where the holdings of parsed plans are kept (holdings_from_libvirt)."""
     return os.path.join(cfg.state_dir, "plans.json")

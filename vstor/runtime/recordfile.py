@@ -62,36 +62,21 @@ def check_shape(rec) -> None:
 
 def check_trusted(path: str) -> None:
     """The state directory is trusted because root alone can change it
-    (docs/security.md): every directory on its path (as written and as
-    resolved) is root's and writable by nobody else (a sticky one, as /tmp,
-    above it may be: nobody else can rename root's entry there), and so are
-    the state directory itself and its domains/ and index/.  A symbolic link
-    on the way must be root's.  What does not exist yet is made by vstor
-    (0700) inside what was checked.  Unavailable (exit 4) otherwise."""
+    (docs/security.md): every directory the kernel passes through to reach
+    it (every link on the way followed as the kernel follows it) is root's
+    and writable by nobody else (a sticky one, as /tmp, above it may be:
+    nobody else can rename root's entry there), every link on the way is
+    root's, and so are the state directory itself and its domains/ and
+    index/.  What does not exist yet is made by vstor (0700) inside what
+    was checked.  Unavailable (exit 4) otherwise."""
     if path in _TRUSTED:
         return
-    real = os.path.realpath(path)
-    whole = True
-    for walk in (os.path.abspath(path), real):
-        for p, last in _prefixes(walk):
-            try:
-                st = os.lstat(p)
-            except FileNotFoundError:
-                whole = False
-                break
-            except OSError as e:
-                raise Unavailable(f"cannot check state directory {path}: {p}: {e.strerror}",
-                                  hint="run vstor as root") from None
-            if stat.S_ISLNK(st.st_mode):
-                if st.st_uid != 0:
-                    _untrusted(path, p, f"is a symbolic link owned by uid {st.st_uid}")
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                _untrusted(path, p, "is not a directory")
-            sticky = st.st_mode & stat.S_ISVTX and not last
-            if st.st_uid != 0 or (st.st_mode & 0o022 and not sticky):
-                _untrusted(path, p, f"is owned by uid {st.st_uid} with mode "
-                                    f"{stat.S_IMODE(st.st_mode):04o}")
+    real = _resolved(path)
+    if real is None:
+        return          # not made yet: checked again at every use
+    st = _lstat(path, real)
+    if st.st_mode & 0o022:
+        _untrusted(path, real, f"is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}")
     for sub in ("domains", "index"):
         try:
             st = os.lstat(os.path.join(real, sub))
@@ -102,26 +87,94 @@ def check_trusted(path: str) -> None:
                               hint="run vstor as root") from None
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
             _untrusted(path, os.path.join(real, sub), "is not a directory only root can write")
-    if whole:
-        _TRUSTED.add(path)
+    _TRUSTED.add(path)
 
 
 _TRUSTED: set[str] = set()      # checked whole in this process
 
 
-def _prefixes(path: str) -> list[tuple[str, bool]]:
-    """("/", False), ("/run", False), ..., (path, True)."""
-    parts = [p for p in path.split("/") if p]
-    out = [("/", not parts)]
-    out += [("/" + "/".join(parts[:i]), i == len(parts)) for i in range(1, len(parts) + 1)]
-    return out
+def _resolved(path: str) -> str | None:
+    """Where `path` leads, walked a name at a step as the kernel walks it,
+    each directory entered and each link followed checked on the way (a
+    link is judged in the directory that holds it, which was checked
+    first); None when a name on the way does not exist yet."""
+    todo = [p for p in os.path.join(os.getcwd(), path).split("/") if p not in ("", ".")]
+    here, links = "/", 0
+    _checked(path, here, _lstat(path, here))
+    while todo:
+        name = todo.pop(0)
+        if name == "..":
+            here = os.path.dirname(here)        # `here` has no link in it: checked already
+            continue
+        step = os.path.join(here, name)
+        try:
+            st = os.lstat(step)
+            target = os.readlink(step) if stat.S_ISLNK(st.st_mode) else None
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise Unavailable(f"cannot check state directory {path}: {step}: {e.strerror}",
+                              hint="run vstor as root") from None
+        if target is not None:
+            links += 1
+            if st.st_uid != 0 or links > 40:
+                _untrusted(path, step, f"is a symbolic link owned by uid {st.st_uid}" if st.st_uid
+                           else "is a symbolic link in a loop", f"chown -h root:root {step}")
+            todo[:0] = [p for p in target.split("/") if p not in ("", ".")]
+            here = "/" if target.startswith("/") else here
+            continue
+        _checked(path, step, st)
+        here = step
+    return here
 
 
-def _untrusted(path: str, where: str, why: str):
-    raise Unavailable(f"state directory {path} is not root's alone: {where} {why}, so whoever owns "
-                      "it could forge what vstor holds",
-                      hint=f"chown root:root {where} && chmod go-w {where}; or set [paths] state_dir "
-                           "in vstor.conf to a directory only root can write")
+def _lstat(path: str, p: str) -> os.stat_result:
+    try:
+        return os.lstat(p)
+    except OSError as e:
+        raise Unavailable(f"cannot check state directory {path}: {p}: {e.strerror}",
+                          hint="run vstor as root") from None
+
+
+def _checked(path: str, p: str, st: os.stat_result) -> None:
+    """A directory on the way: root's, and nobody else may write it but
+    where it is sticky (the state directory itself is judged again)."""
+    if not stat.S_ISDIR(st.st_mode):
+        _untrusted(path, p, "is not a directory")
+    if st.st_uid != 0 or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+        _untrusted(path, p, f"is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}")
+
+
+class UntrustedState(Unavailable):
+    """A state directory someone but root may change (check_trusted): a
+    refusal even where a state directory vstor may not read is only a
+    warning (planning as a user who is not root)."""
+
+
+def _untrusted(path: str, where: str, why: str, fix: str = ""):
+    raise UntrustedState(f"state directory {path} is not root's alone: {where} {why}, so whoever owns "
+                         "it could forge what vstor holds",
+                         hint=f"{fix or f'chown root:root {where} && chmod go-w {where}'}; or set [paths] "
+                              "state_dir in vstor.conf to a directory only root can write")
+
+
+def make_dirs(path: str, private) -> None:
+    """`path` and what is missing above it, with their modes whatever the
+    umask (a daemon's 0 would leave them writable by all, which the state
+    directory's check then refuses): those in `private` 0700, the others
+    0755 (above the state directory may also lie the socket directory QEMU
+    must reach)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        mode = 0o700 if d in private else 0o755
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:         # another vstor made it meanwhile
+            continue
+        os.chmod(d, mode)
 
 
 class NotAFile(OSError):

@@ -38,7 +38,7 @@ from vstor.meta.names import is_safe_name
 from vstor.records import field, record
 from vstor.runtime.recordfile import (RECORD_FORMAT, _FIX, DamagedRecord, NotAFile,  # noqa: F401 (named here too)
                                       check_format as _check_format, check_shape as _check_shape,
-                                      check_trusted, read_json, write_text)
+                                      check_trusted, make_dirs, read_json, write_text)
 
 
 PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
@@ -106,10 +106,11 @@ class StateDir:
     def _ensure(self) -> None:
         self.trusted()
         try:
-            _make_dirs(self.domains, private=(self.path, self.domains))
+            make_dirs(self.domains, private=(self.path, self.domains))
         except OSError as e:
             raise Unavailable(f"cannot create state directory {self.path}: {e.strerror}",
                               hint="run as root or set [paths] state_dir in vstor.conf") from None
+        self.trusted()      # what was made: a name on the way may have been someone else's by then
 
     @contextlib.contextmanager
     def lock(self, timeout: float = 60.0, dry_run: bool = False):
@@ -324,25 +325,6 @@ def _holding(path: str):
         _HELD[path] -= 1
         if not _HELD[path]:
             del _HELD[path]
-
-
-def _make_dirs(path: str, private) -> None:
-    """`path` and what is missing above it, with their modes whatever the
-    umask (a daemon's 0 would leave them writable by all, which the state
-    directory's check then refuses): those in `private` 0700, the others
-    0755 (above the state directory may also lie the socket directory QEMU
-    must reach)."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        path = os.path.dirname(path)
-    for d in reversed(missing):
-        mode = 0o700 if d in private else 0o755
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:         # another vstor made it meanwhile
-            continue
-        os.chmod(d, mode)
 
 
 def _fsync_dir(path: str) -> None:

@@ -45,7 +45,7 @@ def mark(domains: str) -> str:
 def saved(index: str) -> str | None:
     try:
         return read_text(os.path.join(index, "stamp"))
-    except OSError:
+    except (OSError, ValueError):      # damaged: as if none
         return None
 
 
