@@ -51,7 +51,7 @@ class CrashPoints:
 
 def install(points: CrashPoints) -> None:
     """Wrap StateDir.save, the rename inside it, steps.do and steps.undo."""
-    from vstor.runtime import state, steps
+    from vstor.runtime import recordfile, state, steps
 
     real_save, real_do, real_undo = state.StateDir.save, steps.do, steps.undo
     saving: list[str] = []
@@ -66,13 +66,14 @@ def install(points: CrashPoints) -> None:
             saving.pop()
 
     class OsInState:
-        """The `os` the state module sees: its replace() is a crash point
-        while a save runs (the temporary file is written and fsynced)."""
+        """The `os` the state's files are written with (recordfile): its
+        replace() of a record is a crash point while a save runs (the
+        temporary file is written and fsynced)."""
         def __getattr__(self, name):
             return getattr(os, name)
 
         def replace(self, src, dst, **kw):
-            if saving:
+            if saving and os.path.basename(os.path.dirname(dst)) == "domains":
                 points.point(f"save {saving[-1]}: temporary written, before rename")
             return os.replace(src, dst, **kw)
 
@@ -87,7 +88,7 @@ def install(points: CrashPoints) -> None:
         points.point(f"undo {a.describe()}: after")
 
     state.StateDir.save = save
-    state.os = OsInState()
+    recordfile.os = OsInState()
     steps.do = do
     steps.undo = undo
 

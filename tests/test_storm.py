@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import subprocess
@@ -135,18 +134,37 @@ def _kill_mid_way(w: World, victim: str) -> list:
     raise AssertionError("5 storms in a row, the victim's prepare ended before it could be killed")
 
 
-def _gc(w: World, running: list[str], out) -> subprocess.Popen:
+def _gc(w: World, running: list[str], out, gate=None) -> subprocess.Popen:
     """`vstor gc` on the world, started, libvirt (its test driver, from a
-    file) saying that `running` run; its output to the file `out`."""
+    file) saying that `running` run; its output to the file `out`; held at
+    each read of zzz's record by `gate` (GATED) when given."""
     node = out.parent / "node.xml"
     node.write_text("<node>" + "".join(
         f"<domain type='test'><name>{n}</name><uuid>{w.uuid(n)}</uuid><memory>262144</memory>"
         "<os><type>hvm</type></os></domain>" for n in running) + "</node>")
+    code, argv = ((GATED, [str(gate)]) if gate else
+                  ("import sys; from vstor.cli.main import main; sys.exit(main(sys.argv[1:]))", []))
     with open(out, "w") as f:
-        return subprocess.Popen([sys.executable, "-c", "import sys; from vstor.cli.main import main; "
-                                 "sys.exit(main(sys.argv[1:]))", "-c", f"test://{node}",
+        return subprocess.Popen([sys.executable, "-c", code, *argv, "-c", f"test://{node}",
                                  "--config", w.conf, "--host-root", w.root, "gc"],
                                 env={**os.environ, "PYTHONPATH": ROOT}, stdout=f, stderr=subprocess.STDOUT)
+
+
+# `vstor gc` whose every read of the record domains/zzz.json first opens the
+# test's gate, a FIFO outside the state directory: it waits there until the
+# test opens the gate to write, or puts a plain file in its place (a record
+# that is a FIFO is damaged, so the gate cannot be the record itself).
+GATED = """import sys
+from vstor.runtime import recordfile
+real = recordfile.read_text
+def read_text(path):
+    if path.endswith('/domains/zzz.json'):
+        open(sys.argv[1]).close()
+    return real(path)
+recordfile.read_text = read_text
+from vstor.cli.main import main
+sys.exit(main(sys.argv[2:]))
+"""
 
 
 @pytest.mark.parametrize("then", ["its next start", "gc"])
@@ -267,39 +285,37 @@ def _until(what, why: str, timeout: float = 30) -> None:
 
 
 def _in_open(gc: subprocess.Popen, read: str) -> None:
-    """gc waits in open(2) on the FIFO record, for its `read` read."""
+    """gc waits in open(2) on the gate (GATED), for its `read` read."""
     _until(lambda: _opening_a_fifo(gc.pid) or gc.poll() is not None, f"gc never began {read}")
     if gc.returncode is not None:
         raise RuntimeError(f"gc ended (exit {gc.returncode}) before {read}: it reads no record file?")
 
 
 def test_gc_during_a_storm_leaves_the_daemons_of_domains_that_start_meanwhile(storm, tmp_path):
-    """gc is held at a chosen point by a record that is a FIFO (read by
-    `vstor gc` once, by its check of the index, then by orphan_files()):
-    stopped there, the FIFO replaced by a plain record, the storm run, gc
-    let go.  A slow state directory (many records) opens the same window."""
+    """gc is held at a chosen point by a gate (GATED) before each read of
+    the record zzz (read by `vstor gc` once, by its check of the index,
+    then by orphan_files()): stopped there, the gate replaced by a plain
+    file, the storm run, gc let go.  A slow state directory (many records)
+    opens the same window."""
     from vstor.runtime.state import PREPARED, Record
     w = storm(4, 2).plan()
     state = StateDir(w.cfg.state_dir)
-    os.makedirs(state.domains, mode=0o700, exist_ok=True)
-    fifo = os.path.join(state.domains, "zzz.json")
-    os.mkfifo(fifo, 0o600)
-    body = json.dumps(Record(key="zzz", domain="zzz", uuid=None, status=PREPARED).to_json())
-    gc = _gc(w, [*w.names, "zzz"], tmp_path / "gc.out")
+    state.save(Record(key="zzz", domain="zzz", uuid=None, status=PREPARED))
+    gate = tmp_path / "gate"
+    os.mkfifo(gate, 0o600)
+    gc = _gc(w, [*w.names, "zzz"], tmp_path / "gc.out", gate)
     try:
         for read in ("its first read of the records", "its check of the index (under the host lock)"):
             _in_open(gc, read)
-            with open(fifo, "w") as f:
-                f.write(body)
+            open(gate, "w").close()
             _until(lambda: not _opening_a_fifo(gc.pid), f"gc is stuck in {read}")
         _in_open(gc, "orphan_files()' read of the records")
         # Stopped in open(2), which it restarts after SIGCONT: then on a
-        # plain record in the FIFO's place, which the storm's prepares read too.
+        # plain file in the gate's place.
         os.kill(gc.pid, signal.SIGSTOP)
         _until(lambda: _state(gc.pid) == "T", "gc did not stop")
-        with open(fifo + ".new", "w") as f:
-            f.write(body)
-        os.replace(fifo + ".new", fifo)
+        open(f"{gate}.new", "w").close()
+        os.replace(f"{gate}.new", gate)
         _ok(w.storm([(n, "prepare") for n in w.names])[1])
         os.kill(gc.pid, signal.SIGCONT)
         assert gc.wait(60) == 0, (tmp_path / "gc.out").read_text()
@@ -307,7 +323,7 @@ def test_gc_during_a_storm_leaves_the_daemons_of_domains_that_start_meanwhile(st
         if gc.poll() is None:
             gc.kill()
             gc.wait()
-        os.unlink(fifo)     # a FIFO still, or the record in its place
+        state.remove("zzz")
     assert check.prepared(w, w.names) == [], (tmp_path / "gc.out").read_text()
     _ok(w.storm([(n, "release") for n in w.names])[1])
     assert check.released(w) == []
