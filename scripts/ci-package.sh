@@ -26,7 +26,7 @@ fail() { echo "ci-package: FAILED: $*" >&2; exit 1; }
 
 step "build dependencies (Debian packages)"
 BUILD_DEPS="debhelper dh-python python3-all python3-setuptools python3-wheel pybuild-plugin-pyproject
-            bash-completion python3-build python3-installer lintian"
+            bash-completion python3-lxml python3-build python3-installer lintian"
 missing=""
 for p in $BUILD_DEPS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
