@@ -276,7 +276,8 @@ def test_a_guest_with_two_cells_migrates_keeping_them(migration_lab, guest_image
         dom = start_on_a(lab, guest_image, name, seed, cells=True)
         before = guest_topology(dom.XMLDesc(0))
         assert len(before[0]) == 2 and before[2] == (("vdb", 1),), before
-        prep = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname)
+        prep = lab.a.vstor("migrate", "prepare", name, "--to", lab.b.hostname,
+                           "-o", str(lab.root / f"{name}.B.xml"))
         assert prep.returncode == 0, prep.stdout + prep.stderr
         on_a = parse_loop(read_console(lab.a.console(name)))["progress"][-1][0]
         with crash_is_loss(lab.b, name):
