@@ -82,7 +82,7 @@ def _load_cache(path: str | None) -> dict:
     if not path:
         return {}
     try:
-        data = read_json(path, {})
+        data = read_json(path)
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

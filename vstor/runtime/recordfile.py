@@ -181,15 +181,13 @@ class NotAFile(OSError):
     """One of vstor's files in the state directory is something else."""
 
 
-def read_text(path: str) -> str | None:
-    """A file vstor wrote in the state directory; None when there is none.
-    NotAFile when the name is a symbolic link, a directory, a FIFO, a
+def read_text(path: str) -> str:
+    """A file vstor wrote in the state directory (FileNotFoundError when
+    there is none, as open() says).  NotAFile when the name is a symbolic link, a directory, a FIFO, a
     device or a socket: opened without following a link and without
     blocking, and judged by what was opened."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
     except OSError as e:
         if e.errno in _NOT_FILES:
             raise NotAFile(e.errno, f"it is {_NOT_FILES[e.errno]}, not a file vstor wrote") from None
@@ -205,13 +203,10 @@ def read_text(path: str) -> str | None:
         os.close(fd)
 
 
-def read_json(path: str, missing=None):
-    """read_text, parsed; `missing` when there is none.  JSON nested too
-    deep for Python's parser is ValueError, as any other that is not what
-    vstor writes."""
+def read_json(path: str):
+    """read_text, parsed.  JSON nested too deep for Python's parser is
+    ValueError, as any other that is not what vstor writes."""
     text = read_text(path)
-    if text is None:
-        return missing
     try:
         return json.loads(text)
     except RecursionError:

@@ -209,12 +209,12 @@ class StateDir:
         path = self._file(key)
         self.trusted()
         try:
-            data = read_json(path, missing=FileNotFoundError)
-            if data is FileNotFoundError:
-                return None
+            data = read_json(path)
             _check_format(data, path)
             rec = Record.from_json(data)
             _check_shape(rec)
+        except FileNotFoundError:
+            return None
         except NotAFile as e:
             raise DamagedRecord(f"state record {path} is damaged ({e.strerror})", hint=_FIX) from None
         except OSError as e:

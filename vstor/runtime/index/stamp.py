@@ -55,7 +55,7 @@ def marked(domains: str, index: str) -> bool:
     if here == saved(index):
         return True
     try:
-        return here == read_json(os.path.join(index, "sums.json"), {}).get("stamp")
+        return here == read_json(os.path.join(index, "sums.json")).get("stamp")
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -149,10 +149,7 @@ class Index:
         self._fresh()
         if key not in self._summaries:
             try:
-                found = read_json(os.path.join(self.path, "keys", key + ".json"), FileNotFoundError)
-                if found is FileNotFoundError:
-                    raise FileNotFoundError(key)
-                self._summaries[key] = found
+                self._summaries[key] = read_json(os.path.join(self.path, "keys", key + ".json"))
             except FileNotFoundError:
                 if not os.path.lexists(os.path.join(self.state.domains, key + ".json")):
                     self._summaries[key] = None
