@@ -39,7 +39,8 @@ fi
 step "the vendored wheels (debian/vendor.txt)"
 mkdir -p debian/vendor
 grep -v '^#' debian/vendor.txt | while read -r wheel sum; do
-    if ! echo "$sum  debian/vendor/$wheel" | sha256sum -c --quiet - 2>/dev/null; then
+    if [ ! -f "debian/vendor/$wheel" ] \
+            || ! echo "$sum  debian/vendor/$wheel" | sha256sum -c --quiet - >/dev/null 2>&1; then
         name=${wheel%%-*}; rest=${wheel#*-}; version=${rest%%-*}
         python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary :all: \
             -d debian/vendor "${name//_/.}==$version"
@@ -85,6 +86,10 @@ snapshot() {
 exec 9>"$LOCK"
 step "waiting for the e2e session lock ($LOCK)"
 flock -w 1800 9 || fail "another e2e session held $LOCK for 30 minutes"
+# What an e2e session killed half way left (its hooks, its daemons) is
+# undone first: such a hook at the package's conffile path made dpkg ask
+# whether to keep it, and fail without a terminal.
+"$(sh scripts/python.sh)" tests/e2e/libvirtd.py || fail "could not undo what a dead e2e session left"
 if pgrep -x libvirtd >/dev/null && [ -e /run/libvirtd.pid ]; then
     fail "a libvirtd runs already (pid $(cat /run/libvirtd.pid)): it would not see the package's hook; stop it first"
 fi

@@ -3,12 +3,23 @@
 Daemons already running are used as they are and never stopped; the ones this
 module starts are stopped by pid. Hooks and the hugetlbfs mount must be in place
 before libvirtd starts: libvirt looks for both only at start.
+
+Every change a session makes to the machine (a hook, a daemon, the mount,
+/dev/kvm's mode) is written to JOURNAL before or as it is made, and the
+journal is removed once `stop()` has undone them all. A session killed half
+way (a CI job's time running out) leaves the journal: the next session, or
+ci-package.sh, undoes what it lists before it starts (`reap_dead_session`),
+so that a hook the tests wrote never meets the Debian package's conffile.
 """
 from __future__ import annotations
 
+import base64
 import fcntl
 import grp
+import hashlib
+import json
 import os
+import sys
 import shutil
 import signal
 import stat
@@ -26,6 +37,8 @@ KVM = Path("/dev/kvm")
 # other's libvirtd and race for hooks and hugepages.
 SESSION_LOCK = Path("/run/vstor-e2e.lock")
 PIDFILES = {"virtlogd": Path("/run/virtlogd.pid"), "libvirtd": Path("/run/libvirtd.pid")}
+# On disk, not in /run: the hooks it lists outlive a reboot.
+JOURNAL = Path("/var/lib/vstor-e2e-session.json")
 
 
 def which(tool: str) -> str | None:
@@ -80,20 +93,20 @@ class Daemons:
     """virtlogd and libvirtd, started if need be; `stop()` undoes what `start()` did."""
 
     def __init__(self) -> None:
-        self.started: dict[str, int] = {}
-        self.hooks: dict[Path, bytes | None] = {}   # installed hook -> previous content
-        self.mounted_hugetlbfs = False
-        self.kvm_mode: tuple[int, int, int] | None = None   # (mode, uid, gid) to restore
+        self.changes = Changes()
         self._conn: libvirt.virConnect | None = None
         self._lock = None
 
     def start(self, timeout: float = 30, wait_for_others: float = 900) -> Daemons:
-        self._take_session_lock(wait_for_others)
+        self._lock = take_session_lock(wait_for_others)
+        reap_dead_session()
         if not hugetlbfs_mounted() and not running_pid("libvirtd"):
             HUGEPAGES.mkdir(exist_ok=True)
+            self.changes.note(mounted_hugetlbfs=True)
             _run("mount", "-t", "hugetlbfs", "nodev", str(HUGEPAGES))
-            self.mounted_hugetlbfs = True
-        self._share_kvm()
+        kvm_mode = share_kvm()
+        if kvm_mode:
+            self.changes.note(kvm_mode=kvm_mode)
         # Without virtlogd every domain start fails ("Failed to connect socket to
         # '/run/libvirt/virtlogd-sock'").
         self._ensure("virtlogd", timeout)
@@ -102,7 +115,7 @@ class Daemons:
         return self
 
     def owns_libvirtd(self) -> bool:
-        return "libvirtd" in self.started
+        return "libvirtd" in self.changes.started
 
     def install_hook(self, name: str, text: str | bytes) -> Path:
         """Install an executable hook in qemu.d; a libvirtd already running is
@@ -112,11 +125,11 @@ class Daemons:
         old = path.read_bytes() if path.exists() else None
         if old != data:
             HOOK_DIR.mkdir(parents=True, exist_ok=True)
+            self.changes.hook(path, old, data)
             tmp = path.with_name(f".{name}.tmp")
             tmp.write_bytes(data)
             tmp.chmod(0o755)
             tmp.replace(path)
-            self.hooks.setdefault(path, old)
             if running_pid("libvirtd") and old is None:
                 if not self.owns_libvirtd():
                     raise RuntimeError(
@@ -132,7 +145,8 @@ class Daemons:
         if not self.owns_libvirtd():
             raise RuntimeError("libvirtd was not started by the tests: not restarting it")
         self._close()
-        _terminate(self.started.pop("libvirtd"), timeout)
+        _terminate(self.changes.started.pop("libvirtd")[0], timeout)
+        self.changes.save()
         self._ensure("libvirtd", timeout)
         self.connect(timeout)
 
@@ -152,43 +166,110 @@ class Daemons:
 
     def stop(self, timeout: float = 30) -> None:
         self._close()
-        for name in ("libvirtd", "virtlogd"):
-            if name in self.started:
-                _terminate(self.started.pop(name), timeout)
-        for path, old in self.hooks.items():
-            if old is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.write_bytes(old)
-        self.hooks.clear()
-        if self.kvm_mode:
-            mode, uid, gid = self.kvm_mode
-            os.chown(KVM, uid, gid)
-            KVM.chmod(mode)
-            self.kvm_mode = None
-        if self.mounted_hugetlbfs and not running_pid("libvirtd"):
-            _run("umount", str(HUGEPAGES))
-            self.mounted_hugetlbfs = False
+        self.changes.undo(timeout)
         if self._lock is not None:
             self._lock.close()
             self._lock = None
-
-    def _take_session_lock(self, wait: float) -> None:
-        self._lock = take_session_lock(wait)
-
-    def _share_kvm(self) -> None:
-        self.kvm_mode = share_kvm()
 
     def _ensure(self, name: str, timeout: float) -> None:
         if running_pid(name):
             return
         PIDFILES[name].unlink(missing_ok=True)
         _run(which(name) or name, "-d")
-        self.started[name] = wait_for_pidfile(PIDFILES[name], name, timeout)
+        pid = wait_for_pidfile(PIDFILES[name], name, timeout)
+        self.changes.started[name] = (pid, _starttime(pid))
+        self.changes.save()
 
     def _close(self) -> None:
         close_quietly(self._conn)
         self._conn = None
+
+
+class Changes:
+    """What a session changed on the machine, kept in JOURNAL as it changes."""
+
+    def __init__(self, journal: Path | None = None) -> None:
+        self.journal = journal or JOURNAL
+        self.started: dict[str, tuple[int, int | None]] = {}   # name -> (pid, start time)
+        self.hooks: dict[Path, tuple[bytes | None, str]] = {}  # path -> (old content, new sha256)
+        self.mounted_hugetlbfs = False
+        self.kvm_mode: tuple[int, int, int] | None = None      # (mode, uid, gid) to restore
+
+    def note(self, **what) -> None:
+        for key, value in what.items():
+            setattr(self, key, value)
+        self.save()
+
+    def hook(self, path: Path, old: bytes | None, new: bytes) -> None:
+        old = self.hooks[path][0] if path in self.hooks else old
+        self.hooks[path] = (old, hashlib.sha256(new).hexdigest())
+        self.save()
+
+    def save(self) -> None:
+        doc = {"started": self.started, "mounted_hugetlbfs": self.mounted_hugetlbfs,
+               "kvm_mode": self.kvm_mode,
+               "hooks": {str(p): [None if old is None else base64.b64encode(old).decode(), sha]
+                         for p, (old, sha) in self.hooks.items()}}
+        tmp = self.journal.with_name(self.journal.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(self.journal)
+
+    @classmethod
+    def load(cls, journal: Path | None = None) -> Changes:
+        journal = journal or JOURNAL
+        doc = json.loads(journal.read_text())
+        changes = cls(journal)
+        changes.started = {name: tuple(v) for name, v in doc["started"].items()}
+        changes.mounted_hugetlbfs = doc["mounted_hugetlbfs"]
+        changes.kvm_mode = tuple(doc["kvm_mode"]) if doc["kvm_mode"] else None
+        changes.hooks = {Path(p): (None if old is None else base64.b64decode(old), sha)
+                         for p, (old, sha) in doc["hooks"].items()}
+        return changes
+
+    def undo(self, timeout: float = 30) -> list[str]:
+        """Undo every change that is still the session's own; what was undone."""
+        done = []
+        for name in sorted(self.started, key=lambda name: name != "libvirtd"):  # it logs to virtlogd
+            pid, started = self.started.pop(name)
+            if _comm(pid) == name and _starttime(pid) == started:
+                _terminate(pid, timeout)
+                done.append(f"stopped {name} (pid {pid})")
+        for path, (old, sha) in self.hooks.items():
+            try:
+                ours = hashlib.sha256(path.read_bytes()).hexdigest() == sha
+            except FileNotFoundError:
+                continue
+            if not ours:        # changed since: someone else's now
+                continue
+            if old is None:
+                path.unlink()
+            else:
+                path.write_bytes(old)
+            done.append(f"restored {path}")
+        self.hooks.clear()
+        if self.kvm_mode:
+            mode, uid, gid = self.kvm_mode
+            os.chown(KVM, uid, gid)
+            KVM.chmod(mode)
+            self.kvm_mode = None
+            done.append(f"gave {KVM} back its mode")
+        if self.mounted_hugetlbfs and not running_pid("libvirtd") and hugetlbfs_mounted():
+            _run("umount", str(HUGEPAGES))
+            done.append(f"unmounted {HUGEPAGES}")
+        self.mounted_hugetlbfs = False
+        self.journal.unlink(missing_ok=True)
+        return done
+
+
+def reap_dead_session() -> list[str]:
+    """Undo what a session killed half way left (its JOURNAL), under the
+    session lock the caller holds; what was undone."""
+    if not JOURNAL.exists():
+        return []
+    done = Changes.load().undo()
+    print(f"e2e: a session that died left changes; {'; '.join(done) or 'none remained'}",
+          file=sys.stderr)
+    return done
 
 
 def close_quietly(conn) -> None:
@@ -253,6 +334,15 @@ def share_kvm() -> tuple[int, int, int] | None:
     return old
 
 
+def _starttime(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot): a pid reused since differs."""
+    try:
+        line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(line[line.rindex(")") + 2:].split()[19])
+
+
 def _terminate(pid: int, timeout: float) -> None:
     name = _comm(pid)
     if name is None:
@@ -270,3 +360,7 @@ def _run(*argv: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+
+
+if __name__ == "__main__":      # ci-package.sh, holding the session lock
+    reap_dead_session()

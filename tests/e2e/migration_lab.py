@@ -52,8 +52,8 @@ import pytest
 from lxml import etree
 
 from .guest import Guest, domain_xml
-from .libvirtd import (KVM, _comm, close_quietly, share_kvm, take_session_lock, wait_for_pidfile,
-                       which)
+from .libvirtd import (KVM, _comm, close_quietly, reap_dead_session, share_kvm, take_session_lock,
+                       wait_for_pidfile, which)
 
 ROOT = Path(__file__).resolve().parents[2]
 NS = "https://vstor.dev/xmlns/domain/1"
@@ -359,6 +359,7 @@ class Lab:
 
     def _take_lock(self) -> None:
         self._lock = take_session_lock(self.lock_wait)
+        reap_dead_session()
 
     def _share_kvm(self) -> None:
         self.kvm_mode = share_kvm()
