@@ -98,7 +98,7 @@ class Daemons:
         self._lock = None
 
     def start(self, timeout: float = 30, wait_for_others: float = 900) -> Daemons:
-        self._lock = take_session_lock(wait_for_others)
+        self._take_session_lock(wait_for_others)
         reap_dead_session()
         if not hugetlbfs_mounted() and not running_pid("libvirtd"):
             HUGEPAGES.mkdir(exist_ok=True)
@@ -170,6 +170,10 @@ class Daemons:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+    def _take_session_lock(self, wait: float) -> None:
+        """Overridden where the caller holds it already (scripts/demo.py)."""
+        self._lock = take_session_lock(wait)
 
     def _ensure(self, name: str, timeout: float) -> None:
         if running_pid(name):
