@@ -353,14 +353,22 @@ def test_a_permission_denied_read_refuses_the_host_instead_of_reading_it_as_abse
     assert "/sys/bus/pci/devices/0000:5e:00.0/" in message
 
 
-def test_the_host_nqns_uuid_is_the_uuid_modules():
-    """read_hostnqn formats its UUID without the uuid module (its import is
-    most of the hook's host read): judged by the uuid module itself."""
+def test_the_host_nqn_made_from_the_machine_id_is_stable_and_a_v4_uuid(tmp_path):
+    """Without /etc/nvme/hostnqn, the NQN is made from the machine ID: the
+    same on every read, a version 4 UUID as the NVMe base specification's
+    uuid form wants it, and not the machine ID itself."""
     import uuid
-    from vstor.host.read import _uuid4
-    for _ in range(2000):
-        b = os.urandom(16)
-        assert _uuid4(b) == str(uuid.UUID(bytes=b, version=4))
+    from vstor.host.read import read_hostnqn
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/machine-id").write_text("0123456789abcdef0123456789abcdef\n")
+    nqns = {read_hostnqn(SysFS(str(tmp_path))) for _ in range(2)}
+    assert len(nqns) == 1
+    nqn = nqns.pop()
+    prefix = "nqn.2014-08.org.nvmexpress:uuid:"
+    assert nqn.startswith(prefix)
+    made = uuid.UUID(nqn[len(prefix):])
+    assert made.version == 4 and made.variant == uuid.RFC_4122 and str(made) == nqn[len(prefix):]
+    assert made.hex != "0123456789abcdef0123456789abcdef"
 
 
 # --- what a block device stacks on (issue 28) ----------------------------------------

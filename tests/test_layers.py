@@ -20,7 +20,7 @@ PKG = os.path.join(ROOT, "vstor")
 # layer, nor another part of its own layer: those are independent (the
 # renderers ask the planner nothing, Proxmox's code nothing of Nova's).
 LAYERS = (
-    ("vstor.errors", "vstor.records", "vstor.cpulist", "vstor.digest", "vstor.log_handlers"),
+    ("vstor.errors", "vstor.records", "vstor.cpulist", "vstor.log_handlers"),
     ("vstor.atomic", "vstor.log", "vstor.locking", "vstor.formats"),
     ("vstor.host.model",),
     ("vstor.meta",),

@@ -238,17 +238,3 @@ def test_asdict_keeps_namedtuples():
     assert records.asdict(R(P(1, 2))) == dataclasses.asdict(
         dataclasses.make_dataclass("R", [("p", tuple)], frozen=True)(P(1, 2)))
 
-
-def test_vstors_sha256_is_hashlibs():
-    """vstor.digest (the interpreter's own SHA-256, without OpenSSL) gives
-    hashlib's digests: the record-lock bytes and the plan digests depend on it."""
-    import hashlib
-    import os
-    from vstor.digest import sha256
-    for n in (0, 1, 55, 56, 63, 64, 65, 1000, 100000):
-        data = os.urandom(n)
-        assert sha256(data).hexdigest() == hashlib.sha256(data).hexdigest()
-        h = sha256()
-        h.update(data[: n // 2])
-        h.update(data[n // 2:])
-        assert h.digest() == hashlib.sha256(data).digest()

@@ -7,7 +7,7 @@ import fcntl
 import os
 import struct
 import time
-from vstor.digest import sha256
+from hashlib import sha256
 
 from vstor.errors import Unavailable
 

@@ -4,19 +4,16 @@ with the same field(), fields(), replace() and asdict().
 
 Why not dataclasses: the hook starts a new Python for every domain start and
 stop, and it reads some fifty of these classes.  dataclasses compiles each
-class's methods from source with exec and imports inspect, ast, dis and
-tokenize to do it.  These methods are closures over the field list instead,
-made in microseconds; an instance is built a little slower, which vstor's
-few hundred objects never notice.  Measured in the hook's own start path
-(the installed hook, its Python with -S, a domain with four
-qemu-storage-daemon disks; this module against one that hands every name
-to dataclasses, 30 interleaved pairs, pyenv's 3.11.7 on the 2-core
-development machine at a load of 3 to 4, 2026-11): with dataclasses a
-`prepare` took 28 ms more cpu (quartiles 24 to 31; lxml imports inspect
-there anyway) and a `release` 13 ms more (10 to 16): a quarter of the
-cycle's 163 ms of cpu.  On Debian's /usr/bin/python3 (3.11.2, 24 pairs):
-21 ms (16 to 24) and 10 ms (9 to 14) of 142.  tests/test_records.py holds
-it to dataclasses' behaviour.
+class's methods from source with exec (0.42 ms a frozen class of six fields,
+against 0.03 here, pyenv's 3.11.7).  These methods are closures over the
+field list instead; an instance is built a little slower, which vstor's few
+hundred objects never notice.  This is the one measured exception to "the
+standard library, plainly" (issue 29; docs/performance.md): the whole tree
+on dataclasses, byte-compiled, through `bench/bench_hook.py --pairs 20` at a
+load under 1, took the hook's 4-disk prepare + release from 204 ms (ratio
+1.90 to the yardstick) to 265 ms (2.35), past the bound of 2.0; hashlib
+and the uuid module, brought back in the same run, cost nothing measurable
+(1.91).  tests/test_records.py holds it to dataclasses' behaviour.
 
 What is kept from dataclasses: fields in annotation order (a base record's
 first, its default inherited by a field annotated again), defaults and

@@ -7,8 +7,11 @@ from `tests/hostlayout` (a test tool).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import posixpath
 import re
+import uuid
 
 from vstor.host.model import (NVME_CLASS, Cpu, HugepagePool, Host, Namespace, NetDev,
                     NumaNode, NvmeController, PciDevice, RdmaNic, parse_cpulist, stacked_on)
@@ -68,19 +71,8 @@ def read_hostnqn(sysfs: SysFS) -> str | None:
     machine = sysfs.read(MACHINE_ID, "", optional=True)
     if not re.fullmatch(r"[0-9a-f]{32}", machine or ""):
         return None
-    import hashlib
-    import hmac
     digest = hmac.new(bytes.fromhex(machine), b"vstor NVMe host NQN", hashlib.sha256).digest()
-    return f"nqn.2014-08.org.nvmexpress:uuid:{_uuid4(digest[:16])}"
-
-
-def _uuid4(b: bytes) -> str:
-    """str(uuid.UUID(bytes=b, version=4)) (RFC 4122's version and variant
-    bits set), without the uuid module: its import (platform, re) costs the
-    hook's every prepare 8 to 10 ms."""
-    b = bytes([*b[:6], (b[6] & 0x0F) | 0x40, b[7], (b[8] & 0x3F) | 0x80, *b[9:16]])
-    h = b.hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return f"nqn.2014-08.org.nvmexpress:uuid:{uuid.UUID(bytes=digest[:16], version=4)}"
 
 
 def bracketed(text: str) -> str:

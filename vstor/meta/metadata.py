@@ -7,7 +7,7 @@ import copy
 import functools
 import os
 import re
-from vstor.digest import sha256
+from hashlib import sha256
 
 from lxml import etree
 
