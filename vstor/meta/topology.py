@@ -23,7 +23,7 @@ from vstor.meta.document import to_kib
 from vstor.meta.intent import MAX_CELLS
 from vstor.records import record
 
-_EXPANDERS = ("pcie-expander-bus", "pci-expander-bus")
+EXPANDERS = ("pcie-expander-bus", "pci-expander-bus")
 
 
 def is_q35(machine: str) -> bool:
@@ -264,7 +264,7 @@ def _node(device, by_index) -> int | None:
         if c is None or bus in seen or bus == 0:
             return None
         seen.add(bus)
-        if c.get("model") in _EXPANDERS:
+        if c.get("model") in EXPANDERS:
             return PCI_CONTROLLER.read(c, lenient=True)["node"]
         e = c
 

@@ -37,11 +37,10 @@ from lxml import etree
 
 from vstor.errors import BadInput
 from vstor.meta.plan import Plan
-from vstor.meta.topology import PCI_CONTROLLER, address_element, guest_bus
+from vstor.meta.topology import EXPANDERS, PCI_ADDRESS, PCI_CONTROLLER, address_element, guest_bus
 from vstor.render import expander
 
 ALIAS = "ua-vstor-"
-_EXPANDERS = ("pcie-expander-bus", "pci-expander-bus")
 
 
 def own(e) -> bool:
@@ -128,10 +127,7 @@ def spares(devices, who: str) -> None:
 
 def _slot(port) -> int:
     a = port.find("address[@type='pci']")
-    try:
-        return int(a.get("slot", "0"), 0) if a is not None else 0
-    except ValueError:
-        return 0
+    return (PCI_ADDRESS.read(a, lenient=True)["slot"] or 0) if a is not None else 0
 
 
 def _full(plan: Plan, why: str):
@@ -144,7 +140,7 @@ def top_bus(devices) -> int:
     none): vstor numbers its buses below it."""
     out = 256
     for c in devices.iterfind("controller[@type='pci']"):
-        if own(c) or c.get("model") not in _EXPANDERS:
+        if own(c) or c.get("model") not in EXPANDERS:
             continue
         bus_nr = PCI_CONTROLLER.read(c, lenient=True)["bus_nr"]
         out = min(out, 254 if bus_nr is None else bus_nr)   # 254: libvirt's for the first one without
