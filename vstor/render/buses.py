@@ -61,7 +61,7 @@ def devices_of(plan: Plan) -> list[tuple[int, str, str]]:
     return out
 
 
-def layout(plan: Plan, q35: bool, devices, spares: bool = True):
+def layout(plan: Plan, q35: bool, devices):
     """(controllers, {(kind, key): guest <address>}) for a plan with cells;
     ([], {}) for one with a single cell.  `devices`: the domain's <devices>
     without vstor's own controllers.  BadInput when the cells' devices need
