@@ -4,6 +4,7 @@ on), libvirt's own parser and schema for what is rendered, and the start
 check, on layouts with disks on two and three nodes."""
 
 import copy
+import itertools
 import random
 
 import pytest
@@ -22,7 +23,7 @@ from vstor.planner.hotplug import plan_attach
 from vstor.planner.ledger import Holding, Ledger
 from vstor.records import replace
 from vstor.render import buses
-from vstor.render.libvirt import render
+from vstor.render.libvirt import render, with_spares
 
 CFG3 = Config(reactors=(7, 15, 23))
 
@@ -322,60 +323,85 @@ def vstor_controllers(dom) -> list[tuple]:
             for c in dom.root.iterfind("devices/controller[@type='pci']") if c.find("alias") is not None]
 
 
-def test_vstors_controllers_leave_an_index_for_every_device_libvirt_has_yet_to_address(host_model):
+def test_libvirt_places_the_devices_first_and_a_cells_spare_port_comes_after_them(host_model):
+    """vstor models no part of libvirt's allocator: the domain it gives
+    libvirt to place has its cells' controllers at the lowest free indices
+    and no spare port a device without an address could take (libvirt 9.0
+    put a virtio tablet, an RNG, a NIC on a cell's spare); the spares go
+    into what libvirt returned, above every port libvirt made."""
     dom, plan = two_cell_domain(host_model, UNADDRESSED)
     assert [(d.target, d.cell) for d in plan.disks] == [("vdb", 1), ("vdc", 0), ("vdd", 1)]
-    assert vstor_controllers(render(dom, plan))[0] == ("7", "pcie-expander-bus", "ua-vstor-cell0")
-    # model='none': no device, no port (what the e2e guests have)
-    none = "<controller type='usb' model='none'/><memballoon model='none'/>"
+    first = render(dom, plan, spares=False)
+    assert vstor_controllers(first) == [
+        ("1", "pcie-expander-bus", "ua-vstor-cell0"), ("2", "pcie-root-port", "ua-vstor-cell0-port0"),
+        ("3", "pcie-expander-bus", "ua-vstor-cell1"), ("4", "pcie-root-port", "ua-vstor-cell1-port0"),
+        ("5", "pcie-root-port", "ua-vstor-cell1-port1")]
+    assert all(buses.free_port(first.root.find("devices"), cell) is None for cell in (0, 1))
+    addressed = libvirt_addressed(first)
+    spared = with_spares(addressed)
+    assert vstor_controllers(spared)[5:] == [("12", "pcie-root-port", "ua-vstor-cell0-port1"),
+                                             ("13", "pcie-root-port", "ua-vstor-cell1-port2")]
+    assert [int(buses.free_port(spared.root.find("devices"), c).get("bus"), 16) for c in (0, 1)] == [12, 13]
+    assert with_spares(spared).to_string() == spared.to_string()      # one spare a cell
+    # `vstor render` (one step) has them too, above its cells' controllers
+    assert [c[0] for c in vstor_controllers(render(dom, plan))] == ["1", "2", "3", "4", "5", "6", "7"]
+    # model='none': no device, no port (what the e2e guests have); nothing changes with the devices
+    none = "<controller type='usb' model='none'/><memballoon model='none'/><input type='tablet' bus='virtio'/>"
     dom, plan = two_cell_domain(host_model, none)
-    assert vstor_controllers(render(dom, plan))[0][0] == "1"
-    # A virtio tablet is a PCI device (libvirt 9.0 put one on cell 0's spare); a USB one is not.
-    dom, plan = two_cell_domain(host_model, none + "<input type='tablet' bus='virtio'/>"
-                                "<input type='keyboard' bus='usb'/><input type='mouse' bus='ps2'/>")
-    assert vstor_controllers(render(dom, plan))[0][0] == "2"
+    assert vstor_controllers(render(dom, plan, spares=False))[0][0] == "1"
 
 
-# The same domain as libvirt 9.0 returned it after the define (its own
-# controllers and the devices' addresses; vstor's controllers as it rendered them).
+# The domain as libvirt 9.0 returns it after the define of vstor's render
+# without spares (tests/e2e/test_cells.py, real libvirtd): vstor's
+# controllers as it rendered them (1-5), and a root port of libvirt's for
+# each device without an address above them (the NIC pci.6, the USB
+# controller pci.7, SCSI pci.8, virtio-serial pci.9, the balloon pci.10,
+# the RNG pci.11).
 def pci(bus: int, slot: int = 0, function: int = 0, extra: str = "") -> str:
     return (f"<address type='pci' domain='0x0000' bus='0x{bus:02x}' slot='0x{slot:02x}'"
             f" function='0x{function:x}'{extra}/>")
 
 
 LIBVIRT_ADDRESSED = "".join([
-    f"<controller type='usb' index='0' model='qemu-xhci'>{pci(2)}</controller>",
-    f"<controller type='scsi' index='0' model='virtio-scsi'>{pci(3)}</controller>",
-    f"<controller type='virtio-serial' index='0'>{pci(4)}</controller>",
+    f"<controller type='usb' index='0' model='qemu-xhci'>{pci(7)}</controller>",
+    f"<controller type='scsi' index='0' model='virtio-scsi'>{pci(8)}</controller>",
+    f"<controller type='virtio-serial' index='0'>{pci(9)}</controller>",
     f"<controller type='sata' index='0'>{pci(0, 0x1f, 2)}</controller>",
     "<controller type='pci' index='0' model='pcie-root'/>",
     *(f"<controller type='pci' index='{i}' model='pcie-root-port'><model name='pcie-root-port'/>"
-      f"<target chassis='{i}' port='0x{0x17 + i:x}'/>{pci(0, 3, i - 1, extra)}</controller>"
-      for i, extra in zip(range(1, 7), [" multifunction='on'"] + [""] * 5)),
-    f"<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/>{pci(1)}</interface>",
-    f"<memballoon model='virtio'>{pci(5)}</memballoon>",
-    f"<rng model='virtio'><backend model='random'>/dev/urandom</backend>{pci(6)}</rng>",
+      f"<target chassis='{i}' port='0x{0x12 + i:x}'/>{pci(0, 3, i - 6, extra)}</controller>"
+      for i, extra in zip(range(6, 12), [" multifunction='on'"] + [""] * 5)),
+    f"<interface type='user'><mac address='52:54:00:c0:11:5e'/><model type='virtio'/>{pci(6)}</interface>",
+    f"<memballoon model='virtio'>{pci(10)}</memballoon>",
+    f"<rng model='virtio'><backend model='random'>/dev/urandom</backend>{pci(11)}</rng>",
 ])
+
+
+def libvirt_addressed(rendered: Domain) -> Domain:
+    """`rendered` (of UNADDRESSED) as libvirt returns it after its define."""
+    devices = etree.fromstring(f"<devices>{LIBVIRT_ADDRESSED}</devices>")
+    for e in rendered.root.find("devices"):
+        if e.tag == "disk" or e.find("alias") is not None:      # vstor's, as libvirt kept them
+            devices.append(copy.deepcopy(e))
+    root = copy.deepcopy(rendered.root)
+    root.replace(root.find("devices"), devices)
+    return Domain(root, "libvirt's XML")
 
 
 def test_a_domain_libvirt_has_addressed_renders_to_the_same_controllers(host_model):
     """vstor apply of a defined domain: its controllers come back at the
-    indices libvirt holds (they grew by three root ports per apply before)."""
+    indices libvirt holds, the spares too (they grew by three root ports
+    per apply before)."""
     dom, plan = two_cell_domain(host_model, UNADDRESSED)
-    first = render(dom, plan)
-    devices = etree.fromstring(f"<devices>{LIBVIRT_ADDRESSED}</devices>")
-    for e in first.root.find("devices"):
-        if e.tag == "disk" or e.find("alias") is not None:      # vstor's, as libvirt kept them
-            devices.append(copy.deepcopy(e))
-    again_dom = copy.deepcopy(first.root)
-    again_dom.replace(again_dom.find("devices"), devices)
-    again = render(Domain(again_dom, "libvirt's XML"), plan)
-    assert vstor_controllers(again) == vstor_controllers(first)
+    first = with_spares(libvirt_addressed(render(dom, plan, spares=False)))
+    again = render(first, plan, spares=False)
+    assert vstor_controllers(again) == vstor_controllers(first)[:5]
+    assert vstor_controllers(with_spares(again)) == vstor_controllers(first)
     addresses = {e.find("target").get("dev"): etree.tostring(e.find("address"))
                  for e in again.root.iterfind("devices/disk")}
     assert addresses == {e.find("target").get("dev"): etree.tostring(e.find("address"))
                          for e in first.root.iterfind("devices/disk")}
-    assert len(again.root.findall("devices/controller[@model='pcie-root-port']")) == 6 + 5
+    assert len(with_spares(again).root.findall("devices/controller[@model='pcie-root-port']")) == 6 + 5
 
 
 def test_vstors_controllers_keep_their_indices_below_controllers_libvirt_added_above_them():
@@ -383,7 +409,9 @@ def test_vstors_controllers_keep_their_indices_below_controllers_libvirt_added_a
     an i6300esb watchdog (conventional PCI) and an ISA panic device: libvirt
     added root ports 1-10 and 18 and, for the watchdog, a pcie-to-pci-bridge
     19 on port 1.  vstor apply put its controllers above those (at 21, and
-    libvirt filled 11-20 with root ports) before."""
+    libvirt filled 11-20 with root ports) before.  A device without an
+    address (the RNG) moves none of them: libvirt places it before any
+    spare is made."""
     devices = etree.fromstring(
         "<devices><controller type='pci' index='0' model='pcie-root'/>"
         + "".join(f"<controller type='pci' index='{i}' model='pcie-root-port'>{pci(0, 4 + i // 8, i % 8)}"
@@ -391,9 +419,9 @@ def test_vstors_controllers_keep_their_indices_below_controllers_libvirt_added_a
         + f"<controller type='pci' index='19' model='pcie-to-pci-bridge'>{pci(1)}</controller>"
         + f"<watchdog model='i6300esb' action='reset'>{pci(0x13, 1)}</watchdog><panic model='isa'/>"
         + f"<memballoon model='virtio'>{pci(6)}</memballoon><controller type='usb' model='none'/></devices>")
-    assert buses.first_index(devices, True, 7) == 11
-    assert buses.first_index(devices, True, 8) == 20    # one more than fits below the bridge: above it
+    assert list(itertools.islice(buses.free_indices(devices), 8)) == [11, 12, 13, 14, 15, 16, 17, 20]
     devices.append(etree.fromstring("<rng model='virtio'><backend model='random'>/dev/urandom</backend></rng>"))
-    assert buses.first_index(devices, True, 6) == 12    # a free index below for the RNG's port
-    assert buses.first_index(devices, True, 7) == 20
-
+    assert list(itertools.islice(buses.free_indices(devices), 8)) == [11, 12, 13, 14, 15, 16, 17, 20]
+    # a PCI controller without an index: libvirt numbers it, the lowest free one
+    devices.append(etree.fromstring("<controller type='pci' model='pcie-root-port'/>"))
+    assert list(itertools.islice(buses.free_indices(devices), 3)) == [12, 13, 14]

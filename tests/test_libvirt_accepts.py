@@ -25,7 +25,7 @@ from vstor.host.model import parse_cpulist
 from vstor.meta.document import Domain
 from vstor.planner import Request, plan_domain
 from vstor.planner.ledger import Ledger
-from vstor.render.libvirt import device_xml, render
+from vstor.render.libvirt import device_xml, render, with_spares
 from vstor.render.migration import render_incoming
 
 libvirt = pytest.importorskip("libvirt")
@@ -124,6 +124,24 @@ def test_libvirt_accepts_every_rendered_template(conn, host_model, tmp_path, tem
     try:
         assert_libvirt_holds_what_vstor_built(out.root, parsed)
         assert out.root.find("devices/disk[@type='vhostuser']/readonly") is None
+    finally:
+        conn.lookupByName(plan.domain).undefine()
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=os.path.basename)
+def test_libvirt_accepts_both_steps_of_a_define(conn, host_model, tmp_path, template):
+    """`vstor define`: the domain without its cells' spare ports, then, as
+    libvirt returned it, with them."""
+    dom = _template(template, False)
+    plan = plan_domain(host_model("two-socket"), CFG, Request.from_domain(dom), Ledger())
+    first = render(dom, plan, spares=False)
+    parsed = accepted(conn, first.to_string(), tmp_path)
+    try:
+        addressed = Domain(parsed, "libvirt's XML")
+        second = with_spares(addressed)
+        assert_libvirt_holds_what_vstor_built(first.root, parsed)
+        assert (second.to_string() != addressed.to_string()) == (len(plan.guest_cells()) > 1)
+        assert_libvirt_holds_what_vstor_built(second.root, accepted(conn, second.to_string(), tmp_path))
     finally:
         conn.lookupByName(plan.domain).undefine()
 

@@ -97,3 +97,59 @@ def test_operator_prefix_is_normalised_to_vstor(host_model):
     out = render(dom, plan_domain(host_model("two-socket"), CFG, Request.from_domain(dom), Ledger()))
     s = out.to_string()
     assert "<vstor:vstor xmlns:vstor=" in s and "<v:" not in s
+
+
+# -- one element, one place; one expander arithmetic; one q35 test (issue 29) -------
+
+def test_each_element_vstor_writes_it_reads_back_through_the_same_declaration():
+    """virtinst's XMLProperty: the PCI address, the guest cell and the PCI
+    controller are declared once; what the renderers write, the readers
+    read, and a part libvirt would not read is refused naming it."""
+    from lxml import etree
+    from vstor.meta import topology
+    from vstor.render import buses, elements
+    hd = elements.hostdev("0000:5e:1f.7")
+    assert topology.hostdev_address(hd) == "0000:5e:1f.7"
+    assert etree.tostring(hd.find("source/address")) == \
+        b'<address domain="0x0000" bus="0x5e" slot="0x1f" function="0x7"/>'
+    guest = buses.address(0x12, 3)
+    assert guest.get("type") == "pci" and topology.pci_address(guest) == (0, 0x12, 3, 0)
+    bus = buses._controller(7, "pcie-expander-bus", "cell1", bus_nr=250, node=1)
+    assert topology.PCI_CONTROLLER.read(bus) == {"index": 7, "model": "pcie-expander-bus", "bus_nr": 250, "node": 1}
+    assert etree.tostring(bus).startswith(
+        b'<controller type="pci" index="7" model="pcie-expander-bus"><target busNr="250"><node>1</node>')
+    cell = topology.NUMA_CELL.write({"id": 1, "cpus": "2-3", "memory": 1024, "unit": "KiB"})
+    assert topology.NUMA_CELL.read(cell) == {"id": "1", "cpus": "2-3", "memory": "1024", "unit": "KiB",
+                                              "access": None}
+    # libvirt's reading of a number (strtoul, base 0) and its bounds
+    assert topology.pci_address(etree.fromstring("<address bus='010' slot='9'/>")) == (0, 8, 9, 0)
+    with pytest.raises(topology.BadPart) as e:
+        topology.pci_address(etree.fromstring("<address slot='0x20'/>"))
+    assert (e.value.name, e.value.text) == ("slot", "0x20")
+    assert topology.PCI_CONTROLLER.read(etree.fromstring("<controller index='x' model='m'/>"), lenient=True) \
+        == {"index": None, "model": "m", "bus_nr": None, "node": None}
+
+
+def test_q35_is_one_test_for_libvirt_and_proxmox():
+    from vstor.meta.topology import is_q35
+    assert [is_q35(m) for m in ("q35", "pc-q35-7.2", "pc-q35-8.1+pve0", "pc", "pc-i440fx-7.2", "", "virt")] \
+        == [True, True, True, False, False, False, False]
+
+
+def test_the_expander_arithmetic_is_one_for_libvirt_and_proxmox():
+    """Bus numbers from the top down, each bus with room for its root ports
+    (q35) or the PCI bridge QEMU puts behind a pxb (i440fx); libvirt's q35
+    buses hold a spare port each, Proxmox's i440fx pxb leave slot 0 to the
+    bridge."""
+    from vstor.render.expander import Full, expanders
+    q35 = expanders([(0, ["a"]), (1, ["b", "c"])], True, spares=1)
+    assert [(e.cell, e.bus_nr, e.ports) for e in q35] == [(0, 253, 2), (1, 249, 3)]
+    pve = expanders([(0, ["a"]), (1, ["b", "c"])], True)
+    assert [e.bus_nr for e in pve] == [254, 251]
+    assert [e.bus_nr for e in expanders([(0, ["a"]), (1, ["b"])], False, top=250)] == [248, 246]
+    expanders([(0, ["d"] * 32)], False)
+    with pytest.raises(Full) as e:
+        expanders([(0, ["d"] * 32)], False, first_slot=1)
+    assert (e.value.cell, e.value.devices, e.value.slots) == (0, 32, 31)
+    with pytest.raises(Full):
+        expanders([(0, ["d"] * 32)], True, spares=1)

@@ -68,11 +68,11 @@ def make_plan(ctx, dom: Domain, ledger=None) -> Plan:
     return plan
 
 
-def rendered(ctx, dom: Domain, ledger=None) -> tuple[Plan, Domain]:
+def rendered(ctx, dom: Domain, ledger=None, spares: bool = True) -> tuple[Plan, Domain]:
     from vstor.render.libvirt import render
     previous = _previous_plan(dom)
     plan = make_plan(ctx, dom, ledger)
-    return plan, render(dom, plan, previous)
+    return plan, render(dom, plan, previous, spares)
 
 
 def _previous_plan(dom: Domain) -> Plan | None:
@@ -165,11 +165,18 @@ def _define(ctx, dom: Domain, dry_run: bool) -> int:
     from vstor.runtime.inventory import load_ledger, plans_cache, save_pending
     conn = ctx.conn
     with ctx.planning(dry_run):     # the ledger read, the plan made and defined: one at a time
-        plan, out = rendered(ctx, dom, load_ledger(conn, ctx.records(), plans_cache(ctx.config)))
+        plan, out = rendered(ctx, dom, load_ledger(conn, ctx.records(), plans_cache(ctx.config)), dry_run)
         if dry_run:
             sys.stdout.write(out.to_string())
             return 0
-        virt.define(conn, out.to_string())
+        defined = virt.define(conn, out.to_string())
+        if len(plan.guest_cells()) > 1:
+            # libvirt has placed every device: the spare ports of the cells go above its own
+            from vstor.render.libvirt import with_spares
+            addressed = Domain.parse(virt.inactive_xml(defined, persistent=True), f"domain '{plan.domain}'")
+            final = with_spares(addressed)
+            if final.to_string() != addressed.to_string():
+                virt.define(conn, final.to_string())
     save_pending()      # the other domains' holdings by their XML: the next plan reads them
     print(f"Domain '{plan.domain}' defined: " + ", ".join(
         f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", {where(plan)}")

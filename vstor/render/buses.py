@@ -4,19 +4,29 @@ so the guest's kernel puts the device (and its queues and buffers) on that
 node.  q35: a pcie-expander-bus per cell with a pcie-root-port per device
 and one spare for hot-plug; i440fx: a pci-expander-bus per cell with the
 devices on it.  A guest with one cell keeps its devices where libvirt puts
-them.
+them.  The bus numbers: render/expander.py, shared with Proxmox.
+
+libvirt decides PCI addresses; vstor does not model its allocator.  Its
+controllers take the lowest indices nothing of the domain's holds (a
+controller's, a bus an address names), leaving to libvirt as many as it
+numbers controllers given without one (virDomainControllerFindUnusedIndex,
+at parse: the lowest unused), so they collide with nothing libvirt
+assigns and leave no gap (libvirt fills a gap of indices with root ports
+of its own).  libvirt places a device without an address on the lowest
+free port it finds, a cell's spare included; so `vstor define` and `vstor
+apply` define the domain without the spares first (`render(...,
+spares=False)`), let libvirt place every device, and then add the spares
+(`spares`) to what libvirt returned, above every port it made.
 
 Every controller vstor adds carries a user alias (`ua-vstor-...`, which
-libvirt keeps), so a later render or a hot-plug knows its own.  Bus numbers
-are given from 255 down, each expander bus with room for its root ports.
-Facts measured with libvirt 9.0 and QEMU 7.2 (tests/e2e/test_cells.py): a
-q35 device needs a root port (not the expander bus itself); a parent
+libvirt keeps), so a later render or a hot-plug knows its own.  Facts
+measured with libvirt 9.0 and QEMU 7.2 (tests/e2e/test_cells.py): a q35
+device needs a root port (not the expander bus itself); a parent
 controller needs a lower index than its children; PCI controllers cannot
 be hot-plugged (so the spare is made at define); i440fx's pxb takes no
-hot-plugged device; libvirt places a device without an address on any free
-root port, vstor's spare included (see `first_index`).
+hot-plugged device.
 
-Pure: a plan and the domain's existing controller indices in, elements out.
+Pure: a plan and the domain's devices in, elements out.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from lxml import etree
 
 from vstor.errors import BadInput
 from vstor.meta.plan import Plan
+from vstor.meta.topology import EXPANDERS, PCI_ADDRESS, PCI_CONTROLLER, address_element, guest_bus
+from vstor.render import expander
 
 ALIAS = "ua-vstor-"
 
@@ -49,47 +61,73 @@ def devices_of(plan: Plan) -> list[tuple[int, str, str]]:
     return out
 
 
-def layout(plan: Plan, q35: bool, first_index: int, top: int = 256):
+def layout(plan: Plan, q35: bool, devices):
     """(controllers, {(kind, key): guest <address>}) for a plan with cells;
-    ([], {}) for one with a single cell.  `top`: the lowest bus number the
-    domain's own expander buses take (vstor's go below it).  BadInput when
-    the cells' devices need more indices, slots or bus numbers than PCI has."""
+    ([], {}) for one with a single cell.  `devices`: the domain's <devices>
+    without vstor's own controllers.  BadInput when the cells' devices need
+    more indices, slots or bus numbers than PCI has."""
     if len(plan.guest_cells()) < 2:
         return [], {}
     placed = devices_of(plan)
+    cells = [(c.id, [(kind, key) for cell, kind, key in placed if cell == c.id]) for c in plan.guest_cells()]
+    try:
+        laid = expander.expanders(cells, q35, top=top_bus(devices), spares=1 if q35 else 0)
+    except expander.Full as e:
+        raise _full(plan, f"{e}{' (one for the spare root port)' if q35 else ''}") from None
+    free = free_indices(devices)
     controllers, addresses = [], {}
-    index, bus_nr = first_index, top
-    for cell in plan.guest_cells():
-        mine = [(kind, key) for c, kind, key in placed if c == cell.id]
-        if len(mine) + q35 > 32:
-            raise _full(plan, f"guest cell {cell.id} has {len(mine)} devices; its expander bus has "
-                              f"32 slots{' (one for the spare root port)' if q35 else ''}")
-        # Bus numbers below it up to the next one's are its hierarchy's: one
-        # per root port on q35; i440fx's pxb holds a bridge QEMU adds (libvirt
-        # 9.0's own busNr leaves one, and a guest with two ports behind one
-        # bus then hangs in its firmware).
-        bus_nr -= 2 + len(mine) if q35 else 2
-        expander = index
-        controllers.append(_controller(expander, "pcie-expander-bus" if q35 else "pci-expander-bus",
-                                       f"cell{cell.id}", bus_nr=bus_nr, node=cell.id))
-        index += 1
-        for slot, device in enumerate(mine + ([(None, "spare")] if q35 else [])):
+    for bus in laid:
+        index = next(free)
+        controllers.append(_controller(index, "pcie-expander-bus" if q35 else "pci-expander-bus",
+                                       f"cell{bus.cell}", bus_nr=bus.bus_nr, node=bus.cell))
+        for slot, device in enumerate(bus.devices):
             if q35:
-                controllers.append(_controller(index, "pcie-root-port", f"cell{cell.id}-port{slot}",
-                                               plug=(expander, slot)))
-                where = (index, 0)
-                index += 1
+                port = next(free)
+                controllers.append(_controller(port, "pcie-root-port", f"cell{bus.cell}-port{slot}",
+                                               plug=(index, slot)))
+                addresses[device] = address(port, 0)
             else:
-                where = (expander, slot)
-            if device[0] is not None:
-                addresses[device] = address(*where)
+                addresses[device] = address(index, slot)
     # The root bus's own ports and bridges take the bus numbers from 1 up
-    # (one per controller below vstor's): the expanders' ranges lie above.
-    if index - 1 > 255 or bus_nr < first_index:
-        raise _full(plan, f"its {len(placed)} devices in {len(plan.guest_cells())} cells need "
-                          f"PCI controller indices up to {index - 1} and bus numbers down to {bus_nr} "
-                          "(at most 255, and above the root bus's)")
+    # (one per controller of the domain's at most): the expanders' ranges
+    # lie above.  The spares to come need an index each.
+    highest = max(int(c.get("index")) for c in controllers) + (len(laid) if q35 else 0)
+    low, theirs = laid[-1].bus_nr, max(_in_use(devices)[0])
+    if highest > 255 or low <= theirs:
+        raise _full(plan, f"its {len(placed)} devices in {len(laid)} cells need PCI controller indices "
+                          f"up to {highest} and bus numbers down to {low} (at most 255, and above "
+                          f"the domain's own controllers, up to {theirs})")
     return controllers, addresses
+
+
+def spares(devices, who: str) -> None:
+    """A spare root port (where a hot-plugged disk of its cell goes) behind
+    each of vstor's q35 expander buses whose ports all hold a device, at
+    the lowest free index above its bus: into a domain libvirt has
+    addressed, it is above every port libvirt made, and stays free."""
+    held = {guest_bus(e) for e in devices if isinstance(e.tag, str)} - {None}
+    ports: dict[int, list] = {}
+    for c in devices.iterfind("controller[@type='pci']"):
+        if own(c) and c.get("model") == "pcie-root-port":
+            ports.setdefault(guest_bus(c), []).append(c)
+    for bus in list(devices.iterfind("controller[@type='pci'][@model='pcie-expander-bus']")):
+        parts = PCI_CONTROLLER.read(bus, lenient=True)
+        mine = ports.get(parts["index"], [])
+        if not own(bus) or parts["index"] is None or any(
+                PCI_CONTROLLER.read(p, lenient=True)["index"] not in held for p in mine):
+            continue
+        index = next(i for i in free_indices(devices) if i > parts["index"])
+        if index > 255:
+            raise BadInput(f"{who}: no PCI controller index is left for the spare root port of guest "
+                           f"cell {parts['node']} (at most 255)", hint="give the guest fewer devices")
+        slot = 1 + max((_slot(p) for p in mine), default=-1)
+        devices.append(_controller(index, "pcie-root-port", f"cell{parts['node']}-port{slot}",
+                                   plug=(parts["index"], slot)))
+
+
+def _slot(port) -> int:
+    a = port.find("address[@type='pci']")
+    return (PCI_ADDRESS.read(a, lenient=True)["slot"] or 0) if a is not None else 0
 
 
 def _full(plan: Plan, why: str):
@@ -102,13 +140,41 @@ def top_bus(devices) -> int:
     none): vstor numbers its buses below it."""
     out = 256
     for c in devices.iterfind("controller[@type='pci']"):
-        if own(c) or c.get("model") not in ("pcie-expander-bus", "pci-expander-bus"):
+        if own(c) or c.get("model") not in EXPANDERS:
             continue
-        try:
-            out = min(out, int(c.find("target").get("busNr")))
-        except (AttributeError, TypeError, ValueError):
-            out = min(out, 254)     # libvirt's choice for the first one without busNr
+        bus_nr = PCI_CONTROLLER.read(c, lenient=True)["bus_nr"]
+        out = min(out, 254 if bus_nr is None else bus_nr)   # 254: libvirt's for the first one without
     return out
+
+
+def _in_use(devices) -> tuple[set[int], int]:
+    """(the PCI controller indices the domain holds: its controllers' and
+    the buses its devices' addresses name; how many of its PCI controllers
+    have no index, which libvirt numbers itself)."""
+    used, unindexed = {0}, 0
+    for c in devices.iterfind("controller[@type='pci']"):
+        index = PCI_CONTROLLER.read(c, lenient=True)["index"]
+        if index is None:
+            unindexed += 1
+        else:
+            used.add(index)
+    used |= {guest_bus(e) for e in devices if isinstance(e.tag, str)} - {None}
+    return used, unindexed
+
+
+def free_indices(devices):
+    """The indices free for vstor's controllers, lowest first: the first
+    free ones are left to the controllers libvirt numbers itself."""
+    used, unindexed = _in_use(devices)
+    index = 0
+    while True:
+        index += 1
+        if index in used:
+            continue
+        if unindexed:
+            unindexed -= 1
+            continue
+        yield index
 
 
 # Devices that are not on a PCI bus (libvirt gives them no PCI address).
@@ -116,39 +182,12 @@ _NOT_PCI = {"emulator", "serial", "console", "channel", "graphics", "parallel", 
             "hub", "redirdev", "audio", "lease", "input", "video", "controller"}
 
 
-def first_index(devices, q35: bool, count: int = 1) -> int:
-    """The index of vstor's first controller (of `count`, contiguous): the
-    lowest with none of the domain's PCI controllers among them and, on
-    q35, as many free indices below as libvirt may need root ports for
-    devices it has yet to address.  libvirt fills a gap of indices with
-    root ports of its own and places an unaddressed device on the first
-    free port, which is then one of those and never a cell's spare.  A
-    domain libvirt has addressed gets vstor's controllers at the same
-    indices again (libvirt 9.0 keeps the controllers it added, some above
-    vstor's: a pcie-to-pci-bridge for a conventional PCI device)."""
-    used, unindexed = {0}, 0
-    for c in devices.iterfind("controller[@type='pci']"):
-        try:
-            used.add(int(c.get("index")))
-        except (TypeError, ValueError):
-            unindexed += 1          # libvirt numbers it: one of the free indices
-    for a in devices.iterfind("*/address[@type='pci']"):
-        try:                        # a bus a device of the operator's names is never vstor's
-            used.add(int(a.get("bus", "0"), 0))
-        except ValueError:
-            continue
-    need = unindexed + (_waiting(devices) if q35 else 0)
-    first, free_below = 1, 0
-    while free_below < need or used & set(range(first, first + count)):
-        free_below += first not in used
-        first += 1
-    return first
-
-
 def _waiting(devices) -> int:
     """How many root ports a q35 domain's devices take at define: those
     libvirt has yet to address, and the USB controller and memory balloon
-    libvirt adds when the domain has none."""
+    libvirt adds when the domain has none.  Only for counting the spare
+    ports of a domain libvirt has yet to define (`spare_ports`); no index
+    of vstor's depends on it."""
     need = sum(1 for e in devices if isinstance(e.tag, str) and _waits_for_port(e))
     return need + sum(1 for path in ("controller[@type='usb']", "memballoon") if devices.find(path) is None)
 
@@ -170,25 +209,16 @@ def orphans(devices, gone: set[int]) -> None:
     """Drop the guest address of a device libvirt put on a controller of
     vstor's that a new render replaces: libvirt addresses it again."""
     for e in devices:
-        a = e.find("address[@type='pci']") if isinstance(e.tag, str) else None
-        try:
-            on = int(a.get("bus", "0"), 0) if a is not None else None
-        except ValueError:
-            continue
-        if on in gone and not own(e):
-            e.remove(a)
+        if isinstance(e.tag, str) and guest_bus(e) in gone and not own(e):
+            e.remove(e.find("address[@type='pci']"))
 
 
 def address(bus: int, slot: int):
-    return etree.Element("address", type="pci", domain="0x0000", bus=f"0x{bus:02x}",
-                         slot=f"0x{slot:02x}", function="0x0")
+    return address_element(0, bus, slot, 0, type="pci")
 
 
 def _controller(index: int, model: str, name: str, *, bus_nr=None, node=None, plug=None):
-    c = etree.Element("controller", type="pci", index=str(index), model=model)
-    if bus_nr is not None:
-        target = etree.SubElement(c, "target", busNr=str(bus_nr))
-        etree.SubElement(target, "node").text = str(node)
+    c = PCI_CONTROLLER.write({"index": index, "model": model, "bus_nr": bus_nr, "node": node}, type="pci")
     etree.SubElement(c, "alias", name=ALIAS + name)
     if plug is not None:
         c.append(address(*plug))
@@ -224,20 +254,12 @@ def _free_ports(devices):
     """(vstor's guest cell or None, index) of each port a q35 guest takes a
     hot-plugged device on: a root port (or a switch's downstream port) no
     device sits on, hot-plug not off (index None: libvirt numbers it)."""
-    used = set()
-    for a in devices.iterfind("*/address[@type='pci']"):
-        try:
-            used.add(int(a.get("bus", "0"), 0))
-        except ValueError:
-            continue
+    used = {guest_bus(e) for e in devices if isinstance(e.tag, str)} - {None}
     for c in devices.iterfind("controller[@type='pci']"):
         target = c.find("target")
         if c.get("model") not in _PORTS or (target is not None and target.get("hotplug") == "off"):
             continue
-        try:
-            index = int(c.get("index"))
-        except (TypeError, ValueError):
-            index = None
+        index = PCI_CONTROLLER.read(c, lenient=True)["index"]
         if index not in used:
             alias = c.find("alias")
             found = _CELL_PORT.match((alias.get("name") or "") if alias is not None else "")

@@ -17,6 +17,7 @@ from __future__ import annotations
 from lxml import etree
 
 from vstor.host.model import format_cpulist
+from vstor.meta import topology
 from vstor.meta.plan import DiskPlan, Plan
 
 
@@ -45,15 +46,11 @@ def vhost_source(disk: DiskPlan):
 
 def hostdev(address: str):
     """A PCI <hostdev> of a controller ('0000:5e:00.0')."""
-    domain, bus, rest = address.split(":")
-    slot, function = rest.split(".")
     # managed='no': vstor binds vfio-pci itself, after its safety checks,
     # and gives the controller back to its driver at release.
     hd = etree.Element("hostdev", mode="subsystem", type="pci", managed="no")
     etree.SubElement(hd, "driver", name="vfio")
-    src = etree.SubElement(hd, "source")
-    etree.SubElement(src, "address", domain=f"0x{domain}", bus=f"0x{bus}",
-                     slot=f"0x{slot}", function=f"0x{function}")
+    etree.SubElement(hd, "source").append(topology.hostdev_source(address))
     return hd
 
 
@@ -153,10 +150,9 @@ def numa_cell(plan: Plan):
     memAccess='shared' is what lets a vhost-user backend map its memory."""
     numa = etree.Element("numa")
     for c in plan.guest_cells():
-        cell = etree.SubElement(numa, "cell", id=str(c.id), cpus=f"{c.vcpus[0]}-{c.vcpus[-1]}",
-                                memory=str(c.memory_kib), unit="KiB")
-        if _vhost(plan):
-            cell.set("memAccess", "shared")
+        numa.append(topology.NUMA_CELL.write({
+            "id": c.id, "cpus": f"{c.vcpus[0]}-{c.vcpus[-1]}", "memory": c.memory_kib, "unit": "KiB",
+            "access": "shared" if _vhost(plan) else None}))
     return numa
 
 

@@ -23,7 +23,7 @@ from vstor.host.model import Host, format_cpulist
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
 from vstor.records import record
-from vstor.meta.topology import hostdev_address
+from vstor.meta.topology import BadPart, hostdev_address, pci_address
 
 # SPDK in the guest gets 2 MiB pages (x86's default size, and setup.sh's) on
 # the guest's only NUMA cell (vstor renders one): min(1024 MB, a quarter of
@@ -193,18 +193,12 @@ def pci_path(dom: Domain, at, who: str) -> tuple[str, tuple[str, ...]]:
 
 
 def _numbers(at, who: str) -> tuple[int, int, int, int]:
-    limits = (("domain", 0xffff), ("bus", 0xff), ("slot", 0x1f), ("function", 7))
-    out = []
-    for key, top in limits:
-        text = at.get(key, "0")
-        try:
-            value = int(text, 0)
-        except ValueError:
-            value = -1
-        if not 0 <= value <= top:
-            raise BadInput(f"{who}: <address {key}='{one_line(text[:20])}'> is not a PCI {key}")
-        out.append(value)
-    return tuple(out)
+    """A guest <address>'s parts as libvirt reads them (topology.PCI_ADDRESS)."""
+    try:
+        return pci_address(at)
+    except BadPart as e:
+        raise BadInput(f"{who}: <address {e.where.lstrip('@')}='{one_line(e.text[:20])}'> "
+                       f"is not a PCI {e.name}") from None
 
 
 def spdk_vcpus(plan: Plan, ctrl_node: int, host: Host | None) -> tuple[tuple[int, ...], tuple[str, ...]]:

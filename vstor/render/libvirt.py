@@ -17,7 +17,7 @@ from vstor.meta.document import Domain
 from vstor.meta import metadata
 from vstor.meta.plan import Plan
 from vstor.render import buses, elements
-from vstor.meta.topology import hostdev_address   # its readers import it from here
+from vstor.meta.topology import hostdev_address, is_q35   # hostdev_address: its readers import it from here
 
 # libvirt's own order of <domain> children; new elements go where libvirt
 # would put them, so the output is stable and reads like `virsh dumpxml`.
@@ -28,15 +28,15 @@ _ORDER = ("name", "uuid", "genid", "title", "description", "metadata", "maxMemor
           "clock", "on_poweroff", "on_reboot", "on_crash", "pm", "perf", "devices")
 
 
-def render(dom: Domain, plan: Plan, previous: Plan | None = None) -> Domain:
+def render(dom: Domain, plan: Plan, previous: Plan | None = None, spares: bool = True) -> Domain:
+    """The domain as the plan renders it.  spares=False: without the spare
+    root ports of a q35 guest's cells, for libvirt to place the domain's
+    devices first; `with_spares` then adds them (render/buses.py)."""
     root = copy.deepcopy(dom.root)
     _drop_owned(root, plan, previous)
     place(root, plan)
     devices = _child(root, "devices")
-    q35 = "q35" in dom.machine
-    top = buses.top_bus(devices)
-    count = len(buses.layout(plan, q35, 0, top)[0])
-    controllers, addresses = buses.layout(plan, q35, buses.first_index(devices, q35, count), top)
+    controllers, addresses = buses.layout(plan, is_q35(dom.machine), devices)
     devices.extend(controllers)
     for disk in plan.disks:
         if disk.mode == "vhost":
@@ -46,7 +46,18 @@ def render(dom: Domain, plan: Plan, previous: Plan | None = None) -> Domain:
     if plan.viommu:
         _child(_child(root, "features"), "ioapic").set("driver", "qemu")
         devices.append(elements.iommu())
+    if spares:
+        buses.spares(devices, f"domain '{plan.domain}'")
     _sort_devices(devices)
+    return Domain(root, dom.origin)
+
+
+def with_spares(dom: Domain) -> Domain:
+    """A domain vstor rendered without its spare root ports (and libvirt
+    then addressed), with them: above every port libvirt made, so no device
+    of the domain's takes one."""
+    root = copy.deepcopy(dom.root)
+    buses.spares(_child(root, "devices"), f"domain '{dom.name}'")
     return Domain(root, dom.origin)
 
 

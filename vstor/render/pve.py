@@ -33,6 +33,7 @@ from vstor.formats.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of, vmid_of
 from vstor.formats.pve.words import shellwords
 from vstor.host.model import format_cpulist
 from vstor.meta.plan import Plan
+from vstor.meta.topology import is_q35
 from vstor.records import field, record
 from vstor.render import pve_cells
 
@@ -235,7 +236,7 @@ def _hostpci(conf: PveConfig, plan: Plan, previous: tuple[Plan, ...], vm: int,
     if any(d.guest == "spdk" for d in plan.disks if d.mode == "passthrough") and not viommu_of(conf):
         raise BadInput(f"VM {vm}: a disk with guest='spdk' needs a vIOMMU in the guest",
                        hint=f"qm set {vm} --machine q35,viommu=intel")
-    pcie = ",pcie=1" if machine.startswith(("q35", "pc-q35")) else ""
+    pcie = ",pcie=1" if is_q35(machine) else ""
     out: dict[str, str | None] = {}
     placed: dict[str, str] = {}
     seen: set[str] = set()

@@ -32,14 +32,12 @@ from collections import Counter
 
 from vstor.errors import BadInput
 from vstor.meta.plan import Plan
+from vstor.meta.topology import is_q35
+from vstor.render import expander
 
 ID = "vstor-"
 Q35_SLOT = 0x8
 I440FX_SLOT = 0x1a
-
-
-def is_q35(machine: str) -> bool:
-    return machine.startswith(("q35", "pc-q35"))
 
 
 def buses(plan: Plan, machine: str) -> tuple[list[str], dict[str, str]]:
@@ -49,37 +47,35 @@ def buses(plan: Plan, machine: str) -> tuple[list[str], dict[str, str]]:
     if len(plan.guest_cells()) < 2:
         return [], {}
     q35 = is_q35(machine)
+    cells = [(c.id, [d.target for d in plan.disks if d.mode == "vhost" and plan.disk_cell(d).id == c.id])
+             for c in plan.guest_cells()]
+    try:        # i440fx: slot 0 of a pxb is its bridge's
+        laid = expander.expanders([c for c in cells if c[1]], q35, first_slot=0 if q35 else 1)
+    except expander.Full as e:
+        raise BadInput(f"{plan.domain}: guest cell {e.cell} has {e.devices} vhost disks; its "
+                       f"expander bus has {e.slots} slots",
+                       hint="put fewer disks in the cell, or give the guest more cells") from None
+    if len(laid) > 8:           # MAX_CELLS is 8: cannot happen
+        raise BadInput(f"{plan.domain}: more than 8 guest cells with vhost disks",
+                       hint="give the guest at most 8 cells")
     out: list[str] = []
     where: dict[str, str] = {}
-    bus_nr, function = 256, 0
-    for cell in plan.guest_cells():
-        mine = [d.target for d in plan.disks if d.mode == "vhost" and plan.disk_cell(d).id == cell.id]
-        if not mine:
-            continue
-        if len(mine) > (32 if q35 else 31):     # i440fx: slot 0 of a pxb is its bridge's
-            raise BadInput(f"{plan.domain}: guest cell {cell.id} has {len(mine)} vhost disks; its "
-                           f"expander bus has {32 if q35 else 31} slots",
-                           hint="put fewer disks in the cell, or give the guest more cells")
-        if function > 7:        # MAX_CELLS is 8: cannot happen
-            raise BadInput(f"{plan.domain}: more than 8 guest cells with vhost disks",
-                           hint="give the guest at most 8 cells")
-        bus_nr -= 1 + (len(mine) if q35 else 1)
-        if bus_nr < 64:         # qemu-server's own bridges and ports are far below
-            raise BadInput(f"{plan.domain}: guest cell {cell.id}: too many vhost disks for the PCI "
+    for function, bus in enumerate(laid):
+        if bus.bus_nr < 64:         # qemu-server's own bridges and ports are far below
+            raise BadInput(f"{plan.domain}: guest cell {bus.cell}: too many vhost disks for the PCI "
                            "bus numbers of the guest's expander buses", hint="give the VM fewer disks")
-        expander = f"{ID}cell{cell.id}"
+        name = f"{ID}cell{bus.cell}"
         model, root, slot = ("pxb-pcie", "pcie.0", Q35_SLOT) if q35 else ("pxb", "pci.0", I440FX_SLOT)
-        out.append(f"{model},id={expander},bus_nr={bus_nr},numa_node={cell.id},bus={root},"
+        out.append(f"{model},id={name},bus_nr={bus.bus_nr},numa_node={bus.cell},bus={root},"
                    f"addr=0x{slot:x}.{function},multifunction=on")
-        function += 1
-        for i, target in enumerate(mine):
+        for i, target in enumerate(bus.devices):
             if q35:
-                port = f"{expander}-{target}"
-                out.append(f"pcie-root-port,id={port},bus={expander},addr=0x{i:x},"
-                           f"chassis={bus_nr + 1 + i}")
+                port = f"{name}-{target}"
+                out.append(f"pcie-root-port,id={port},bus={name},addr=0x{i:x},"
+                           f"chassis={bus.bus_nr + 1 + i}")
                 where[target] = f",bus={port},addr=0x0"
             else:
-                where[target] = f",bus={expander},addr=0x{i + 1:x}"
+                where[target] = f",bus={name},addr=0x{i + 1:x}"
     return out, where
 
 
