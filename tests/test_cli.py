@@ -145,6 +145,43 @@ def test_apply_replans_a_domain_defined_with_virsh(host_layout, cfg, capsys, tes
     conn.lookupByName("demo1").undefine()
 
 
+def _second_define_refused(monkeypatch):
+    """libvirt refuses the second step of a define with cells (the spares)."""
+    from vstor.errors import BadInput
+    from vstor.runtime import virt
+    real, calls = virt.define, []
+
+    def define(conn, xml):
+        calls.append(xml)
+        if len(calls) == 2:
+            raise BadInput("libvirt refused the rendered domain: (the test's refusal)")
+        return real(conn, xml)
+    monkeypatch.setattr(virt, "define", define)
+    return calls
+
+
+def test_a_define_with_cells_whose_second_step_is_refused_leaves_nothing(host_layout, cfg, capsys,
+                                                                          testconn, monkeypatch):
+    calls = _second_define_refused(monkeypatch)
+    assert main(["-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"), "define",
+                 os.path.join(TEMPLATES, "vhost-two-nodes.xml")]) == 2
+    assert "the test's refusal" in capsys.readouterr().err and len(calls) == 2
+    assert "db1" not in testconn.listDefinedDomains()
+
+
+def test_an_apply_with_cells_whose_second_step_is_refused_keeps_the_definition(host_layout, cfg, capsys,
+                                                                                testconn, monkeypatch):
+    from lxml import etree
+    name = etree.fromstring(open(os.path.join(TEMPLATES, "vhost-two-nodes.xml"), "rb").read()).findtext("name")
+    testconn.defineXML(open(os.path.join(TEMPLATES, "vhost-two-nodes.xml")).read())
+    before = testconn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+    calls = _second_define_refused(monkeypatch)
+    assert main(["-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"), "apply", name]) == 2
+    assert len(calls) == 3          # the first step, the refused second, the definition put back
+    assert testconn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE) == before
+    testconn.lookupByName(name).undefine()
+
+
 def test_apply_of_an_unknown_domain_is_bad_input(host_layout, cfg, capsys):
     assert main(["-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"), "apply", "nope"]) == 2
     assert "domain 'nope' is not defined" in capsys.readouterr().err

@@ -169,18 +169,37 @@ def _define(ctx, dom: Domain, dry_run: bool) -> int:
         if dry_run:
             sys.stdout.write(out.to_string())
             return 0
-        defined = virt.define(conn, out.to_string())
         if len(plan.guest_cells()) > 1:
-            # libvirt has placed every device: the spare ports of the cells go above its own
-            from vstor.render.libvirt import with_spares
-            addressed = Domain.parse(virt.inactive_xml(defined, persistent=True), f"domain '{plan.domain}'")
-            final = with_spares(addressed)
-            if final.to_string() != addressed.to_string():
-                virt.define(conn, final.to_string())
+            _define_with_spares(conn, plan.domain, out)
+        else:
+            virt.define(conn, out.to_string())
     save_pending()      # the other domains' holdings by their XML: the next plan reads them
     print(f"Domain '{plan.domain}' defined: " + ", ".join(
         f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", {where(plan)}")
     return 0
+
+
+def _define_with_spares(conn, name: str, out: Domain) -> None:
+    """Define a guest with cells in two steps: libvirt places every device
+    first, then the cells' spare ports go above the ports it made. A second
+    step libvirt refuses puts back what was defined before (or nothing)."""
+    from vstor.render.libvirt import with_spares
+    from vstor.runtime import virt
+    before = None if virt.state(conn, name) == "not defined" else virt.lookup(conn, name)
+    before_xml = virt.inactive_xml(before) if before is not None and before.isPersistent() else None
+    defined = virt.define(conn, out.to_string())
+    addressed = Domain.parse(virt.inactive_xml(defined, persistent=True), f"domain '{name}'")
+    final = with_spares(addressed)
+    if final.to_string() == addressed.to_string():
+        return
+    try:
+        virt.define(conn, final.to_string())
+    except BaseException:
+        if before_xml is not None:
+            virt.define(conn, before_xml)
+        elif not defined.isActive():
+            defined.undefine()
+        raise
 
 
 # -- output ---------------------------------------------------------------------------
