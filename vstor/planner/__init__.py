@@ -17,7 +17,6 @@ from vstor.meta.names import MIGRATION_SUBNQN, bdev_name, socket_path, spdk_cont
 from vstor.meta.plan import CellPlan, DiskPlan, Plan
 from vstor.planner import cells
 from vstor.planner.disks import DiskChoice, NoFit, choose_all
-from vstor.planner.cells import candidate_nodes  # noqa: F401 (the start check's)
 from vstor.planner.ledger import Ledger, Overlay
 from vstor.planner.placement import CpuPlacement
 from vstor.planner.spdk_paths import attach_paths

@@ -28,12 +28,8 @@ from vstor.planner.placement import (CpuPlacement, counted, place_cpus, place_hu
 from vstor.records import replace
 
 
-def count(self) -> int:
-        return len(self.vcpus)
-
-
 def count(req, choices, page_kib: int | None = None) -> int:
-    """How many guest cells the domain gets (1: the one-node plan)."""
+    """How many guest cells the domain gets (1: a one-node guest)."""
     vm = req.intent.vm
     explicit = [d.cell for d in req.intent.disks if d.cell is not None]
     if vm.cpus == "external":

@@ -13,6 +13,8 @@ refused before any of that.
 
 from __future__ import annotations
 
+from itertools import islice
+
 from vstor import records
 from vstor.config import Config
 from vstor.errors import BadInput
@@ -188,7 +190,7 @@ def _cells(host: Host, cfg: Config, req: Request, plan: Plan, choices, taken: Ov
     emulator: set[int] = set()
     for c in plan.guest_cells():
         node = host.node(c.node)
-        mine = tuple(next(pins) for _ in c.vcpus) if plan.vcpu_pins else ()
+        mine = tuple(islice(pins, len(c.vcpus)))       # a forged plan may have fewer
         placed = _cpus(host, cfg, plan, c, node, mine, taken, several)
         out = placed if isinstance(placed, list) else []
         out += wrong_size or _memory(cfg, req, plan, c, node, taken, page_kib, several)

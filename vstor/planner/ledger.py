@@ -133,8 +133,9 @@ class Overlay:
         self._pages[(node, page_kib)] += pages
         self._bound[node] += bound_kib
 
-    def take_disk(self, backend: str, controller: str | None, connections=()) -> None:
-        self.own_connections.update(connections)
+    def take_disk(self, backend: str, controller: str | None, paths=()) -> None:
+        """A disk's controller (by its backend) and NVMe-oF (path, controller)s."""
+        self.own_connections.update(paths)
         if controller is not None:
             {"vfio": self.own_passthrough, "spdk": self.own_spdk,
              "qsd": self.own_kernel}[backend].add(controller)
