@@ -240,7 +240,7 @@ def place_node(host, cfg, req, node_id: int, vcpus: int, memory_kib: int, ledger
                bind: bool = True):
     """vCPUs and memory (hugepages from the node's pool, or ordinary memory
     bound there when `bind`) on one host node: (CpuPlacement, pages) or NoFit.
-    A one-node guest's whole placement, or one cell's."""
+    One cell's (a one-node guest's one cell too)."""
     node = host.node(node_id)
     if node is None:
         return NoFit(f"node {node_id} is not online on this host")
