@@ -156,6 +156,34 @@ def test_the_start_check_names_the_cell_whose_cores_another_domain_took(host_mod
     assert out and out[0].startswith("guest cell 1: CPUs") and "thief" in out[0]
 
 
+def test_a_cell_plan_with_fewer_pins_than_vcpus_is_refused_not_a_crash(host_model):
+    """A forged plan whose pins run out before its cells' vCPUs do: each cell
+    takes the pins there are, and the start check names the first cell they
+    do not fit (it raised StopIteration, an internal error, before)."""
+    host = host_model("two-socket")
+    req = request(nvme("0000:3b:00.0", backend="qsd") + nvme("0000:5e:00.0", target="vdc", backend="qsd"))
+    plan = plan_domain(host, SPDK_CFG, req, Ledger())
+    assert len(plan.cells) == 2
+    for pins in (plan.vcpu_pins[:1], plan.vcpu_pins[:3]):
+        out = fit.problems(host, SPDK_CFG, req, replace(plan, vcpu_pins=pins), Ledger())
+        assert out and all(line.startswith("guest cell ") for line in out), out
+
+
+def test_a_one_node_guest_is_one_cell_of_the_same_shape(host_model):
+    """One plan shape: a one-node plan records no <cell> (as vstor always
+    wrote it) and reads as one CellPlan, the type a plan with cells holds."""
+    from vstor.meta.plan import CellPlan
+    host = host_model("two-socket")
+    one = plan_domain(host, SPDK_CFG, request(nvme("0000:5e:00.0", backend="spdk"),
+                                              vm="<vstor:vm hugepages='2M'/>", vcpus=2), Ledger())
+    two = plan_domain(host, SPDK_CFG, request(nvme("0000:3b:00.0", backend="spdk") + nvme(
+        "0000:5e:00.0", target="vdc", backend="spdk"), vm="<vstor:vm hugepages='2M'/>"), Ledger())
+    assert not one.cells and len(two.cells) == 2
+    assert {type(c) for c in one.guest_cells() + two.guest_cells()} == {CellPlan}
+    assert one.guest_cells() == (CellPlan(0, one.node, (0, 1), one.memory_kib, one.hugepages, one.emulator),)
+    assert one.disk_cell(one.disks[0]).id == 0
+
+
 def test_a_one_cell_plan_made_before_cells_still_passes_the_start_check(host_model):
     """A domain planned before guests had cells keeps its plan: the start
     check takes a recorded one-node plan as one (re-planning is the

@@ -146,6 +146,28 @@ def test_hugepages_promised_to_stopped_domains_count_but_running_ones_do_not(hos
     plan_domain(host, SPDK_CFG, req, Ledger([Holding.from_plan(other, active=True)]))
 
 
+
+def test_the_overlay_adds_what_the_domain_claimed_to_the_ledger_it_overlays(host_model):
+    """One overlay for what the domain being planned took so far (its cells'
+    cores, pages, bound memory and reactors, its disks' controllers): asked
+    as the ledger, it answers the base's rules plus those claims, and the
+    base is left as it was."""
+    from vstor.planner.ledger import Overlay
+    host = host_model("two-socket")
+    other = plan_domain(host, SPDK_CFG, request(nvme("0000:5f:00.0", backend="spdk"), name="o",
+                                                memory_mib=8192), Ledger())
+    base = Ledger([Holding.from_plan(other, active=False)])
+    taken = Overlay(base)
+    taken.take_node("me", (40, 41), 1, 2048, 100, 0)
+    taken.take_node("me", (), 0, None, 0, 4096)
+    taken.take_disk("qsd", "0000:5e:00.0", (("10.0.0.1:4420", "c"),))
+    assert taken.promised_hugepages(1, 2048) == base.promised_hugepages(1, 2048) + 100 == 4196
+    assert taken.bound_memory_kib(0) == 4096 and base.bound_memory_kib(0) == 0
+    assert taken.cpu_owner[40] == "me" and 40 not in base.cpu_owner
+    assert all(taken.cpu_owner[c] == "o" for c in other.vcpu_pins)
+    assert taken.own_kernel == {"0000:5e:00.0"} and taken.own_connections == {"10.0.0.1:4420": "c"}
+    assert taken.running("o") is False and taken.holdings == base.holdings     # the rest is the base's
+
 # -- ordinary memory bound to a node (VMs without hugepages) ----------------------------------
 # two-socket: each node has 192 GiB, 48 GiB of it in hugepage pools (8192 x 2 MiB, 32 x 1 GiB),
 # and [memory] reserved keeps 1 GiB for the host: 143 GiB for VMs bound to the node.

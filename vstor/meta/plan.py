@@ -113,8 +113,11 @@ class DiskPlan:
 @element("cell", where="id", ordered=True)
 @record
 class CellPlan:
-    """One guest NUMA cell of a guest that has several: its vCPUs (guest
-    numbering), memory and hugepages, on host node `node`."""
+    """One guest NUMA cell: its vCPUs (guest numbering), memory and
+    hugepages, on host node `node`.  Recorded for a guest with several; a
+    one-node guest's one cell is the plan's own fields (Plan.guest_cells),
+    and there `node` may be None (bound to no host node).  Before placement
+    (vstor.planner.cells) `node` is the node its disks' devices need."""
     id: int = attr(CELL, required=True)
     node: int = attr(Int(0, 1023), required=True)
     vcpus: tuple[int, ...] = attr(CPULIST, required=True, default=())
@@ -143,7 +146,7 @@ class Plan:
     hugepages: int = attr(Int(0, 2**40), default=0)    # pages of hugepage_kib on `node`
     viommu: bool = attr(YesNo(), default=False)
     migratable: bool = attr(YesNo(), default=False)
-    # Several guest cells (vstor.planner.cells); none: one cell on `node`.
+    # Several guest cells (vstor.planner.cells); none: one cell on `node` (guest_cells).
     cells: tuple[CellPlan, ...] = children(CellPlan, unique="id")
     disks: tuple[DiskPlan, ...] = children(DiskPlan, unique="target")
     reasons: tuple[str, ...] = texts("reason")
@@ -160,7 +163,7 @@ class Plan:
         without them gives the guest (node None: bound to no host node)."""
         if self.cells:
             return self.cells
-        return (_OneCell(0, self.node, tuple(range(self.vcpus)), self.memory_kib, self.hugepages,
+        return (CellPlan(0, self.node, tuple(range(self.vcpus)), self.memory_kib, self.hugepages,
                          self.emulator),)
 
     def disk_cell(self, disk: DiskPlan) -> CellPlan:
@@ -173,13 +176,3 @@ class Plan:
                 return d
         return None
 
-
-@record
-class _OneCell:
-    """CellPlan's fields for a plan without cells (its node may be None)."""
-    id: int
-    node: int | None
-    vcpus: tuple[int, ...]
-    memory_kib: int
-    hugepages: int
-    emulator: tuple[int, ...]

@@ -6,8 +6,6 @@ Pure and deterministic: no I/O, and the same inputs give the same plan.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from vstor.config import Config, conflicts
 from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import Host
@@ -16,11 +14,12 @@ from vstor.meta.document import Domain
 from vstor.meta.intent import Intent, NvmfSource
 from vstor.meta.metadata import digest
 from vstor.meta.names import MIGRATION_SUBNQN, bdev_name, socket_path, spdk_controller_name
-from vstor.meta.plan import DiskPlan, Plan
+from vstor.meta.plan import CellPlan, DiskPlan, Plan
+from vstor.meta.topology import is_q35
 from vstor.planner import cells
 from vstor.planner.disks import DiskChoice, NoFit, choose_all
-from vstor.planner.ledger import Ledger
-from vstor.planner.placement import CpuPlacement, place_reactor, ranked_nodes
+from vstor.planner.ledger import Ledger, Overlay
+from vstor.planner.placement import CpuPlacement
 from vstor.planner.spdk_paths import attach_paths
 from vstor.records import record, replace
 
@@ -99,30 +98,15 @@ class Request:
 def plan_domain(host: Host, cfg: Config, req: Request, ledger: Ledger) -> Plan:
     _check_config(cfg)
     check_request(req)
-    ledger = ledger.without(req.name, req.uuid)
-    choices = choose_all(host, cfg, req.intent.vm, req.disks(), ledger)
+    taken = Overlay(ledger.without(req.name, req.uuid))
+    choices = choose_all(host, cfg, req.intent.vm, req.disks(), taken)
     if isinstance(choices, NoFit):
         raise DoesNotFit(f"{req.who} does not fit: {choices.reason}")
     page_kib = page_size(req, choices)
-    n = cells.count(req, choices, page_kib)
-    if n > 1:
-        lay = cells.layout(req, choices, n, page_kib)
-        placed = cells.place(host, cfg, req, choices, ledger, lay, page_kib, grow_pool(cfg, req))
-        if isinstance(placed, NoFit):
-            raise DoesNotFit(f"{req.who} does not fit: {placed.reason}")
-        guest_cells, cpus, reactors, reasons = placed
-        return _assemble(host, cfg, req, choices, guest_cells[0].node, "", page_kib, cpus,
-                         sum(c.hugepages for c in guest_cells), reactors,
-                         guest_cells, dict(lay.disk_cell), reasons)
-    failures: list[str] = []
-    for node_id, why in candidate_nodes(host, cfg, req, choices, ledger):
-        placed = _place_on(host, cfg, req, choices, ledger, node_id, page_kib)
-        if isinstance(placed, NoFit):
-            failures.append(placed.reason)
-            continue
-        return _assemble(host, cfg, req, choices, node_id, why, page_kib, *placed)
-    raise DoesNotFit(f"{req.who} does not fit: {failures[0]}",
-                     reasons=tuple(failures))
+    guest_cells, disk_cell = cells.layout(req, choices, cells.count(req, choices, page_kib), page_kib)
+    placed, cpus, reactors, reasons = cells.place(host, cfg, req, choices, taken, guest_cells, disk_cell,
+                                                  page_kib, grow_pool(cfg, req))
+    return _assemble(host, cfg, req, choices, page_kib, placed, disk_cell, cpus, reactors, reasons)
 
 
 def grow_pool(cfg: Config, req: Request) -> Config | None:
@@ -167,49 +151,15 @@ def page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
     return size
 
 
-def candidate_nodes(host, cfg, req, choices, ledger):
-    """Nodes to try, best first, with why each is a candidate."""
-    device = [(c.node, c.node_from) for c in choices if c.node is not None]
-    if device:
-        node, origin = device[0]
-        yield node, f"node {node}: where {origin} is"
-        if req.intent.vm.numa == "strict":
-            return
-    elif len(host.nodes) == 1:
-        yield host.nodes[0].id, f"node {host.nodes[0].id}: the host's only node"
-        return
-    for n in ranked_nodes(host, cfg, ledger):
-        if device and n.id == device[0][0]:
-            continue
-        yield n.id, (f"node {n.id}: the device's node has no room (numa='{req.intent.vm.numa}')"
-                     if device else f"node {n.id}: no device ties the VM to a node; the freest")
-
-
-def _place_on(host, cfg, req, choices, ledger, node_id, page_kib):
-    got = cells.place_node(host, cfg, req, node_id, req.vcpus, req.memory_kib, ledger, page_kib,
-                           grow_pool(cfg, req), bind=req.intent.vm.numa != "none")
-    if isinstance(got, NoFit):
-        return got
-    cpus, pages = got
-    node = host.node(node_id)
-    reactors: dict[str, tuple[int, str]] = {}
-    load = Counter(ledger.reactor_load)
-    for c in choices:
-        if c.backend != "spdk":
-            continue
-        picked = place_reactor(cfg, node, req.intent.vm.numa == "strict", load)
-        if isinstance(picked, NoFit):
-            return picked
-        reactors[c.disk.target] = picked
-        load[picked[0]] += 1
-    return cpus, pages, reactors
-
-
-def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
-              cpus: CpuPlacement, pages: int, reactors, guest_cells=(), disk_cell=None,
-              cell_reasons=()) -> Plan:
+def _assemble(host, cfg, req, choices, page_kib, guest_cells: tuple[CellPlan, ...], disk_cell: dict,
+              cpus: CpuPlacement, reactors, reasons) -> Plan:
+    """The plan of the placed cells: one cell is recorded as the plan's node
+    (no <cell> elements, as vstor has always written a one-node guest)."""
     vm = req.intent.vm
-    reasons = [*cell_reasons] if guest_cells else [node_why, *cpus.reasons]
+    reasons = list(reasons)
+    node_id, pages = guest_cells[0].node, sum(c.hugepages for c in guest_cells)
+    if len(guest_cells) == 1:
+        guest_cells = ()
     nodes = {c.node for c in choices if c.node is not None}
     at = {c.id: c.node for c in guest_cells}
     for c in choices:
@@ -236,7 +186,7 @@ def _assemble(host, cfg, req, choices, node_id, node_why, page_kib,
     disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target),
                             disk_cell[c.disk.target] if guest_cells else None) for c in choices)
     viommu = any(d.mode == "passthrough" and d.guest == "spdk" for d in disks)
-    if viommu and "q35" not in req.machine:
+    if viommu and not is_q35(req.machine):
         raise BadInput(f"{req.who}: guest='spdk' needs a vIOMMU, which needs the q35 "
                        f"machine (this domain has '{req.machine or 'the default'}')",
                        hint="set <os><type machine='q35'>hvm</type>")

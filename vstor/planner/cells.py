@@ -1,4 +1,5 @@
-"""Guests with several NUMA cells.
+"""A guest's NUMA cells, and the one placement path that puts each on a
+host node.  A one-node guest is a guest with one cell.
 
 A VM whose disks sit on devices of several host nodes gets one guest cell
 per node (`<vstor:vm cells>`: unset means so, 'spread' always, a number
@@ -14,34 +15,21 @@ Pure, like the rest of the planner.
 
 from __future__ import annotations
 
-from collections import ChainMap, Counter
+from collections import Counter
 
-from vstor.errors import BadInput
+from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import format_cpulist
 from vstor.meta.intent import MAX_CELLS
 from vstor.meta.plan import CellPlan
 from vstor.planner.disks import NoFit
+from vstor.planner.ledger import Overlay
 from vstor.planner.placement import (CpuPlacement, counted, place_cpus, place_hugepages, place_memory,
                                      place_reactor, ranked_nodes)
-from vstor.records import record
-
-
-@record
-class Layout:
-    """The guest's cells before any host node is chosen: how many, each
-    one's vCPUs and memory, and which disk sits in which."""
-    vcpus: tuple[tuple[int, ...], ...]          # per cell, guest vCPU ids
-    memory_kib: tuple[int, ...]                 # per cell
-    disk_cell: tuple[tuple[str, int], ...]      # (target, cell)
-    nodes: tuple[int | None, ...]               # per cell, the node its disks' devices need
-
-    @property
-    def count(self) -> int:
-        return len(self.vcpus)
+from vstor.records import replace
 
 
 def count(req, choices, page_kib: int | None = None) -> int:
-    """How many guest cells the domain gets (1: the one-node plan)."""
+    """How many guest cells the domain gets (1: a one-node guest)."""
     vm = req.intent.vm
     explicit = [d.cell for d in req.intent.disks if d.cell is not None]
     if vm.cpus == "external":
@@ -77,10 +65,16 @@ def count(req, choices, page_kib: int | None = None) -> int:
     return n
 
 
-def layout(req, choices, n: int, page_kib: int | None) -> Layout:
-    """Cells, their vCPUs and memory split evenly (the first cells take the
-    remainders) or as a migration's arriving domain has them, and each
-    disk's cell; BadInput for what cannot be split."""
+def layout(req, choices, n: int, page_kib: int | None):
+    """The guest's cells before any host node is chosen, each with its
+    vCPUs and memory split evenly (the first cells take the remainders) or
+    as a migration's arriving domain has them, and `node` the host node its
+    disks' devices need (None: no device ties it); and each disk's cell,
+    {target: cell}.  BadInput for what cannot be split."""
+    if n == 1:
+        node = next((c.node for c in choices if c.node is not None), None)
+        return ((CellPlan(0, node, tuple(range(req.vcpus)), req.memory_kib),),
+                {c.disk.target: 0 for c in choices})
     if req.fixed_cells:
         vcpus = tuple(c.vcpus for c in req.fixed_cells)
         memory = tuple(c.memory_kib for c in req.fixed_cells)
@@ -124,8 +118,8 @@ def layout(req, choices, n: int, page_kib: int | None) -> Layout:
         k = 0 if k is None else k
         nodes[k] = c.node if nodes[k] is None else nodes[k]
         cell[c.disk.target] = k
-    disk_cell = tuple((c.disk.target, cell.get(c.disk.target, 0)) for c in choices)
-    return Layout(tuple(vcpus), tuple(memory), disk_cell, tuple(nodes))
+    return (tuple(CellPlan(k, nodes[k], tuple(vcpus[k]), memory[k]) for k in range(n)),
+            {c.disk.target: cell.get(c.disk.target, 0) for c in choices})
 
 
 def _split(req, n: int, page_kib: int | None):
@@ -146,103 +140,107 @@ def _split(req, n: int, page_kib: int | None):
     return vcpus, memory
 
 
-class _Taken:
-    """The ledger plus what the cells placed so far hold: cells may share a
-    host node, and no core or page is given twice."""
-
-    def __init__(self, ledger):
-        self.base = ledger
-        self.cpu_owner = ChainMap({}, ledger.cpu_owner)
-        self.reactor_load = Counter(ledger.reactor_load)
-        self._pages: Counter = Counter()
-        self._bound: Counter = Counter()
-
-    def take(self, domain: str, cpus, node: int, page_kib, pages: int, bound_kib: int) -> None:
-        for cpu in cpus:
-            self.cpu_owner.maps[0][cpu] = domain
-        self._pages[(node, page_kib)] += pages
-        self._bound[node] += bound_kib
-
-    def promised_hugepages(self, node: int, size_kib: int) -> int:
-        return self.base.promised_hugepages(node, size_kib) + self._pages[(node, size_kib)]
-
-    def running(self, domain: str) -> bool | None:
-        return self.base.running(domain)
-
-    def bound_memory_kib(self, node: int) -> int:
-        return self.base.bound_memory_kib(node) + self._bound[node]
-
-
-def place(host, cfg, req, choices, ledger, lay: Layout, page_kib, grow):
-    """Each cell placed on its node (a cell no device ties to a node: the
-    freest, nodes no other cell has first); (cells, cpus, reactors, reasons)
-    or NoFit naming the cell."""
-    vm = req.intent.vm
-    taken = _Taken(ledger)
-    cells, pins, reserved, shared, emulator, reasons = [], [], set(), set(), set(), []
-    for k in range(lay.count):
-        ranked = [n.id for n in ranked_nodes(host, cfg, taken)]    # as the cells before left them
-        wanted = lay.nodes[k]
-        if wanted is None:
-            used = {c.node for c in cells} | {n for n in lay.nodes if n is not None}
-            tries = [n for n in ranked if n not in used] + ranked
-            why = "no device ties it to a node; the freest"
-        else:
-            tries = [wanted] + ([] if vm.numa == "strict" else [n for n in ranked if n != wanted])
-            why = "where its disks' devices are"
-        failures = []
-        for node_id in dict.fromkeys(tries):
-            got = _place_cell(host, cfg, req, taken, k, node_id, lay, page_kib, grow)
-            if isinstance(got, NoFit):
-                failures.append(got.reason)
-                continue
-            cell, cpus = got
-            break
-        else:
-            return NoFit(f"guest cell {k} ({counted(len(lay.vcpus[k]), 'vCPU')}, "
-                         f"{lay.memory_kib[k] // 1024} MiB): {failures[0]}")
-        if cell.node != wanted and wanted is not None:
-            why = f"node {wanted}, where its disks' devices are, has no room (numa='{vm.numa}')"
-        cells.append(cell)
-        pins += cpus.vcpu_pins
-        reserved.update(cpus.reserved)
-        shared.update(cpus.shared)
-        emulator.update(cpus.emulator)
-        reasons.append(f"guest cell {k}: vCPUs {format_cpulist(cell.vcpus)} and "
-                       f"{cell.memory_kib // 1024} MiB on host node {cell.node} ({why})")
-        reasons += cpus.reasons
-    cpus = CpuPlacement(tuple(pins), tuple(sorted(reserved)), tuple(sorted(shared)),
-                        tuple(sorted(emulator)), ())
-    reactors = {}
-    node_of = dict(lay.disk_cell)
-    for c in choices:
-        if c.backend != "spdk":
+def candidate_nodes(host, cfg, req, choices, ledger):
+    """The nodes to try for a one-cell guest, best first, with why each is a
+    candidate."""
+    device = [(c.node, c.node_from) for c in choices if c.node is not None]
+    if device:
+        node, origin = device[0]
+        yield node, f"node {node}: where {origin} is"
+        if req.intent.vm.numa == "strict":
+            return
+    elif len(host.nodes) == 1:
+        yield host.nodes[0].id, f"node {host.nodes[0].id}: the host's only node"
+        return
+    for n in ranked_nodes(host, cfg, ledger):
+        if device and n.id == device[0][0]:
             continue
-        cell = cells[node_of[c.disk.target]]
-        picked = place_reactor(cfg, host.node(cell.node), vm.numa == "strict", taken.reactor_load)
-        if isinstance(picked, NoFit):
-            return NoFit(f"disk {c.disk.target} in guest cell {cell.id}: {picked.reason}")
-        reactors[c.disk.target] = picked
-        taken.reactor_load[picked[0]] += 1
-    return tuple(cells), cpus, reactors, tuple(reasons)
+        yield n.id, (f"node {n.id}: the device's node has no room (numa='{req.intent.vm.numa}')"
+                     if device else f"node {n.id}: no device ties the VM to a node; the freest")
 
 
-def _place_cell(host, cfg, req, taken: _Taken, k: int, node_id: int, lay: Layout, page_kib, grow):
-    vcpus, memory = lay.vcpus[k], lay.memory_kib[k]
-    got = place_node(host, cfg, req, node_id, len(vcpus), memory, taken, page_kib, grow)
+def _cell_nodes(host, cfg, req, taken, cells, k: int, placed):
+    """The nodes to try for cell k of several, best first, with why: its
+    disks' devices' node, or the freest nodes no other cell has first."""
+    ranked = [n.id for n in ranked_nodes(host, cfg, taken)]    # as the cells before left them
+    wanted, numa = cells[k].node, req.intent.vm.numa
+    if wanted is None:
+        used = {c.node for c in placed} | {c.node for c in cells if c.node is not None}
+        for node in dict.fromkeys([n for n in ranked if n not in used] + ranked):
+            yield node, "no device ties it to a node; the freest"
+        return
+    yield wanted, "where its disks' devices are"
+    if numa != "strict":
+        for node in ranked:
+            if node != wanted:
+                yield node, f"node {wanted}, where its disks' devices are, has no room (numa='{numa}')"
+
+
+def place(host, cfg, req, choices, taken: Overlay, cells, disk_cell: dict, page_kib, grow):
+    """Each cell on a host node, in order: its vCPUs, memory and hugepages,
+    and its SPDK disks' reactors, taken into `taken` (cells may share a
+    node); (cells, cpus, reactors, reasons), or DoesNotFit naming what is
+    short (the cell, when there are several)."""
+    several = len(cells) > 1
+    placed, pins, reserved, shared, emulator, reasons, reactors = [], [], [], [], [], [], {}
+    for cell in cells:
+        tries = (_cell_nodes(host, cfg, req, taken, cells, cell.id, placed) if several
+                 else candidate_nodes(host, cfg, req, choices, taken))
+        mine = [c for c in choices if c.backend == "spdk" and disk_cell[c.disk.target] == cell.id]
+        failures = []
+        for node_id, why in tries:
+            got = _place_cell(host, cfg, req, taken, cell, node_id, mine, page_kib, grow, several)
+            if not isinstance(got, NoFit):
+                break
+            failures.append(got.reason)
+        else:
+            where = (f"guest cell {cell.id} ({counted(len(cell.vcpus), 'vCPU')}, "
+                     f"{cell.memory_kib // 1024} MiB): " if several else "")
+            raise DoesNotFit(f"{req.who} does not fit: {where}{failures[0]}", reasons=tuple(failures))
+        cell, cpus, picked = got
+        placed.append(cell)
+        pins += cpus.vcpu_pins
+        reserved += cpus.reserved
+        shared += cpus.shared
+        emulator += cpus.emulator
+        reactors.update(picked)
+        if several:
+            why = (f"guest cell {cell.id}: vCPUs {format_cpulist(cell.vcpus)} and "
+                   f"{cell.memory_kib // 1024} MiB on host node {cell.node} ({why})")
+        reasons += [why, *cpus.reasons]
+    if several:
+        cpus = CpuPlacement(tuple(pins), tuple(sorted(set(reserved))), tuple(sorted(set(shared))),
+                            tuple(sorted(set(emulator))), ())
+    return tuple(placed), cpus, reactors, tuple(reasons)
+
+
+def _place_cell(host, cfg, req, taken: Overlay, cell, node_id: int, spdk, page_kib, grow, several):
+    """One cell on one node: (the cell placed, its CpuPlacement, its SPDK
+    disks' reactors), taken into `taken`; or NoFit."""
+    bind = req.intent.vm.numa != "none"
+    got = place_node(host, cfg, req, node_id, len(cell.vcpus), cell.memory_kib, taken, page_kib,
+                     grow, bind=bind)
     if isinstance(got, NoFit):
         return got
     cpus, pages = got
-    taken.take(req.name, cpus.vcpu_pins + cpus.reserved, node_id, page_kib, pages,
-               0 if page_kib else memory)
-    return CellPlan(k, node_id, vcpus, memory, pages, cpus.emulator), cpus
+    load, reactors = Counter(taken.reactor_load), {}
+    for c in spdk:
+        picked = place_reactor(cfg, host.node(node_id), req.intent.vm.numa == "strict", load)
+        if isinstance(picked, NoFit):
+            return NoFit(f"disk {c.disk.target}: {picked.reason}") if several else picked
+        reactors[c.disk.target] = picked
+        load[picked[0]] += 1
+    taken.reactor_load = load
+    taken.take_node(req.name, cpus.vcpu_pins + cpus.reserved, node_id, page_kib, pages,
+                    cell.memory_kib if bind and not page_kib else 0)
+    return replace(cell, node=node_id, hugepages=pages, emulator=cpus.emulator), cpus, reactors
 
 
 def place_node(host, cfg, req, node_id: int, vcpus: int, memory_kib: int, ledger, page_kib, grow,
                bind: bool = True):
     """vCPUs and memory (hugepages from the node's pool, or ordinary memory
     bound there when `bind`) on one host node: (CpuPlacement, pages) or NoFit.
-    A one-node guest's whole placement, or one cell's."""
+    One cell's (a one-node guest's one cell too)."""
     node = host.node(node_id)
     if node is None:
         return NoFit(f"node {node_id} is not online on this host")

@@ -11,7 +11,7 @@ from vstor.errors import BadInput
 from vstor.host.model import Host, NvmeController, unservable
 from vstor.meta.intent import DiskIntent, VmIntent
 from vstor.meta.names import inside, volume_keys
-from vstor.planner.ledger import Ledger, held_by
+from vstor.planner.ledger import Ledger, Overlay, held_by
 from vstor.planner.volumes import controller_taken, kernel_users, names, namespace_at, two_writers, volumes_of
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 from vstor.planner.spdk_paths import attach_paths, connections_of, host_nqn
@@ -38,60 +38,43 @@ class NoFit:
     reason: str
 
 
-class _Taken:
-    """What earlier disks of the same VM already claimed."""
-
-    def __init__(self):
-        self.passthrough: set[str] = set()
-        self.spdk: set[str] = set()
-        self.kernel: set[str] = set()
-        self.connections: dict[str, str] = {}
-        self.volumes: dict[str, tuple[str, bool]] = {}     # key -> (target, readonly)
-
-    def check_volume(self, disk: DiskIntent, keys: tuple[str, ...]) -> None:
-        """Two disks of one domain on one volume (`keys`: the disk's, see
-        volumes_of): both read-only, or refused (the ledger says so between
-        domains; within one it is the intent's contradiction, exit 2)."""
-        for key in keys:
-            other = self.volumes.get(key)
-            if other is not None and not (other[1] and disk.readonly):
-                raise BadInput(f"disk {disk.target}: its source is also disk {other[0]}'s; two "
-                               "writers would corrupt it",
-                               hint="make both readonly='yes', or give each disk its own source")
-        self.volumes.update((key, (disk.target, disk.readonly)) for key in keys)
-
-    def add(self, choice: DiskChoice) -> None:
-        self.connections.update(choice.connections)
-        if choice.controller is None:
-            return
-        {"vfio": self.passthrough, "spdk": self.spdk,
-         "qsd": self.kernel}[choice.backend].add(choice.controller)
+def check_volume(ledger: Overlay, disk: DiskIntent, keys: tuple[str, ...]) -> None:
+    """Two disks of one domain on one volume (`keys`: the disk's, see
+    volumes_of): both read-only, or refused (the ledger says so between
+    domains; within one it is the intent's contradiction, exit 2)."""
+    for key in keys:
+        other = ledger.own_volumes.get(key)
+        if other is not None and not (other[1] and disk.readonly):
+            raise BadInput(f"disk {disk.target}: its source is also disk {other[0]}'s; two "
+                           "writers would corrupt it",
+                           hint="make both readonly='yes', or give each disk its own source")
+    ledger.own_volumes.update((key, (disk.target, disk.readonly)) for key in keys)
 
 
-def choose_all(host: Host, cfg: Config, vm: VmIntent, disks, ledger: Ledger):
-    """Decide every disk in order; the first NoFit stops."""
-    taken = _Taken()
+def choose_all(host: Host, cfg: Config, vm: VmIntent, disks, ledger: Overlay):
+    """Decide every disk in order, each one's claims taken into the
+    domain's overlay `ledger`; the first NoFit stops."""
     out = []
     for disk in disks:
-        taken.check_volume(disk, volumes_of(host, disk.source))
-        choice = choose(host, cfg, vm, disk, ledger, taken)
+        check_volume(ledger, disk, volumes_of(host, disk.source))
+        choice = choose(host, cfg, vm, disk, ledger)
         if isinstance(choice, NoFit):
             return choice
-        taken.add(choice)
+        ledger.take_disk(choice.backend, choice.controller, choice.connections)
         out.append(choice)
     return tuple(out)
 
 
-def choose(host: Host, cfg: Config, vm: VmIntent, disk: DiskIntent,
-           ledger: Ledger, taken: _Taken | None = None) -> DiskChoice | NoFit:
-    taken = taken or _Taken()
+def choose(host: Host, cfg: Config, vm: VmIntent, disk: DiskIntent, ledger: Overlay) -> DiskChoice | NoFit:
+    """One disk's choice; `ledger`: the host's, with what the domain's
+    earlier disks claimed (its own_* sets)."""
     _check_combination(disk)
     kind = disk.source.kind
     if kind == "nvmf":
-        return _nvmf(host, cfg, disk, ledger, taken)
+        return _nvmf(host, cfg, disk, ledger)
     if kind in ("file", "block"):
         return _local_volume(host, cfg, disk, ledger)
-    return _nvme(host, cfg, vm, disk, ledger, taken)
+    return _nvme(host, cfg, vm, disk, ledger)
 
 
 def _check_combination(disk: DiskIntent) -> None:
@@ -106,7 +89,7 @@ def _check_combination(disk: DiskIntent) -> None:
 
 # -- NVMe-oF ------------------------------------------------------------------
 
-def _nvmf(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger, taken: _Taken) -> DiskChoice | NoFit:
+def _nvmf(host: Host, cfg: Config, disk: DiskIntent, ledger: Overlay) -> DiskChoice | NoFit:
     src, t = disk.source, disk.target
     if disk.mode == "passthrough":
         return NoFit(f"{t}: an NVMe-oF namespace cannot be passed through (passthrough hands a "
@@ -123,7 +106,7 @@ def _nvmf(host: Host, cfg: Config, disk: DiskIntent, ledger: Ledger, taken: _Tak
                      "no /etc/machine-id), and SPDK's default one changes at every start of SPDK; "
                      "set [nvmf] hostnqn in vstor.conf, or give the disk hostnqn=")
     attach = attach_paths(cfg, src, hostnqn)
-    connections, reason = connections_of(src, attach, ledger, taken.connections)
+    connections, reason = connections_of(src, attach, ledger, ledger.own_connections)
     if reason:
         return NoFit(f"{t}: {reason}")
     reasons = [f"NVMe-oF over {src.transport.upper()}: vhost-user-blk from SPDK "
@@ -213,7 +196,7 @@ def _block_use(host: Host, path: str, ledger: Ledger):
 
 # -- local NVMe controllers ---------------------------------------------------
 
-def _nvme(host, cfg, vm, disk, ledger, taken) -> DiskChoice | NoFit:
+def _nvme(host, cfg, vm, disk, ledger) -> DiskChoice | NoFit:
     src, t = disk.source, disk.target
     ctrl = host.controller(src.controller)
     if ctrl is None:
@@ -225,7 +208,7 @@ def _nvme(host, cfg, vm, disk, ledger, taken) -> DiskChoice | NoFit:
         raise BadInput(f"disk {t}: controller {ctrl.address} has no namespace {src.namespace}",
                        hint=f"its namespaces: {have}")
     node = ctrl.numa_node if ctrl.numa_node >= 0 else None
-    pt = _passthrough_problems(host, cfg, vm, ctrl, ledger, taken)
+    pt = _passthrough_problems(host, cfg, vm, ctrl, ledger)
     mode, why = _pick_mode(disk, vm, pt)
     if mode is None:
         return NoFit(f"{t}: controller {ctrl.address} cannot be passed through: " + "; ".join(pt))
@@ -235,7 +218,7 @@ def _nvme(host, cfg, vm, disk, ledger, taken) -> DiskChoice | NoFit:
             reasons.append("the guest runs SPDK on it: a vIOMMU with caching mode lets it bind vfio-pci")
         return DiskChoice(disk, mode, "vfio", ctrl.address, node, f"NVMe {ctrl.address}",
                           tuple(reasons), bind=True)
-    backend = _pick_backend(host, cfg, disk, ctrl, ledger, taken)
+    backend = _pick_backend(host, cfg, disk, ctrl, ledger)
     if isinstance(backend, NoFit):
         return backend
     name, why = backend
@@ -266,29 +249,29 @@ def _pick_mode(disk, vm, pt_problems) -> tuple[str | None, str]:
     return "vhost", "vhost keeps the controller shareable (latency='critical' asks for passthrough)"
 
 
-def _passthrough_problems(host, cfg, vm, ctrl: NvmeController, ledger, taken) -> list[str]:
+def _passthrough_problems(host, cfg, vm, ctrl: NvmeController, ledger) -> list[str]:
     problems = list(check_passthrough(
         ctrl, iommu_enabled=host.iommu_enabled, vfio_available=host.vfio_available,
         pci_allowed=cfg.pci_allowed, pci_blocked=cfg.pci_blocked,
-        spdk_owned=bool(ledger.spdk_users.get(ctrl.address)) or ctrl.address in taken.spdk))
+        spdk_owned=bool(ledger.spdk_users.get(ctrl.address)) or ctrl.address in ledger.own_spdk))
     if vm.migratable:
         problems.append("the VM is migratable and a passed-through device blocks live migration")
     owner = ledger.passthrough.get(ctrl.address)
     if owner:
         problems.append(f"it is passed through to domain {held_by(ledger, owner)}")
-    users = kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
+    users = kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in ledger.own_kernel else set())
     if users:
         problems.append("its namespaces are served by qemu-storage-daemon to " + names(ledger, users))
     return problems
 
 
-def _pick_backend(host, cfg, disk, ctrl, ledger, taken):
+def _pick_backend(host, cfg, disk, ctrl, ledger):
     order = {"spdk": ("spdk",), "qsd": ("qsd",),
              "auto": (cfg.default_backend, "qsd" if cfg.default_backend == "spdk" else "spdk")}
     failures = []
     for backend in order[disk.backend]:
         check = _spdk_fit if backend == "spdk" else _qsd_fit
-        problem = check(host, cfg, disk, ctrl, ledger, taken)
+        problem = check(host, cfg, disk, ctrl, ledger)
         if problem is None:
             return backend, _BACKEND_WHY[backend]
         failures.append(f"{backend}: {problem}")
@@ -302,11 +285,11 @@ _BACKEND_WHY = {
 }
 
 
-def _spdk_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
+def _spdk_fit(host, cfg, disk, ctrl, ledger) -> str | None:
     owner = ledger.passthrough.get(ctrl.address)
-    if owner or ctrl.address in taken.passthrough:
+    if owner or ctrl.address in ledger.own_passthrough:
         return f"the controller is passed through to {held_by(ledger, owner) if owner else 'this VM'}"
-    users = kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in taken.kernel else set())
+    users = kernel_users(ctrl, ledger) | ({"this VM"} if ctrl.address in ledger.own_kernel else set())
     if users:
         return "other namespaces are served through the kernel to " + names(ledger, users)
     # Already on a userspace driver (SPDK's setup.sh did it): vstor binds nothing,
@@ -324,11 +307,11 @@ def _spdk_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
     return None
 
 
-def _qsd_fit(host, cfg, disk, ctrl, ledger, taken) -> str | None:
+def _qsd_fit(host, cfg, disk, ctrl, ledger) -> str | None:
     if ctrl.driver != "nvme":
         return (f"the controller is on {ctrl.driver or 'no driver'}, not the kernel NVMe "
                 "driver, so it has no block device")
-    if ctrl.address in taken.spdk:
+    if ctrl.address in ledger.own_spdk:
         return "SPDK serves another namespace of it to this VM"
     whole = controller_taken(ledger, ctrl.address)
     if whole:

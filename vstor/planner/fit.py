@@ -13,6 +13,8 @@ refused before any of that.
 
 from __future__ import annotations
 
+from itertools import islice
+
 from vstor import records
 from vstor.config import Config
 from vstor.errors import BadInput
@@ -20,9 +22,10 @@ from vstor.host.model import Host, format_cpulist
 from vstor.meta.metadata import digest
 from vstor.meta.names import migration_subnqn
 from vstor.meta.plan import Plan
-from vstor.planner import Request, candidate_nodes, cellfit, check_request, disk_plan, grow_pool, page_size
+from vstor.planner import Request, cells, check_request, disk_plan, grow_pool, page_size
+from vstor.planner.cells import candidate_nodes
 from vstor.planner.disks import NoFit, choose_all
-from vstor.planner.ledger import Ledger
+from vstor.planner.ledger import Ledger, Overlay
 from vstor.planner.spdk_paths import attach_paths
 from vstor.planner.placement import (cpu_problems, place_cpus, place_hugepages, place_memory,
                                      reactor_candidates)
@@ -49,27 +52,17 @@ def check_made_for(plan: Plan, req: Request) -> None:
 def problems(host: Host, cfg: Config, req: Request, plan: Plan, running: Ledger) -> list[str]:
     """One line per reason the plan cannot be carried out now; [] when it can.
     `running` holds what the other running vstor domains have."""
-    running = running.without(plan.domain, plan.uuid)
-    choices = _choices(host, cfg, req, plan, running)
+    taken = Overlay(running.without(plan.domain, plan.uuid))
+    choices = _choices(host, cfg, req, plan, taken)
     if isinstance(choices, str):
         return [choices]
-    out = _disks(cfg, req, plan, choices, running)
-    out += _node(host, cfg, req, plan, choices, running)
+    out = _disks(cfg, req, plan, choices, taken)
+    out += _node(host, cfg, req, plan, choices, taken)
     if out:
         return out
     if not plan.cells and len(req.fixed_cells) > 1:
         return [f"the domain's XML gives the guest {len(req.fixed_cells)} NUMA cells, its plan one"]
-    if plan.cells:
-        page_kib = page_size(req, choices)
-        if plan.hugepage_kib != page_kib:
-            return [f"the plan has {plan.hugepage_kib or 'no'} KiB hugepages, the metadata and "
-                    f"disks ask for {page_kib or 'none'}"]
-        out += cellfit.problems(host, cfg, req, plan, choices, running, page_kib, grow_pool(cfg, req))
-    else:
-        node = host.node(plan.node)
-        out += _cpus(host, cfg, req, plan, node, running)
-        out += _memory(cfg, req, plan, node, choices, running)
-    return out + _reactors(host, cfg, plan)
+    return _cells(host, cfg, req, plan, choices, taken) + _reactors(host, cfg, plan)
 
 
 def _choices(host, cfg, req: Request, plan: Plan, running: Ledger):
@@ -157,40 +150,105 @@ def _node(host, cfg, req: Request, plan: Plan, choices, running: Ledger) -> list
     return []
 
 
-def _cpus(host: Host, cfg: Config, req: Request, plan: Plan, node, running: Ledger) -> list[str]:
-    """The placement `place_cpus` makes from the plan's own CPUs must be the plan's."""
-    wanted = plan.dedicated_cpus
-    out = cpu_problems(host, cfg, node, wanted, running) if wanted else []
+def _layout(host, req: Request, plan: Plan, choices, page_kib) -> list[str]:
+    """Several cells: the ones the planner makes from this metadata (their
+    number, vCPUs, memory and disks), each on a node that is online and
+    that its disks' devices allow."""
+    try:
+        want, disk_cell = cells.layout(req, choices, len(plan.cells), page_kib)
+    except BadInput as e:
+        return [e.message]
+    have = [(c.id, c.vcpus, c.memory_kib) for c in plan.cells]
+    if (have != [(c.id, c.vcpus, c.memory_kib) for c in want]
+            or {d.target: d.cell for d in plan.disks} != disk_cell):
+        return [f"the plan's {len(plan.cells)} guest cells (vCPUs, memory or disks) are not "
+                "the ones the metadata gives now"]
+    out = []
+    for c, node in zip(plan.cells, (w.node for w in want)):
+        if host.node(c.node) is None:
+            out.append(f"guest cell {c.id}: host node {c.node} is not online on this host")
+        elif node is not None and node != c.node and plan.numa == "strict":
+            out.append(f"guest cell {c.id} is on host node {c.node}; its disks' devices are on "
+                       f"node {node} now (numa='strict')")
+    return out
+
+
+def _cells(host: Host, cfg: Config, req: Request, plan: Plan, choices, taken: Overlay) -> list[str]:
+    """Each guest cell's CPUs, memory and hugepages still free on its node,
+    taken by the placement code's own pools, cell after cell (a one-node
+    guest's one cell is the plan's own fields)."""
+    page_kib = page_size(req, choices)
+    wrong_size = [] if plan.hugepage_kib == page_kib else [
+        f"the plan has {plan.hugepage_kib or 'no'} KiB hugepages, the metadata and disks ask for "
+        f"{page_kib or 'none'}"]
+    several = bool(plan.cells)
+    if several:
+        out = wrong_size or _layout(host, req, plan, choices, page_kib)
+        if out:
+            return out
+    pins = iter(plan.vcpu_pins)
+    emulator: set[int] = set()
+    for c in plan.guest_cells():
+        node = host.node(c.node)
+        mine = tuple(islice(pins, len(c.vcpus)))       # a forged plan may have fewer
+        placed = _cpus(host, cfg, plan, c, node, mine, taken, several)
+        out = placed if isinstance(placed, list) else []
+        out += wrong_size or _memory(cfg, req, plan, c, node, taken, page_kib, several)
+        if out:
+            return [f"guest cell {c.id}: {line}" for line in out] if several else out
+        emulator.update(placed.emulator)
+        taken.take_node(plan.domain, placed.vcpu_pins + placed.reserved, c.node, page_kib, c.hugepages,
+                        0 if page_kib else c.memory_kib)
+    if several and tuple(sorted(emulator)) != plan.emulator:
+        return [f"the plan's emulator CPUs {format_cpulist(plan.emulator)} are not its cells' "
+                f"housekeeping cores {format_cpulist(emulator)}"]
+    return []
+
+
+def _cpus(host: Host, cfg: Config, plan: Plan, cell, node, mine, taken: Overlay, several: bool):
+    """The placement `place_cpus` makes from the cell's own CPUs (its pins
+    and the idle siblings beside them) must be the plan's: that placement,
+    or the lines that say why not."""
+    near = (tuple(x for x in plan.reserved if x in node.cpus and x not in taken.own_cpus)
+            if several else plan.reserved)
+    wanted = frozenset(mine + near)
+    out = cpu_problems(host, cfg, node, wanted, taken) if wanted else []
     if out:
         return out
-    placed = place_cpus(host, cfg, node, req.vcpus, req.intent.vm.cpus, running, only=wanted)
+    placed = place_cpus(host, cfg, node, len(cell.vcpus), plan.cpus, taken, only=wanted)
     if isinstance(placed, NoFit):
         return [placed.reason]
+    if several and placed.vcpu_pins != mine:
+        return [f"pins {format_cpulist(mine)} are not a placement vstor makes on node {cell.node} "
+                f"(it would pin {format_cpulist(placed.vcpu_pins)})"]
+    if several and placed.emulator != cell.emulator:
+        return [f"the plan runs its daemons on {format_cpulist(cell.emulator)}, node {cell.node}'s "
+                f"housekeeping cores are {format_cpulist(placed.emulator)}"]
     got = (placed.vcpu_pins, placed.reserved, placed.shared, placed.emulator)
-    if got != (plan.vcpu_pins, plan.reserved, plan.shared_cpus, plan.emulator):
+    if not several and got != (plan.vcpu_pins, plan.reserved, plan.shared_cpus, plan.emulator):
         return [f"the plan's CPUs (pins {_show(plan.vcpu_pins)}, reserved {format_cpulist(plan.reserved)}, "
                 f"shared {format_cpulist(plan.shared_cpus)}, emulator {format_cpulist(plan.emulator)}) "
                 f"are not a placement vstor makes here (it would pin {_show(placed.vcpu_pins)}, "
                 f"emulator on {format_cpulist(placed.emulator)})"]
-    return []
+    return placed
 
 
-def _memory(cfg: Config, req: Request, plan: Plan, node, choices, running: Ledger) -> list[str]:
-    page_kib = page_size(req, choices)
-    if plan.hugepage_kib != page_kib:
-        return [f"the plan has {plan.hugepage_kib or 'no'} KiB hugepages, the metadata and disks "
-                f"ask for {page_kib or 'none'}"]
+def _memory(cfg: Config, req: Request, plan: Plan, cell, node, taken: Overlay, page_kib,
+            several: bool) -> list[str]:
     if not page_kib:
-        if plan.hugepages != 0:
-            return [f"the plan holds {plan.hugepages} hugepages without a size"]
-        short = place_memory(cfg, node, req.memory_kib, running) if plan.numa != "none" else None
+        if cell.hugepages:
+            return [f"the plan holds {cell.hugepages} hugepages without a size"]
+        short = place_memory(cfg, node, cell.memory_kib, taken) if plan.numa != "none" else None
         return [short.reason] if short else []
-    pages = place_hugepages(node, page_kib, req.memory_kib, running, grow_pool(cfg, req))
+    pages = place_hugepages(node, page_kib, cell.memory_kib, taken, grow_pool(cfg, req))
     if isinstance(pages, NoFit):
         return [pages.reason]
-    if pages != plan.hugepages:
-        return [f"the plan has {plan.hugepages} hugepages, the memory needs {pages}"]
+    if pages != cell.hugepages:
+        return [f"the plan has {cell.hugepages} hugepages, the {'cell' if several else 'memory'} "
+                f"needs {pages}"]
     return []
+
+
 def _reactors(host: Host, cfg: Config, plan: Plan) -> list[str]:
     """Each SPDK disk's reactor among the reactor cores of its cell's node."""
     out = []

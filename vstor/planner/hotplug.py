@@ -21,7 +21,7 @@ from vstor.meta.metadata import digest
 from vstor.meta.plan import Plan
 from vstor.planner import Request, check_request, disk_plan
 from vstor.planner.disks import NoFit, choose_all
-from vstor.planner.ledger import Ledger
+from vstor.planner.ledger import Ledger, Overlay
 from vstor.planner.placement import place_reactor
 from vstor.records import replace
 
@@ -50,7 +50,7 @@ def plan_attach(host: Host, cfg: Config, req: Request, plan: Plan, disk: DiskInt
     if plan.disk(disk.target) is not None or any(d.target == disk.target for d in req.intent.disks):
         raise BadInput(f"{who} already has a vstor disk {disk.target}",
                        hint="pick another target, or vstor detach it first")
-    choices = choose_all(host, cfg, req.intent.vm, (disk,), ledger)
+    choices = choose_all(host, cfg, req.intent.vm, (disk,), Overlay(ledger))
     if isinstance(choices, NoFit):
         raise DoesNotFit(f"{disk.target} cannot be added to {who}: {choices.reason}")
     (c,) = choices

@@ -8,7 +8,7 @@ socket is handed out twice.  Pure data: loading lives in `vstor.runtime.inventor
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import ChainMap, Counter
 
 # What one domain holds, as its state record keeps it (vstor.meta.holding).
 from vstor.meta.holding import Holding, connections, holding_from_json, holding_to_json  # noqa: F401
@@ -100,6 +100,51 @@ class Ledger:
                 if not (ro and readonly):
                     return domain
         return None
+
+
+class Overlay:
+    """A ledger plus what the domain being planned has claimed so far: its
+    disks' controllers, volumes and NVMe-oF paths, its cells' cores, pages,
+    bound memory and reactors.  Asked as the ledger it overlays (what the
+    overlay does not add is the base ledger's), so no core, page or
+    controller is given twice, between domains or within one.  The planner
+    and the start check build one per domain."""
+
+    def __init__(self, base):
+        self.base = base
+        self.own_cpus: dict[int, str] = {}
+        self.cpu_owner = ChainMap(self.own_cpus, base.cpu_owner)
+        self.reactor_load = Counter(base.reactor_load)
+        self.own_passthrough: set[str] = set()        # controller addresses, by backend
+        self.own_spdk: set[str] = set()
+        self.own_kernel: set[str] = set()
+        self.own_connections: dict[str, str] = {}     # NVMe-oF path -> SPDK controller
+        self.own_volumes: dict[str, tuple[str, bool]] = {}   # key -> (target, readonly)
+        self._pages: Counter[tuple[int, int]] = Counter()
+        self._bound: Counter[int] = Counter()
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def take_node(self, domain: str, cpus, node: int, page_kib, pages: int, bound_kib: int) -> None:
+        """One cell's cores, hugepages and bound memory on `node`."""
+        for cpu in cpus:
+            self.own_cpus[cpu] = domain
+        self._pages[(node, page_kib)] += pages
+        self._bound[node] += bound_kib
+
+    def take_disk(self, backend: str, controller: str | None, paths=()) -> None:
+        """A disk's controller (by its backend) and NVMe-oF (path, controller)s."""
+        self.own_connections.update(paths)
+        if controller is not None:
+            {"vfio": self.own_passthrough, "spdk": self.own_spdk,
+             "qsd": self.own_kernel}[backend].add(controller)
+
+    def promised_hugepages(self, node: int, size_kib: int) -> int:
+        return self.base.promised_hugepages(node, size_kib) + self._pages[(node, size_kib)]
+
+    def bound_memory_kib(self, node: int) -> int:
+        return self.base.bound_memory_kib(node) + self._bound[node]
 
 
 def held_by(ledger, domain: str) -> str:
