@@ -15,7 +15,6 @@ from vstor.meta.intent import Intent, NvmfSource
 from vstor.meta.metadata import digest
 from vstor.meta.names import MIGRATION_SUBNQN, bdev_name, socket_path, spdk_controller_name
 from vstor.meta.plan import CellPlan, DiskPlan, Plan
-from vstor.meta.topology import is_q35
 from vstor.planner import cells
 from vstor.planner.disks import DiskChoice, NoFit, choose_all
 from vstor.planner.ledger import Ledger, Overlay
@@ -186,7 +185,7 @@ def _assemble(host, cfg, req, choices, page_kib, guest_cells: tuple[CellPlan, ..
     disks = tuple(disk_plan(cfg, req, c, reactors.get(c.disk.target),
                             disk_cell[c.disk.target] if guest_cells else None) for c in choices)
     viommu = any(d.mode == "passthrough" and d.guest == "spdk" for d in disks)
-    if viommu and not is_q35(req.machine):
+    if viommu and not topology.is_q35(req.machine):
         raise BadInput(f"{req.who}: guest='spdk' needs a vIOMMU, which needs the q35 "
                        f"machine (this domain has '{req.machine or 'the default'}')",
                        hint="set <os><type machine='q35'>hvm</type>")
