@@ -300,9 +300,9 @@ def test_names_of_anything_are_file_names_and_never_collide():
 
 
 def test_a_hand_change_in_the_same_clock_tick_as_vstors_writes_is_seen(tmp_path):
-    """The records' directory's mtime moves with the kernel's coarse clock:
-    a record put there by hand right after a save of vstor's (and before
-    the next one) is still found by the next start (vstor.runtime.index.stamp)."""
+    """A record put there by hand right after a save of vstor's (and before
+    the next one, within the kernel's coarse clock's tick) is still found by
+    the next start: each decision lists the records' names."""
     state = StateDir(str(tmp_path / "state"))
     _fill(state, 9, count=2)
     for hand in range(20):
@@ -322,12 +322,12 @@ def test_a_hand_change_in_the_same_clock_tick_as_vstors_writes_is_seen(tmp_path)
 
 # -- (review i28) an index file of bytes that are not UTF-8 -----------------------------------------
 
-@pytest.mark.parametrize("name", ["stamp", "sums.json", "keys/vm1.json"])
+@pytest.mark.parametrize("name", ["dirty", "sums.json", "keys/vm1.json"])
 def test_an_index_file_that_is_not_utf8_is_rebuilt_not_an_internal_error(tmp_path, name):
     """What a torn write or a bad disk leaves in vstor's own index files is
     read as any other damage to them: the index is read again from the
-    records (a UnicodeDecodeError from the stamp was an internal error at
-    every save)."""
+    records (a UnicodeDecodeError from the index's stamp, since gone, was
+    an internal error at every save)."""
     from vstor.runtime.state import _INDEXES
     state = StateDir(str(tmp_path / "state"))
     state.save(Record("vm1", "vm1", None, status=PREPARED))

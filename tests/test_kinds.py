@@ -68,7 +68,7 @@ def _ops_used(cls) -> set[str]:
 @pytest.mark.parametrize("name", list(kinds.KINDS))
 def test_a_kind_asks_the_host_only_for_operations_the_executor_passes_in(name):
     class Runtime:
-        sysfs, cfg, force, handover = object(), object(), False, False
+        sysfs, cfg, force, handover, looked_since = object(), object(), False, False, None
 
         def spdk(self):
             return None

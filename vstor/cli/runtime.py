@@ -273,14 +273,23 @@ def _release(ctx, args) -> int:
 
 
 def _key_of(ctx, name: str) -> str:
+    """The key of domain `name`'s record.  A safe name is its own key
+    (vstor.meta.names.safe_key): that one record is read, unless it is
+    another domain's.  Any other name's record is under its UUID, found
+    among every record."""
+    from vstor.meta.names import is_safe_name
+    state = _state(ctx)
+    if is_safe_name(name):
+        rec = state.load(name)
+        if rec is None or rec.domain == name:
+            return name
     damaged: list[str] = []
-    for rec in _state(ctx).records(damaged):
+    for rec in state.records(damaged):
         if rec.domain == name:
             return rec.key
     if damaged:     # one of them may be this domain's
         from vstor.runtime.state import DamagedRecord
         raise DamagedRecord(f"{damaged[0]}; it may be domain '{name}''s")
-    from vstor.meta.names import is_safe_name
     if not is_safe_name(name):
         raise BadInput(f"vstor holds nothing for domain '{name}'")
     return name

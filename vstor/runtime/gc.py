@@ -37,6 +37,7 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
         from vstor.runtime.index import reindex
         reindex(state)
     stale = [r for r in records if r.domain not in running]
+    rt = rt.looking_once()      # gc starts no daemon: one look through /proc finds every lost one
     for problem in damaged:
         say(f"Leaving {problem}")
     for rec in [r for r in stale if r.status == INCOMING]:

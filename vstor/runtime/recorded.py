@@ -38,6 +38,19 @@ class Runtime:
         self.force = force
         self._spdk_factory = spdk_factory
         self._spdk = None
+        # A look through /proc for daemons that lost their pidfile, made
+        # after this moment (time.monotonic()), serves every stop of the run
+        # (looking_once); None: each stop looks anew.
+        self.looked_since: float | None = None
+
+    def looking_once(self) -> "Runtime":
+        """This runtime for a run that stops many daemons and starts none
+        (gc): one look through /proc serves every stop, not one per daemon."""
+        import copy
+        import time
+        out = copy.copy(self)
+        out.looked_since = time.monotonic()
+        return out
 
     def spdk(self):
         if self._spdk is None:

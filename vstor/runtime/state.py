@@ -269,7 +269,6 @@ class StateDir:
 
     def _write(self, rec: Record) -> None:
         path = self._file(rec.key)
-        marked = self.index.marked()        # before the temporary file: it changes the directory too
         # One line, by json's C encoder: indenting takes its Python one, ten
         # times the cost, at every save (python3 -m json.tool FILE shows it
         # indented).
@@ -280,19 +279,14 @@ class StateDir:
             raise Unavailable(f"cannot write state record {path}: {e.strerror}",
                               hint="see what is at that name; vstor writes only regular files "
                                    "there") from None
-        self.index.last_mark = self.index.mark() if marked else None
         _fsync_dir(self.domains)
 
     def remove(self, key: str) -> None:
         self._change(key, None, lambda: self._unlink(key))
 
     def _unlink(self, key: str) -> None:
-        # The records' directory is marked again after a change of vstor's
-        # only when it was as vstor marked it just before (vstor.runtime.index.stamp).
-        marked = self.index.marked()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._file(key))
-        self.index.last_mark = self.index.mark() if marked else None
         _fsync_dir(self.domains)
 
     def _change(self, key: str, rec: Record | None, write) -> None:
@@ -300,12 +294,7 @@ class StateDir:
         new = plain(summary(rec))
         self.index.forget_key(key)      # as the index says now, not as this process read it
         if self.index.indexed(key) == new:
-            # Holds what it held: its own record lock is enough.  The index
-            # is told the directory changed by vstor only if nothing else
-            # changed it before (a record put there by hand is looked for).
-            write()
-            if self.index.last_mark:
-                self.index.keep_mark(self.index.last_mark)
+            write()     # holds what it held: its own record lock is enough
             return
         with self.lock():
             self.index.change(key, new, write)

@@ -33,6 +33,7 @@ class HostOps:
     def __init__(self, rt):
         self.sysfs, self.cfg, self.force, self.handover = rt.sysfs, rt.cfg, rt.force, rt.handover
         self.spdk = rt.spdk
+        self.looked_since = rt.looked_since
 
     def vfio_plan(self, address: str):
         """Where the controller and its IOMMU group peers are now."""
@@ -53,7 +54,7 @@ class HostOps:
 
     def qsd_stop(self, export) -> None:
         from vstor.backends.qsd import daemon
-        daemon.stop(export)
+        daemon.stop(export, since=self.looked_since)
 
     def qsd_maybe_running(self, export) -> bool:
         """Its pidfile is there (a daemon that lost it is found by stop)."""

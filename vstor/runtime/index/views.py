@@ -143,6 +143,7 @@ class FromIndex:
         self.index, self.exclude = index, exclude
 
     def step(self, kind: str, ident: str, finished_only: bool) -> dict | None:
+        self.index.sums()       # the records' names checked first (a record put there by hand)
         for key in self.index.holders(f"step.{kind}", ident):
             if key == self.exclude:
                 continue
