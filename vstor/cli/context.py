@@ -60,7 +60,7 @@ class Context:
         the index: vstor.runtime.index.recorded): unreadable (not root) is a
         warning, as the start checks them again, as root."""
         from vstor.errors import Unavailable
-        from vstor.runtime.index import recorded
+        from vstor.runtime.holders import recorded
         from vstor.runtime.recordfile import DamagedRecord, UntrustedState
         try:
             return recorded(self.here.state())
@@ -71,6 +71,11 @@ class Context:
             warn(f"cannot read {self.config.state_dir} ({why}); planning without what "
                  "domains prepared outside libvirt hold")
             return []
+
+
+def say(message: str) -> None:
+    """One line of a command's progress, indented under its heading."""
+    print(f"  {message}", flush=True)
 
 
 def warn(message: str) -> None:

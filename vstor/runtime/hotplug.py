@@ -32,7 +32,7 @@ from vstor.render import buses
 from vstor.render.libvirt import device_xml
 from vstor.runtime import actions
 from vstor.runtime import steps as executor
-from vstor.runtime.index import holders_of, ledger_of
+from vstor.runtime.holders import holders_of, ledger_of
 from vstor.runtime.journal import Journal, undo_failed
 from vstor.runtime.lifecycle import Runtime, own_record, plan_of
 from vstor.runtime.recorded import private_only

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from vstor import log
 from vstor.errors import ActionFailed, InUse, Unavailable, VstorError
-from vstor.runtime.index import holders_of
+from vstor.runtime.holders import holders_of
 from vstor.runtime.state import PREPARED, RELEASING, Record, StateDir
 
 DOING, DONE = "doing", "done"

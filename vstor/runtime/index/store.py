@@ -43,8 +43,7 @@ import json
 import os
 
 from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, items, summary
-from vstor.runtime.recordfile import create_empty, read_json, write_text
-from vstor.runtime.state import DamagedRecord, _FIX
+from vstor.runtime.recordfile import FIX, DamagedRecord, create_empty, read_json, write_text
 
 class Index:
     """The index of one state directory (see the module's docstring)."""
@@ -171,7 +170,7 @@ class Index:
         damaged = self.sums().get("damaged") or []
         if damaged:
             raise DamagedRecord(f"{damaged[0]}; what it holds cannot be known, so vstor decides "
-                                "nothing that depends on it", hint=_FIX + ", then run: vstor gc")
+                                "nothing that depends on it", hint=FIX + ", then run: vstor gc")
 
     # -- changing (under the host lock) ------------------------------------
 
