@@ -293,8 +293,7 @@ def cmd_gc(ctx, args) -> int:
     from vstor.runtime import gc
     state = ctx.here.state()
     node = Node(ctx.config)
-    damaged: list[str] = []
-    records = state.records(damaged)        # before what runs is asked: see gc.collect
+    records, damaged = gc.read_records(state, args.dry_run)     # before what runs is asked: see gc.collect
     running = _running(ctx, records, node)
     if not gc.collect(ctx.here.runtime(args.dry_run), state, records, running, say=print, step=say,
                       guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged,

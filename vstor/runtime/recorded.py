@@ -38,14 +38,19 @@ class Runtime:
         self.force = force
         self._spdk_factory = spdk_factory
         self._spdk = None
-        # A look through /proc for daemons that lost their pidfile, made
-        # after this moment (time.monotonic()), serves every stop of the run
-        # (looking_once); None: each stop looks anew.
+        # A look through /proc (for daemons that lost their pidfile, and at
+        # /proc/net/unix for QEMU's connections) made after this moment
+        # (time.monotonic()) serves every step of the run (looking_once);
+        # None: each asks anew.
         self.looked_since: float | None = None
 
     def looking_once(self) -> "Runtime":
         """This runtime for a run that stops many daemons and starts none
-        (gc): one look through /proc serves every stop, not one per daemon."""
+        (gc): one look through /proc serves every stop, and one read of
+        /proc/net/unix every check for a connected QEMU, not one per daemon.
+        A QEMU that connects after the look connects to a domain that
+        started since gc asked what runs: its start changed its record,
+        which gc then leaves."""
         import copy
         import time
         out = copy.copy(self)
@@ -97,15 +102,16 @@ def _load_own(state: StateDir, key: str, domain: str | None, uuid: str | None) -
 def release(rt: Runtime, state: StateDir, key: str,
             progress: Callable[[str], None] | None = None, domain: str | None = None,
             uuid: str | None = None, migrated: bool = False,
-            drop_exports: bool = False) -> Record | None:
+            drop_exports: bool = False, seen: Record | None = None) -> Record | None:
     """Undo what vstor holds under `key`; with `domain`, only that domain's
-    record.  An NVMe-oF export made for a migration (the domain may now run
+    record; `seen`: the record as the caller read it under the record lock
+    it holds (gc), not read again.  An NVMe-oF export made for a migration (the domain may now run
     on the other host, reading its disk through it) stays, with what it
     stands on, in a record marked exporting, unless `drop_exports` (gc found
     the other host done with it) or `rt.force`."""
     with state.record_lock(key, dry_run=rt.dry_run), contextlib.ExitStack() as host_lock:
         host_lock.enter_context(state.lock(dry_run=rt.dry_run))
-        rec = _load_own(state, key, domain, uuid)
+        rec = seen if seen is not None else _load_own(state, key, domain, uuid)
         if rec is None:
             return None
         # An export the other host may read its disk through stays until gc

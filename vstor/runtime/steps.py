@@ -73,7 +73,7 @@ class HostOps:
     def clients(self, socket_path: str) -> int:
         """How many peers are connected to a listening Unix socket."""
         from vstor.backends.qsd import proc
-        return proc.unix_peers(socket_path)
+        return proc.unix_peers(socket_path, since=self.looked_since)
 
     def ensure_dir(self, path: str, group: str) -> None:
         from vstor.backends import ownership

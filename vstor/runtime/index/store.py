@@ -301,13 +301,15 @@ def _write_json(path: str, data) -> None:
     write_text(path, json.dumps(data, separators=(",", ":"), sort_keys=True))  # json's C encoder
 
 
-def reindex(state) -> bool:
-    """gc's check of the index against every record, read again under the
-    host lock (a record fixed or removed by hand, damaged in place, or a
-    temporary file a killed save left): rebuilt when it differs.  True when
-    it was right."""
+def reindex(state, records=None, damaged: list[str] | None = None) -> bool:
+    """gc's check of the index against every record (a record fixed or
+    removed by hand, damaged in place, or a temporary file a killed save
+    left): rebuilt when it differs.  `records` and `damaged`: every record,
+    just read by the caller under the host lock it holds; else read here
+    under it.  True when it was right."""
     with state.lock():
-        damaged: list[str] = []
-        records = state.records(damaged)
+        if records is None:
+            damaged = []
+            records = state.records(damaged)
         state.drop_temporaries()
-        return state.index.verify(records, damaged)
+        return state.index.verify(records, list(damaged or ()))
