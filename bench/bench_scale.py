@@ -190,7 +190,8 @@ class Site:
     def release_all(self) -> None:
         """Leave nothing behind, also after a failure half-way."""
         from vstor.host.sysfs import SysFS
-        from vstor.runtime.recorded import Runtime, release
+        from vstor.runtime.executor import Runtime
+        from vstor.runtime.recorded import release
         from vstor.runtime.state import StateDir
         for cfg in self.cfgs.values():
             try:

@@ -19,7 +19,7 @@ import pytest
 from tests.hostlayout import build_tree
 from tests.test_migration_spdk import on, two  # noqa: F401 (fixture)
 from tests.test_migration_spdk import running_on_a as running_nvme_on_a
-from vstor.runtime import actions, kinds, steps
+from vstor.runtime import actions, executor, kinds
 from vstor.runtime.kinds.base import ATTRIBUTES, METHODS
 
 HERE = os.path.dirname(__file__)
@@ -54,8 +54,8 @@ def test_each_kind_defines_every_method_and_attribute_in_its_own_class(name):
 def test_the_journal_reads_parallel_and_private_from_the_classes():
     """As before the classes said it: one daemon per disk side by side; the
     domain's own daemons and vhost controllers without the host lock."""
-    assert steps.PARALLEL == {"qsd-export"}
-    assert steps.PRIVATE == {"qsd-export", "spdk-vhost"}
+    assert executor.PARALLEL == {"qsd-export"}
+    assert executor.PRIVATE == {"qsd-export", "spdk-vhost"}
 
 
 def _ops_used(cls) -> set[str]:
@@ -67,13 +67,9 @@ def _ops_used(cls) -> set[str]:
 
 @pytest.mark.parametrize("name", list(kinds.KINDS))
 def test_a_kind_asks_the_host_only_for_operations_the_executor_passes_in(name):
-    class Runtime:
-        sysfs, cfg, force, handover, looked_since = object(), object(), False, False, None
-
-        def spdk(self):
-            return None
-    offered = {a for a in vars(steps.HostOps(Runtime())) if not a.startswith("_")}
-    offered |= {a for a in vars(steps.HostOps) if not a.startswith("_")}
+    from vstor.config import Config
+    offered = {a for a in vars(executor.Runtime(Config(), object())) if not a.startswith("_")}
+    offered |= {a for a in vars(executor.Runtime) if not a.startswith("_")}
     used = _ops_used(kinds.KINDS[name])
     assert used and used <= offered, used - offered
 
@@ -104,9 +100,9 @@ def test_every_kind_survives_its_journal_form_and_knows_what_it_makes():
     made = _samples()
     assert {s.kind for s in made} == set(kinds.KINDS)
     for step in made:
-        entry = json.loads(json.dumps(steps.encode(step, "done")))
+        entry = json.loads(json.dumps(executor.encode(step, "done")))
         assert entry["kind"] == step.kind and entry["state"] == "done"
-        again = steps.decode(entry)
+        again = executor.decode(entry)
         assert again == step and kinds.identity(again) == kinds.identity(step)
         assert step.describe() and all(isinstance(line, str) and line for line in step.dry_run())
     assert [kinds.identity(s)[1] for s in made] == [

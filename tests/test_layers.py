@@ -45,7 +45,7 @@ FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", 
              "multiprocessing", "shutil", "tarfile", "libvirt", "spdk", "qemu",
              "vstor.host.sysfs", "vstor.host.read", "vstor.host.capture", "vstor.host.doctor",
              "vstor.backends.spdk", "vstor.backends.spdk_app", "vstor.backends.vfio", "vstor.backends.qsd.daemon",
-             "vstor.runtime.state", "vstor.runtime.journal", "vstor.runtime.steps",
+             "vstor.runtime.state", "vstor.runtime.journal", "vstor.runtime.executor",
              "vstor.runtime.lifecycle", "vstor.locking", "vstor.runtime.inventory",
              "vstor.runtime.virt", "vstor.runtime.gc", "vstor.runtime.context", "vstor.migration.peer",
              "vstor.cli", "vstor.hook")

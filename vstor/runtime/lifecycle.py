@@ -22,12 +22,12 @@ from vstor.meta.plan import Plan
 from vstor.planner import Request, fit
 from vstor.planner.ledger import Holding, holding_to_json
 from vstor.runtime import actions
-from vstor.runtime import steps as executor
+from vstor.runtime import executor
 from vstor.runtime.holders import holders_of, ledger_of
 from vstor.runtime.journal import Journal
 # Release, reconnect and health work from the record alone (vstor.runtime.recorded);
 # named here too, where every caller looks for a domain's life.
-from vstor.runtime.recorded import (Runtime, _check_releasable, _rollback, own_record, private_only,  # noqa: F401
+from vstor.runtime.recorded import (Runtime, check_releasable, roll_back, own_record, private_only,  # noqa: F401
                                     health, reconnect, release)
 from vstor.runtime.state import INCOMING, PREPARED, Record, StateDir
 
@@ -76,8 +76,8 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             # A run that never released (crash, or an interrupted prepare):
             # undo what it left, then start clean; but never what a running
             # QEMU of this name still uses.
-            _check_releasable(rt, leftover)
-            _rollback(rt, state, leftover, progress)
+            check_releasable(rt, leftover)
+            roll_back(rt, state, leftover, progress)
             host = read_host(rt.sysfs)      # the undo moved things: look again
         problems = fit.problems(host, rt.cfg, req, plan, ledger_of(state, {key}, rt.dry_run))
         if problems:

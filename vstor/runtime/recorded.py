@@ -13,60 +13,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from vstor.config import Config
 from vstor.errors import ActionFailed, DoesNotFit, InUse
 from vstor.meta.names import is_safe_name
 from vstor.runtime import actions
-from vstor.runtime import steps as executor
+from vstor.runtime import executor
+from vstor.runtime.executor import Runtime
 from vstor.runtime.journal import DONE, Journal, undo_failed
 from vstor.runtime.state import EXPORTING, PREPARED, Record, StateDir
-
-
-class Runtime:
-    """What steps touch: sysfs, SPDK (connected on first use), the config."""
-
-    def __init__(self, cfg: Config, sysfs, dry_run: bool = False, spdk_factory=None,
-                 force: bool = False, handover: bool = False):
-        self.cfg = cfg
-        self.sysfs = sysfs
-        self.dry_run = dry_run
-        # The destination of a live migration: the source host's backend of
-        # the same disk may hold a shared source until its QEMU stops.
-        self.handover = handover
-        # release --force: undo even what QEMU still uses (SPDK then finishes
-        # a vhost controller's deletion when QEMU lets go).
-        self.force = force
-        self._spdk_factory = spdk_factory
-        self._spdk = None
-        # A look through /proc (for daemons that lost their pidfile, and at
-        # /proc/net/unix for QEMU's connections) made after this moment
-        # (time.monotonic()) serves every step of the run (looking_once);
-        # None: each asks anew.
-        self.looked_since: float | None = None
-
-    def looking_once(self) -> "Runtime":
-        """This runtime for a run that stops many daemons and starts none
-        (gc): one look through /proc serves every stop, and one read of
-        /proc/net/unix every check for a connected QEMU, not one per daemon.
-        A QEMU that connects after the look connects to a domain that
-        started since gc asked what runs: its start changed its record,
-        which gc then leaves."""
-        import copy
-        import time
-        out = copy.copy(self)
-        out.looked_since = time.monotonic()
-        return out
-
-    def spdk(self):
-        if self._spdk is None:
-            if self._spdk_factory:
-                self._spdk = self._spdk_factory()
-            else:
-                from vstor.backends.spdk import SpdkClient
-                self._spdk = SpdkClient(self.cfg.spdk_socket, timeout=self.cfg.spdk_timeout,
-                                        dry_run=self.dry_run, vhost_dir=self.cfg.vhost_dir,
-                                        config=self.cfg.file)
-        return self._spdk
 
 
 def private_only(kinds) -> bool:
@@ -129,10 +82,10 @@ def release(rt: Runtime, state: StateDir, key: str,
                 if not (keep and keep(i, entry)):
                     (progress or print)(f"would undo: {_describe(entry)}")
             return rec
-        _check_releasable(rt, rec)
+        check_releasable(rt, rec)
         if private_only(entry.get("kind") for entry in rec.steps):
             host_lock.close()
-        _rollback(rt, state, rec, progress, keep)
+        roll_back(rt, state, rec, progress, keep)
         if keep is not None and rec.steps:
             # What the export stands on is all it holds now: no cores,
             # reactor, socket or memory of a domain that runs elsewhere.
@@ -159,7 +112,7 @@ def exported(rec: Record):
                           or (e.get("kind") == "vfio-bind" and e["data"].get("address") in addresses))
 
 
-def _check_releasable(rt: Runtime, rec: Record) -> None:
+def check_releasable(rt: Runtime, rec: Record) -> None:
     """Before any undo: SPDK reachable when the record needs it (exit 4), and,
     unless forced, nothing the record made still in use by QEMU (exit 3): a
     release never takes half of a running domain's storage away."""
@@ -188,7 +141,7 @@ def _describe(entry: dict) -> str:
         return e.message
 
 
-def _rollback(rt: Runtime, state: StateDir, rec: Record, progress, keep=None) -> None:
+def roll_back(rt: Runtime, state: StateDir, rec: Record, progress, keep=None) -> None:
     journal = Journal(state, rec, rt, progress)
     errors = journal.rollback(keep)
     if errors:

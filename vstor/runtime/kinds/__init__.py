@@ -21,7 +21,7 @@ and the class attributes kind, parallel (the journal does consecutive
 steps of the kind side by side), private (it changes only the domain's own
 things: done without the host lock) and rpc_methods (what it asks SPDK).
 
-`rt` is the host operations (vstor.runtime.steps.HostOps): sysfs, SPDK, the
+`rt` is the host operations (vstor.runtime.executor.Runtime): sysfs, SPDK, the
 config and the backends' operations.  A kind reaches the host through it
 alone and imports nothing that touches it, so these modules are as pure as
 the planner (tests/test_layers.py).  `others` is what the other domains'
