@@ -18,7 +18,10 @@ records and domains grow (issue 23's figures).
 2. `vstor gc` (the CLI, a process, on a connection where no filler runs:
    test:///default) of N stale records: its CPU time (target: 2000 under
    2 s); afterwards no record is left, only the index and the locks;
-3. `vstor plan FILE` with N domains defined in libvirt's test driver (a
+3. the ledger of N records, what a start reads of them (bench/scale_ledger.py):
+   the plain way (every record file's JSON, its holding made a Holding,
+   the planner's Ledger over them) against the index's;
+4. `vstor plan FILE` with N domains defined in libvirt's test driver (a
    node file, test:///PATH) on an 8-node host's sysfs tree (--host-root):
    the CPU time of the process, with plans.json cold and warm (target: 2000
    under 1 s), and of the test driver itself (libvirt parsing its node file
@@ -29,9 +32,9 @@ records and domains grow (issue 23's figures).
 
     python3 bench/bench_scale.py [--runs R] [--counts 0,500,2000,5000]
         [--gc-counts 500,2000,5000] [--gc-runs 3] [--plan-counts 0,500,2000]
-        [--only start,gc,plan] [--via hook,cli] [--quick]
+        [--only start,gc,ledger,plan] [--via hook,cli] [--quick]
 
-Needs root and qemu-storage-daemon (1 and 2).  Figures go into
+Needs root (1 to 3) and qemu-storage-daemon (1 and 2).  Figures go into
 docs/performance.md ("Host scale"); nothing here asserts a time.  `--quick`
 runs a small version once and checks the bench's own sanity
 (bench/sanity.py); tests/test_bench.py runs it so.
@@ -307,7 +310,7 @@ def main() -> None:
     ap.add_argument("--gc-counts", type=ints, default=[500, 2000, 5000], help="records, gc")
     ap.add_argument("--gc-runs", type=int, default=3, help="gc runs per count")
     ap.add_argument("--plan-counts", type=ints, default=[0, 500, 2000], help="libvirt domains, plan")
-    ap.add_argument("--only", type=lambda s: s.split(","), default=["start", "gc", "plan"])
+    ap.add_argument("--only", type=lambda s: s.split(","), default=["start", "gc", "ledger", "plan"])
     ap.add_argument("--via", type=lambda s: s.split(","), default=["hook"],
                     help="per start: through the hook, the CLI, or both (hook,cli)")
     ap.add_argument("--quick", action="store_true", help="a small version once; check the bench's own sanity")
@@ -315,8 +318,9 @@ def main() -> None:
     if args.quick:
         args.runs, args.gc_runs, args.counts, args.gc_counts, args.plan_counts = 1, 1, [0, 20], [20], [0, 20]
         args.via = ["hook", "cli"]
-    if os.geteuid() != 0 and {"start", "gc"} & set(args.only):
-        sys.exit("bench_scale: needs root (real qemu-storage-daemons); --only plan does not")
+    if os.geteuid() != 0 and {"start", "gc", "ledger"} & set(args.only):
+        sys.exit("bench_scale: needs root (real qemu-storage-daemons, a root-owned state directory); "
+                 "--only plan does not")
     sanity = Sanity(args.quick)
     import compileall       # byte-code written first, as pip's install does (bench_hook.py)
     compileall.compile_dir(os.path.join(ROOT, "vstor"), quiet=1)
@@ -346,6 +350,10 @@ def main() -> None:
                 site.release_all()
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(run, ignore_errors=True)
+    if "ledger" in args.only:
+        expected += 2 * len(args.counts)
+        from bench.scale_ledger import ledger_cost
+        ledger_cost(args.counts, max(3, args.runs), sanity)
     if "plan" in args.only:
         expected += (4 if scale_fill.can_run_libvirtd() else 2) * len(args.plan_counts)
         from bench.scale_plan import plan_cost

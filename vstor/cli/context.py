@@ -57,7 +57,7 @@ class Context:
 
     def records(self) -> list:
         """The state records as planning needs them (what each holds, from
-        the index: vstor.runtime.index.recorded): unreadable (not root) is a
+        the index: vstor.runtime.holders.recorded): unreadable (not root) is a
         warning, as the start checks them again, as root."""
         from vstor.errors import Unavailable
         from vstor.runtime.holders import recorded

@@ -3,7 +3,8 @@ transport: each holds its record, what it says and what a dry run shows,
 and how it is done, undone, checked and repaired.
 
 A step is a frozen record of what the plan decided (vstor.runtime.actions
-builds them).  Each kind's class defines, in its own body (base.METHODS):
+builds them).  Each kind's class implements base.StepKind, inheriting
+the defaults of base.Kind where they are right for it:
 
 - describe(), dry_run(): its line, and what `vstor prepare --dry-run` shows under it;
 - to_data(), from_data(d): its journal form, in the shapes earlier vstor
