@@ -50,7 +50,7 @@ def cmd_attach(ctx, args) -> int:
     from vstor.runtime import hotplug
     disk = load_disk(args.disk)
     dom, guest = _running(ctx, args.domain)
-    plan = hotplug.attach(ctx.here.runtime(args.dry_run), ctx.here.state(), ctx.host, dom, disk, guest,
+    plan = hotplug.attach(ctx.runtime(args.dry_run), ctx.state(), ctx.host, dom, disk, guest,
                           args.persistent, say)
     d = plan.disk(disk.target)
     how = f"{d.mode} on {d.backend}" + (f", socket {d.socket}" if d.socket else "")
@@ -68,7 +68,7 @@ def cmd_detach(ctx, args) -> int:
     if not 0 < args.timeout <= 3600:
         raise BadInput(f"--timeout {args.timeout:g} is not from 0 to 3600 seconds")
     dom, guest = _running(ctx, args.domain)
-    hotplug.detach(ctx.here.runtime(args.dry_run), ctx.here.state(), dom, args.target, guest,
+    hotplug.detach(ctx.runtime(args.dry_run), ctx.state(), dom, args.target, guest,
                    args.timeout, args.persistent, say)
     print(f"{'would detach' if args.dry_run else 'detached'} {args.target} from {args.domain}")
     return 0

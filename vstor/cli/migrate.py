@@ -131,7 +131,7 @@ def cmd_prepare(ctx, args) -> int:
     if args.dry_run:
         return _prepare_dry(ctx, args, dom, peer, uri)
     print(f"Preparing {peer.host} for {dom.name}:")
-    verdict, xml = source.prepare(ctx.config, ctx.here.state(), dom, peer, uri, ctx.here.runtime(), cold=args.cold)
+    verdict, xml = source.prepare(ctx.config, ctx.state(), dom, peer, uri, ctx.runtime(), cold=args.cold)
     for d in verdict.disks:
         print(f"  {d.target}: {d.reason}")
     out = args.output or f"{dom.name}.{peer.host}.xml"
@@ -164,7 +164,7 @@ def _prepare_dry(ctx, args, dom, peer, uri: str) -> int:
     from vstor.host.sysfs import SysFS
     from vstor.migration import source
     print(f"Preparing {peer.host} for {dom.name} (dry run):")
-    verdict, exports = source.preflight(ctx.config, ctx.here.state(), dom, peer, SysFS(ctx.host_root), args.cold)
+    verdict, exports = source.preflight(ctx.config, ctx.state(), dom, peer, SysFS(ctx.host_root), args.cold)
     for d in verdict.disks:
         print(f"  {d.target}: {d.reason}")
     for target, (step, _) in exports.items():
@@ -201,7 +201,7 @@ def _run(ctx, args, dom, peer, uri: str, xml: str) -> int:
 
 def _recorded_peer(ctx, args):
     from vstor.migration import source
-    dest = args.to or source.recorded_destination(ctx.here.state(), args.domain)
+    dest = args.to or source.recorded_destination(ctx.state(), args.domain)
     if not dest:
         raise BadInput(f"no migration of domain '{args.domain}' is recorded here",
                        hint="name the destination with --to")
@@ -215,9 +215,9 @@ def cmd_abort(ctx, args) -> int:
     if args.dry_run:
         return _abort_dry(ctx, args, peer, uuid)
     answer = peer.call("abort", name=args.domain, uuid=uuid)
-    if source.unexport_all(ctx.here.state(), args.domain, ctx.here.runtime()):
+    if source.unexport_all(ctx.state(), args.domain, ctx.runtime()):
         print(f"removed the NVMe-oF exports made for {peer.host}")
-    source.forget(ctx.here.state(), args.domain)
+    source.forget(ctx.state(), args.domain)
     print(f"{peer.host}: {'released what was held for' if answer.get('aborted') else 'held nothing for'} "
           f"{args.domain}")
     return 0
@@ -229,7 +229,7 @@ def _abort_dry(ctx, args, peer, uuid) -> int:
     print(f"Aborting the migration of {args.domain} to {peer.host} (dry run):")
     print(f"  {peer.host}: " + (f"would release what it holds for {args.domain} ({held})" if held
                                 else f"holds nothing for {args.domain}"))
-    for rec in ctx.here.state().records():
+    for rec in ctx.state().records():
         if rec.domain == args.domain:
             nqns = [e["data"].get("nqn") for e in rec.steps if e.get("kind") == "nvmf-export"]
             for nqn in nqns:
@@ -261,7 +261,7 @@ def cmd_finish(ctx, args) -> int:
     if is_running(ctx, args.domain) is not False:
         raise DoesNotFit(f"domain '{args.domain}' still runs here (or libvirt cannot say)",
                          hint="wait for the migration to complete")
-    state = ctx.here.state()
+    state = ctx.state()
     if args.dry_run:
         return _finish_dry(ctx, args, peer, state)
     if not any(r.domain == args.domain for r in state.records()):
@@ -272,7 +272,7 @@ def cmd_finish(ctx, args) -> int:
         print(f"{args.domain} runs on {peer.host} and reads its local NVMe through this host's "
               f"NVMe-oF export, which stays until it leaves {peer.host} (vstor gc removes it then)")
         return 0
-    rec = release(ctx.here.runtime(), state, key_of(ctx, args.domain), progress=lambda m: print(f"  {m}"))
+    rec = release(ctx.runtime(), state, key_of(ctx, args.domain), progress=lambda m: print(f"  {m}"))
     source.forget(state, args.domain)
     print(f"{args.domain} runs on {peer.host}; {'released its backends here' if rec else 'nothing left here'}")
     return 0
@@ -289,7 +289,7 @@ def _finish_dry(ctx, args, peer, state) -> int:
     elif any(r.status == "exporting" for r in recs):
         print(f"  its NVMe-oF export here stays while it runs on {peer.host} (vstor gc removes it then)")
     else:
-        release(ctx.here.runtime(dry_run=True), state, key_of(ctx, args.domain),
+        release(ctx.runtime(dry_run=True), state, key_of(ctx, args.domain),
                 progress=lambda m: print(f"  {m}"))
     if any(r.migration for r in recs):
         print(f"  would forget the migration in {args.domain}'s state record")
@@ -297,7 +297,7 @@ def _finish_dry(ctx, args, peer, state) -> int:
 
 
 def _uuid_of(ctx, name: str) -> str | None:
-    return next((r.uuid for r in ctx.here.state().records() if r.domain == name), None) or _libvirt_uuid(ctx, name)
+    return next((r.uuid for r in ctx.state().records() if r.domain == name), None) or _libvirt_uuid(ctx, name)
 
 
 def _libvirt_uuid(ctx, name: str) -> str | None:
@@ -310,4 +310,4 @@ def _libvirt_uuid(ctx, name: str) -> str | None:
 
 def cmd_agent(ctx, args) -> int:
     from vstor.migration import agent
-    return agent.serve(ctx.here, sys.stdin.buffer)
+    return agent.serve(ctx, sys.stdin.buffer)

@@ -221,7 +221,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
     written = snippet.read_written(ipath)
     removed = leave.strip(conf, plans, leave.hook_value(ctx.config.pve_storage), vm, written)
     new = conf.to_text()
-    held = [r for r in ctx.here.state().records() if r.domain == name_of(vm)]
+    held = [r for r in ctx.state().records() if r.domain == name_of(vm)]
     _check_own(held, conf, vm)
     if not removed and not records and not held:
         print(f"nothing of vstor's in {path}")
@@ -234,7 +234,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
             print(f"would release what vstor holds for {r.domain} (state record {r.key})")
         return 0
     for r in held:
-        release(ctx.here.runtime(), ctx.here.state(), r.key, progress=say, domain=r.domain, uuid=r.uuid)
+        release(ctx.runtime(), ctx.state(), r.key, progress=say, domain=r.domain, uuid=r.uuid)
     from vstor import log
     if new != old:
         node.write_config(path, new)

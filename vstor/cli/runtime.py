@@ -55,7 +55,7 @@ def headed(title: str):
 def cmd_status(ctx, args) -> int:
     from vstor.runtime.lifecycle import health
     damaged: list[str] = []
-    records = ctx.here.state().records(damaged)
+    records = ctx.state().records(damaged)
     for problem in damaged:
         print(f"vstor: warning: {problem}", file=sys.stderr)
     if args.domain:
@@ -63,7 +63,7 @@ def cmd_status(ctx, args) -> int:
         if not records:
             raise BadInput(f"vstor holds nothing for domain '{args.domain}'",
                            hint="see: vstor status")
-    rt = ctx.here.runtime()
+    rt = ctx.runtime()
     elsewhere = _pve_elsewhere(ctx, records)
     said = _libvirt_says(ctx, [r.domain for r in records if r.domain not in elsewhere])
     spare = spare_ports_of(ctx, records, said)
@@ -189,7 +189,7 @@ def cmd_prepare(ctx, args) -> int:
     if is_file(args.source):
         _refuse_unrendered(dom, args.source)
     print(f"Preparing {dom.name}{' (dry run)' if args.dry_run else ''}:")
-    rec = prepare(ctx.here.runtime(args.dry_run), ctx.here.state(), ctx.host, dom, progress=say)
+    rec = prepare(ctx.runtime(args.dry_run), ctx.state(), ctx.host, dom, progress=say)
     if not args.dry_run:
         print(f"Domain '{dom.name}' prepared: {len(rec.steps)} host changes recorded")
     return 0
@@ -254,7 +254,7 @@ def _release(ctx, args) -> int:
                            hint="stop it first (the hook then releases), or --force")
     key = key_of(ctx, args.domain)
     say = headed(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
-    rec = release(ctx.here.runtime(args.dry_run, args.force), ctx.here.state(), key, progress=say)
+    rec = release(ctx.runtime(args.dry_run, args.force), ctx.state(), key, progress=say)
     if rec is None:
         print(f"vstor holds nothing for domain '{args.domain}'")
     elif not args.dry_run:
@@ -268,7 +268,7 @@ def key_of(ctx, name: str) -> str:
     another domain's.  Any other name's record is under its UUID, found
     among every record."""
     from vstor.meta.names import is_safe_name
-    state = ctx.here.state()
+    state = ctx.state()
     if is_safe_name(name):
         rec = state.load(name)
         if rec is None or rec.domain == name:
@@ -291,11 +291,11 @@ def cmd_gc(ctx, args) -> int:
     from vstor.migration import peer
     from vstor.pve.node import Node, RunGuard
     from vstor.runtime import gc
-    state = ctx.here.state()
+    state = ctx.state()
     node = Node(ctx.config)
     records, damaged = gc.read_records(state, args.dry_run)     # before what runs is asked: see gc.collect
     running = _running(ctx, records, node)
-    if not gc.collect(ctx.here.runtime(args.dry_run), state, records, running, say=print, step=say,
+    if not gc.collect(ctx.runtime(args.dry_run), state, records, running, say=print, step=say,
                       guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged,
                       ask=partial(peer.status, ctx.config)):
         print("Nothing to collect")
