@@ -15,8 +15,9 @@ from vstor.config import Config
 from vstor.errors import InUse, Unavailable, VstorError
 from vstor.meta.names import is_disk_name
 from vstor.runtime import actions
+from vstor.runtime.executor import Runtime
 from vstor.runtime.index import reindex
-from vstor.runtime.lifecycle import Runtime, release
+from vstor.runtime.lifecycle import release
 from vstor.runtime.state import EXPORTING, INCOMING, Record, StateDir
 
 

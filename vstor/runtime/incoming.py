@@ -18,7 +18,8 @@ from vstor.planner import Request, fit, plan_domain
 from vstor.planner.ledger import Ledger
 from vstor.render.libvirt import render
 from vstor.render.migration import render_incoming
-from vstor.runtime.lifecycle import Runtime, own_record, prepare, release
+from vstor.runtime.executor import Runtime
+from vstor.runtime.lifecycle import own_record, prepare, release
 from vstor.runtime.state import INCOMING, StateDir
 
 
