@@ -302,7 +302,8 @@ def _clean(work: str, run: str) -> None:
     released through vstor, the yardstick's stopped by their pidfiles."""
     import glob
     import signal
-    from vstor.runtime.recorded import Runtime, release
+    from vstor.runtime.executor import Runtime
+    from vstor.runtime.recorded import release
     from vstor.runtime.state import StateDir
     from vstor.host.sysfs import SysFS
     cfg = _config(work, run)

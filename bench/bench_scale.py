@@ -8,13 +8,20 @@ records and domains grow (issue 23's figures).
    the same cycle on a state directory of its own records only: the hook
    processes' CPU time (getrusage of the children; the daemons are
    daemonized, so theirs is never counted: checked), wall time, and the
-   median of the pairs' CPU ratios (target at 2000: within 10%).  Then the
-   one-time rebuild: the first cycle after the index was removed (records
-   written straight into <state_dir>/domains, as after an upgrade);
+   median of the pairs' CPU ratios (targets: 1.1 at 500, 1.3 at 2000).
+   Then the one-time rebuild: the first cycle after the index was removed
+   (records written straight into <state_dir>/domains, as after an
+   upgrade).  `--via cli`: the same cycle through the CLI instead, `vstor
+   prepare FILE` (the rendered domain) and `vstor release NAME` (on
+   test:///default, where the domain is not defined: libvirt says it does
+   not run);
 2. `vstor gc` (the CLI, a process, on a connection where no filler runs:
    test:///default) of N stale records: its CPU time (target: 2000 under
    2 s); afterwards no record is left, only the index and the locks;
-3. `vstor plan FILE` with N domains defined in libvirt's test driver (a
+3. the ledger of N records, what a start reads of them (bench/scale_ledger.py):
+   the plain way (every record file's JSON, its holding made a Holding,
+   the planner's Ledger over them) against the index's;
+4. `vstor plan FILE` with N domains defined in libvirt's test driver (a
    node file, test:///PATH) on an 8-node host's sysfs tree (--host-root):
    the CPU time of the process, with plans.json cold and warm (target: 2000
    under 1 s), and of the test driver itself (libvirt parsing its node file
@@ -25,9 +32,9 @@ records and domains grow (issue 23's figures).
 
     python3 bench/bench_scale.py [--runs R] [--counts 0,500,2000,5000]
         [--gc-counts 500,2000,5000] [--gc-runs 3] [--plan-counts 0,500,2000]
-        [--only start,gc,plan] [--quick]
+        [--only start,gc,ledger,plan] [--via hook,cli] [--quick]
 
-Needs root and qemu-storage-daemon (1 and 2).  Figures go into
+Needs root (1 to 3) and qemu-storage-daemon (1 and 2).  Figures go into
 docs/performance.md ("Host scale"); nothing here asserts a time.  `--quick`
 runs a small version once and checks the bench's own sanity
 (bench/sanity.py); tests/test_bench.py runs it so.
@@ -103,6 +110,9 @@ class Site:
             self.hooks[which] = installed_hook(f"{run}/{which}-hook", conf)
         self.dom = self._domain()
         self.xml = self.dom.to_string().encode()
+        self.file = f"{run}/{self.dom.name}.xml"        # for the CLI's prepare FILE
+        with open(self.file, "wb") as f:
+            f.write(self.xml)
         self.filled = 0
         self.daemon_cpu: list[float] = []       # each daemon's own, at the end of a prepare
 
@@ -132,20 +142,29 @@ class Site:
         self.filled = max(self.filled, count)
         return time.perf_counter() - t0
 
-    def cycle(self, which: str, sanity: Sanity) -> tuple[float, float, float]:
-        """prepare begin + release end through the hook: (CPU s, wall s,
+    def command(self, which: str, op: list[str], via: str) -> tuple[list[str], bytes | None]:
+        """The argv (and stdin) of one half of a cycle: the hook's, or the CLI's."""
+        if via == "hook":
+            return [self.hooks[which], self.dom.name, *op], self.xml
+        cli = [sys.executable, "-m", "vstor.cli.main", "-c", "test:///default",
+               "--config", f"{self.run}/{which}-hook/vstor.conf"]
+        return cli + (["prepare", self.file] if op[0] == "prepare" else ["release", self.dom.name]), None
+
+    def cycle(self, which: str, sanity: Sanity, via: str = "hook") -> tuple[float, float, float]:
+        """prepare + release through the hook (or the CLI): (CPU s, wall s,
         CPU s of prepare alone)."""
         cpu = wall = 0.0
         prep = 0.0
         for op in OPS:
-            done, c, w = run_timed([self.hooks[which], self.dom.name, *op], input=self.xml)
+            argv, stdin = self.command(which, op, via)
+            done, c, w = run_timed(argv, input=stdin, env=vstor_env() if via == "cli" else None)
             if done.returncode:
-                raise SystemExit(f"hook {op[0]} ({which}): {done.stderr.decode().strip()}")
+                raise SystemExit(f"{via} {op[0]} ({which}): {done.stderr.decode().strip()}")
             cpu, wall = cpu + c, wall + w
             if op[0] == "prepare":
                 prep = c
                 self._daemons_apart(sanity)
-            _serving(sanity, _disks(self.work), f"hook {op[0]} ({which})", 4 if op[0] == "prepare" else 0)
+            _serving(sanity, _disks(self.work), f"{via} {op[0]} ({which})", 4 if op[0] == "prepare" else 0)
         return cpu, wall, prep
 
     def _daemons_apart(self, sanity: Sanity) -> None:
@@ -174,7 +193,8 @@ class Site:
     def release_all(self) -> None:
         """Leave nothing behind, also after a failure half-way."""
         from vstor.host.sysfs import SysFS
-        from vstor.runtime.recorded import Runtime, release
+        from vstor.runtime.executor import Runtime
+        from vstor.runtime.recorded import release
         from vstor.runtime.state import StateDir
         for cfg in self.cfgs.values():
             try:
@@ -183,8 +203,9 @@ class Site:
                 print(f"release during cleanup: {e}", file=sys.stderr)
 
 
-def start_cost(site: Site, counts: list[int], runs: int, snapshots: dict, sanity: Sanity) -> None:
-    print(f"per start: prepare begin + release end of 4 qsd disks through the hook, {runs} interleaved "
+def start_cost(site: Site, counts: list[int], runs: int, snapshots: dict, sanity: Sanity,
+               via: str = "hook") -> None:
+    print(f"per start: prepare + release of 4 qsd disks through the {via}, {runs} interleaved "
           "pairs (N records vs the domain's own only); ms, median (min-max)")
     print(f"{'records':>8} {'fill s':>7} {'cpu, N records':>16} {'cpu, own only':>16} {'wall, N':>14} "
           f"{'cpu ratio':>18} {'rebuild, prepare cpu':>22}")
@@ -195,16 +216,16 @@ def start_cost(site: Site, counts: list[int], runs: int, snapshots: dict, sanity
         full, alone, ratios = [], [], []
         for i in range(runs):
             order = ("alone", "full") if i % 2 == 0 else ("full", "alone")
-            got = {which: site.cycle(which, sanity) for which in order}
+            got = {which: site.cycle(which, sanity, via) for which in order}
             full.append(got["full"])
             alone.append(got["alone"])
             ratios.append(got["full"][0] / got["alone"][0])
         cpu_full = [c for c, _, _ in full]
-        sanity.figure(f"cpu, {n} records", statistics.median(cpu_full))
-        sanity.figure(f"wall, {n} records", statistics.median(w for _, w, _ in full))
-        sanity.figure(f"ratio, {n} records", statistics.median(ratios))
+        sanity.figure(f"cpu, {n} records, {via}", statistics.median(cpu_full))
+        sanity.figure(f"wall, {n} records, {via}", statistics.median(w for _, w, _ in full))
+        sanity.figure(f"ratio, {n} records, {via}", statistics.median(ratios))
         rebuild = ""
-        if n:
+        if n and via == "hook":
             rebuild = rebuild_cost(site, max(1, min(3, runs)), [p for _, _, p in full], sanity, n)
         print(f"{n:>8} {fill_s:>7.1f} {spread(cpu_full):>16} {spread([c for c, _, _ in alone]):>16} "
               f"{spread([w for _, w, _ in full]):>14} {spread(ratios, 1, '{:.3f}'):>18} {rebuild:>22}")
@@ -289,20 +310,25 @@ def main() -> None:
     ap.add_argument("--gc-counts", type=ints, default=[500, 2000, 5000], help="records, gc")
     ap.add_argument("--gc-runs", type=int, default=3, help="gc runs per count")
     ap.add_argument("--plan-counts", type=ints, default=[0, 500, 2000], help="libvirt domains, plan")
-    ap.add_argument("--only", type=lambda s: s.split(","), default=["start", "gc", "plan"])
+    ap.add_argument("--only", type=lambda s: s.split(","), default=["start", "gc", "ledger", "plan"])
+    ap.add_argument("--via", type=lambda s: s.split(","), default=["hook"],
+                    help="per start: through the hook, the CLI, or both (hook,cli)")
     ap.add_argument("--quick", action="store_true", help="a small version once; check the bench's own sanity")
     args = ap.parse_args()
     if args.quick:
         args.runs, args.gc_runs, args.counts, args.gc_counts, args.plan_counts = 1, 1, [0, 20], [20], [0, 20]
-    if os.geteuid() != 0 and {"start", "gc"} & set(args.only):
-        sys.exit("bench_scale: needs root (real qemu-storage-daemons); --only plan does not")
+        args.via = ["hook", "cli"]
+    if os.geteuid() != 0 and {"start", "gc", "ledger"} & set(args.only):
+        sys.exit("bench_scale: needs root (real qemu-storage-daemons, a root-owned state directory); "
+                 "--only plan does not")
     sanity = Sanity(args.quick)
     import compileall       # byte-code written first, as pip's install does (bench_hook.py)
     compileall.compile_dir(os.path.join(ROOT, "vstor"), quiet=1)
     expected = 0
     if {"start", "gc"} & set(args.only):
         counts = sorted(set(args.counts) | set(args.gc_counts)) if "gc" in args.only else args.counts
-        expected += 3 * len(counts) + len([n for n in counts if n]) if "start" in args.only else 0
+        if "start" in args.only:
+            expected += 3 * len(counts) * len(args.via) + len([n for n in counts if n]) * ("hook" in args.via)
         expected += len(args.gc_counts) if "gc" in args.only else 0
         work = sanity.watch(tempfile.mkdtemp(prefix="vstor-bench-", dir="/var/tmp"))
         run = sanity.watch(tempfile.mkdtemp(prefix="vstor-bench-", dir=_tmpfs()))
@@ -311,7 +337,8 @@ def main() -> None:
             site = Site(work, run)
             snapshots = {n: f"{run}/gc{n}" for n in args.gc_counts} if "gc" in args.only else {}
             if "start" in args.only:
-                start_cost(site, counts, args.runs, snapshots, sanity)
+                for via in args.via:
+                    start_cost(site, counts, args.runs, snapshots if via == args.via[0] else {}, sanity, via)
             else:
                 for n in sorted(snapshots):
                     site.fill_to(n)
@@ -323,6 +350,10 @@ def main() -> None:
                 site.release_all()
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(run, ignore_errors=True)
+    if "ledger" in args.only:
+        expected += 2 * len(args.counts)
+        from bench.scale_ledger import ledger_cost
+        ledger_cost(args.counts, max(3, args.runs), sanity)
     if "plan" in args.only:
         expected += (4 if scale_fill.can_run_libvirtd() else 2) * len(args.plan_counts)
         from bench.scale_plan import plan_cost

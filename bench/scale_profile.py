@@ -28,7 +28,7 @@ TIMED = [("vstor.runtime.gc", None, "collect"), ("vstor.runtime.journal", "Journ
          ("vstor.runtime.index.store", "Index", "_load_sums"),
          ("vstor.runtime.index.store", "Index", "_apply"),
          ("vstor.runtime.index.store", "Index", "_write_sums"), ("vstor.runtime.index", None, "reindex"),
-         ("vstor.runtime.recorded", None, "_check_releasable"), ("vstor.runtime.gc", None, "_changed"),
+         ("vstor.runtime.recorded", None, "check_releasable"), ("vstor.runtime.gc", None, "_changed"),
          ("vstor.backends.qsd.daemon", None, "stop"), ("vstor.log", None, "change")]
 
 

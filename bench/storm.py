@@ -7,7 +7,7 @@ checks it.
 The domains are planned on a synthetic host (tests/hostlayout) big enough to
 give every one its own dedicated cores; the hook reads that host
 (VSTOR_HOST_ROOT) and runs real daemons here, unpinned (the planned CPUs are
-the synthetic host's: vstor.runtime.steps._on_this_machine).  Everything
+the synthetic host's: vstor.runtime.kinds.qsd_export's _here).  Everything
 lives under one directory: the host tree, the configuration, the state,
 socket and daemon directories, the images and the installed hook.
 """
@@ -152,7 +152,8 @@ class World:
         released through vstor, stray daemons under `work` stopped.  What
         had to be cleaned up this way (the bench's sanity problems)."""
         from vstor.host.sysfs import SysFS
-        from vstor.runtime.recorded import Runtime, release
+        from vstor.runtime.executor import Runtime
+        from vstor.runtime.recorded import release
         from vstor.runtime.state import StateDir
         said = []
         state = StateDir(self.cfg.state_dir)

@@ -7,7 +7,7 @@ vstor):
 
 - `StateDir.save`: before the save, and after its temporary file is written
   but before the rename (a `<key>.json.tmp` is left behind);
-- `steps.do` and `steps.undo`: before and after each call.
+- `executor.do` and `executor.undo`: before and after each call.
 
 A job is a JSON object: {"op": "prepare" | "release", "crash_at": k (0:
 never), "cfg": Config's fields, "root": the sysfs tree, "domain": a file
@@ -50,10 +50,10 @@ class CrashPoints:
 
 
 def install(points: CrashPoints) -> None:
-    """Wrap StateDir.save, the rename inside it, steps.do and steps.undo."""
-    from vstor.runtime import recordfile, state, steps
+    """Wrap StateDir.save, the rename inside it, executor.do and executor.undo."""
+    from vstor.runtime import executor, recordfile, state
 
-    real_save, real_do, real_undo = state.StateDir.save, steps.do, steps.undo
+    real_save, real_do, real_undo = state.StateDir.save, executor.do, executor.undo
     saving: list[str] = []
 
     def save(self, rec):
@@ -89,8 +89,8 @@ def install(points: CrashPoints) -> None:
 
     state.StateDir.save = save
     recordfile.os = OsInState()
-    steps.do = do
-    steps.undo = undo
+    executor.do = do
+    executor.undo = undo
 
 
 def _record(rec) -> str:

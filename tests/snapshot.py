@@ -72,23 +72,8 @@ def tree_state(root: str, content: bool = True) -> dict:
             rel = os.path.relpath(p, root)
             if (rel == DERIVED or rel.startswith(DERIVED + os.sep)) and out[p] and out[p][0] in ("file", "dir"):
                 kind, mode, uid, gid = out[p][:4]
-                out[p] = (kind, mode, uid, gid) + ((_derived(p, out[p][-1]),) if kind == "file" and content else ())
-                if rel == os.path.join(DERIVED, "stamp"):
-                    del out[p]      # a mark of the records' directory (vstor.runtime.index.stamp): random
+                out[p] = (kind, mode, uid, gid) + ((out[p][-1],) if kind == "file" and content else ())
     return out
-
-
-def _derived(path: str, digest: str):
-    """An index file's content; sums.json's without its stamp (a random mark)."""
-    if os.path.basename(path) != "sums.json":
-        return digest
-    import json
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return digest
-    return json.dumps({k: v for k, v in data.items() if k != "stamp"}, sort_keys=True)
 
 
 CONTROL_FILES = {"driver_override", "bind", "unbind", "new_id", "remove_id", "drivers_probe",

@@ -92,10 +92,14 @@ def test_bench_scale_quick():
     _need_qsd()
     out = quick("bench_scale.py", 300)
     rows = [line.split() for line in out.splitlines()]
-    # per start with 0 and 20 records (20: its rebuild too), gc of 20, plan with 0 and 20 domains
+    # per start with 0 and 20 records through the hook (20: its rebuild too), then through the
+    # CLI; gc of 20; the ledger of 0 and 20 records; plan with 0 and 20 domains
     start = [r for r in rows if len(r) >= 9 and r[0].isdigit() and r[3].startswith("(")]
-    assert [r[0] for r in start] == ["0", "20"] and "vs" in start[1] and "vs" not in start[0], out
+    assert [r[0] for r in start] == ["0", "20", "0", "20"], out
+    assert ["vs" in r for r in start] == [False, True, False, False], out
+    assert "through the hook" in out and "through the cli" in out
     assert "nothing but the index and locks" in out
+    assert "the ledger of N records" in out
     assert out.count("vstor plan FILE") == 1
 
 

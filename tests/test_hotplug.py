@@ -228,10 +228,10 @@ def test_a_qsd_disk_starts_without_the_host_lock_and_spdk_steps_under_it(env, tm
     """As prepare: the host lock covers the decision; the new disk's own
     daemon starts after it is let go, SPDK's shared controller under it."""
     from tests.test_lifecycle import _free
-    from vstor.runtime import steps
-    seen, real = [], steps.do
+    from vstor.runtime import executor
+    seen, real = [], executor.do
     lock = os.path.join(env.cfg.state_dir, "lock")
-    monkeypatch.setattr(steps, "do", lambda a, rt: seen.append((a.kind, _free(lock))) or real(a, rt))
+    monkeypatch.setattr(executor, "do", lambda a, rt: seen.append((a.kind, _free(lock))) or real(a, rt))
     _, paths = file_disks(env, "bc", size=8 << 20)
     dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
     seen.clear()
@@ -439,15 +439,15 @@ def test_an_attach_killed_between_metadata_and_device_is_taken_out_by_the_next(e
 
 def test_attach_plans_under_the_planning_lock_and_lets_it_go_once_recorded(env, tmp_path, monkeypatch):
     from tests.test_lifecycle import _free
-    from vstor.runtime import steps
+    from vstor.runtime import executor
     import fcntl
     from vstor.errors import Unavailable
     lock = os.path.join(env.cfg.state_dir, "plan.lock")
     _, paths = file_disks(env, "bc", size=8 << 20)
     dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    seen, real = [], steps.do
-    monkeypatch.setattr(steps, "do", lambda a, rt: seen.append((a.kind, _free(lock))) or real(a, rt))
+    seen, real = [], executor.do
+    monkeypatch.setattr(executor, "do", lambda a, rt: seen.append((a.kind, _free(lock))) or real(a, rt))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)      # another run is planning
         with pytest.raises(Unavailable, match="the planning lock .* stayed locked"):

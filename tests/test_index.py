@@ -20,10 +20,10 @@ import signal
 import pytest
 
 from vstor.planner.ledger import Ledger
+from vstor.runtime import holders
 from vstor.runtime import index as idx
-from vstor.runtime.holders import FromRecords
+from vstor.runtime.holders import FromRecords, holding_of
 from vstor.runtime.index import shape
-from vstor.runtime.lifecycle import holding_of
 from vstor.runtime.state import INCOMING, PREPARED, DamagedRecord, Record, StateDir
 
 CTRLS = [f"0000:{b:02x}:00.0" for b in range(0x10, 0x16)]
@@ -251,11 +251,11 @@ def test_a_record_damaged_by_hand_stops_every_start_until_it_is_dealt_with(tmp_p
         f.write("{")
     for _ in range(2):      # the rebuild that found it, and the runs after it
         with StateDir(state.path).lock() as fresh, pytest.raises(DamagedRecord) as e:
-            idx.ledger_of(fresh, {"vm0"})
+            holders.ledger_of(fresh, {"vm0"})
         assert "broken.json is damaged" in str(e.value) and "vstor gc" in e.value.hint
     os.unlink(os.path.join(state.domains, "broken.json"))
     with StateDir(state.path).lock() as fresh:
-        idx.ledger_of(fresh, {"vm0"})       # removed by hand: seen, and starts go again
+        holders.ledger_of(fresh, {"vm0"})       # removed by hand: seen, and starts go again
 
 
 def test_a_start_opens_no_other_domains_record_and_gc_reads_each_a_bounded_number_of_times(tmp_path, monkeypatch):
@@ -275,12 +275,12 @@ def test_a_start_opens_no_other_domains_record_and_gc_reads_each_a_bounded_numbe
     monkeypatch.setattr(builtins, "open", watching)
     fresh = StateDir(state.path)
     with fresh.record_lock("vm0"), fresh.lock():
-        ledger = idx.ledger_of(fresh, {"vm0"})
+        ledger = holders.ledger_of(fresh, {"vm0"})
         ledger.without("vm0")
         [ledger.cpu_owner.get(c) for c in range(64)]
         "/run/vstor/vhost/vm7-vdb" in ledger.sockets
         ledger.volume_conflict(("file:/images/a-0.raw",), False)
-        idx.holders_of(fresh, "vm0").step("vfio-bind", CTRLS[0], True)
+        holders.holders_of(fresh, "vm0").step("vfio-bind", CTRLS[0], True)
         fresh.save(_record(r, "vm0"))
         fresh.remove("vm1")
     assert opened == [], opened
@@ -300,9 +300,9 @@ def test_names_of_anything_are_file_names_and_never_collide():
 
 
 def test_a_hand_change_in_the_same_clock_tick_as_vstors_writes_is_seen(tmp_path):
-    """The records' directory's mtime moves with the kernel's coarse clock:
-    a record put there by hand right after a save of vstor's (and before
-    the next one) is still found by the next start (vstor.runtime.index.stamp)."""
+    """A record put there by hand right after a save of vstor's (and before
+    the next one, within the kernel's coarse clock's tick) is still found by
+    the next start: each decision lists the records' names."""
     state = StateDir(str(tmp_path / "state"))
     _fill(state, 9, count=2)
     for hand in range(20):
@@ -322,12 +322,12 @@ def test_a_hand_change_in_the_same_clock_tick_as_vstors_writes_is_seen(tmp_path)
 
 # -- (review i28) an index file of bytes that are not UTF-8 -----------------------------------------
 
-@pytest.mark.parametrize("name", ["stamp", "sums.json", "keys/vm1.json"])
+@pytest.mark.parametrize("name", ["dirty", "sums.json", "keys/vm1.json"])
 def test_an_index_file_that_is_not_utf8_is_rebuilt_not_an_internal_error(tmp_path, name):
     """What a torn write or a bad disk leaves in vstor's own index files is
     read as any other damage to them: the index is read again from the
-    records (a UnicodeDecodeError from the stamp was an internal error at
-    every save)."""
+    records (a UnicodeDecodeError from the index's stamp, since gone, was
+    an internal error at every save)."""
     from vstor.runtime.state import _INDEXES
     state = StateDir(str(tmp_path / "state"))
     state.save(Record("vm1", "vm1", None, status=PREPARED))

@@ -19,8 +19,8 @@ import pytest
 from tests.hostlayout import build_tree
 from tests.test_migration_spdk import on, two  # noqa: F401 (fixture)
 from tests.test_migration_spdk import running_on_a as running_nvme_on_a
-from vstor.runtime import actions, kinds, steps
-from vstor.runtime.kinds.base import ATTRIBUTES, METHODS
+from vstor.runtime import actions, executor, kinds
+from vstor.runtime.kinds.base import Kind, StepKind
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.join(HERE, "..")
@@ -35,27 +35,41 @@ def test_the_five_kinds_are_registered_by_their_names():
         assert getattr(actions, cls.__name__) is cls      # what callers import today
 
 
+# The interface, as the Protocol declares it; what each kind must say itself
+# (no default in Kind): one module tells everything a kind does.
+METHODS = [m for m in vars(StepKind) if not m.startswith("_")]
+ATTRIBUTES = list(StepKind.__annotations__)
+OWN = [m for m in METHODS if m not in vars(Kind)] + ["kind"]
+
+
 @pytest.mark.parametrize("name", list(kinds.KINDS))
-def test_each_kind_defines_every_method_and_attribute_in_its_own_class(name):
-    """Nothing inherited, nothing elsewhere: one module tells all about a kind."""
+def test_each_kind_is_a_step_kind_saying_itself_what_has_no_default(name):
     cls = kinds.KINDS[name]
-    body = vars(cls)
-    assert [m for m in METHODS if not callable(getattr(cls, m, None)) or m not in body] == []
-    assert [a for a in ATTRIBUTES if a not in body] == []
-    assert isinstance(body["from_data"], classmethod)
+    assert issubclass(cls, Kind)
+    assert [m for m in METHODS if not callable(getattr(cls, m, None))] == []
+    assert [a for a in ATTRIBUTES if not hasattr(cls, a)] == []
+    assert [m for m in OWN if m not in vars(cls)] == []
+    assert isinstance(vars(cls)["from_data"], classmethod)
     assert isinstance(cls.parallel, bool) and isinstance(cls.private, bool)
     assert isinstance(cls.rpc_methods, tuple)
     params = {m: list(inspect.signature(getattr(cls, m)).parameters) for m in METHODS}
+    assert params == {m: list(inspect.signature(getattr(StepKind, m)).parameters) for m in METHODS}
     assert params["observe"] == ["self", "rt", "others"] and params["undo"] == ["self", "rt", "others"]
     for m in ("preflight", "do", "in_use", "check", "repair"):
         assert params[m] == ["self", "rt"], m
 
 
+def test_the_interface_is_the_thirteen_methods_and_four_attributes():
+    assert sorted(METHODS) == sorted(["describe", "dry_run", "to_data", "from_data", "makes", "preflight",
+                                      "observe", "do", "undo", "undo_waits", "in_use", "check", "repair"])
+    assert sorted(ATTRIBUTES) == ["kind", "parallel", "private", "rpc_methods"]
+
+
 def test_the_journal_reads_parallel_and_private_from_the_classes():
     """As before the classes said it: one daemon per disk side by side; the
     domain's own daemons and vhost controllers without the host lock."""
-    assert steps.PARALLEL == {"qsd-export"}
-    assert steps.PRIVATE == {"qsd-export", "spdk-vhost"}
+    assert executor.PARALLEL == {"qsd-export"}
+    assert executor.PRIVATE == {"qsd-export", "spdk-vhost"}
 
 
 def _ops_used(cls) -> set[str]:
@@ -67,13 +81,9 @@ def _ops_used(cls) -> set[str]:
 
 @pytest.mark.parametrize("name", list(kinds.KINDS))
 def test_a_kind_asks_the_host_only_for_operations_the_executor_passes_in(name):
-    class Runtime:
-        sysfs, cfg, force, handover = object(), object(), False, False
-
-        def spdk(self):
-            return None
-    offered = {a for a in vars(steps.HostOps(Runtime())) if not a.startswith("_")}
-    offered |= {a for a in vars(steps.HostOps) if not a.startswith("_")}
+    from vstor.config import Config
+    offered = {a for a in vars(executor.Runtime(Config(), object())) if not a.startswith("_")}
+    offered |= {a for a in vars(executor.Runtime) if not a.startswith("_")}
     used = _ops_used(kinds.KINDS[name])
     assert used and used <= offered, used - offered
 
@@ -104,9 +114,9 @@ def test_every_kind_survives_its_journal_form_and_knows_what_it_makes():
     made = _samples()
     assert {s.kind for s in made} == set(kinds.KINDS)
     for step in made:
-        entry = json.loads(json.dumps(steps.encode(step, "done")))
+        entry = json.loads(json.dumps(executor.encode(step, "done")))
         assert entry["kind"] == step.kind and entry["state"] == "done"
-        again = steps.decode(entry)
+        again = executor.decode(entry)
         assert again == step and kinds.identity(again) == kinds.identity(step)
         assert step.describe() and all(isinstance(line, str) and line for line in step.dry_run())
     assert [kinds.identity(s)[1] for s in made] == [

@@ -45,7 +45,7 @@ FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", 
              "multiprocessing", "shutil", "tarfile", "libvirt", "spdk", "qemu",
              "vstor.host.sysfs", "vstor.host.read", "vstor.host.capture", "vstor.host.doctor",
              "vstor.backends.spdk", "vstor.backends.spdk_app", "vstor.backends.vfio", "vstor.backends.qsd.daemon",
-             "vstor.runtime.state", "vstor.runtime.journal", "vstor.runtime.steps",
+             "vstor.runtime.state", "vstor.runtime.journal", "vstor.runtime.executor",
              "vstor.runtime.lifecycle", "vstor.locking", "vstor.runtime.inventory",
              "vstor.runtime.virt", "vstor.runtime.gc", "vstor.runtime.context", "vstor.migration.peer",
              "vstor.cli", "vstor.hook")
@@ -200,6 +200,61 @@ def test_every_module_is_in_a_part_of_the_layers():
 
 def test_no_import_runs_upward_or_sideways():
     assert _upward(_modules()) == []
+
+
+def _circles(modules: dict) -> list[list[str]]:
+    """Each set of two or more vstor modules that import each other, round
+    a circle (function-level imports count), as Tarjan's strongly connected
+    components of the import graph."""
+    graph = {m: sorted({d for d, _line, _through in _edges(m, modules) if d != m and d in modules})
+             for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        walk = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while walk:
+            mod, deps = walk[-1]
+            dep = next(deps, None)
+            if dep is not None:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    walk.append((dep, iter(graph[dep])))
+                elif dep in stack:
+                    low[mod] = min(low[mod], index[dep])
+                continue
+            walk.pop()
+            if walk:
+                low[walk[-1][0]] = min(low[walk[-1][0]], low[mod])
+            if low[mod] == index[mod]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    comp.append(m)
+                    if m == mod:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_circle():
+    assert _circles(_modules()) == []
+
+
+def test_an_import_circle_is_found(tmp_path):
+    """Two modules of one part that import each other, one of them in a function."""
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from vstor.runtime import fake_b\n")
+    b.write_text("def f():\n    from vstor.runtime.fake_a import x\n")
+    found = _circles({**_modules(), "vstor.runtime.fake_a": str(a), "vstor.runtime.fake_b": str(b)})
+    assert found == [["vstor.runtime.fake_a", "vstor.runtime.fake_b"]], found
 
 
 @pytest.mark.parametrize("mod, code, says", [

@@ -219,7 +219,7 @@ def test_missing_spdk_is_unavailable_before_anything_changes(env):
 def test_a_crash_between_steps_is_undone_by_the_next_run(env):
     """A run killed after attaching (record says attach 'doing'): the next
     prepare undoes the leftovers and starts clean; nothing is doubled."""
-    from vstor.runtime import actions, steps as executor
+    from vstor.runtime import actions, executor
     from vstor.runtime.journal import DOING, DONE
     from vstor.runtime.state import Record
     dom = domain(env, local_spdk())
@@ -288,7 +288,7 @@ def test_a_multipath_domain_gets_every_path_of_its_controller(env):
     """A controller of that name left with one path (an interrupted run, a
     path SPDK dropped) gets the missing one; one with a path the plan does not
     have is refused, never merged."""
-    from vstor.runtime import actions, steps as executor
+    from vstor.runtime import actions, executor
     dom = domain(env, nvmf(1))
     attach = next(a for a in actions.build(dom.recorded_plan(), env.cfg) if a.kind == "spdk-attach")
     env.spdk.requests.clear()
@@ -397,7 +397,7 @@ def test_a_controller_two_spdk_domains_share_goes_back_to_its_driver_after_both(
 
 def test_an_interrupted_prepare_leaves_no_record(env, monkeypatch):
     """Ctrl-C in the middle of the steps: what was done is undone, no record holds anything."""
-    from vstor.runtime import steps as executor
+    from vstor.runtime import executor
     real = executor.do
     calls = []
 
@@ -430,8 +430,8 @@ def _free(path: str) -> bool:
 def test_daemons_start_without_the_host_lock_and_spdk_steps_under_it(env, monkeypatch):
     """The host lock covers the decision; a domain's own qsd daemons start
     (side by side) after it is let go, SPDK's shared controller under it."""
-    from vstor.runtime import steps
-    seen, real = [], steps.do
+    from vstor.runtime import executor
+    seen, real = [], executor.do
     lock = os.path.join(env.cfg.state_dir, "lock")
 
     import threading
@@ -446,7 +446,7 @@ def test_daemons_start_without_the_host_lock_and_spdk_steps_under_it(env, monkey
             finally:
                 os.close(fd)
         real(a, rt)
-    monkeypatch.setattr(steps, "do", do)
+    monkeypatch.setattr(executor, "do", do)
     disks, _ = file_disks(env, "bc", prefix="p", size=8 << 20)
     prepare(env.rt(), env.state, env.host(), domain(env, disks, vm="<vstor:vm cpus='shared'/>"))
     assert seen == [("qsd-export", True, True), ("qsd-export", True, True)]

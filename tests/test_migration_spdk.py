@@ -62,15 +62,15 @@ def two(monkeypatch):
     # A's VFIO binding goes through the kernel sysfs double (the CLI's own
     # runtime, with the double for sysfs).
     sysfs = KernelSysfsDouble(a_root)
-    from vstor.cli import runtime as cli_runtime
+    from vstor.runtime.context import HostContext
     from vstor.runtime.lifecycle import Runtime
-    real = cli_runtime._runtime
+    real = HostContext.runtime
 
-    def runtime(ctx, dry_run=False, force=False):
-        if ctx.config.spdk_socket == a_spdk.socket_path:
-            return Runtime(ctx.config, sysfs, dry_run=dry_run, force=force)
-        return real(ctx, dry_run, force)
-    monkeypatch.setattr(cli_runtime, "_runtime", runtime)
+    def runtime(here, dry_run=False, force=False):
+        if here.config.spdk_socket == a_spdk.socket_path:
+            return Runtime(here.config, sysfs, dry_run=dry_run, force=force)
+        return real(here, dry_run, force)
+    monkeypatch.setattr(HostContext, "runtime", runtime)
     t = type("Two", (), {})()
     t.work, t.a_spdk, t.b_spdk, t.a_root, t.b_root = work, a_spdk, b_spdk, a_root, b_root
     t.a_conf, t.b_conf, t.sysfs = a_conf, b_conf, sysfs

@@ -12,8 +12,9 @@ import pytest
 
 from vstor.errors import ActionFailed
 from vstor.planner.ledger import Ledger
+from vstor.runtime import holders
 from vstor.runtime import index as idx
-from vstor.runtime.lifecycle import holding_of
+from vstor.runtime.holders import holding_of
 from vstor.runtime.state import PREPARED, Record, StateDir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +104,7 @@ def test_planning_writes_nothing_when_the_directory_was_not_marked(tmp_path):
     state.save(_rec("b", cpus=(2,)))
     os.utime(state.domains)     # an unmarked change (two unlocked saves' stamps crossed)
     before = _snapshot(path)
-    assert {r.key for r in idx.recorded(StateDir(path))} == {"a", "b"}
+    assert {r.key for r in holders.recorded(StateDir(path))} == {"a", "b"}
     after = _snapshot(path)
     assert {p: v for p, v in after.items() if not p.endswith("/lock")} == \
            {p: v for p, v in before.items() if not p.endswith("/lock")}
@@ -116,7 +117,7 @@ def test_planning_does_not_rebuild_the_index_for_a_damaged_keys_file(tmp_path):
     with open(os.path.join(path, "index", "keys", "a.json"), "w") as f:
         f.write("{not json")
     before = _snapshot(path)
-    assert [r.key for r in idx.recorded(StateDir(path))] == ["a"]
+    assert [r.key for r in holders.recorded(StateDir(path))] == ["a"]
     after = _snapshot(path)
     assert {p: v for p, v in after.items() if not p.endswith("/lock")} == \
            {p: v for p, v in before.items() if not p.endswith("/lock")}
@@ -206,7 +207,7 @@ def test_an_item_with_a_lone_surrogate_is_indexed_not_a_traceback(tmp_path):
     fresh = StateDir(path)
     with fresh.lock():
         try:
-            view = idx.ledger_of(fresh, ())
+            view = holders.ledger_of(fresh, ())
         except VstorError:
             return      # named damaged, one line: acceptable
         assert view.volume_conflict(("file:/images/\ud800.raw",), False) == "b"
@@ -225,7 +226,7 @@ def test_a_missing_keys_file_is_not_read_as_holding_nothing(tmp_path):
     fresh = StateDir(path)
     with fresh.lock():
         truth = _oracle(fresh)
-        view = idx.ledger_of(fresh, ())
+        view = holders.ledger_of(fresh, ())
         assert truth.volume_conflict(("file:/images/a.raw",), False) == "a"
         assert view.volume_conflict(("file:/images/a.raw",), False) == "a"
     more = _rec("a", cpus=(1,))
@@ -233,4 +234,4 @@ def test_a_missing_keys_file_is_not_read_as_holding_nothing(tmp_path):
     more.holding["reactors"] = [2, 3]
     fresh.save(more)
     with fresh.lock():
-        assert +idx.ledger_of(fresh, ()).reactor_load == +_oracle(fresh).reactor_load
+        assert +holders.ledger_of(fresh, ()).reactor_load == +_oracle(fresh).reactor_load

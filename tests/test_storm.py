@@ -293,8 +293,9 @@ def _in_open(gc: subprocess.Popen, read: str) -> None:
 
 def test_gc_during_a_storm_leaves_the_daemons_of_domains_that_start_meanwhile(storm, tmp_path):
     """gc is held at a chosen point by a gate (GATED) before each read of
-    the record zzz (read by `vstor gc` once, by its check of the index,
-    then by orphan_files()): stopped there, the gate replaced by a plain
+    the record zzz (read by `vstor gc` once under the host lock, where the
+    index is checked against what it read, then by orphan_files()):
+    stopped there, the gate replaced by a plain
     file, the storm run, gc let go.  A slow state directory (many records)
     opens the same window."""
     from vstor.runtime.state import PREPARED, Record
@@ -305,7 +306,7 @@ def test_gc_during_a_storm_leaves_the_daemons_of_domains_that_start_meanwhile(st
     os.mkfifo(gate, 0o600)
     gc = _gc(w, [*w.names, "zzz"], tmp_path / "gc.out", gate)
     try:
-        for read in ("its first read of the records", "its check of the index (under the host lock)"):
+        for read in ("its read of the records (and the index's check, under the host lock)",):
             _in_open(gc, read)
             open(gate, "w").close()
             _until(lambda: not _opening_a_fifo(gc.pid), f"gc is stuck in {read}")

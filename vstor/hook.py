@@ -64,7 +64,7 @@ def run(argv: list[str], xml: bytes) -> int:
 
 def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
     from vstor.host.sysfs import SysFS
-    from vstor.runtime.recorded import Runtime
+    from vstor.runtime.executor import Runtime
     from vstor.runtime.state import StateDir
     cfg = config_mod.load()
     root = os.environ.get("VSTOR_HOST_ROOT", "/")

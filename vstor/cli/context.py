@@ -10,30 +10,18 @@ from vstor.errors import Unavailable
 from vstor.runtime.context import HostContext, host_root
 
 
-class Context:
+class Context(HostContext):
+    """This host as the runtime acts on it (vstor.runtime.context), from
+    the global options; the config is read when first needed."""
+
     def __init__(self, args):
         self.args = args
+        self.host_root = host_root(args.host_root)
+        self.uri = args.connect
 
     @cached_property
     def config(self):
         return config_mod.load(self.args.config)
-
-    @property
-    def host_root(self) -> str:
-        return host_root(self.args.host_root)
-
-    @cached_property
-    def here(self) -> HostContext:
-        """This host as the runtime acts on it, from the global options."""
-        return HostContext(self.config, self.host_root, self.args.connect)
-
-    @property
-    def host(self):
-        return self.here.host
-
-    @property
-    def conn(self):
-        return self.here.conn
 
     def ledger(self):
         """The ledger from libvirt; planning offline (another host's capture,
@@ -53,17 +41,17 @@ class Context:
     def planning(self, dry_run: bool = False):
         """The host's planning lock (vstor.runtime.state): held from before
         the ledger is read until the plan is written."""
-        return self.here.state().planning(dry_run=dry_run)
+        return self.state().planning(dry_run=dry_run)
 
     def records(self) -> list:
         """The state records as planning needs them (what each holds, from
-        the index: vstor.runtime.index.recorded): unreadable (not root) is a
+        the index: vstor.runtime.holders.recorded): unreadable (not root) is a
         warning, as the start checks them again, as root."""
         from vstor.errors import Unavailable
-        from vstor.runtime.index import recorded
+        from vstor.runtime.holders import recorded
         from vstor.runtime.recordfile import DamagedRecord, UntrustedState
         try:
-            return recorded(self.here.state())
+            return recorded(self.state())
         except (DamagedRecord, UntrustedState):
             raise
         except (OSError, Unavailable) as e:
@@ -71,6 +59,11 @@ class Context:
             warn(f"cannot read {self.config.state_dir} ({why}); planning without what "
                  "domains prepared outside libvirt hold")
             return []
+
+
+def say(message: str) -> None:
+    """One line of a command's progress, indented under its heading."""
+    print(f"  {message}", flush=True)
 
 
 def warn(message: str) -> None:

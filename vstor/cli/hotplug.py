@@ -45,13 +45,13 @@ def _running(ctx, name: str):
 
 
 def cmd_attach(ctx, args) -> int:
-    from vstor.cli.runtime import _runtime, _say, _state
+    from vstor.cli.context import say
     from vstor.meta.document import load_disk
     from vstor.runtime import hotplug
     disk = load_disk(args.disk)
     dom, guest = _running(ctx, args.domain)
-    plan = hotplug.attach(_runtime(ctx, args.dry_run), _state(ctx), ctx.host, dom, disk, guest,
-                          args.persistent, _say)
+    plan = hotplug.attach(ctx.runtime(args.dry_run), ctx.state(), ctx.host, dom, disk, guest,
+                          args.persistent, say)
     d = plan.disk(disk.target)
     how = f"{d.mode} on {d.backend}" + (f", socket {d.socket}" if d.socket else "")
     verb = "would attach" if args.dry_run else "attached"
@@ -60,7 +60,7 @@ def cmd_attach(ctx, args) -> int:
 
 
 def cmd_detach(ctx, args) -> int:
-    from vstor.cli.runtime import _runtime, _say, _state
+    from vstor.cli.context import say
     import re
     from vstor.runtime import hotplug
     if not re.fullmatch(r"vd[a-z]{1,3}", args.target):
@@ -68,8 +68,8 @@ def cmd_detach(ctx, args) -> int:
     if not 0 < args.timeout <= 3600:
         raise BadInput(f"--timeout {args.timeout:g} is not from 0 to 3600 seconds")
     dom, guest = _running(ctx, args.domain)
-    hotplug.detach(_runtime(ctx, args.dry_run), _state(ctx), dom, args.target, guest,
-                   args.timeout, args.persistent, _say)
+    hotplug.detach(ctx.runtime(args.dry_run), ctx.state(), dom, args.target, guest,
+                   args.timeout, args.persistent, say)
     print(f"{'would detach' if args.dry_run else 'detached'} {args.target} from {args.domain}")
     return 0
 

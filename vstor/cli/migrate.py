@@ -119,7 +119,6 @@ def cmd_check(ctx, args) -> int:
 
 
 def cmd_prepare(ctx, args) -> int:
-    from vstor.cli.runtime import _runtime, _state
     from vstor.migration import source
     if args.cold and args.run:
         raise BadInput("--run migrates live; a cold migration waits for the domain to be shut down",
@@ -132,7 +131,7 @@ def cmd_prepare(ctx, args) -> int:
     if args.dry_run:
         return _prepare_dry(ctx, args, dom, peer, uri)
     print(f"Preparing {peer.host} for {dom.name}:")
-    verdict, xml = source.prepare(ctx.config, _state(ctx), dom, peer, uri, _runtime(ctx), cold=args.cold)
+    verdict, xml = source.prepare(ctx.config, ctx.state(), dom, peer, uri, ctx.runtime(), cold=args.cold)
     for d in verdict.disks:
         print(f"  {d.target}: {d.reason}")
     out = args.output or f"{dom.name}.{peer.host}.xml"
@@ -162,11 +161,10 @@ def cmd_prepare(ctx, args) -> int:
 def _prepare_dry(ctx, args, dom, peer, uri: str) -> int:
     """What prepare would do, after every check it makes (the destination's
     read-only `check`): nothing is exported, held, written or recorded."""
-    from vstor.cli.runtime import _state
     from vstor.host.sysfs import SysFS
     from vstor.migration import source
     print(f"Preparing {peer.host} for {dom.name} (dry run):")
-    verdict, exports = source.preflight(ctx.config, _state(ctx), dom, peer, SysFS(ctx.host_root), args.cold)
+    verdict, exports = source.preflight(ctx.config, ctx.state(), dom, peer, SysFS(ctx.host_root), args.cold)
     for d in verdict.disks:
         print(f"  {d.target}: {d.reason}")
     for target, (step, _) in exports.items():
@@ -202,9 +200,8 @@ def _run(ctx, args, dom, peer, uri: str, xml: str) -> int:
 
 
 def _recorded_peer(ctx, args):
-    from vstor.cli.runtime import _state
     from vstor.migration import source
-    dest = args.to or source.recorded_destination(_state(ctx), args.domain)
+    dest = args.to or source.recorded_destination(ctx.state(), args.domain)
     if not dest:
         raise BadInput(f"no migration of domain '{args.domain}' is recorded here",
                        hint="name the destination with --to")
@@ -212,29 +209,27 @@ def _recorded_peer(ctx, args):
 
 
 def cmd_abort(ctx, args) -> int:
-    from vstor.cli.runtime import _runtime, _state
     from vstor.migration import source
     peer = _recorded_peer(ctx, args)
     uuid = _uuid_of(ctx, args.domain)
     if args.dry_run:
         return _abort_dry(ctx, args, peer, uuid)
     answer = peer.call("abort", name=args.domain, uuid=uuid)
-    if source.unexport_all(_state(ctx), args.domain, _runtime(ctx)):
+    if source.unexport_all(ctx.state(), args.domain, ctx.runtime()):
         print(f"removed the NVMe-oF exports made for {peer.host}")
-    source.forget(_state(ctx), args.domain)
+    source.forget(ctx.state(), args.domain)
     print(f"{peer.host}: {'released what was held for' if answer.get('aborted') else 'held nothing for'} "
           f"{args.domain}")
     return 0
 
 
 def _abort_dry(ctx, args, peer, uuid) -> int:
-    from vstor.cli.runtime import _state
     there = peer.call("status", name=args.domain, uuid=uuid)     # a read
     held = there.get("status")
     print(f"Aborting the migration of {args.domain} to {peer.host} (dry run):")
     print(f"  {peer.host}: " + (f"would release what it holds for {args.domain} ({held})" if held
                                 else f"holds nothing for {args.domain}"))
-    for rec in _state(ctx).records():
+    for rec in ctx.state().records():
         if rec.domain == args.domain:
             nqns = [e["data"].get("nqn") for e in rec.steps if e.get("kind") == "nvmf-export"]
             for nqn in nqns:
@@ -245,7 +240,7 @@ def _abort_dry(ctx, args, peer, uuid) -> int:
 
 
 def cmd_finish(ctx, args) -> int:
-    from vstor.cli.runtime import _is_running, _key_of, _runtime, _state
+    from vstor.cli.runtime import is_running, key_of
     from vstor.errors import DoesNotFit
     from vstor.migration import source
     from vstor.runtime.lifecycle import release
@@ -253,7 +248,7 @@ def cmd_finish(ctx, args) -> int:
     there = peer.call("status", name=args.domain, uuid=_uuid_of(ctx, args.domain))
     arrived = there.get("status") == "prepared" or (there.get("cold") is True and there.get("status") == "incoming")
     if not arrived:
-        if not there.get("status") and _is_running(ctx, args.domain) is False:
+        if not there.get("status") and is_running(ctx, args.domain) is False:
             raise DoesNotFit(f"domain '{args.domain}' runs on neither host: {peer.host} holds nothing for "
                              "it and it does not run here (it stopped after the move, or was never started)",
                              hint=f"see virsh domstate {args.domain} on both hosts; "
@@ -263,10 +258,10 @@ def cmd_finish(ctx, args) -> int:
                          hint=f"migrate it first, or: vstor migrate abort {args.domain}")
     if there.get("cold") is True:
         print(f"{args.domain} is defined on {peer.host}, and its first start there makes its backends")
-    if _is_running(ctx, args.domain) is not False:
+    if is_running(ctx, args.domain) is not False:
         raise DoesNotFit(f"domain '{args.domain}' still runs here (or libvirt cannot say)",
                          hint="wait for the migration to complete")
-    state = _state(ctx)
+    state = ctx.state()
     if args.dry_run:
         return _finish_dry(ctx, args, peer, state)
     if not any(r.domain == args.domain for r in state.records()):
@@ -277,7 +272,7 @@ def cmd_finish(ctx, args) -> int:
         print(f"{args.domain} runs on {peer.host} and reads its local NVMe through this host's "
               f"NVMe-oF export, which stays until it leaves {peer.host} (vstor gc removes it then)")
         return 0
-    rec = release(_runtime(ctx), state, _key_of(ctx, args.domain), progress=lambda m: print(f"  {m}"))
+    rec = release(ctx.runtime(), state, key_of(ctx, args.domain), progress=lambda m: print(f"  {m}"))
     source.forget(state, args.domain)
     print(f"{args.domain} runs on {peer.host}; {'released its backends here' if rec else 'nothing left here'}")
     return 0
@@ -285,7 +280,7 @@ def cmd_finish(ctx, args) -> int:
 
 def _finish_dry(ctx, args, peer, state) -> int:
     """finish's checks passed (the destination asked read-only): what it would release here."""
-    from vstor.cli.runtime import _key_of, _runtime
+    from vstor.cli.runtime import key_of
     from vstor.runtime.lifecycle import release
     recs = [r for r in state.records() if r.domain == args.domain]
     print(f"{args.domain} runs on {peer.host} (dry run):")
@@ -294,7 +289,7 @@ def _finish_dry(ctx, args, peer, state) -> int:
     elif any(r.status == "exporting" for r in recs):
         print(f"  its NVMe-oF export here stays while it runs on {peer.host} (vstor gc removes it then)")
     else:
-        release(_runtime(ctx, dry_run=True), state, _key_of(ctx, args.domain),
+        release(ctx.runtime(dry_run=True), state, key_of(ctx, args.domain),
                 progress=lambda m: print(f"  {m}"))
     if any(r.migration for r in recs):
         print(f"  would forget the migration in {args.domain}'s state record")
@@ -302,8 +297,7 @@ def _finish_dry(ctx, args, peer, state) -> int:
 
 
 def _uuid_of(ctx, name: str) -> str | None:
-    from vstor.cli.runtime import _state
-    return next((r.uuid for r in _state(ctx).records() if r.domain == name), None) or _libvirt_uuid(ctx, name)
+    return next((r.uuid for r in ctx.state().records() if r.domain == name), None) or _libvirt_uuid(ctx, name)
 
 
 def _libvirt_uuid(ctx, name: str) -> str | None:
@@ -316,4 +310,4 @@ def _libvirt_uuid(ctx, name: str) -> str | None:
 
 def cmd_agent(ctx, args) -> int:
     from vstor.migration import agent
-    return agent.serve(ctx.here, sys.stdin.buffer)
+    return agent.serve(ctx, sys.stdin.buffer)

@@ -163,7 +163,6 @@ def cmd_migrate(ctx, args) -> int:
     else: the one command a sudoers line gives nova-compute."""
     import argparse
     from vstor.cli import migrate
-    from vstor.cli.runtime import _runtime, _state
     from vstor.meta.names import is_safe_name
     from vstor.migration import source
     name = args.instance
@@ -175,12 +174,12 @@ def cmd_migrate(ctx, args) -> int:
             raise BadInput("prepare needs the destination", hint="--to DEST")
         peer, uri = migrate._peer(ctx, args.to)
         dom = _instance(ctx, name)
-        verdict, _ = source.prepare(ctx.config, _state(ctx), dom, peer, uri, _runtime(ctx))
+        verdict, _ = source.prepare(ctx.config, ctx.state(), dom, peer, uri, ctx.runtime())
         print(f"{peer.host} holds {name}'s vstor backends; Nova's migration may go ahead:")
         for d in verdict.disks:
             print(f"  {d.target}: {d.reason}")
         return 0
-    if args.step == "abort" and not args.to and source.recorded_destination(_state(ctx), name) is None:
+    if args.step == "abort" and not args.to and source.recorded_destination(ctx.state(), name) is None:
         print(f"no vstor migration of {name} is recorded here; nothing to abort")
         return 0
     step = migrate.cmd_finish if args.step == "finish" else migrate.cmd_abort

@@ -205,7 +205,7 @@ def cmd_unapply(ctx, args) -> int:
 def _unapply(ctx, args, node, vm: int) -> int:
     """Backends a start left (no post-stop) first, then the config, then the
     plan records: a run killed on the way leaves what the next one finishes."""
-    from vstor.cli.runtime import _runtime, _say, _state
+    from vstor.cli.context import say
     from vstor.pve import leave, manage, snippet
     from vstor.formats.pve.vm import name_of
     from vstor.runtime.recorded import release
@@ -221,7 +221,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
     written = snippet.read_written(ipath)
     removed = leave.strip(conf, plans, leave.hook_value(ctx.config.pve_storage), vm, written)
     new = conf.to_text()
-    held = [r for r in _state(ctx).records() if r.domain == name_of(vm)]
+    held = [r for r in ctx.state().records() if r.domain == name_of(vm)]
     _check_own(held, conf, vm)
     if not removed and not records and not held:
         print(f"nothing of vstor's in {path}")
@@ -234,7 +234,7 @@ def _unapply(ctx, args, node, vm: int) -> int:
             print(f"would release what vstor holds for {r.domain} (state record {r.key})")
         return 0
     for r in held:
-        release(_runtime(ctx), _state(ctx), r.key, progress=_say, domain=r.domain, uuid=r.uuid)
+        release(ctx.runtime(), ctx.state(), r.key, progress=say, domain=r.domain, uuid=r.uuid)
     from vstor import log
     if new != old:
         node.write_config(path, new)

@@ -6,9 +6,11 @@ import json
 import os
 import sys
 
+from vstor.cli.context import say
 from vstor.cli.hotplug import hotplug_text, spare_ports_of
 from vstor.cli.hooks import register as hooks_register
 from vstor.errors import BadInput, InUse
+
 
 def register(sub) -> None:
     p = sub.add_parser("status", help="what vstor holds on this host, per domain")
@@ -36,28 +38,16 @@ def register(sub) -> None:
     hooks_register(sub)
 
 
-def _state(ctx):
-    return ctx.here.state()
-
-
-def _runtime(ctx, dry_run=False, force=False):
-    return ctx.here.runtime(dry_run, force)
-
-
-def _say(message: str) -> None:
-    print(f"  {message}", flush=True)
-
-
-def _headed(title: str):
-    """_say, with `title` printed before the first line: a run refused
+def headed(title: str):
+    """say, with `title` printed before the first line: a run refused
     before it changes anything prints its refusal alone."""
     untold = [title]
 
-    def say(message: str) -> None:
+    def first_titled(message: str) -> None:
         if untold:
             print(untold.pop(), flush=True)
-        _say(message)
-    return say
+        say(message)
+    return first_titled
 
 
 # -- status ---------------------------------------------------------------------------
@@ -65,7 +55,7 @@ def _headed(title: str):
 def cmd_status(ctx, args) -> int:
     from vstor.runtime.lifecycle import health
     damaged: list[str] = []
-    records = _state(ctx).records(damaged)
+    records = ctx.state().records(damaged)
     for problem in damaged:
         print(f"vstor: warning: {problem}", file=sys.stderr)
     if args.domain:
@@ -73,7 +63,7 @@ def cmd_status(ctx, args) -> int:
         if not records:
             raise BadInput(f"vstor holds nothing for domain '{args.domain}'",
                            hint="see: vstor status")
-    rt = _runtime(ctx)
+    rt = ctx.runtime()
     elsewhere = _pve_elsewhere(ctx, records)
     said = _libvirt_says(ctx, [r.domain for r in records if r.domain not in elsewhere])
     spare = spare_ports_of(ctx, records, said)
@@ -199,7 +189,7 @@ def cmd_prepare(ctx, args) -> int:
     if is_file(args.source):
         _refuse_unrendered(dom, args.source)
     print(f"Preparing {dom.name}{' (dry run)' if args.dry_run else ''}:")
-    rec = prepare(_runtime(ctx, args.dry_run), _state(ctx), ctx.host, dom, progress=_say)
+    rec = prepare(ctx.runtime(args.dry_run), ctx.state(), ctx.host, dom, progress=say)
     if not args.dry_run:
         print(f"Domain '{dom.name}' prepared: {len(rec.steps)} host changes recorded")
     return 0
@@ -217,7 +207,7 @@ def _refuse_unrendered(dom, path: str) -> None:
                             f"or define it: vstor define {path}")
 
 
-def _is_running(ctx, name: str) -> bool | None:
+def is_running(ctx, name: str) -> bool | None:
     """True or False as libvirt (or, for a Proxmox VM, qemu-server's pid
     file) says; None when vstor cannot tell."""
     import libvirt
@@ -255,16 +245,16 @@ def _release(ctx, args) -> int:
     from vstor.errors import Unavailable
     from vstor.runtime.lifecycle import release
     if not args.force:
-        running = _is_running(ctx, args.domain)
+        running = is_running(ctx, args.domain)
         if running is None:
             raise Unavailable(f"cannot tell from libvirt whether domain '{args.domain}' runs",
                               hint="start libvirtd, or --force if you know it is stopped")
         if running:
             raise InUse(f"domain '{args.domain}' is running; its backends are in use",
                            hint="stop it first (the hook then releases), or --force")
-    key = _key_of(ctx, args.domain)
-    say = _headed(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
-    rec = release(_runtime(ctx, args.dry_run, args.force), _state(ctx), key, progress=say)
+    key = key_of(ctx, args.domain)
+    say = headed(f"Releasing {args.domain}{' (dry run)' if args.dry_run else ''}:")
+    rec = release(ctx.runtime(args.dry_run, args.force), ctx.state(), key, progress=say)
     if rec is None:
         print(f"vstor holds nothing for domain '{args.domain}'")
     elif not args.dry_run:
@@ -272,15 +262,24 @@ def _release(ctx, args) -> int:
     return 0
 
 
-def _key_of(ctx, name: str) -> str:
+def key_of(ctx, name: str) -> str:
+    """The key of domain `name`'s record.  A safe name is its own key
+    (vstor.meta.names.safe_key): that one record is read, unless it is
+    another domain's.  Any other name's record is under its UUID, found
+    among every record."""
+    from vstor.meta.names import is_safe_name
+    state = ctx.state()
+    if is_safe_name(name):
+        rec = state.load(name)
+        if rec is None or rec.domain == name:
+            return name
     damaged: list[str] = []
-    for rec in _state(ctx).records(damaged):
+    for rec in state.records(damaged):
         if rec.domain == name:
             return rec.key
     if damaged:     # one of them may be this domain's
         from vstor.runtime.state import DamagedRecord
         raise DamagedRecord(f"{damaged[0]}; it may be domain '{name}''s")
-    from vstor.meta.names import is_safe_name
     if not is_safe_name(name):
         raise BadInput(f"vstor holds nothing for domain '{name}'")
     return name
@@ -292,12 +291,11 @@ def cmd_gc(ctx, args) -> int:
     from vstor.migration import peer
     from vstor.pve.node import Node, RunGuard
     from vstor.runtime import gc
-    state = _state(ctx)
+    state = ctx.state()
     node = Node(ctx.config)
-    damaged: list[str] = []
-    records = state.records(damaged)        # before what runs is asked: see gc.collect
+    records, damaged = gc.read_records(state, args.dry_run)     # before what runs is asked: see gc.collect
     running = _running(ctx, records, node)
-    if not gc.collect(_runtime(ctx, args.dry_run), state, records, running, say=print, step=_say,
+    if not gc.collect(ctx.runtime(args.dry_run), state, records, running, say=print, step=say,
                       guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged,
                       ask=partial(peer.status, ctx.config)):
         print("Nothing to collect")

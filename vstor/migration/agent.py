@@ -119,7 +119,7 @@ def _sees(rt, theirs: dict) -> str | None:
 def _ledger(here: HostContext, state) -> Ledger:
     """Other domains' holdings: libvirt's defined domains and every state
     record besides (a migration held for a domain not defined here yet)."""
-    from vstor.runtime.index import recorded
+    from vstor.runtime.holders import recorded
     from vstor.runtime.inventory import load_ledger
     return load_ledger(here.conn, recorded(state))
 

@@ -217,7 +217,7 @@ def claimed_controllers(node: Node, records, skip: int | None = None) -> set[str
     """Every local controller a vstor plan on this node (and the plan before
     it, while its config write is pending) or a state record holds; of all
     VMs but `skip`."""
-    from vstor.runtime.lifecycle import holding_of
+    from vstor.runtime.holders import holding_of
     held = holdings(node, skip) + [holding_of(r) for r in records
                                    if r.holding and (skip is None or r.domain != name_of(skip))]
     out = set()

@@ -44,7 +44,7 @@ class HostContext:
 
     def runtime(self, dry_run: bool = False, force: bool = False):
         from vstor.host.sysfs import SysFS
-        from vstor.runtime.recorded import Runtime
+        from vstor.runtime.executor import Runtime
         return Runtime(self.config, SysFS(self.host_root), dry_run=dry_run, force=force)
 
     def state(self):

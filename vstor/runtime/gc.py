@@ -15,7 +15,9 @@ from vstor.config import Config
 from vstor.errors import InUse, Unavailable, VstorError
 from vstor.meta.names import is_disk_name
 from vstor.runtime import actions
-from vstor.runtime.lifecycle import Runtime, release
+from vstor.runtime.executor import Runtime
+from vstor.runtime.index import reindex
+from vstor.runtime.lifecycle import release
 from vstor.runtime.state import EXPORTING, INCOMING, Record, StateDir
 
 
@@ -33,10 +35,8 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
     migrated domain went to (vstor.migration.peer.status), which says whether
     it still needs the export it read its disk through; without it, every
     such export is left.  True when there was anything to collect."""
-    if not rt.dry_run and os.path.isdir(state.path):
-        from vstor.runtime.index import reindex
-        reindex(state)
     stale = [r for r in records if r.domain not in running]
+    rt = rt.looking_once()      # gc starts no daemon: one look through /proc finds every lost one
     for problem in damaged:
         say(f"Leaving {problem}")
     for rec in [r for r in stale if r.status == INCOMING]:
@@ -66,8 +66,9 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
                     say(f"Leaving {rec.domain}: {why}")
                     continue
                 say(f"{'Would release' if rt.dry_run else 'Releasing'} {rec.domain} (not running):")
-                try:
-                    release(rt, state, rec.key, progress=step, drop_exports=True)  # still needed: left above
+                try:    # as read: unchanged, under its record lock
+                    release(rt, state, rec.key, progress=step, drop_exports=True,  # still needed: left above
+                            seen=rec)
                 except InUse as e:      # a QEMU still connected: the others are collected all the same
                     say(f"Leaving {rec.domain}: {e}")
                     in_use.append(rec.domain)
@@ -104,6 +105,20 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
         raise InUse(f"gc left {', '.join(in_use)}: not running, yet its storage is still in use",
                     hint="stop what is connected (a QEMU libvirt no longer knows?), then vstor gc again")
     return bool(stale or orphans)
+
+
+def read_records(state: StateDir, dry_run: bool = False) -> tuple[list[Record], list[str]]:
+    """Every record and the damaged ones, as collect() is to be given them
+    (read before what runs is asked); read under the host lock, and the
+    index checked against them there (vstor.runtime.index.reindex: a record
+    fixed or removed by hand, damaged in place), unless a dry run."""
+    damaged: list[str] = []
+    if dry_run or not os.path.isdir(state.path):
+        return state.records(damaged), damaged
+    with state.lock():
+        records = state.records(damaged)
+        reindex(state, records, damaged)
+    return records, damaged
 
 
 def _changed(state: StateDir, seen: Record) -> str | None:

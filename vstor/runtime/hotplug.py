@@ -31,10 +31,11 @@ from vstor.records import replace
 from vstor.render import buses
 from vstor.render.libvirt import device_xml
 from vstor.runtime import actions
-from vstor.runtime import steps as executor
-from vstor.runtime.index import holders_of, ledger_of
+from vstor.runtime import executor
+from vstor.runtime.executor import Runtime
+from vstor.runtime.holders import holders_of, ledger_of
 from vstor.runtime.journal import Journal, undo_failed
-from vstor.runtime.lifecycle import Runtime, own_record, plan_of
+from vstor.runtime.lifecycle import own_record, plan_of
 from vstor.runtime.recorded import private_only
 from vstor.runtime.state import PREPARED, StateDir
 

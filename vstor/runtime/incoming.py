@@ -18,7 +18,8 @@ from vstor.planner import Request, fit, plan_domain
 from vstor.planner.ledger import Ledger
 from vstor.render.libvirt import render
 from vstor.render.migration import render_incoming
-from vstor.runtime.lifecycle import Runtime, own_record, prepare, release
+from vstor.runtime.executor import Runtime
+from vstor.runtime.lifecycle import own_record, prepare, release
 from vstor.runtime.state import INCOMING, StateDir
 
 
@@ -48,8 +49,7 @@ def ledger_now(ledger: Ledger | Callable[[], Ledger], state: StateDir) -> Ledger
     lock: `ledger` itself when it is a function (it then reads libvirt now),
     and the state records as they are now (a domain prepared or reserved
     since `ledger` was read) besides."""
-    from vstor.runtime.index import recorded
-    from vstor.runtime.lifecycle import holding_of
+    from vstor.runtime.holders import holding_of, recorded
     base = ledger() if callable(ledger) else ledger
     known = {h.domain for h in base.holdings}
     return Ledger(base.holdings + tuple(holding_of(r) for r in recorded(state)
@@ -74,7 +74,7 @@ def _reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger:
         if existing is not None and (existing.status != INCOMING or existing.steps):
             raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
                              hint=f"vstor migrate abort {dom.name} on the source first")
-        from vstor.runtime.index import ledger_of
+        from vstor.runtime.holders import ledger_of
         problems = fit.problems(host, rt.cfg, Request.from_domain(arriving), plan,
                                 ledger_of(state, {dom.safe_name}))
         if problems:

@@ -124,7 +124,7 @@ def load_ledger(conn=None, records=(), cache: str | None = None) -> Ledger:
     """Every defined domain's plan (libvirt) and, besides, what state
     records hold for domains libvirt does not list: prepared by hand, or
     reserved for an incoming migration."""
-    from vstor.runtime.lifecycle import holding_of
+    from vstor.runtime.holders import holding_of
     holdings = holdings_from_libvirt(conn, cache) if conn is not None else []
     known = {h.domain for h in holdings}
     holdings += [holding_of(r) for r in records if r.holding and r.domain not in known]

@@ -4,7 +4,7 @@ The journal writes each step (a typed record, vstor.runtime.actions) into the
 domain's state record (state 'doing') before doing it and marks it 'done'
 after; on a failure it undoes, in reverse, everything the record holds.  Undo
 must therefore cope with a step that was only half done.  What a step does is
-the executor's (vstor.runtime.steps, or a test's own).
+the executor's (vstor.runtime.executor, or a test's own).
 
 Consecutive steps of a kind the executor lists in PARALLEL (one
 qemu-storage-daemon per disk: independent of each other) form a group: all
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from vstor import log
 from vstor.errors import ActionFailed, InUse, Unavailable, VstorError
-from vstor.runtime.index import holders_of
+from vstor.runtime.holders import holders_of
 from vstor.runtime.state import PREPARED, RELEASING, Record, StateDir
 
 DOING, DONE = "doing", "done"
@@ -33,7 +33,7 @@ class Journal:
     def __init__(self, state: StateDir, rec: Record, rt, progress: Callable[[str], None] | None = None,
                  executor=None):
         if executor is None:
-            from vstor.runtime import steps as executor
+            from vstor.runtime import executor
         self.state = state
         self.rec = rec
         self.rt = rt

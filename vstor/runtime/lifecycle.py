@@ -20,14 +20,14 @@ from vstor.host.read import read_host
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
 from vstor.planner import Request, fit
-from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
+from vstor.planner.ledger import Holding, holding_to_json
 from vstor.runtime import actions
-from vstor.runtime import steps as executor
-from vstor.runtime.index import holders_of, ledger_of
+from vstor.runtime import executor
+from vstor.runtime.holders import holders_of, ledger_of
 from vstor.runtime.journal import Journal
 # Release, reconnect and health work from the record alone (vstor.runtime.recorded);
 # named here too, where every caller looks for a domain's life.
-from vstor.runtime.recorded import (Runtime, _check_releasable, _rollback, own_record, private_only,  # noqa: F401
+from vstor.runtime.recorded import (Runtime, check_releasable, roll_back, own_record, private_only,  # noqa: F401
                                     health, reconnect, release)
 from vstor.runtime.state import INCOMING, PREPARED, Record, StateDir
 
@@ -42,16 +42,6 @@ def plan_of(dom: Domain) -> tuple[Request, Plan]:
                        hint=f"run: vstor apply {dom.name}")
     fit.check_made_for(plan, req)
     return req, plan
-
-
-def running_ledger(records: list[Record]) -> Ledger:
-    return Ledger([holding_of(r) for r in records if r.holding])
-
-
-def holding_of(rec: Record):
-    """A record's holding; one held for an incoming migration is not running
-    yet, so its hugepages are still in the pool but promised."""
-    return holding_from_json(rec.holding, active=rec.status != INCOMING)
 
 
 def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
@@ -86,8 +76,8 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             # A run that never released (crash, or an interrupted prepare):
             # undo what it left, then start clean; but never what a running
             # QEMU of this name still uses.
-            _check_releasable(rt, leftover)
-            _rollback(rt, state, leftover, progress)
+            check_releasable(rt, leftover)
+            roll_back(rt, state, leftover, progress)
             host = read_host(rt.sysfs)      # the undo moved things: look again
         problems = fit.problems(host, rt.cfg, req, plan, ledger_of(state, {key}, rt.dry_run))
         if problems:

@@ -13,42 +13,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from vstor.config import Config
 from vstor.errors import ActionFailed, DoesNotFit, InUse
 from vstor.meta.names import is_safe_name
 from vstor.runtime import actions
-from vstor.runtime import steps as executor
+from vstor.runtime import executor
+from vstor.runtime.executor import Runtime
 from vstor.runtime.journal import DONE, Journal, undo_failed
 from vstor.runtime.state import EXPORTING, PREPARED, Record, StateDir
-
-
-class Runtime:
-    """What steps touch: sysfs, SPDK (connected on first use), the config."""
-
-    def __init__(self, cfg: Config, sysfs, dry_run: bool = False, spdk_factory=None,
-                 force: bool = False, handover: bool = False):
-        self.cfg = cfg
-        self.sysfs = sysfs
-        self.dry_run = dry_run
-        # The destination of a live migration: the source host's backend of
-        # the same disk may hold a shared source until its QEMU stops.
-        self.handover = handover
-        # release --force: undo even what QEMU still uses (SPDK then finishes
-        # a vhost controller's deletion when QEMU lets go).
-        self.force = force
-        self._spdk_factory = spdk_factory
-        self._spdk = None
-
-    def spdk(self):
-        if self._spdk is None:
-            if self._spdk_factory:
-                self._spdk = self._spdk_factory()
-            else:
-                from vstor.backends.spdk import SpdkClient
-                self._spdk = SpdkClient(self.cfg.spdk_socket, timeout=self.cfg.spdk_timeout,
-                                        dry_run=self.dry_run, vhost_dir=self.cfg.vhost_dir,
-                                        config=self.cfg.file)
-        return self._spdk
 
 
 def private_only(kinds) -> bool:
@@ -84,15 +55,16 @@ def _load_own(state: StateDir, key: str, domain: str | None, uuid: str | None) -
 def release(rt: Runtime, state: StateDir, key: str,
             progress: Callable[[str], None] | None = None, domain: str | None = None,
             uuid: str | None = None, migrated: bool = False,
-            drop_exports: bool = False) -> Record | None:
+            drop_exports: bool = False, seen: Record | None = None) -> Record | None:
     """Undo what vstor holds under `key`; with `domain`, only that domain's
-    record.  An NVMe-oF export made for a migration (the domain may now run
+    record; `seen`: the record as the caller read it under the record lock
+    it holds (gc), not read again.  An NVMe-oF export made for a migration (the domain may now run
     on the other host, reading its disk through it) stays, with what it
     stands on, in a record marked exporting, unless `drop_exports` (gc found
     the other host done with it) or `rt.force`."""
     with state.record_lock(key, dry_run=rt.dry_run), contextlib.ExitStack() as host_lock:
         host_lock.enter_context(state.lock(dry_run=rt.dry_run))
-        rec = _load_own(state, key, domain, uuid)
+        rec = seen if seen is not None else _load_own(state, key, domain, uuid)
         if rec is None:
             return None
         # An export the other host may read its disk through stays until gc
@@ -110,10 +82,10 @@ def release(rt: Runtime, state: StateDir, key: str,
                 if not (keep and keep(i, entry)):
                     (progress or print)(f"would undo: {_describe(entry)}")
             return rec
-        _check_releasable(rt, rec)
+        check_releasable(rt, rec)
         if private_only(entry.get("kind") for entry in rec.steps):
             host_lock.close()
-        _rollback(rt, state, rec, progress, keep)
+        roll_back(rt, state, rec, progress, keep)
         if keep is not None and rec.steps:
             # What the export stands on is all it holds now: no cores,
             # reactor, socket or memory of a domain that runs elsewhere.
@@ -140,7 +112,7 @@ def exported(rec: Record):
                           or (e.get("kind") == "vfio-bind" and e["data"].get("address") in addresses))
 
 
-def _check_releasable(rt: Runtime, rec: Record) -> None:
+def check_releasable(rt: Runtime, rec: Record) -> None:
     """Before any undo: SPDK reachable when the record needs it (exit 4), and,
     unless forced, nothing the record made still in use by QEMU (exit 3): a
     release never takes half of a running domain's storage away."""
@@ -169,7 +141,7 @@ def _describe(entry: dict) -> str:
         return e.message
 
 
-def _rollback(rt: Runtime, state: StateDir, rec: Record, progress, keep=None) -> None:
+def roll_back(rt: Runtime, state: StateDir, rec: Record, progress, keep=None) -> None:
     journal = Journal(state, rec, rt, progress)
     errors = journal.rollback(keep)
     if errors:

@@ -21,7 +21,17 @@ class DamagedRecord(Unavailable):
     operator looks at it (docs/security.md)."""
 
 
-_FIX = "inspect it, undo by hand what it lists, then remove it"
+FIX = "inspect it, undo by hand what it lists, then remove it"
+
+# A record's status.  PREPARED: what the plan needs is made.
+PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
+# Backends made ahead of an incoming live migration (vstor migrate prepare):
+# held for the domain until it arrives (then prepared) or the migration is
+# aborted or fails (then released).
+INCOMING = "incoming"
+# The domain left by live migration and reads its disk through this host's
+# NVMe-oF export: the export and what it stands on stay until it is gone.
+EXPORTING = "exporting"
 
 # The layout of a record file, written into it as "format".  0: a record
 # from before the field (vstor 0.1.0 wrote none), read as it always was.

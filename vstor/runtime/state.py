@@ -36,20 +36,12 @@ from vstor.errors import BadInput, Unavailable
 from vstor.locking import flocked, range_locked, try_range
 from vstor.meta.names import is_safe_name
 from vstor.records import field, record
-from vstor.runtime.recordfile import (RECORD_FORMAT, _FIX, DamagedRecord, NotAFile,  # noqa: F401 (named here too)
-                                      check_format as _check_format, check_shape as _check_shape,
-                                      check_trusted, make_dirs, read_json, write_text)
-
-
-PREPARING, PREPARED, RELEASING = "preparing", "prepared", "releasing"
-# Backends made ahead of an incoming live migration (vstor migrate prepare):
-# held for the domain until it arrives (then prepared) or the migration is
-# aborted or fails (then released).
-INCOMING = "incoming"
-# The domain left by live migration and reads its disk through this host's
-# NVMe-oF export: the export and what it stands on stay until it is gone.
-EXPORTING = "exporting"
-
+from vstor.runtime.index import Index, plain, summary
+# The statuses and DamagedRecord are named here too, where a record's readers look.
+from vstor.runtime.recordfile import (EXPORTING, FIX, INCOMING, PREPARED, PREPARING,  # noqa: F401
+                                      RECORD_FORMAT, RELEASING, DamagedRecord, NotAFile,
+                                      check_format, check_shape, check_trusted, make_dirs, read_json,
+                                      write_text)
 
 
 @record(frozen=False)
@@ -97,7 +89,6 @@ class StateDir:
         if self._index is None:
             # One per directory in a process: two StateDirs of one path in
             # one taking of the host lock must not keep two views of it.
-            from vstor.runtime.index import Index
             where = os.path.realpath(self.path)
             self.trusted()
             self._index = _INDEXES.get(where) or _INDEXES.setdefault(where, Index(self))
@@ -210,22 +201,22 @@ class StateDir:
         self.trusted()
         try:
             data = read_json(path)
-            _check_format(data, path)
+            check_format(data, path)
             rec = Record.from_json(data)
-            _check_shape(rec)
+            check_shape(rec)
         except FileNotFoundError:
             return None
         except NotAFile as e:
-            raise DamagedRecord(f"state record {path} is damaged ({e.strerror})", hint=_FIX) from None
+            raise DamagedRecord(f"state record {path} is damaged ({e.strerror})", hint=FIX) from None
         except OSError as e:
             raise Unavailable(f"cannot read state record {path}: {e.strerror}",
                               hint="run vstor as root") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DamagedRecord(f"state record {path} is damaged ({type(e).__name__}: {e})",
-                                hint=_FIX) from None
+                                hint=FIX) from None
         if rec.key != key:
             raise DamagedRecord(f"state record {path} is damaged (it says key {rec.key!r})",
-                                hint=_FIX)
+                                hint=FIX)
         return rec
 
     def records(self, damaged: list[str] | None = None) -> list[Record]:
@@ -252,7 +243,7 @@ class StateDir:
                     f"{os.path.join(self.domains, name)}: {e.message}"
                 if damaged is None:
                     raise DamagedRecord(f"{what}; what it holds cannot be known, so vstor decides "
-                                        "nothing that depends on it", hint=_FIX) from None
+                                        "nothing that depends on it", hint=FIX) from None
                 damaged.append(str(e) if isinstance(e, DamagedRecord) else what)
                 continue
             if rec is not None:
@@ -269,7 +260,6 @@ class StateDir:
 
     def _write(self, rec: Record) -> None:
         path = self._file(rec.key)
-        marked = self.index.marked()        # before the temporary file: it changes the directory too
         # One line, by json's C encoder: indenting takes its Python one, ten
         # times the cost, at every save (python3 -m json.tool FILE shows it
         # indented).
@@ -280,32 +270,21 @@ class StateDir:
             raise Unavailable(f"cannot write state record {path}: {e.strerror}",
                               hint="see what is at that name; vstor writes only regular files "
                                    "there") from None
-        self.index.last_mark = self.index.mark() if marked else None
         _fsync_dir(self.domains)
 
     def remove(self, key: str) -> None:
         self._change(key, None, lambda: self._unlink(key))
 
     def _unlink(self, key: str) -> None:
-        # The records' directory is marked again after a change of vstor's
-        # only when it was as vstor marked it just before (vstor.runtime.index.stamp).
-        marked = self.index.marked()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._file(key))
-        self.index.last_mark = self.index.mark() if marked else None
         _fsync_dir(self.domains)
 
     def _change(self, key: str, rec: Record | None, write) -> None:
-        from vstor.runtime.index import plain, summary
         new = plain(summary(rec))
         self.index.forget_key(key)      # as the index says now, not as this process read it
         if self.index.indexed(key) == new:
-            # Holds what it held: its own record lock is enough.  The index
-            # is told the directory changed by vstor only if nothing else
-            # changed it before (a record put there by hand is looked for).
-            write()
-            if self.index.last_mark:
-                self.index.keep_mark(self.index.last_mark)
+            write()     # holds what it held: its own record lock is enough
             return
         with self.lock():
             self.index.change(key, new, write)

@@ -29,13 +29,14 @@ __all__ = ["alive", "connect_as", "dry_run", "pid", "restart_if_dead", "start", 
 
 # -- looking ---------------------------------------------------------------------------------
 
-def pid(export: QsdExport, among: list[int] | None = None) -> int | None:
+def pid(export: QsdExport, among: list[int] | None = None, since: float | None = None) -> int | None:
     """The live daemon's pid: the pidfile's, or (pidfile lost) found in /proc
-    (among the pids the caller found running that binary, if it looked)."""
+    (among the pids the caller found running that binary, if it looked; by
+    a look made after `since`, see proc.pids_of)."""
     found = proc.read_pid(export.pidfile)
     if found is not None and _is_ours(export, found):
         return found
-    pids = proc.pids_of(export.binary) if among is None else among
+    pids = proc.pids_of(export.binary, since=since) if among is None else among
     return next((p for p in pids if _is_ours(export, p)), None)
 
 
@@ -252,15 +253,16 @@ def _resolved(export: QsdExport, src: sources.Source) -> QsdExport:
 
 # -- stopping --------------------------------------------------------------------------------
 
-def stop(export: QsdExport, timeout: float = 5.0) -> None:
+def stop(export: QsdExport, timeout: float = 5.0, since: float | None = None) -> None:
     """Quit the daemon (SIGTERM: qsd's clean exit, as QMP quit is; SIGKILL
     after `timeout`) and remove its socket, monitor and pidfile.  A daemon
-    already gone is fine."""
+    already gone is fine.  `since`: a look through /proc made after it
+    finds a daemon that lost its pidfile (proc.pids_of)."""
     if not os.path.isdir(export.run_dir):
         _remove_files(export)
         return
     with _lock(export):
-        _kill_and_clean(export, timeout)
+        _kill_and_clean(export, timeout, since)
 
 
 def stop_orphan(pidfile: str, timeout: float = 5.0) -> bool:
@@ -280,8 +282,8 @@ def stop_orphan(pidfile: str, timeout: float = 5.0) -> bool:
     return ours
 
 
-def _kill_and_clean(export: QsdExport, timeout: float = 5.0) -> None:
-    found = pid(export)
+def _kill_and_clean(export: QsdExport, timeout: float = 5.0, since: float | None = None) -> None:
+    found = pid(export, since=since)
     if found is not None:
         _terminate(export, found, timeout)
     _remove_files(export)

@@ -77,23 +77,34 @@ def cmdline(pid: int) -> list[str]:
     return [a.decode(errors="replace") for a in raw.split(b"\0")[:-1]]
 
 
-def unix_peers(path: str) -> int:
+def unix_peers(path: str, since: float | None = None) -> int:
     """Clients connected to the Unix socket bound at `path` (its accepted,
     connected sockets in /proc/net/unix).  A table vstor cannot read is a
-    refusal, never "nobody connected"."""
+    refusal, never "nobody connected".  `since` (a time.monotonic()): a
+    read of the table begun after it serves, as pids_of's look does."""
     from vstor.errors import Unavailable
-    count = 0
-    try:
-        with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
-            next(f, None)
-            for line in f:
-                fields = line.split(None, 7)
-                if len(fields) == 8 and fields[7].rstrip("\n") == path and fields[5] == "03":
-                    count += 1
-    except OSError as e:
-        raise Unavailable(f"cannot read /proc/net/unix: {e.strerror}",
-                          hint="vstor needs it to tell whether QEMU still uses a disk") from None
-    return count
+    with _LOOK_LOCK:
+        last = _PEERS[0]
+        if since is not None and last is not None and last[0] >= since:
+            return last[1].get(path, 0)
+        began = time.monotonic()
+        count: dict[str, int] = {}
+        try:
+            with open("/proc/net/unix", encoding="utf-8", errors="replace") as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split(None, 7)
+                    if len(fields) == 8 and fields[5] == "03":
+                        name = fields[7].rstrip("\n")
+                        count[name] = count.get(name, 0) + 1
+        except OSError as e:
+            raise Unavailable(f"cannot read /proc/net/unix: {e.strerror}",
+                              hint="vstor needs it to tell whether QEMU still uses a disk") from None
+        _PEERS[0] = (began, count)
+        return count.get(path, 0)
+
+
+_PEERS: list = [None]       # the last read of /proc/net/unix: (when it began, peers by path)
 
 
 def socket_path_of(pid: int, fd: str) -> str | None:

@@ -2,5 +2,5 @@
 asked one thing at a time (views.py); see store.py."""
 
 from vstor.runtime.index.shape import summary  # noqa: F401
-from vstor.runtime.index.store import Index, plain, reindex  # noqa: F401
-from vstor.runtime.index.views import FromIndex, IndexLedger, holders_of, ledger_of, recorded  # noqa: F401
+from vstor.runtime.index.store import UNREADABLE, Index, plain, reindex  # noqa: F401
+from vstor.runtime.index.views import FromIndex, IndexLedger  # noqa: F401

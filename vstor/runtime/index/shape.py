@@ -5,7 +5,7 @@ and the file name of any item.  Pure functions of a record."""
 from __future__ import annotations
 
 from vstor.meta.holding import node_amounts
-from vstor.runtime.state import INCOMING
+from vstor.runtime.recordfile import INCOMING
 
 # Step kinds two domains may share (a controller's vfio binding, an SPDK
 # NVMe controller, an NVMe-oF export): another domain's entry is asked for

@@ -17,6 +17,13 @@ its cost does not grow with the number of domains the host holds.
     <state_dir>/index/dirty             a change under way; found by the next
                                         run, it rebuilds the index
 
+A run that decides from the index (sums(): the ledger, the check for
+damaged records, the shared steps' holders) first lists the records'
+directory, once per taking of the host lock, and compares its names with
+the keys indexed: a record put there or removed by hand is read (the index
+rebuilt) before anything is decided.  A change (StateDir.save, remove)
+does not list it: what it leaves is listed by the next decision.
+
 Everything here is derived from the records and written only by
 StateDir.save and StateDir.remove, under the host lock, after the dirty
 mark and around the record's own write: a run killed at any point leaves
@@ -35,10 +42,8 @@ import contextlib
 import json
 import os
 
-from vstor.runtime.index import stamp
 from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, items, summary
-from vstor.runtime.recordfile import create_empty, read_json, write_text
-from vstor.runtime.state import DamagedRecord, _FIX
+from vstor.runtime.recordfile import FIX, DamagedRecord, create_empty, read_json, write_text
 
 class Index:
     """The index of one state directory (see the module's docstring)."""
@@ -49,9 +54,7 @@ class Index:
         self._sums: dict | None = None
         self._summaries: dict[str, dict | None] = {}
         self._taken = state.lock_taken()     # what is cached was read under this taking
-        # The mark StateDir set after its last save or removal here (None:
-        # the directory was not as marked just before it).
-        self.last_mark: str | None = None
+        self._listed = False        # the records' names compared with the keys, under this taking
 
     def forget_key(self, key: str) -> None:
         self._summaries.pop(key, None)
@@ -61,6 +64,7 @@ class Index:
         since this one last held the host lock."""
         self._sums = None
         self._summaries = {}
+        self._listed = False
 
     # -- reading (under the host lock) -------------------------------------
 
@@ -71,27 +75,35 @@ class Index:
             self.forget()
             self._taken = self.state.lock_taken()
 
-    def sums(self) -> dict:
-        """sums.json, the index rebuilt first when it cannot be trusted."""
+    def sums(self, listed: bool = True) -> dict:
+        """sums.json, the index rebuilt first when it cannot be trusted;
+        with `listed` (what a decision reads), also when the records'
+        names are not the keys indexed."""
         self._fresh()
         if self._sums is None:
             self._sums = self._load_sums()
-            if self._sums is None:
-                self.rebuild()
+        if self._sums is not None and listed and not self._listed:
+            if not self._same_names(self._sums):
+                self._sums = None
+            self._listed = self._held()
+        if self._sums is None:
+            self.rebuild()
         return self._sums
 
     def _held(self) -> bool:
         return self.state.holds_lock()
 
     def trusted(self) -> dict | None:
-        """sums.json if the index can be trusted as it is, else None (read
-        only: nothing is rebuilt or marked)."""
+        """sums.json if the index can be trusted as it is (the records'
+        names listed), else None (read only: nothing is rebuilt)."""
         self._fresh()
         if self._sums is None:
-            self._sums = self._load_sums(write=False)
+            self._sums = self._load_sums()
+        if self._sums is not None and not self._same_names(self._sums):
+            return None
         return self._sums
 
-    def _load_sums(self, write: bool = True) -> dict | None:
+    def _load_sums(self) -> dict | None:
         if os.path.lexists(os.path.join(self.path, "dirty")):
             return None
         try:
@@ -101,44 +113,18 @@ class Index:
         if not isinstance(sums, dict) or sums.get("boot") != boot_id() or \
                 not all(isinstance(sums.get(k), dict) for k in ("cpus", "pass", "reactors", "pages", "memory")):
             return None
-        if self._dir_stamp() not in (sums.get("stamp"), self._saved_stamp()):
-            # The records' directory changed since vstor last marked it: a
-            # record put there or removed by hand reads them all again;
-            # otherwise marked (before the names are listed: a change
-            # after the listing shows), so the next run need not list it.
-            mark = self.mark() if write and self._held() else None
-            if set(self.keys()) | set(sums.get("unread") or ()) != self._record_names():
-                return None
-            if mark is not None:
-                sums["stamp"] = mark
-                self._write_sums(self.path, sums)
         return sums
+
+    def _same_names(self, sums: dict) -> bool:
+        """The records' directory holds the records indexed (and those
+        unread at the last rebuild): none put there or removed by hand."""
+        return set(self.keys()) | set(sums.get("unread") or ()) == self._record_names()
 
     def _record_names(self) -> set[str]:
         try:
             return {n[:-5] for n in os.listdir(self.state.domains) if n.endswith(".json")}
         except FileNotFoundError:
             return set()
-
-    def _dir_stamp(self) -> str:
-        return stamp.now(self.state.domains)
-
-    def _saved_stamp(self) -> str | None:
-        return stamp.saved(self.path)
-
-    def marked(self) -> bool:
-        """The records' directory is as vstor last marked it (nothing made
-        or removed there by hand since, as far as its mtime says)."""
-        return stamp.marked(self.state.domains, self.path)
-
-    def mark(self) -> str:
-        """Mark the records' directory (vstor.runtime.index.stamp); the stamp."""
-        return stamp.mark(self.state.domains)
-
-    def keep_mark(self, mark: str) -> None:
-        """A record was written that changes nothing indexed (StateDir.save
-        without the host lock), and the directory marked after: keep it."""
-        stamp.keep(self.path, mark)
 
     def indexed(self, key: str, rebuild: bool = True) -> dict | None:
         """The summary of `key` the index holds (None: none).  A keys file
@@ -184,7 +170,7 @@ class Index:
         damaged = self.sums().get("damaged") or []
         if damaged:
             raise DamagedRecord(f"{damaged[0]}; what it holds cannot be known, so vstor decides "
-                                "nothing that depends on it", hint=_FIX + ", then run: vstor gc")
+                                "nothing that depends on it", hint=FIX + ", then run: vstor gc")
 
     # -- changing (under the host lock) ------------------------------------
 
@@ -192,15 +178,13 @@ class Index:
         """Run `write` (the record's own write) with the index following it:
         marked dirty before, the differences applied after."""
         self.forget_key(key)
-        sums = self.sums()
+        sums = self.sums(listed=False)
         old = self.indexed(key)         # after sums(): a rebuild there read it again
         mark = os.path.join(self.path, "dirty")
         try:
             create_empty(mark, key)
             write()
             self._apply(self.path, sums, key, old, new)
-            if self.last_mark:      # else the old stamp: the next run lists the directory
-                sums["stamp"] = self.last_mark
             self._write_sums(self.path, sums)
             os.unlink(mark)
         except BaseException:
@@ -243,7 +227,6 @@ class Index:
         if not self._held():
             with self.state.lock():
                 return self.rebuild()
-        mark = self.mark() if records is None else "unknown"     # before the records are read
         if records is None:
             damaged = []
             records = self.state.records(damaged)
@@ -253,7 +236,6 @@ class Index:
         shutil.rmtree(new, ignore_errors=True)
         os.makedirs(new, mode=0o700)
         sums = empty_sums()
-        sums["stamp"] = mark
         sums["damaged"] = list(damaged or ())
         # The files no record came from: their going (by hand) is a change.
         sums["unread"] = sorted(self._record_names() - {r.key for r in records})
@@ -268,6 +250,7 @@ class Index:
         os.rename(new, self.path)
         shutil.rmtree(old, ignore_errors=True)
         self._sums = sums
+        self._listed = self._held()
 
     def verify(self, records, damaged: list[str]) -> bool:
         """Does the index say exactly what `records` (every record, just read
@@ -282,7 +265,7 @@ class Index:
         for key, s in summaries.items():
             add_sums(want, key, s, +1)
             entries.update((table, file_name(item), key) for table, item in items(s))
-        right = (sums is not None and {**sums, "boot": "", "stamp": ""} == {**want, "boot": "", "stamp": ""}
+        right = (sums is not None and {**sums, "boot": ""} == {**want, "boot": ""}
                  and set(self.keys()) == set(summaries)
                  and all(self.indexed(key) == s for key, s in summaries.items())
                  and self._tables() == entries)
@@ -318,13 +301,15 @@ def _write_json(path: str, data) -> None:
     write_text(path, json.dumps(data, separators=(",", ":"), sort_keys=True))  # json's C encoder
 
 
-def reindex(state) -> bool:
-    """gc's check of the index against every record, read again under the
-    host lock (a record fixed or removed by hand, damaged in place, or a
-    temporary file a killed save left): rebuilt when it differs.  True when
-    it was right."""
+def reindex(state, records=None, damaged: list[str] | None = None) -> bool:
+    """gc's check of the index against every record (a record fixed or
+    removed by hand, damaged in place, or a temporary file a killed save
+    left): rebuilt when it differs.  `records` and `damaged`: every record,
+    just read by the caller under the host lock it holds; else read here
+    under it.  True when it was right."""
     with state.lock():
-        damaged: list[str] = []
-        records = state.records(damaged)
+        if records is None:
+            damaged = []
+            records = state.records(damaged)
         state.drop_temporaries()
-        return state.index.verify(records, damaged)
+        return state.index.verify(records, list(damaged or ()))

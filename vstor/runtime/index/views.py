@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vstor.runtime.index import store
 from vstor.runtime.index.shape import add_sums
 from vstor.runtime.index.store import Index
 
@@ -143,6 +142,7 @@ class FromIndex:
         self.index, self.exclude = index, exclude
 
     def step(self, kind: str, ident: str, finished_only: bool) -> dict | None:
+        self.index.sums()       # the records' names checked first (a record put there by hand)
         for key in self.index.holders(f"step.{kind}", ident):
             if key == self.exclude:
                 continue
@@ -156,49 +156,3 @@ class FromIndex:
     @property
     def damaged(self) -> list[str]:
         return list(self.index.sums().get("damaged") or [])
-
-
-def ledger_of(state, exclude=(), dry_run: bool = False):
-    """What every record but those of `exclude` holds, as the planner asks
-    it; refused (DamagedRecord) while a record cannot be read.  A dry run
-    writes nothing, so it reads the records themselves (the index may need
-    a rebuild)."""
-    if dry_run:
-        from vstor.planner.ledger import Ledger
-        from vstor.runtime.lifecycle import holding_of
-        return Ledger([holding_of(r) for r in state.records() if r.holding and r.key not in exclude])
-    state.index.check_damaged()
-    return IndexLedger(state.index, frozenset(exclude))
-
-
-def holders_of(state, key: str, dry_run: bool = False):
-    """vstor.runtime.holders' answers for what others than `key` hold."""
-    if dry_run:
-        from vstor.runtime.holders import FromRecords
-        damaged: list[str] = []
-        return FromRecords([r for r in state.records(damaged) if r.key != key], damaged)
-    return FromIndex(state.index, key)
-
-
-def recorded(state) -> list:
-    """Every record as the index holds it (who, its holding, whether it
-    runs; no steps): what planning needs of the records, without reading
-    each (the records themselves when the index needs a rebuild: planning
-    writes nothing).  Refused (DamagedRecord) while a record cannot be read."""
-    import os
-    from vstor.runtime.state import INCOMING, PREPARED, Record
-    if not os.path.isdir(state.index.path):
-        return state.records()      # no index yet: nothing made by asking
-    with state.lock():
-        if state.index.trusted() is None:
-            return state.records()      # read, never written here: the next start rebuilds it
-        state.index.check_damaged()
-        out = []
-        for key in state.index.keys():
-            s = state.index.indexed(key, rebuild=False)
-            if s is store.UNREADABLE:
-                return state.records()
-            if s:
-                out.append(Record(key=key, domain=s["domain"], uuid=s["uuid"], holding=s["holding"] or {},
-                                  status=PREPARED if s["active"] else INCOMING))
-        return out

@@ -3,7 +3,8 @@ transport: each holds its record, what it says and what a dry run shows,
 and how it is done, undone, checked and repaired.
 
 A step is a frozen record of what the plan decided (vstor.runtime.actions
-builds them).  Each kind's class defines, in its own body (base.METHODS):
+builds them).  Each kind's class implements base.StepKind, inheriting
+the defaults of base.Kind where they are right for it:
 
 - describe(), dry_run(): its line, and what `vstor prepare --dry-run` shows under it;
 - to_data(), from_data(d): its journal form, in the shapes earlier vstor
@@ -21,7 +22,7 @@ and the class attributes kind, parallel (the journal does consecutive
 steps of the kind side by side), private (it changes only the domain's own
 things: done without the host lock) and rpc_methods (what it asks SPDK).
 
-`rt` is the host operations (vstor.runtime.steps.HostOps): sysfs, SPDK, the
+`rt` is the host operations (vstor.runtime.executor.Runtime): sysfs, SPDK, the
 config and the backends' operations.  A kind reaches the host through it
 alone and imports nothing that touches it, so these modules are as pure as
 the planner (tests/test_layers.py).  `others` is what the other domains'

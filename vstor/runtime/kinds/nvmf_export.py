@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from vstor.errors import ActionFailed
 from vstor.records import record
-from vstor.runtime.kinds.base import rpc_line
+from vstor.runtime.kinds.base import Kind, rpc_line
 
 
 @record
-class NvmfExport:
+class NvmfExport(Kind):
     """One subsystem, its one namespace, one listener, and only the
     migration's own host NQN allowed (never allow_any_host;
     migration.source.new_hostnqn).  SPDK takes the namespace only after the
@@ -23,9 +23,7 @@ class NvmfExport:
     trsvcid: int
     host: str
     kind = "nvmf-export"
-    parallel = False
     # Under the host lock: SPDK's NVMe-oF target is the host's, shared by every domain's exports.
-    private = False
     rpc_methods = ("nvmf_create_transport", "nvmf_create_subsystem", "nvmf_subsystem_add_ns",
                    "nvmf_subsystem_add_listener", "nvmf_subsystem_add_host",
                    "nvmf_delete_subsystem", "nvmf_get_subsystems")
@@ -57,11 +55,9 @@ class NvmfExport:
     def makes(self) -> str:
         return self.nqn
 
-    def preflight(self, rt) -> None:
-        return None         # the migration's own preflight checked both ends
+    # preflight: the default (the migration's own preflight checked both ends)
 
-    def observe(self, rt, others) -> "NvmfExport":
-        return self         # its undo tells vstor's subsystem by its serial number
+    # observe: the default (its undo tells vstor's subsystem by its serial number)
 
     def do(self, rt) -> None:
         """Look, then make what is missing: a re-run after a crash finds its
@@ -105,17 +101,12 @@ class NvmfExport:
         if found and found[0].get("serial_number") == _serial(self.nqn):    # vstor's, not one refused
             spdk.nvmf_delete_subsystem(self.nqn)     # its namespace, listener and host go with it
 
-    def undo_waits(self, rt) -> bool:
-        return False        # RPCs: nothing to wait for beside the others
+    # undo_waits: the default (RPCs: nothing to wait for beside the others)
 
-    def in_use(self, rt) -> None:
-        return None     # QEMU here does not use it; the migration's destination does
+    # in_use: the default (QEMU here does not use it; the migration's destination does)
 
     def check(self, rt) -> str | None:
         return None if rt.spdk().nvmf_get_subsystems(self.nqn) else f"SPDK has no NVMe-oF subsystem {self.nqn}"
-
-    def repair(self, rt) -> None:
-        self.do(rt)
 
 
 def _serial(nqn: str) -> str:

@@ -7,11 +7,11 @@ import stat
 
 from vstor.backends.qsd.export import QsdExport as QsdSpec
 from vstor.records import record, replace
-from vstor.runtime.kinds.base import Writes
+from vstor.runtime.kinds.base import Kind, Writes
 
 
 @record
-class QsdExport:
+class QsdExport(Kind):
     """One daemon, all of it named by `export` (vstor.backends.qsd.export)."""
     export: QsdSpec
     kind = "qsd-export"
@@ -20,7 +20,6 @@ class QsdExport:
     parallel = True
     # The domain's own daemon, socket and source: done without the host lock.
     private = True
-    rpc_methods = ()
 
     def describe(self) -> str:
         return f"start qemu-storage-daemon for {self.export.source} on {self.export.socket_path}"

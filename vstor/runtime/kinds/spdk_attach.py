@@ -7,7 +7,7 @@ from __future__ import annotations
 from vstor.errors import ActionFailed, DoesNotFit
 from vstor.meta.names import nvme_path
 from vstor.records import record, replace
-from vstor.runtime.kinds.base import rpc_line
+from vstor.runtime.kinds.base import Kind, rpc_line
 
 TYPE_CHECKING = False    # typing.TYPE_CHECKING without importing typing (every hook imports this)
 if TYPE_CHECKING:
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 @record
-class SpdkAttach:
+class SpdkAttach(Kind):
     """An SPDK NVMe controller named `name`, with `paths`."""
     name: str
     paths: tuple[AttachPath, ...]
@@ -23,8 +23,6 @@ class SpdkAttach:
     # record held it: used, never detached (vstor did not make it).
     found: bool = False
     kind = "spdk-attach"
-    parallel = False
-    private = False
     rpc_methods = ("bdev_nvme_attach_controller", "bdev_nvme_get_controllers",
                    "bdev_nvme_detach_controller")
 
@@ -52,8 +50,7 @@ class SpdkAttach:
     def makes(self) -> str:
         return self.name
 
-    def preflight(self, rt) -> None:
-        return None         # SPDK is asked in observe, once the start is decided
+    # preflight: the default (SPDK is asked in observe, once the start is decided)
 
     def observe(self, rt, others) -> "SpdkAttach":
         """Whether SPDK had the controller before vstor (`found`), unless
@@ -87,11 +84,9 @@ class SpdkAttach:
         if spdk.get_nvme_controllers(self.name):
             spdk.detach_nvme_controller(self.name)
 
-    def undo_waits(self, rt) -> bool:
-        return False        # RPCs: nothing to wait for beside the others
+    # undo_waits: the default (RPCs: nothing to wait for beside the others)
 
-    def in_use(self, rt) -> None:
-        return None     # QEMU connects to the vhost controllers on it (spdk-vhost), not to it
+    # in_use: the default (QEMU connects to the vhost controllers on it (spdk-vhost), not to it)
 
     def check(self, rt) -> str | None:
         found = rt.spdk().get_nvme_controllers(self.name)
@@ -105,9 +100,6 @@ class SpdkAttach:
             return (f"SPDK's NVMe controller {self.name} lost its path "
                     f"{nvme_path(p.trtype, p.traddr, p.trsvcid, p.subnqn, None)}")
         return None
-
-    def repair(self, rt) -> None:
-        self.do(rt)
 
 
 def _refuse_taken_paths(a: SpdkAttach, controllers: list[dict]) -> None:

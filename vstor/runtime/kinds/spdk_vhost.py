@@ -7,11 +7,11 @@ import os
 
 from vstor.errors import ActionFailed, InUse
 from vstor.records import record
-from vstor.runtime.kinds.base import rpc_line
+from vstor.runtime.kinds.base import Kind, rpc_line
 
 
 @record
-class SpdkVhost:
+class SpdkVhost(Kind):
     """A vhost-blk controller `ctrlr` serving `bdev` on one reactor core."""
     ctrlr: str
     bdev: str
@@ -20,7 +20,6 @@ class SpdkVhost:
     socket: str
     group: str
     kind = "spdk-vhost"
-    parallel = False
     # The domain's own controller, on a reactor the plan already placed.
     private = True
     rpc_methods = ("vhost_create_blk_controller", "vhost_get_controllers", "vhost_delete_controller")
@@ -55,11 +54,9 @@ class SpdkVhost:
     def makes(self) -> str:
         return self.ctrlr
 
-    def preflight(self, rt) -> None:
-        return None         # SPDK is asked once the start is decided (rpc_methods)
+    # preflight: the default (SPDK is asked once the start is decided (rpc_methods))
 
-    def observe(self, rt, others) -> "SpdkVhost":
-        return self         # its undo needs nothing read before
+    # observe: the default (its undo needs nothing read before)
 
     def do(self, rt) -> None:
         spdk = rt.spdk()
@@ -98,8 +95,7 @@ class SpdkVhost:
                         hint="stop the domain first")
         spdk.vhost_delete_controller(self.ctrlr, wait=rt.cfg.spdk_timeout)
 
-    def undo_waits(self, rt) -> bool:
-        return False        # RPCs: nothing to wait for beside the others
+    # undo_waits: the default (RPCs: nothing to wait for beside the others)
 
     def in_use(self, rt) -> str | None:
         if rt.spdk().vhost_sessions(self.ctrlr):

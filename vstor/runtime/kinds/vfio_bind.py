@@ -5,19 +5,17 @@ from __future__ import annotations
 
 from vstor.backends.vfio_record import BindRecord, record_from_json, record_to_json
 from vstor.records import record, replace
+from vstor.runtime.kinds.base import Kind
 
 
 @record
-class VfioBind:
+class VfioBind(Kind):
     """A controller on vfio-pci, with its IOMMU group peers.  `original` is
     where they were, read before the record is written (observe)."""
     address: str
     original: BindRecord | None = None
     kind = "vfio-bind"
-    parallel = False
-    # Shared: two domains' SPDK disks can sit on one controller.
-    private = False
-    rpc_methods = ()
+    # Not private (the default): two domains' SPDK disks can sit on one controller.
 
     def describe(self) -> str:
         return f"bind {self.address} to vfio-pci"
@@ -38,8 +36,7 @@ class VfioBind:
     def makes(self) -> str:
         return self.address
 
-    def preflight(self, rt) -> None:
-        return None         # the planner placed the controller; nothing to open
+    # preflight: the default (the planner placed the controller; nothing to open)
 
     def observe(self, rt, others) -> "VfioBind":
         """With where the controller is now.  A controller another domain's
@@ -62,11 +59,9 @@ class VfioBind:
         if self.original is not None:
             rt.vfio_restore(self.original)
 
-    def undo_waits(self, rt) -> bool:
-        return False        # sysfs writes: nothing to wait for beside the others
+    # undo_waits: the default (sysfs writes: nothing to wait for beside the others)
 
-    def in_use(self, rt) -> None:
-        return None     # a binding has no client vstor can count
+    # in_use: the default (a binding has no client vstor can count)
 
     def check(self, rt) -> str | None:
         driver = rt.sysfs.link_name(f"/sys/bus/pci/devices/{self.address}/driver")

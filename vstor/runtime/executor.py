@@ -1,8 +1,8 @@
 """The executor: what the journal and the lifecycle call to carry out steps,
-and the host operations each step is given.
+and the Runtime each step is given: the host operations.
 
 What a step does is its kind's class's (vstor.runtime.kinds); the functions
-here hand it HostOps, the only way a kind reaches the host.  Every `do`
+here hand it the Runtime, the only way a kind reaches the host.  Every `do`
 looks before it creates (a re-run after a crash finds its own work and
 takes it over); every `undo` copes with a half-done `do`.  The journal
 calls `do` and `undo` through this module (tests/crash_child.py wraps them
@@ -11,6 +11,7 @@ to kill the process at every point).
 
 from __future__ import annotations
 
+from vstor.config import Config
 from vstor.errors import DoesNotFit
 from vstor.runtime import kinds
 from vstor.runtime.kinds.base import Writes
@@ -23,16 +24,56 @@ PARALLEL = frozenset(kind for kind, cls in kinds.KINDS.items() if cls.parallel)
 PRIVATE = frozenset(kind for kind, cls in kinds.KINDS.items() if cls.private)
 
 
-class HostOps:
-    """What a step may do to the host: the runtime's sysfs, SPDK (connected
-    on first use, once per Runtime) and config, and the backends'
-    operations with this host's policy filled in (the image roots, the
-    block devices its sysfs names).  Each backend is imported when first
-    used: a release that stops daemons never loads vfio."""
+class Runtime:
+    """What a run's steps may do to the host, the only way a step kind
+    reaches it: the host's sysfs, SPDK (connected on first use, once per
+    Runtime) and the config, and the backends' operations with this host's
+    policy filled in (the image roots, the block devices its sysfs names).
+    Each backend is imported when first used: a release that stops daemons
+    never loads vfio."""
 
-    def __init__(self, rt):
-        self.sysfs, self.cfg, self.force, self.handover = rt.sysfs, rt.cfg, rt.force, rt.handover
-        self.spdk = rt.spdk
+    def __init__(self, cfg: Config, sysfs, dry_run: bool = False, spdk_factory=None,
+                 force: bool = False, handover: bool = False):
+        self.cfg = cfg
+        self.sysfs = sysfs
+        self.dry_run = dry_run
+        # The destination of a live migration: the source host's backend of
+        # the same disk may hold a shared source until its QEMU stops.
+        self.handover = handover
+        # release --force: undo even what QEMU still uses (SPDK then finishes
+        # a vhost controller's deletion when QEMU lets go).
+        self.force = force
+        self._spdk_factory = spdk_factory
+        self._spdk = None
+        # A look through /proc (for daemons that lost their pidfile, and at
+        # /proc/net/unix for QEMU's connections) made after this moment
+        # (time.monotonic()) serves every step of the run (looking_once);
+        # None: each asks anew.
+        self.looked_since: float | None = None
+
+    def looking_once(self) -> "Runtime":
+        """This runtime for a run that stops many daemons and starts none
+        (gc): one look through /proc serves every stop, and one read of
+        /proc/net/unix every check for a connected QEMU, not one per daemon.
+        A QEMU that connects after the look connects to a domain that
+        started since gc asked what runs: its start changed its record,
+        which gc then leaves."""
+        import copy
+        import time
+        out = copy.copy(self)
+        out.looked_since = time.monotonic()
+        return out
+
+    def spdk(self):
+        if self._spdk is None:
+            if self._spdk_factory:
+                self._spdk = self._spdk_factory()
+            else:
+                from vstor.backends.spdk import SpdkClient
+                self._spdk = SpdkClient(self.cfg.spdk_socket, timeout=self.cfg.spdk_timeout,
+                                        dry_run=self.dry_run, vhost_dir=self.cfg.vhost_dir,
+                                        config=self.cfg.file)
+        return self._spdk
 
     def vfio_plan(self, address: str):
         """Where the controller and its IOMMU group peers are now."""
@@ -53,7 +94,7 @@ class HostOps:
 
     def qsd_stop(self, export) -> None:
         from vstor.backends.qsd import daemon
-        daemon.stop(export)
+        daemon.stop(export, since=self.looked_since)
 
     def qsd_maybe_running(self, export) -> bool:
         """Its pidfile is there (a daemon that lost it is found by stop)."""
@@ -72,7 +113,7 @@ class HostOps:
     def clients(self, socket_path: str) -> int:
         """How many peers are connected to a listening Unix socket."""
         from vstor.backends.qsd import proc
-        return proc.unix_peers(socket_path)
+        return proc.unix_peers(socket_path, since=self.looked_since)
 
     def ensure_dir(self, path: str, group: str) -> None:
         from vstor.backends import ownership
@@ -109,10 +150,9 @@ def preflight(steps: list, rt) -> None:
     second path): their daemons start side by side, so neither's look for
     another writer sees the other (the planner refuses the same path
     written twice)."""
-    ops = HostOps(rt)
     seen: dict[tuple, Writes] = {}
     for step in steps:
-        mine = step.preflight(ops)
+        mine = step.preflight(rt)
         if mine is None:
             continue
         other = seen.get(mine.thing)
@@ -127,33 +167,33 @@ def preflight(steps: list, rt) -> None:
 def observe(step, rt, others):
     """The step with the host facts its undo needs, read now (no writes).
     `others`: what the other domains hold (vstor.runtime.holders)."""
-    return step.observe(HostOps(rt), others)
+    return step.observe(rt, others)
 
 
 def do(step, rt) -> None:
-    step.do(HostOps(rt))
+    step.do(rt)
 
 
 def undo(step, rt, others) -> None:
     """`others`: what the other domains hold: a shared thing stays while one uses it."""
-    step.undo(HostOps(rt), others)
+    step.undo(rt, others)
 
 
 def undo_waits(step, rt) -> bool:
     """Undoing the step may wait on something (side by side then)."""
-    return step.undo_waits(HostOps(rt))
+    return step.undo_waits(rt)
 
 
 def in_use(step, rt) -> str | None:
     """Why undoing the step now would take something from a running QEMU, or None."""
-    return step.in_use(HostOps(rt))
+    return step.in_use(rt)
 
 
 def check(step, rt) -> str | None:
     """None when what the step made still exists and works, else why not."""
-    return step.check(HostOps(rt))
+    return step.check(rt)
 
 
 def repair(step, rt) -> None:
     """Bring back what check() found missing."""
-    step.repair(HostOps(rt))
+    step.repair(rt)
