@@ -21,6 +21,7 @@ from collections.abc import Callable
 from vstor.errors import ActionFailed, BadInput, DoesNotFit, InUse
 from vstor.host.model import Host
 from vstor.host.read import read_host
+from vstor.meta import topology
 from vstor.meta import metadata
 from vstor.meta.document import Domain
 from vstor.meta.intent import DiskIntent
@@ -158,7 +159,7 @@ def _no_port(dom: Domain, plan: Plan) -> tuple[str, str] | None:
 
 def _q35(dom: Domain) -> bool:
     found = dom.root.find("os/type")
-    return "q35" in ((found.get("machine") if found is not None else "") or "")
+    return topology.is_q35((found.get("machine") if found is not None else "") or "")
 
 
 def pci_hotplug_problem(dom: Domain) -> tuple[str, str] | None:
