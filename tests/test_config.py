@@ -258,3 +258,57 @@ def test_config_show_reads_back_to_the_same_values(tmp_path):
     defaults = vstor("--config", write(tmp_path, ""), "config", "show").stdout
     assert "# housekeeping: the first core of each NUMA node\n" in defaults
     assert config.load(write(tmp_path, defaults)) == config.Config()
+
+
+# -- vstor.conf: hostile or broken files -----------------------------------------------------
+
+
+def _check(path, timeout=20):
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {k: v for k, v in os.environ.items() if k != "VSTOR_CONFIG"} | {"PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-m", "vstor.cli.main", "config", "check", str(path)],
+                         capture_output=True, text=True, env=env, timeout=timeout)
+    assert "Traceback" not in out.stderr
+    return out
+
+
+@pytest.mark.parametrize("what", ["fifo", "/dev/zero", "huge"])
+def test_config_check_of_a_fifo_a_device_or_a_huge_file_refuses_at_once(tmp_path, what):
+    """A FIFO or /dev/zero as the config never hangs (the libvirt hook reads
+    the config too); a 64 MiB file is refused, not read whole."""
+    path = tmp_path / "vstor.conf"
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "huge":
+        with open(path, "w") as f:
+            f.write("[cpu]\n" + "# x\n" * (16 << 20))
+    else:
+        path = what
+    out = _check(path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and str(path) in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ("[paths]\nstate_dir = /var/lib/vstor\n  /x\n", 3, "continues"),       # a path with a newline
+    ("[cpu] reactors = 7\n", 1, "after"),                                # silently dropped
+    ("[cpu]\rreactors = x\r", 1, "carriage return"),                     # a CR-only file: all dropped
+    ("[\0none]\nstate_dir = /x\n[paths]\n", 1, "NUL"),   # configparser's DEFAULT here: spilled into [paths]
+])
+def test_config_lines_configparser_would_drop_or_join_are_refused(tmp_path, text, line, words):
+    path = tmp_path / "vstor.conf"
+    path.write_text(text)
+    os.chmod(path, 0o644)
+    out = _check(path)
+    assert out.returncode == 2 and out.stderr.startswith(f"vstor: error: {path}:{line}: "), out.stderr
+    assert words in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_config_line_numbers_count_newlines_only(tmp_path):
+    """A form feed or U+2028 is no line break to configparser: the line
+    named is the file's line (as an editor and `sed -n Np` count)."""
+    path = tmp_path / "vstor.conf"
+    path.write_text("[cpu]\x0c\n# a \u2028 note\nreactors = x\n")
+    out = _check(path)
+    assert out.returncode == 2 and f"{path}:3: [cpu] reactors" in out.stderr, out.stderr

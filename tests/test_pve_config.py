@@ -85,3 +85,22 @@ def test_lines_after_a_section_header_qemu_server_skips_are_not_the_main_section
     cfg = PveConfig.parse("cores: 2\n[not a snapshot]\nhostpci0: 5e:00.0\n[special:fleecing]\nx: 1\n")
     assert cfg.get("hostpci0") is None and cfg.keys() == ["cores"]
     assert cfg.snapshots() == [] and cfg.to_text().endswith("x: 1\n")
+
+
+@pytest.mark.parametrize("space", ["\x1c", "\x1f", "\x85", "\u00a0", "\u2028"])
+def test_a_line_qemu_server_does_not_take_as_a_section_header_does_not_end_the_main_section(space):
+    """qemu-server's \\s is ASCII whitespace: '[x]<U+00A0>' is no section
+    header to it, and the hostpci0 line after it is the main section's (it
+    passes the controller through).  vstor reads the config by qemu-server's
+    rules, or its guards (a controller vstor holds for another VM) and
+    unapply look at another config than the one Proxmox starts."""
+    from tests.pve.oracle import require, showcmd
+    from tests.test_pve import PCI
+    require()
+    text = f"cores: 2\nmemory: 1024\n[x]{space}\nhostpci0: 0000:5e:00.0\nhookscript: local:snippets/vstor{space}\n"
+    start = showcmd(text, PCI)
+    passed = any(a.startswith("vfio-pci,host=0000:5e:00.0") for a in start.argv)
+    conf = PveConfig.parse(text)
+    assert passed and conf.get("hostpci0") == "0000:5e:00.0"
+    # A value qemu-server reads with the character (and refuses) is not vstor's hookscript.
+    assert conf.get("hookscript") != "local:snippets/vstor"

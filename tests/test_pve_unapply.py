@@ -307,3 +307,69 @@ def test_hooks_install_never_tells_to_replace_a_hookscript_that_calls_vstors(pve
     assert "qm set 100" not in out and "VM 100" not in out
     assert f"VM 101's own hookscript local:snippets/theirs.sh must call {pve.snippets}/vstor" in out
     assert "qm set 102 --hookscript local:snippets/vstor" in out
+
+
+# -- lines equal to the plan's, another domain's record, keys a killed unapply left --------------
+
+
+def test_placement_lines_of_the_users_equal_to_the_plans_stay_when_apply_wrote_none(pve, capsys):
+    """A config that already carried numa/numa0/hugepages/affinity exactly as
+    the plan says (copied from a vstor VM, say): apply changes none of them,
+    so none is vstor's, and unapply keeps them all."""
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    applied = PveConfig.parse(pve.config())
+    assert pve.vstor("pve", "unapply", "100") == 0
+    conf = PveConfig.parse(pve.config())
+    for key in ("numa", "numa0", "hugepages", "affinity"):
+        if applied.get(key):
+            conf.set(key, applied.get(key))
+    before = conf.to_text()
+    pve.vm(before)
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    assert "wrote args" in capsys.readouterr().out
+    assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
+    assert pve.config() == before
+    assert not os.path.exists(f"{pve.snippets}/vstor-100.plan.keys")
+
+
+def test_unapply_releases_no_record_of_another_uuid_by_the_vms_name(pve, capsys):
+    """A libvirt domain may be named pve-100 (any libvirt client chooses
+    names): its record is not VM 100's, whose UUID is in smbios1.  unapply
+    leaves it, refusing in one line, and changes nothing."""
+    from vstor.runtime.state import Record, StateDir
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    applied = pve.config()
+    state = StateDir(f"{pve.root}/state")
+    state.save(Record("pve-100", "pve-100", "11111111-2222-3333-4444-555555555555", status="prepared"))
+    capsys.readouterr()
+    assert pve.vstor("pve", "unapply", "100") == 3
+    err = capsys.readouterr().err
+    assert "11111111-2222-3333-4444-555555555555" in err and err.count("\n") == 1, err
+    assert state.load("pve-100") is not None and pve.config() == applied
+    assert os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")
+
+
+def test_keys_left_by_an_unapply_killed_before_their_removal_are_not_taken_by_the_next_apply(pve, capsys):
+    """unapply removes the plan, then the keys file: killed in between, the
+    keys of a plan no longer recorded stay.  The next apply must not take
+    them for lines it wrote: a user's `numa: 1` equal to the plan's stays
+    theirs, and the next unapply keeps it."""
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    keys = open(f"{pve.snippets}/vstor-100.plan.keys").read()
+    assert "numa\n" in keys
+    assert pve.vstor("pve", "unapply", "100") == 0
+    with open(f"{pve.snippets}/vstor-100.plan.keys", "w") as f:     # as a kill there leaves it
+        f.write(keys)
+    conf = PveConfig.parse(pve.config())
+    conf.set("numa", "1")
+    before = conf.to_text()
+    pve.vm(before)
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0, capsys.readouterr().err
+    assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
+    assert pve.config() == before
