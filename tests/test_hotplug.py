@@ -538,3 +538,42 @@ def test_an_attach_into_a_q35_guest_without_a_free_root_port_is_refused_by_its_d
     new = attach(env.rt(), env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path),
                  GuestDouble(dom, ports=1))
     assert new.disk("vdc") is not None                      # one empty port is enough
+
+
+# -- hot-plug into an i440fx guest -------------------------------------------------------------
+
+
+def _i440fx(dom, acpi: bool, root_hotplug: str | None = None):
+    from vstor.meta.document import Domain
+    text = dom.to_string().replace("machine=\"q35\"", "machine=\"pc-i440fx-9.2\"")
+    if acpi:
+        text = text.replace("<devices>", "<features><acpi/></features><devices>", 1)
+    if root_hotplug:
+        text = text.replace("<devices>", f"<devices><controller type='pci' index='0' model='pci-root'>"
+                                         f"<target hotplug='{root_hotplug}'/></controller>", 1)
+    return Domain.parse(text)
+
+
+def test_hot_plug_into_an_i440fx_guest_without_acpi_names_acpi_not_q35(env, tmp_path):
+    from vstor.errors import ActionFailed, DoesNotFit
+    from vstor.runtime.hotplug import attach
+    dom = running(env, local_spdk())
+    rec = env.state.load("vm1")
+    for guest_dom, words, fix in (
+            (_i440fx(dom, acpi=False), "is an i440fx guest without ACPI, and i440fx hot-plugs PCI devices "
+                                       "through ACPI", "add <acpi/> to its <features>"),
+            (_i440fx(dom, acpi=True, root_hotplug="off"), "has hot-plug off on its pci-root controller",
+             "remove <target hotplug='off'/>")):
+        guest = GuestDouble(guest_dom)
+        with pytest.raises(DoesNotFit) as e:
+            attach(env.rt(), env.state, env.host(), guest_dom,
+                   disk(local_spdk("0000:60:00.0", "vdc"), tmp_path), guest)
+        assert words in e.value.message and fix in e.value.hint and "q35" not in str(e.value)
+        assert guest.calls == [] and env.state.load("vm1").steps == rec.steps
+    # With ACPI, libvirt's own refusal gets the i440fx fix, not the q35 one.
+    guest_dom = _i440fx(dom, acpi=True)
+    guest = GuestDouble(guest_dom, refuse="No more available PCI slots")
+    with pytest.raises(ActionFailed) as e:
+        attach(env.rt(), env.state, env.host(), guest_dom, disk(local_spdk("0000:60:00.0", "vdc"), tmp_path), guest)
+    assert "pci-bridge" in e.value.hint and "q35" not in e.value.hint
+    assert env.state.load("vm1").steps == rec.steps
