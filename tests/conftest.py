@@ -1,9 +1,11 @@
 """Named host layouts (tests/hosts/<name>.toml) built into real temporary
-sysfs/procfs trees, once per session; and the suite's last check: it left
-the checkout as it found it."""
+sysfs/procfs trees, once per session; the line between the pure tests and
+the ones that start processes; and the suite's last check: it left the
+checkout as it found it."""
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -31,6 +33,70 @@ def host_layout(tmp_path_factory):
 def host_model(host_layout):
     """name -> the Host read_host builds from that layout's tree."""
     return lambda name: read_host(SysFS(host_layout(name)))
+
+
+# -- pure tests and tests that start processes ------------------------------------------
+
+# The files whose every test starts processes (qemu-storage-daemon, libvirtd, the hook,
+# perl, a child Python), opens sockets or needs root; in the other files such a test is
+# marked @pytest.mark.process.  The rest are pure: `pytest -m "not process"` runs them
+# alone, the fast loop (docs/testing.md).  tests/e2e is all processes.
+PROCESS_FILES = {
+    "test_agent_hostile", "test_bench", "test_checkout", "test_cli", "test_contract", "test_crash",
+    "test_generated", "test_hook_script", "test_hooks_uninstall", "test_hostile", "test_hotplug",
+    "test_json", "test_libvirt_accepts", "test_lifecycle", "test_logging", "test_migrate_json",
+    "test_migration", "test_migration_agent", "test_migration_spdk", "test_nova", "test_nova_driver",
+    "test_nova_hook", "test_nova_placement", "test_planning_lock", "test_pve", "test_pve_hostile",
+    "test_pve_words", "test_qsd", "test_runtime_cli", "test_source_race",
+    "test_spdk_client", "test_spdk_double", "test_spdk_entry", "test_spdk_replay", "test_storm",
+}
+# What makes a test not pure, as Python's audit hooks name it.
+STARTS = {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.exec", "os.system",
+          "socket.__new__"}
+_started: list[str] = []
+_watching = [False]
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _watching[0] and event in STARTS:
+        _started.append(f"{event} {args[0]!r}"[:120] if event != "socket.__new__" else event)
+
+
+sys.addaudithook(_audit)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = item.path
+        if "e2e" in path.parts or path.stem in PROCESS_FILES:
+            item.add_marker(pytest.mark.process)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _watched(item))
+
+
+def _watched(item):
+    """A test without the mark that starts a process or opens a socket (in its
+    own fixtures too) fails, so that the pure set stays pure."""
+    pure = item.get_closest_marker("process") is None
+    _started.clear()
+    _watching[0] = pure
+    try:
+        result = yield
+    finally:
+        _watching[0] = False
+    if pure and _started:
+        pytest.fail(f"a pure test started a process or opened a socket ({'; '.join(sorted(set(_started))[:3])}): "
+                    f"mark it @pytest.mark.process, or list its file in PROCESS_FILES (tests/conftest.py)",
+                    pytrace=False)
+    return result
 
 
 # -- the checkout is left as it was ------------------------------------------------------

@@ -76,6 +76,7 @@ def test_disks_on_two_nodes_give_two_cells_each_on_its_devices_node(host_model):
     assert fit.problems(host, SPDK_CFG, req, plan, Ledger()) == []
 
 
+@pytest.mark.process
 def test_disks_on_three_nodes_give_three_cells_and_libvirt_takes_the_domain(host_model, conn, tmp_path):  # noqa: F811
     host = host_model("three-node")
     disks = (nvme("0000:41:00.0", backend="qsd") + nvme("0000:81:00.0", target="vdc", backend="qsd")
@@ -277,6 +278,7 @@ def test_a_hot_plugged_disk_goes_to_the_cell_of_its_devices_node(host_model):
     assert "names guest cell 2; domain 'vm1' has cells 0-1" in str(e.value)
 
 
+@pytest.mark.process
 def test_preferred_cells_give_qemus_own_memory_one_node_as_libvirt_requires(host_model, conn, tmp_path):  # noqa: F811
     host = host_model("two-socket")
     disks = nvme("0000:3b:00.0", backend="qsd") + nvme("0000:5e:00.0", target="vdc", backend="qsd")
@@ -477,6 +479,7 @@ def test_a_fresh_plan_whose_cells_share_a_host_node_passes_the_start_check(host_
     assert start_check(host, cfg, render(dom, plan), plan) == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("disks", [
     nvme("0000:3b:00.0", mode="passthrough") + nvme("0000:5e:00.0", target="vdc", mode="passthrough"),
     nvme("0000:3b:00.0", backend="qsd") + nvme("0000:5e:00.0", target="vdc", mode="passthrough"),
@@ -514,6 +517,7 @@ def _random_guest(rng, layout: str, i: int) -> str:
                        memory_mib=rng.choice([1024, 2048, 3072, 4100]), machine=rng.choice(["q35", "q35", "pc"]))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("layout", ["three-node", "two-socket"])
 def test_random_fresh_plans_pass_the_start_check_replan_the_same_and_render_idempotently(
         host_model, conn, tmp_path, layout):  # noqa: F811
@@ -583,6 +587,7 @@ def test_cells_no_device_ties_are_spread_over_the_nodes_evenly(host_model):
     assert max(per_node) - min(per_node) <= 1, per_node
 
 
+@pytest.mark.process
 def test_the_same_domain_renders_to_the_same_bytes_in_fresh_interpreters(tmp_path):
     """Determinism without help from one process's hash seed: two
     interpreters with other PYTHONHASHSEEDs plan and render one guest with
@@ -684,6 +689,7 @@ print(cpu.to_xml())
 """
 
 
+@pytest.mark.process
 def test_a_nova_instance_with_the_cells_its_flavor_asks_for_can_start(tmp_path):
     """Nova makes an instance's cells (hw:numa_nodes, hw:numa_cpus.N,
     hw:numa_mem.N), which vstor leaves alone: the start hook must take any
@@ -745,6 +751,7 @@ def test_forged_arriving_cells_are_refused_or_placed_right(host_model, cells, vm
     assert all(kib > 0 for _n, kib in Holding.from_plan(plan).memory)
 
 
+@pytest.mark.process
 def test_a_huge_cpu_range_in_arriving_cells_is_refused_without_eating_memory():
     """In a child with 600 MiB of address space: the refusal must come
     before the memory runs out."""
@@ -820,6 +827,7 @@ def test_the_start_check_refuses_a_one_cell_plan_for_a_domain_whose_xml_now_has_
 # -- the expander buses ----------------------------------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("cells, per_cell, machine, devices", [
     (8, 30, "q35", ""), (2, 32, "q35", ""), (2, 40, "pc", ""),
     (2, 1, "q35", "<controller type='pci' index='250' model='pcie-root-port'/>")])
@@ -840,6 +848,7 @@ def test_more_disks_than_a_cells_buses_hold_are_refused_by_vstor(host_model, con
     conn.lookupByName("vm1").undefine()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("cells, per_cell, machine", [(8, 29, "q35"), (2, 31, "q35"), (8, 32, "pc")])
 def test_the_most_disks_a_cells_buses_hold_keep_bus_numbers_above_the_root_bus(host_model, conn, tmp_path,  # noqa: F811
                                                                                 cells, per_cell, machine):
@@ -889,6 +898,7 @@ def bus_ranges(root) -> list[tuple[int, int]]:
     return sorted(out)
 
 
+@pytest.mark.process
 def test_the_cells_buses_stay_clear_of_an_operators_own_expander_bus(host_model, conn, tmp_path):  # noqa: F811
     """An NFV guest with its own expander bus for a NIC's locality, and
     vstor disks on two nodes."""
@@ -907,6 +917,7 @@ def test_the_cells_buses_stay_clear_of_an_operators_own_expander_bus(host_model,
     assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:])), ranges
 
 
+@pytest.mark.process
 def test_rendering_through_libvirt_twice_changes_nothing_and_drops_forged_vstor_aliases(
         host_model, conn, tmp_path):  # noqa: F811
     """The operator's domain has a NIC and its own controller wearing vstor's
@@ -939,6 +950,7 @@ def test_rendering_through_libvirt_twice_changes_nothing_and_drops_forged_vstor_
     assert dict(topology.disk_cells(second, 2)) == {"vdb": 0, "vdc": 1, "vdd": 1}
 
 
+@pytest.mark.process
 def test_a_hot_plugged_disk_takes_its_cells_spare_port_and_a_later_render_keeps_it_there(
         host_model, conn, tmp_path):  # noqa: F811
     host = host_model("three-node")
@@ -971,6 +983,7 @@ def test_a_hot_plugged_disk_takes_its_cells_spare_port_and_a_later_render_keeps_
     assert buses.free_port(parsed.find("devices"), 1) is not None
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("vcpus, hugepages", [(6, "none"), (6, "2M"), (3, "none")])
 def test_a_three_cell_guest_arriving_on_two_nodes_keeps_its_abi_and_pins_each_cell_on_its_node(
         host_model, conn, tmp_path, vcpus, hugepages):  # noqa: F811

@@ -347,6 +347,7 @@ def open_tree():
     shutil.rmtree(work)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_a_permission_denied_read_refuses_the_host_instead_of_reading_it_as_absent(open_tree):
     root = open_tree("two-socket")
@@ -395,6 +396,7 @@ def test_a_stack_deeper_than_the_kernel_makes_is_a_refusal_not_nothing_below(tmp
         read_host(SysFS(root))
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_a_slaves_directory_the_kernel_refuses_is_a_refusal_not_nothing_below(open_tree):
     root = open_tree("stacked")

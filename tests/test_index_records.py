@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from vstor.planner.ledger import Ledger
 from vstor.runtime import index as idx
 from vstor.runtime.lifecycle import holding_of
@@ -110,6 +112,8 @@ def test_two_state_dirs_in_one_taking_do_not_lose_each_others_changes(tmp_path):
 
 _OTHER = """
 import sys
+
+import pytest
 sys.path.insert(0, {root!r})
 from vstor.runtime.state import Record, StateDir, PREPARED
 sys.path.insert(0, {tests!r})
@@ -120,6 +124,7 @@ with s.record_lock("a"):
 """
 
 
+@pytest.mark.process
 def test_an_unlocked_save_compares_with_the_index_on_disk_not_a_stale_cache(tmp_path):
     path = str(tmp_path / "state")
     state = StateDir(path)

@@ -149,6 +149,7 @@ def vstor(site, *args):
     return out.stdout
 
 
+@pytest.mark.process
 def test_prepare_dry_run_prints_each_steps_own_description_and_dry_run(site):
     """What `vstor prepare --dry-run` prints is, step by step, the kind's
     describe() and dry_run() of the steps the recorded plan builds: no
@@ -174,6 +175,7 @@ def test_prepare_dry_run_prints_each_steps_own_description_and_dry_run(site):
     assert not os.path.exists(os.path.join(site.dir, "state", "domains", "k1.json"))   # a dry run records nothing
 
 
+@pytest.mark.process
 def test_migrate_prepare_dry_run_prints_the_exports_own_dry_run(two, capsys):
     """nvmf-export, a migration's kind: `vstor migrate prepare --dry-run`
     prints its dry run under the line naming the disk: the subsystem made

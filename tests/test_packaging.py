@@ -111,6 +111,7 @@ def test_the_units_the_package_installs_exist():
 
 # -- the Nova driver: an editable install (.nova-venv, as the tests make it) ---------
 
+@pytest.mark.process
 def test_install_driver_owns_what_it_writes_and_removes_the_old_shim():
     """An editable install cannot ship vstor-nova.pth: install-driver writes
     it and the finder into vstor's site-packages and adds both to vstor's
@@ -246,6 +247,7 @@ def test_state_records_without_a_format_load_and_newer_ones_are_refused(tmp_path
     assert "a newer vstor wrote it" in e.value.message and e.value.exit_code == 4
 
 
+@pytest.mark.process
 def test_the_maintainer_scripts_are_posix_sh():
     for name in ("vstor.prerm", "vstor.postrm"):
         done = _run(["sh", "-n", os.path.join(ROOT, "debian", name)])
@@ -256,6 +258,7 @@ def test_the_maintainer_scripts_are_posix_sh():
 # -- the package's prerm and postrm ------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_prerm_refuses_a_remove_when_the_config_naming_the_state_dir_cannot_be_read(tmp_path):
     """vstor's records live where vstor.conf says: a config that does not
     load (a typo made since, a key a newer vstor refuses) is no reason to
@@ -284,6 +287,7 @@ def test_prerm_refuses_a_remove_when_the_config_naming_the_state_dir_cannot_be_r
     assert done.returncode == 0, done
 
 
+@pytest.mark.process
 def test_purge_keeps_run_vstor_after_a_removal_that_kept_backends_recorded_elsewhere(tmp_path):
     """[paths] state_dir elsewhere, vhost_dir and qsd_dir at their defaults
     under /run/vstor: a removal forced with VSTOR_REMOVE_KEEP_BACKENDS=1
@@ -314,6 +318,7 @@ def test_purge_keeps_run_vstor_after_a_removal_that_kept_backends_recorded_elsew
 # -- the Nova finder's .pth, at every interpreter start of Nova's venv ------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("pth", ["file", "install-driver"])
 def test_the_pth_of_a_half_removed_vstor_never_troubles_an_interpreters_start(tmp_path, pth):
     """vstor-nova.pth without _vstor_nova beside it (a removal half done, a

@@ -198,6 +198,7 @@ CASES = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("layout, disks, vm, cores, mib, machine, nodes", CASES,
                          ids=["2-q35-2M", "2-pc-1G", "3-q35-2M", "3-i440fx-2M-4disks", "3-q35-preferred",
                               "2-q35-passthrough-no-hugepages", "3-pc-passthrough-7001MiB"])
@@ -242,6 +243,7 @@ def test_a_second_apply_changes_nothing_and_unapply_gives_the_config_back(pve3, 
     assert pve3.config() == original
 
 
+@pytest.mark.process
 def test_from_cells_to_one_and_back_vstors_lines_follow_the_plan(pve2, capsys):
     """Re-applied with one cell, the cells' lines and buses go (they were
     vstor's: the plan before wrote them); with cells again they come back
@@ -265,6 +267,7 @@ def test_from_cells_to_one_and_back_vstors_lines_follow_the_plan(pve2, capsys):
     assert {k: again.get(k) for k in again.keys()} == {k: before.get(k) for k in before.keys()}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("edit, said", [
     (lambda t: t.replace("numa1: cpus=2-3,hostnodes=1", "numa1: cpus=2-3,hostnodes=0"), "(numa1 changed"),
     (lambda t: re.sub(r"(numa2: [^\n]*)policy=bind", r"\1policy=interleave", t), "(numa2 changed"),
@@ -343,6 +346,7 @@ def test_cells_qemu_server_cannot_make_are_refused_naming_the_cell(pve2):
     assert e.value.hint and "\n" not in e.value.message
 
 
+@pytest.mark.process
 def test_the_fourth_qxl_display_of_an_i440fx_guest_is_refused(pve2, capsys):
     """qemu-server puts a Windows guest's fourth qxl display in pci.0 slot
     0x1a, the slot of vstor's expander buses on i440fx."""
@@ -436,6 +440,7 @@ def _pci_devices(buses) -> dict[str, dict]:
     return out
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not (QEMU_BIN and QSD_BIN), reason="needs qemu-system-x86_64 and qemu-storage-daemon")
 @pytest.mark.parametrize("layout, disks, machine", [("three-node", FOUR, "q35"), ("three-node", FOUR, "pc"),
                                                    ("two-socket", TWO, "q35")])

@@ -13,11 +13,12 @@ import re
 
 import pytest
 
+from tests.pve import CFG2CMD, missing_cfg2cmd
 from tests.pve.oracle import showcmd
 from tests.test_pve import CONF, PCI, Pve, _applied, _left, _running_qemu, judge, needs_root
 from vstor.formats.pve.config import PveConfig
 
-CASES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "pve", "cfg2cmd")
+CASES = CFG2CMD
 QEMU = ("--qemu-version", "9.2")
 
 
@@ -37,6 +38,7 @@ def _tree(pve) -> dict:
             if os.path.isfile(p) and "/lock/" not in p and not p.endswith("plan.lock")}
 
 
+@pytest.mark.process
 def test_unapply_gives_back_the_config_before_apply_byte_for_byte(pve, capsys):
     pve.vm()
     pve.intent(pve.file_disk())
@@ -77,11 +79,13 @@ def _cases():
     return sorted(glob.glob(os.path.join(CASES, "**", "*.conf"), recursive=True))
 
 
-@pytest.mark.parametrize("case", [os.path.relpath(c, CASES) for c in _cases()])
+@pytest.mark.parametrize("case", [os.path.relpath(c, CASES) for c in _cases()] or [None])
 def test_apply_then_unapply_on_qemu_servers_own_configs(pve_nvme, case, capsys):
     """Where apply takes the config, unapply gives back its bytes; where it
     refuses (a numa or hugepages line of the user's, a VM too big for the
     host layout), nothing changed."""
+    if case is None:
+        missing_cfg2cmd()
     pve = pve_nvme
     with open(os.path.join(CASES, case)) as f:
         before = f.read()
@@ -107,6 +111,7 @@ def test_apply_then_unapply_on_qemu_servers_own_configs(pve_nvme, case, capsys):
     assert not os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")
 
 
+@pytest.mark.process
 def test_what_the_user_changed_after_apply_stays(pve, capsys):
     """A user's args word put before vstor's, a line added, a snapshot
     taken: unapply removes vstor's lines only, and qemu-server takes the
@@ -153,6 +158,7 @@ def test_dry_run_prints_the_diff_and_changes_nothing(pve, capsys):
     assert _tree(pve) == tree
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case, code, message", [
     ("running", 3, "VM 100 is running"),
     ("locked", 3, "VM 100 is locked (backup)"),
@@ -207,6 +213,7 @@ def test_apply_refuses_a_hookscript_of_the_vms_own_that_does_not_call_vstors(pve
     assert "hookscript local:snippets/mine.sh is yours" in capsys.readouterr().out
 
 
+@pytest.mark.process
 def test_doctor_takes_a_hookscript_that_calls_vstors(pve, capsys):
     with open(f"{pve.snippets}/mine.sh", "w") as f:
         f.write(f"#!/bin/sh\n{pve.snippets}/vstor \"$1\" \"$2\" || exit $?\n")
@@ -224,6 +231,7 @@ def test_doctor_takes_a_hookscript_that_calls_vstors(pve, capsys):
            f"start: make yours call {pve.snippets}/vstor with its two arguments first" in out, out
 
 
+@pytest.mark.process
 @needs_root
 def test_backends_a_start_left_are_released_with_the_plan(pve, capsys):
     """A start whose post-stop never ran (QEMU failed, a migration's
@@ -263,6 +271,7 @@ def test_plan_json_is_one_stable_object(pve, capsys):
     assert all(conf.get(k) == v for k, v in data["keys"].items())
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("lock", ["config", "planning"])
 def test_unapply_waits_for_qemu_servers_config_lock_and_the_planning_lock(pve, capsys, lock):
     """As apply: under qemu-server's lock of the VM's config (no start, qm
@@ -293,6 +302,7 @@ def test_unapply_waits_for_qemu_servers_config_lock_and_the_planning_lock(pve, c
     assert pve.config() == before
 
 
+@pytest.mark.process
 def test_hooks_install_never_tells_to_replace_a_hookscript_that_calls_vstors(pve, capsys):
     with open(f"{pve.snippets}/mine.sh", "w") as f:
         f.write(f"#!/bin/sh\n{pve.snippets}/vstor \"$1\" \"$2\" || exit $?\n")
