@@ -15,7 +15,7 @@ import pytest
 from lxml import etree
 
 from tests.test_libvirt_accepts import accepted, conn  # noqa: F401  (libvirt's test driver)
-from tests.test_planner import SPDK_CFG, nvme, qsd_file, request
+from tests.helpers import SPDK_CFG, nvme, qsd_file, request, request_xml
 from vstor.config import Config
 from vstor.errors import BadInput, DoesNotFit
 from vstor.meta import metadata, topology
@@ -98,13 +98,6 @@ def test_disks_on_three_nodes_give_three_cells_and_libvirt_takes_the_domain(host
         assert parsed.find("numatune/memory").get("nodeset") == "0-2"
     finally:
         conn.lookupByName("vm1").undefine()
-
-
-def request_xml(disks, vm="", name="vm1", vcpus=4, memory_mib=8192, machine="q35") -> str:
-    return (f"<domain type='kvm'><name>{name}</name><memory unit='MiB'>{memory_mib}</memory>"
-            f"<vcpu>{vcpus}</vcpu><metadata><vstor:vstor xmlns:vstor='https://vstor.dev/xmlns/domain/1'>"
-            f"{vm}{disks}</vstor:vstor></metadata><os><type arch='x86_64' machine='{machine}'>hvm</type>"
-            "</os><devices/></domain>")
 
 
 def test_a_number_of_cells_on_a_one_node_host_puts_every_cell_on_that_node(host_model):
@@ -596,8 +589,7 @@ def test_the_same_domain_renders_to_the_same_bytes_in_fresh_interpreters(tmp_pat
 import sys
 sys.path.insert(0, {os.path.dirname(HERE)!r})
 from tests.hostlayout.build import build_tree
-from tests.test_cells import request_xml
-from tests.test_planner import nvme, qsd_file
+from tests.helpers import nvme, qsd_file, request_xml
 from vstor.config import Config
 from vstor.host.read import read_host
 from vstor.host.sysfs import SysFS

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from tests.test_planner import refused, request
+from tests.helpers import refused, request
 from vstor.cli.main import main
 from vstor.config import Config
 from vstor.errors import BadInput
