@@ -2,10 +2,15 @@
 tests/conftest.py): a test module imports from here, never from another
 test module."""
 
+import glob
 import os
+import subprocess
+import sys
 
 import pytest
+from lxml import etree
 
+from vstor.cli.main import main
 from vstor.config import Config
 from vstor.errors import DoesNotFit
 from vstor.meta.document import Domain
@@ -70,3 +75,133 @@ def refused(host, cfg, req, ledger=Ledger()) -> str:
         plan_domain(host, cfg, req, ledger)
     assert e.value.exit_code == 3 and "\n" not in str(e.value)
     return str(e.value)
+
+
+# -- a Proxmox node in a temporary directory (tests/test_pve*.py, test_logging, test_planning_lock) --
+
+CONF = """# web server
+#  notes: %C3%A9t%C3%A9
+boot: order=scsi0
+cores: 2
+memory: 1024
+name: web1
+args: -msg timestamp=on -set 'device.x.y=a b'
+net0: virtio=BC:24:11:00:00:01,bridge=vmbr0
+ostype: l26
+scsi0: local-lvm:vm-100-disk-0,size=8G
+smbios1: uuid=6ad6b5f0-3b36-4a8e-9e1c-1f0d2d5e8c11
+hostpci0: 0000:17:00.0
+
+[PENDING]
+memory: 2048
+
+[before-upgrade]
+cores: 1
+memory: 1024
+numa: 0
+snaptime: 1700000000
+"""
+
+
+class Pve:
+    def __init__(self, root, host_root=None):
+        self.root = str(root)
+        self.etc = f"{root}/etc/pve"
+        self.snippets = f"{root}/vz/snippets"
+        for d in (f"{self.etc}/qemu-server", self.snippets, f"{root}/run", f"{root}/lock",
+                  f"{self.etc}/nodes/other/qemu-server"):
+            os.makedirs(d, exist_ok=True)
+        with open(f"{self.etc}/storage.cfg", "w") as f:
+            f.write(f"dir: local\n\tpath {root}/vz\n\tcontent iso,vztmpl,backup,snippets\n\n"
+                    "lvmthin: local-lvm\n\tthinpool data\n\tvgname pve\n\tcontent rootdir,images\n")
+        self.conf = f"{root}/vstor.conf"
+        self.write_config()
+        self.host_root = host_root
+        os.chmod(self.root, 0o755)
+
+    def write_config(self, extra: str = "") -> None:
+        r = self.root
+        with open(self.conf, "w") as f:
+            f.write(f"[paths]\nstate_dir = {r}/state\nvhost_dir = {r}/vhost\nqsd_dir = {r}/qsd\n"
+                    f"images = {r}\n[qemu]\nuser = root\ngroup = root\n[cpu]\nreactors = 2,18\n"
+                    f"[pve]\netc = {self.etc}\nrun_dir = {r}/run\nlock_dir = {r}/lock\n{extra}")
+
+    def vm(self, text: str = CONF, vmid: int = 100) -> str:
+        path = f"{self.etc}/qemu-server/{vmid}.conf"
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def intent(self, body: str, vmid: int = 100, vm: str = "<vstor:vm cpus='shared'/>") -> str:
+        path = f"{self.snippets}/vstor-{vmid}.xml"
+        with open(path, "w") as f:
+            f.write(f"<vstor:vstor xmlns:vstor='{NS}'>\n  <!-- kept -->\n  {vm}\n  {body}\n</vstor:vstor>\n")
+        return path
+
+    def file_disk(self, name: str = "d0.raw") -> str:
+        path = f"{self.root}/{name}"
+        with open(path, "wb") as f:
+            f.truncate(16 << 20)
+        return f"<vstor:disk target='vdb'><vstor:file path='{path}'/></vstor:disk>"
+
+    def vstor(self, *args) -> int:
+        host = ["--host-root", self.host_root] if self.host_root else []
+        return main(["--config", self.conf, *host, *args])
+
+    def config(self, vmid: int = 100) -> str:
+        return open(f"{self.etc}/qemu-server/{vmid}.conf").read()
+
+    def hook(self, vmid: int, phase: str, env=None) -> subprocess.CompletedProcess:
+        script = f"{self.snippets}/vstor"
+        if not os.path.exists(script):
+            assert self.vstor("pve", "hooks", "install") == 0
+        run_env = {**os.environ, "PVE_MIGRATED_FROM": "", **(env or {})}
+        if self.host_root:
+            run_env["VSTOR_HOST_ROOT"] = self.host_root
+        return subprocess.run([script, str(vmid), phase], capture_output=True, text=True,
+                              env=run_env, timeout=120)
+
+
+PCI = ("0000:17:00.0", "0000:3b:00.0", "0000:5e:00.0", "0000:5f:00.0", "0000:60:00.0", "0000:61:00.0")
+
+
+def judge(pve, text: str, mib: int = 1024, user_vfio=(), vmid: int = 100, qemu: str = "9.2"):
+    """Proxmox's own qemu-server, run on the config vstor wrote, agrees with
+    the plan vstor recorded on every line."""
+    from tests.pve.oracle import agrees_with_plan, showcmd    # the oracle imports this module
+    plan = etree.parse(f"{pve.snippets}/vstor-{vmid}.plan.xml").getroot()
+    agrees_with_plan(showcmd(text, PCI, qemu, vmid), plan, mib, user_vfio)
+
+
+def running_qemu(pve, vmid=100):
+    """A process qemu-server's check takes for the VM's QEMU."""
+    pidfile = f"{pve.root}/run/{vmid}.pid"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-pidfile", pidfile])
+    with open(pidfile, "w") as f:
+        f.write(str(proc.pid))
+    return proc
+
+
+def pve_applied(pve, conf=CONF, vmid=100):
+    pve.vm(conf, vmid)
+    pve.intent(pve.file_disk(f"d{vmid}.raw").replace("d0.raw", f"d{vmid}.raw"), vmid)
+    assert pve.vstor("pve", "apply", str(vmid), "--qemu-version",
+                     ".".join(map(str, local_qemu()))) == 0
+    text = pve.config(vmid).replace("boot:", "hookscript: local:snippets/vstor\nboot:", 1)
+    pve.vm(text, vmid)
+    return text
+
+
+def local_qemu():
+    from vstor.config import Config
+    from vstor.pve.node import Node
+    return Node(Config()).qemu_version()
+
+
+def pve_left(pve) -> list[str]:
+    return sorted(glob.glob(f"{pve.root}/vhost/*") + glob.glob(f"{pve.root}/qsd/*")
+                  + glob.glob(f"{pve.root}/state/*.json"))
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
+                                reason="starts qemu-storage-daemons (needs root)")

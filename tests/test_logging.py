@@ -16,7 +16,7 @@ import tempfile
 import pytest
 
 from tests.test_journal import J, steps
-from tests.test_pve import Pve
+from tests.helpers import Pve, pve_applied
 from vstor import log
 from vstor.cli.main import main
 from vstor.errors import ActionFailed
@@ -271,10 +271,9 @@ def test_the_hook_imports_no_logging_when_it_has_nothing_to_log():
 
 @needs_root
 def test_the_proxmox_hookscript_logs_its_changes_and_refusals(tmp_path, journal):
-    from tests.test_pve import Pve, _applied
     pve = Pve(tmp_path / "pve")
     try:
-        text = _applied(pve)
+        text = pve_applied(pve)
         assert pve.vstor("pve", "hooks", "install") == 0     # logged itself: before what is read
         journal.entries()
         env = {"VSTOR_JOURNAL_SOCKET": journal.path}

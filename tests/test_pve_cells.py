@@ -17,7 +17,7 @@ import pytest
 from lxml import etree
 
 from tests.pve.oracle import cpus, showcmd
-from tests.test_pve import PCI, Pve
+from tests.helpers import PCI, Pve
 from vstor.errors import BadInput
 from vstor.formats.pve.config import PveConfig
 from vstor.meta.plan import Plan
@@ -279,10 +279,10 @@ def test_from_cells_to_one_and_back_vstors_lines_follow_the_plan(pve2, capsys):
      "args has '-device pxb-pcie,id=vstor-cell1,bus_nr=252,numa_node=0,"),
 ])
 def test_a_hand_edit_of_a_cells_line_is_drift_refused_at_pre_start(pve3, edit, said):
-    from tests.test_pve import _local_qemu
+    from tests.helpers import local_qemu
     pve3.vm("cores: 6\nmemory: 6144\nmachine: q35\nname: db\nhookscript: local:snippets/vstor\n")
     pve3.intent(THREE, vm="<vstor:vm hugepages='2M'/>")
-    assert pve3.vstor("pve", "apply", "100", "--qemu-version", ".".join(map(str, _local_qemu()))) == 0
+    assert pve3.vstor("pve", "apply", "100", "--qemu-version", ".".join(map(str, local_qemu()))) == 0
     text = pve3.config()
     pve3.vm(edit(text))
     assert pve3.config() != text
@@ -396,7 +396,7 @@ def _stop(procs) -> None:
         p.wait(10)
 
 
-def _local_qemu() -> str:
+def local_qemu() -> str:
     out = subprocess.run([QEMU_BIN, "--version"], capture_output=True, text=True).stdout
     return re.search(r"version (\d+\.\d+)", out).group(1)
 
@@ -454,7 +454,7 @@ def test_qemu_and_its_firmware_put_each_disk_on_its_cells_bus(host_layout, tmp_p
     would not see it."""
     pve = Pve(tmp_path, host_layout(layout))
     three = layout == "three-node"
-    local = _local_qemu()
+    local = local_qemu()
     pve.vm(f"cores: {6 if three else 4}\nmemory: {6144 if three else 4096}\nmachine: {machine}\nname: db\n")
     pve.intent(disks, vm="<vstor:vm hugepages='2M'/>")
     assert pve.vstor("pve", "apply", "100", "--qemu-version", local) == 0

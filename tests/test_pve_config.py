@@ -97,7 +97,7 @@ def test_a_line_qemu_server_does_not_take_as_a_section_header_does_not_end_the_m
     rules, or its guards (a controller vstor holds for another VM) and
     unapply look at another config than the one Proxmox starts."""
     from tests.pve.oracle import require, showcmd
-    from tests.test_pve import PCI
+    from tests.helpers import PCI
     require()
     text = f"cores: 2\nmemory: 1024\n[x]{space}\nhostpci0: 0000:5e:00.0\nhookscript: local:snippets/vstor{space}\n"
     start = showcmd(text, PCI)

@@ -15,7 +15,7 @@ import pytest
 
 from tests.pve import CFG2CMD, missing_cfg2cmd
 from tests.pve.oracle import showcmd
-from tests.test_pve import CONF, PCI, Pve, _applied, _left, _running_qemu, judge, needs_root
+from tests.helpers import CONF, PCI, Pve, judge, needs_root, pve_applied, pve_left, running_qemu
 from vstor.formats.pve.config import PveConfig
 
 CASES = CFG2CMD
@@ -175,7 +175,7 @@ def test_refusals_are_one_line_and_change_nothing(pve, capsys, case, code, messa
         pve.vm(pve.config().replace("num-queues=", "num-queues=1,x=", 1))
     capsys.readouterr()
     tree = _tree(pve)
-    proc = _running_qemu(pve) if case == "running" else None
+    proc = running_qemu(pve) if case == "running" else None
     try:
         assert pve.vstor("pve", "unapply", "10x" if case == "not-a-vmid" else "100") == code
     finally:
@@ -237,15 +237,15 @@ def test_backends_a_start_left_are_released_with_the_plan(pve, capsys):
     """A start whose post-stop never ran (QEMU failed, a migration's
     source) left its daemons: unapply releases them, so nothing of the VM
     stays held."""
-    _applied(pve)
+    pve_applied(pve)
     done = pve.hook(100, "pre-start")
     assert done.returncode == 0, done.stderr
-    assert _left(pve)
+    assert pve_left(pve)
     assert pve.vstor("pve", "unapply", "100", "--dry-run") == 0
     assert "would release what vstor holds for pve-100" in capsys.readouterr().out
-    assert _left(pve)
+    assert pve_left(pve)
     assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
-    assert _left(pve) == []
+    assert pve_left(pve) == []
     assert "hookscript" not in pve.config() and "vstor-" not in pve.config()
 
 
