@@ -4,6 +4,8 @@ test module."""
 
 import glob
 import os
+import socket
+import struct
 import subprocess
 import sys
 
@@ -16,6 +18,7 @@ from vstor.errors import DoesNotFit
 from vstor.meta.document import Domain
 from vstor.planner import Request, plan_domain
 from vstor.planner.ledger import Ledger
+from vstor.runtime.journal import Journal
 
 NS = "https://vstor.dev/xmlns/domain/1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -205,3 +208,88 @@ def pve_left(pve) -> list[str]:
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
                                 reason="starts qemu-storage-daemons (needs root)")
+
+
+# -- the journal over test steps that touch files (tests/test_journal.py, test_logging) ------------
+
+class TouchFile:
+    """A test step that makes a real host change: a file; it can fail on do or undo."""
+    kind = "test-touch"
+
+    def __init__(self, data):
+        self.data = data
+
+    def describe(self):
+        return f"touch {os.path.basename(self.data['path'])}"
+
+    def do(self, rt):
+        with open(self.data["path"], "w") as f:
+            f.write("x")
+        if self.data.get("fail_do"):
+            raise OSError(5, "injected I/O error")
+
+    def undo(self, rt):
+        if self.data.get("fail_undo") and not os.path.exists(self.data["path"] + ".allow"):
+            raise OSError(16, "injected busy")
+        if os.path.exists(self.data["path"]):
+            os.unlink(self.data["path"])
+
+    def to_json(self, state):
+        return {"kind": self.kind, "state": state, "data": self.data}
+
+
+class Executor:
+    """The journal's executor interface, for TouchFile steps."""
+    encode = staticmethod(lambda step, state: step.to_json(state))
+    decode = staticmethod(lambda entry: TouchFile(entry["data"]))
+    do = staticmethod(lambda step, rt: step.do(rt))
+    undo = staticmethod(lambda step, rt, others: step.undo(rt))
+
+
+def J(state, rec, rt, progress=None):
+    return Journal(state, rec, rt, progress, executor=Executor)
+
+
+def steps(tmp_path, n, flags=None):
+    flags = flags or {}
+    return [TouchFile({"path": str(tmp_path / f"f{i}"), **flags.get(i, {})}) for i in range(n)]
+
+
+# -- journald's native protocol on a socket of the test's own (test_logging, test_hooks_uninstall) --
+
+def parse(datagram: bytes) -> dict[str, str]:
+    """One entry of the native protocol, read as journald reads it."""
+    out, i = {}, 0
+    while i < len(datagram):
+        nl = datagram.index(b"\n", i)
+        line = datagram[i:nl]
+        if b"=" in line:
+            key, value = line.split(b"=", 1)
+            i = nl + 1
+        else:       # KEY\n<u64 le length><value>\n
+            key = line
+            (n,) = struct.unpack("<Q", datagram[nl + 1:nl + 9])
+            value = datagram[nl + 9:nl + 9 + n]
+            assert datagram[nl + 9 + n:nl + 10 + n] == b"\n"
+            i = nl + 10 + n
+        assert key.isupper() or key.replace(b"_", b"").isalnum(), key
+        out[key.decode()] = value.decode()
+    return out
+
+
+class FakeJournal:
+    """A datagram socket where journald's would be."""
+
+    def __init__(self, path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.setblocking(False)
+
+    def entries(self) -> list[dict]:
+        out = []
+        while True:
+            try:
+                out.append(parse(self.sock.recv(1 << 16)))
+            except BlockingIOError:
+                return out

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.snapshot import tree_state
-from tests.test_logging import FakeJournal
+from tests.helpers import FakeJournal
 from vstor import log
 from vstor.cli.hooks import render_hook
 from vstor.cli.main import main

@@ -15,8 +15,7 @@ import tempfile
 
 import pytest
 
-from tests.test_journal import J, steps
-from tests.helpers import Pve, pve_applied
+from tests.helpers import FakeJournal, J, Pve, parse, pve_applied, steps
 from vstor import log
 from vstor.cli.main import main
 from vstor.errors import ActionFailed
@@ -26,44 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QEMU = ("--qemu-version", "9.2")
 needs_root = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
                                 reason="starts qemu-storage-daemons handed to root:kvm (needs root)")
-
-
-def parse(datagram: bytes) -> dict[str, str]:
-    """One entry of the native protocol, read as journald reads it."""
-    out, i = {}, 0
-    while i < len(datagram):
-        nl = datagram.index(b"\n", i)
-        line = datagram[i:nl]
-        if b"=" in line:
-            key, value = line.split(b"=", 1)
-            i = nl + 1
-        else:       # KEY\n<u64 le length><value>\n
-            key = line
-            (n,) = struct.unpack("<Q", datagram[nl + 1:nl + 9])
-            value = datagram[nl + 9:nl + 9 + n]
-            assert datagram[nl + 9 + n:nl + 10 + n] == b"\n"
-            i = nl + 10 + n
-        assert key.isupper() or key.replace(b"_", b"").isalnum(), key
-        out[key.decode()] = value.decode()
-    return out
-
-
-class FakeJournal:
-    """A datagram socket where journald's would be."""
-
-    def __init__(self, path):
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.setblocking(False)
-
-    def entries(self) -> list[dict]:
-        out = []
-        while True:
-            try:
-                out.append(parse(self.sock.recv(1 << 16)))
-            except BlockingIOError:
-                return out
 
 
 @pytest.fixture
