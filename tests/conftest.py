@@ -35,6 +35,25 @@ def host_model(host_layout):
     return lambda name: read_host(SysFS(host_layout(name)))
 
 
+@pytest.fixture(scope="module")
+def conn():
+    """libvirt's test driver (test:///default): its own parser and checks, no daemon."""
+    libvirt = pytest.importorskip("libvirt")
+    c = libvirt.open("test:///default")
+    libvirt.registerErrorHandler(lambda *_: None, None)     # the refusal is in the exception
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    """A vstor.conf of the test's own (test_cli, test_json)."""
+    path = tmp_path / "vstor.conf"
+    path.write_text(f"[cpu]\nreactors = 2,18\n[paths]\nstate_dir = {tmp_path}/state\n"
+                    f"vhost_dir = /run/vstor/vhost\n")
+    return str(path)
+
+
 # -- pure tests and tests that start processes ------------------------------------------
 
 # The files whose every test starts processes (qemu-storage-daemon, libvirtd, the hook,

@@ -14,8 +14,7 @@ import sys
 import pytest
 from lxml import etree
 
-from tests.test_libvirt_accepts import accepted, conn  # noqa: F401  (libvirt's test driver)
-from tests.helpers import SPDK_CFG, nvme, qsd_file, request, request_xml
+from tests.helpers import SPDK_CFG, accepted, nvme, qsd_file, request, request_xml
 from vstor.config import Config
 from vstor.errors import BadInput, DoesNotFit
 from vstor.meta import metadata, topology

@@ -17,14 +17,6 @@ TEMPLATES = os.path.join(ROOT, "xml-templates")
 URI = "test:///default"
 
 
-@pytest.fixture
-def cfg(tmp_path):
-    path = tmp_path / "vstor.conf"
-    path.write_text(f"[cpu]\nreactors = 2,18\n[paths]\nstate_dir = {tmp_path}/state\n"
-                    f"vhost_dir = /run/vstor/vhost\n")
-    return str(path)
-
-
 def vstor(*args, check_code=None):
     """Run the real command in a subprocess: what an operator sees."""
     out = subprocess.run([sys.executable, "-m", "vstor.cli.main", *args], capture_output=True,

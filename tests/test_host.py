@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from tests.helpers import as_nobody
 from tests.helpers import refused, request
 from vstor.cli.main import main
 from vstor.config import Config
@@ -302,29 +303,6 @@ def test_an_attribute_the_kernel_refuses_is_unreadable_not_the_default():
         SysFS("/").read("/proc/self/mem", "")
     assert SysFS("/").read("/proc/self/mem", "x", optional=True) == "x"    # one that decides nothing
     assert SysFS("/").read("/proc/no-such-file", "absent") == "absent"      # absence is an answer
-
-
-def as_nobody(fn):
-    """fn() in a child running as nobody: ('ok', value) or (exception type name, message)."""
-    import json
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:      # pragma: no cover (the child)
-        os.close(r)
-        try:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            out = ["ok", repr(fn())]
-        except BaseException as e:      # noqa: BLE001
-            out = [type(e).__name__, str(e)]
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    os.waitpid(child, 0)
-    return tuple(json.loads(data))
 
 
 @pytest.fixture

@@ -54,7 +54,6 @@ def vstor(*args):
     return out
 
 
-from tests.test_cli import cfg  # noqa: E402,F401  (the same config fixture)
 from tests.test_runtime_cli import work  # noqa: E402,F401  (the same domain and files)
 
 

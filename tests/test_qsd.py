@@ -917,7 +917,7 @@ def test_the_second_writer_check_refuses_when_it_cannot_look():
     """Another daemon's source vstor may not stat is not 'another file'."""
     import shutil
     import tempfile
-    from tests.test_host import as_nobody
+    from tests.helpers import as_nobody
     from vstor.backends.qsd import files
     work = tempfile.mkdtemp(prefix="vs-sw-", dir="/tmp")
     os.chmod(work, 0o755)
