@@ -4,13 +4,21 @@ the ones that start processes; and the suite's last check: it left the
 checkout as it found it."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
+from vstor.config import Config
 from vstor.host.read import read_host
 from vstor.host.sysfs import SysFS
+from vstor.runtime.lifecycle import Runtime, release
+from vstor.runtime.state import StateDir
+from tests.doubles.kernel_sysfs import KernelSysfsDouble
+from tests.doubles.spdk_target import SpdkTargetDouble
+from tests.helpers import LOCAL
 from tests.hostlayout import build_tree
 
 HOSTS_DIR = os.path.join(os.path.dirname(__file__), "hosts")
@@ -52,6 +60,37 @@ def cfg(tmp_path):
     path.write_text(f"[cpu]\nreactors = 2,18\n[paths]\nstate_dir = {tmp_path}/state\n"
                     f"vhost_dir = /run/vstor/vhost\n")
     return str(path)
+
+
+@pytest.fixture(params=["v24.01", "v26.09"])
+def env(request):
+    """A two-socket host tree, the SPDK double (as the oldest SPDK vstor
+    supports and the newest recorded one), a state dir: one short-pathed workdir."""
+    work = tempfile.mkdtemp(prefix="vs-", dir="/tmp")
+    os.chmod(work, 0o755)
+    root = build_tree(os.path.join(HOSTS_DIR, "two-socket.toml"), os.path.join(work, "host"))
+    spdk = SpdkTargetDouble(os.path.join(work, "spdk.sock"), os.path.join(work, "vhost"),
+                            cores=tuple(range(64)), version=request.param)
+    spdk.add_pcie(LOCAL, 1).add_pcie("0000:60:00.0", 1)
+    spdk.add_fabric("RDMA", "192.168.100.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
+    spdk.add_fabric("RDMA", "192.168.101.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
+    spdk.start()
+    cfg = Config(reactors=(2, 18), images=(work,), state_dir=f"{work}/state", vhost_dir=spdk.vhost_dir,
+                 qsd_dir=f"{work}/qsd", spdk_socket=spdk.socket_path, spdk_timeout=5.0)
+    e = type("Env", (), {})()
+    e.work, e.root, e.spdk, e.cfg = work, root, spdk, cfg
+    e.sysfs = KernelSysfsDouble(root)
+    e.state = StateDir(cfg.state_dir)
+    e.rt = lambda: Runtime(cfg, e.sysfs)
+    e.host = lambda: read_host(SysFS(root))
+    yield e
+    for rec in e.state.records():       # never leak a daemon into other tests
+        try:
+            release(e.rt(), e.state, rec.key)
+        except Exception:
+            pass
+    spdk.stop()
+    shutil.rmtree(work, ignore_errors=True)
 
 
 # -- pure tests and tests that start processes ------------------------------------------

@@ -16,10 +16,14 @@ from lxml import etree
 from vstor.cli.main import main
 from vstor.config import Config
 from vstor.errors import DoesNotFit
-from vstor.meta.document import Domain
+from vstor.errors import ActionFailed
+from vstor.meta import metadata
+from vstor.meta.document import Domain, load_disk
 from vstor.planner import Request, plan_domain
 from vstor.planner.ledger import Ledger
+from vstor.render.libvirt import render
 from vstor.runtime.journal import Journal
+from vstor.runtime.lifecycle import prepare
 
 NS = "https://vstor.dev/xmlns/domain/1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -352,3 +356,145 @@ def accepted(conn, xml: str, tmp_path) -> etree._Element:
     except libvirt.libvirtError as e:
         pytest.fail(f"libvirt refuses the domain: {e}")
     return etree.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
+
+
+# -- a two-socket host with the SPDK double (the env fixture's; test_lifecycle, test_hotplug, test_source_race) --
+
+LOCAL = "0000:5f:00.0"
+
+
+def rendered_domain(e, disks: str, name="vm1", vm="", vcpus=2, memory_mib=1024, ledger=None) -> Domain:
+    dom = Domain.parse(f"""<domain type='kvm'><name>{name}</name><memory unit='MiB'>{memory_mib}</memory>
+      <vcpu>{vcpus}</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'>{vm}{disks}</vstor:vstor></metadata>
+      <os><type arch='x86_64' machine='q35'>hvm</type></os><devices/></domain>""")
+    plan = plan_domain(e.host(), e.cfg, Request.from_domain(dom), ledger or Ledger())
+    return render(dom, plan)
+
+
+def local_spdk(addr=LOCAL, target="vdb"):
+    return f"<vstor:disk target='{target}' backend='spdk'><vstor:nvme controller='{addr}'/></vstor:disk>"
+
+
+def spdk_nvmf(nsid=1, target="vdb"):
+    return (f"<vstor:disk target='{target}' backend='spdk'><vstor:nvmf transport='rdma' traddr='192.168.100.8' "
+            f"subnqn='nqn.2016-06.io.spdk:cnode1' namespace='{nsid}' hostnqn='nqn.2014-08.org.nvmexpress:uuid:1'>"
+            "<vstor:path traddr='192.168.101.8'/><vstor:reconnect ctrlr_loss_timeout='90'/></vstor:nvmf></vstor:disk>")
+
+
+def file_disk(path: str, target: str = "vdb") -> str:
+    return f"<vstor:disk target='{target}'><vstor:file path='{path}'/></vstor:disk>"
+
+
+def file_disks(e, targets: str, prefix: str = "d", size: int = 16 << 20) -> tuple[str, list[str]]:
+    """Image files (prefix0.raw, ...) and a file disk on each, vd<t> for t in targets."""
+    paths = []
+    for i in range(len(targets)):
+        paths.append(os.path.join(e.work, f"{prefix}{i}.raw"))
+        with open(paths[-1], "wb") as f:
+            f.truncate(size)
+    return "".join(file_disk(p, f"vd{t}") for p, t in zip(paths, targets)), paths
+
+
+def flock_free(path: str) -> bool:
+    """Whether another open of `path` could take its flock now (this
+    process's own hold conflicts too: flock is per open file description)."""
+    import fcntl
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# -- a running guest as libvirt would show it, for hot-plug (test_hotplug, test_source_race) -------------
+
+class GuestDouble:
+    """A test double of vstor.runtime.virt.LiveDomain: it records what
+    libvirt would be asked, and refuses the device when told to."""
+
+    def __init__(self, dom: Domain, refuse: str | None = None, plan="same", ports: int = 4):
+        self.dom, self.refuse = with_ports(dom, ports), refuse
+        self.calls: list[tuple] = []
+        self.present: set[str] = {d.target for d in dom.recorded_plan().disks}
+        self.saved = dom.recorded_plan() if plan == "same" else plan
+
+    def persistent_plan(self):
+        return self.saved
+
+    def current(self):
+        return live(self.dom, self)
+
+    def attach(self, device, element, persistent=False):
+        self.calls.append(("attach", device, element, persistent))
+        if self.refuse:
+            raise ActionFailed(f"libvirt refused to attach the device: {self.refuse}")
+        self.present.add(Domain.parse(f"<domain>{device}</domain>").root.find(".//target").get("dev"))
+
+    def set_metadata(self, element, persistent=False):
+        self.calls.append(("set_metadata", element, persistent))
+
+    def device(self, disk):
+        return f"<disk><target dev='{disk.target}'/></disk>" if disk.target in self.present else None
+
+    def detach(self, device, timeout, persistent=False):
+        self.calls.append(("detach", device, timeout, persistent))
+        if self.refuse:
+            raise ActionFailed(f"the guest did not let go within {timeout:g}s; nothing was released")
+        self.present.discard(Domain.parse(f"<domain>{device}</domain>").root.find(".//target").get("dev"))
+
+    def detach_config(self, disk):
+        self.calls.append(("detach_config", disk.target))
+
+
+def with_ports(dom: Domain, ports: int) -> Domain:
+    """A q35 domain as libvirt shows it running: each vstor disk on a root
+    port of its own, a USB controller and a balloon (model none here), and
+    `ports` empty root ports, as an operator gives a guest that takes disks
+    live (libvirt adds none spare)."""
+    if "q35" not in dom.root.find("os/type").get("machine", ""):
+        return dom
+    from lxml import etree
+    root = Domain.parse(dom.to_string()).root
+    devices = root.find("devices")
+    placed = [e for e in devices if e.tag in ("disk", "hostdev") and e.find("address") is None]
+    for index in range(1, len(placed) + ports + 1):
+        devices.append(etree.Element("controller", type="pci", index=str(index), model="pcie-root-port"))
+        if index <= len(placed):
+            etree.SubElement(placed[index - 1], "address", type="pci", domain="0x0000", bus=f"0x{index:02x}",
+                             slot="0x00", function="0x0")
+    etree.SubElement(devices, "controller", type="usb", model="none")
+    etree.SubElement(devices, "memballoon", model="none")
+    return Domain(root)
+
+
+def disk(text: str, tmp_path):
+    path = tmp_path / "disk.xml"
+    path.write_text(text.replace("<vstor:disk ", f"<vstor:disk xmlns:vstor='{NS}' ", 1))
+    return load_disk(str(path))
+
+
+def live(dom: Domain, guest: GuestDouble) -> Domain:
+    """The domain as libvirt would show it after the guest double's last
+    metadata: libvirt puts the element (sent without a namespace, as its
+    setMetadata wants it) into vstor's namespace."""
+    elements = [c[2] if c[0] == "attach" else c[1] for c in guest.calls
+                if c[0] in ("attach", "set_metadata")]
+    if not elements:
+        return dom
+    from lxml import etree
+    sent = etree.fromstring(elements[-1])
+    assert all(etree.QName(e).namespace is None for e in sent.iter(etree.Element))
+    for e in sent.iter(etree.Element):
+        e.tag = f"{{{NS}}}{e.tag}"
+    root = Domain.parse(dom.to_string()).root
+    root.find("metadata").replace(metadata.find(root), sent)
+    return Domain(root)
+
+
+def running(env, disks: str, **kw) -> Domain:
+    dom = rendered_domain(env, disks, **kw)
+    prepare(env.rt(), env.state, env.host(), dom)
+    return dom
