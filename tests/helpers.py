@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from lxml import etree
@@ -24,6 +25,8 @@ from vstor.planner.ledger import Ledger
 from vstor.render.libvirt import render
 from vstor.runtime.journal import Journal
 from vstor.runtime.lifecycle import prepare
+from tests import installed_hook
+from tests.hostlayout import build_tree
 
 NS = "https://vstor.dev/xmlns/domain/1"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -498,3 +501,77 @@ def running(env, disks: str, **kw) -> Domain:
     dom = rendered_domain(env, disks, **kw)
     prepare(env.rt(), env.state, env.host(), dom)
     return dom
+
+
+# -- a two-socket host, a config and the hook, for the contract and source-race tests ---------------------
+
+@pytest.fixture(name="work")
+def contract_work():
+    """A two-socket host tree and a config in a short-pathed directory."""
+    d = tempfile.mkdtemp(prefix="vs-ct-", dir="/tmp")
+    os.chmod(d, 0o755)
+    host = build_tree(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"), os.path.join(d, "host"))
+    conf = os.path.join(d, "vstor.conf")
+    with open(conf, "w") as f:
+        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d} /var/lib/vstor/images\n"
+                "[cpu]\nreactors = 2,18\n")
+    w = type("W", (), {"dir": d, "host": host, "conf": conf})
+    yield w
+    main(["--config", conf, "--host-root", host, "release", "--force", "ct1"])
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def contract_vstor(w, *args) -> int:
+    return main(["-c", "test:///default", "--config", w.conf, "--host-root", w.host, *args])
+
+
+def contract_domain_xml(w, disk: str, name="ct1") -> str:
+    path = os.path.join(w.dir, f"{name}.xml")
+    with open(path, "w") as f:
+        f.write(f"""<domain type='kvm'><name>{name}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>{disk}</vstor:vstor>
+          </metadata><os><type arch='x86_64' machine='q35'>hvm</type></os><devices/></domain>""")
+    return path
+
+
+def contract_rendered(w, disk: str, name="ct1") -> str:
+    out = os.path.join(w.dir, f"{name}-rendered.xml")
+    assert contract_vstor(w, "render", contract_domain_xml(w, disk, name), "-o", out) == 0
+    return out
+
+
+def contract_hook(w, op: str, xml_path: str, name="ct1", timeout=None):
+    with open(xml_path, "rb") as f:
+        xml = f.read()
+    env = {**os.environ, "PYTHONPATH": ROOT, "VSTOR_CONFIG": w.conf, "VSTOR_HOST_ROOT": w.host}
+    sub = "begin" if op == "prepare" else "end"
+    return subprocess.run([installed_hook(), name, op, sub, "-"], input=xml,
+                          capture_output=True, env=env, timeout=timeout)
+
+
+# -- a domain on two file disks, for the CLI (test_runtime_cli, test_json) -----------------------------
+
+@pytest.fixture(name="work")
+def cli_work():
+    """A config, two image files and a domain cli1 on them, in libvirt's test driver."""
+    d = tempfile.mkdtemp(prefix="vs-cli-", dir="/tmp")
+    os.chmod(d, 0o755)
+    conf = os.path.join(d, "vstor.conf")
+    with open(conf, "w") as f:
+        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d}\n")
+    for i in (0, 1):
+        with open(os.path.join(d, f"d{i}.raw"), "wb") as f:
+            f.truncate(16 << 20)
+    xml = os.path.join(d, "vm.xml")
+    with open(xml, "w") as f:
+        f.write(f"""<domain type='kvm'><name>cli1</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
+          <vstor:disk target='vdb'><vstor:file path='{d}/d0.raw'/></vstor:disk>
+          <vstor:disk target='vdc' readonly='yes'><vstor:file path='{d}/d1.raw'/></vstor:disk>
+          </vstor:vstor></metadata><devices/></domain>""")
+    import libvirt
+    conn = libvirt.open("test:///default")     # keeps the test driver's state for the test
+    yield type("W", (), {"dir": d, "conf": conf, "xml": xml})
+    main(["-c", "test:///default", "--config", conf, "release", "--force", "cli1"])
+    conn.close()
+    shutil.rmtree(d, ignore_errors=True)

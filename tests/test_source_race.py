@@ -26,7 +26,8 @@ import time
 import pytest
 
 from tests import ended_process, qsd_fds
-from tests.test_contract import hook, rendered, vstor, work  # noqa: F401 (work: a fixture)
+from tests.helpers import contract_work  # noqa: F401 (the fixture work)
+from tests.helpers import contract_hook as hook, contract_rendered as rendered, contract_vstor as vstor
 from vstor.errors import BadInput, Unavailable
 from vstor.host import sources
 from vstor.host.sysfs import SysFS
