@@ -3,7 +3,9 @@ tests/conftest.py): a test module imports from here, never from another
 test module."""
 
 import glob
+import json
 import os
+import shlex
 import shutil
 import socket
 import struct
@@ -26,6 +28,8 @@ from vstor.render.libvirt import render
 from vstor.runtime.journal import Journal
 from vstor.runtime.lifecycle import prepare
 from tests import installed_hook
+from tests.doubles.kernel_sysfs import KernelSysfsDouble
+from tests.doubles.spdk_target import Fabric, SpdkTargetDouble
 from tests.hostlayout import build_tree
 
 NS = "https://vstor.dev/xmlns/domain/1"
@@ -575,3 +579,177 @@ def cli_work():
     main(["-c", "test:///default", "--config", conf, "release", "--force", "cli1"])
     conn.close()
     shutil.rmtree(d, ignore_errors=True)
+
+
+# -- two hosts on shared storage, for migration (test_migration, test_migrate_json) -------------------------
+
+def migration_conf(work, h, shared, peer=None):
+    text = (f"[paths]\nstate_dir = {work}/{h}/state\nvhost_dir = {work}/{h}/vhost\n"
+            f"qsd_dir = {work}/{h}/qsd\nimages = {shared} {work}/{h}/local\n"
+            f"[migrate]\nshared = {shared}\nlocal_peers = yes\n")
+    if peer:
+        text += f"peer_command = {peer}\n"
+    path = f"{work}/{h}.conf"
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+@pytest.fixture
+def hosts():
+    work = tempfile.mkdtemp(prefix="vs-mig-", dir="/tmp")
+    os.chmod(work, 0o755)
+    shared = f"{work}/shared"
+    for d in (shared, f"{work}/a/local", f"{work}/b/local"):
+        os.makedirs(d)
+    for name in ("d0.raw", "big.raw"):
+        with open(f"{shared}/{name}", "wb") as f:
+            f.truncate(16 << 20)
+    with open(f"{work}/a/local/mine.raw", "wb") as f:
+        f.truncate(16 << 20)
+    a_root = build_tree(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"), f"{work}/a/host")
+    b_root = build_tree(os.path.join(ROOT, "tests", "hosts", "laptop.toml"), f"{work}/b/host")
+    b_conf = migration_conf(work, "b", shared)
+    agent = (f"unshare -m --propagation private {shlex.quote(sys.executable)} -m vstor.cli.main "
+             f"-c test:///default --config {b_conf} --host-root {b_root} migrate agent")
+    h = type("Hosts", (), {})()
+    h.work, h.shared, h.a_root, h.b_root, h.b_conf = work, shared, a_root, b_root, b_conf
+    h.a_conf = migration_conf(work, "a", shared, peer=agent)
+    yield h
+    for who, cfg, root in (("a", h.a_conf, a_root), ("b", b_conf, b_root)):
+        d = f"{work}/{who}/state/domains"
+        for name in (os.listdir(d) if os.path.isdir(d) else ()):
+            main(["-c", "test:///default", "--config", cfg, "--host-root", root,
+                  "release", "--force", name.removesuffix(".json")])
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def on_a(h, *args) -> int:
+    return main(["-c", "test:///default", "--config", h.a_conf, "--host-root", h.a_root, *args])
+
+
+def migration_hook(h, who, name, op, sub, extra, xml: str):
+    cfg, root = (h.a_conf, h.a_root) if who == "a" else (h.b_conf, h.b_root)
+    env = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", ""), "VSTOR_CONFIG": cfg,
+           "VSTOR_HOST_ROOT": root}
+    return subprocess.run([installed_hook(), name, op, sub, extra], input=xml.encode(),
+                          capture_output=True, env=env)
+
+
+def running_on_a(h, name="vm", disk="shared/d0.raw", memory_mib=512) -> str:
+    """The domain rendered and prepared on A, as its start would."""
+    src, out = f"{h.work}/{name}.in.xml", f"{h.work}/{name}.xml"
+    with open(src, "w") as f:
+        f.write(f"""<domain type='kvm'><name>{name}</name><uuid>6a0c6c5e-7f55-4b4a-9d8e-0000000000{len(name):02d}</uuid>
+          <memory unit='MiB'>{memory_mib}</memory><vcpu>2</vcpu><os><type arch='x86_64' machine='q35'>hvm</type></os>
+          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm migratable='yes'/>
+          <vstor:disk target='vdb'><vstor:file path='{h.work}/{disk}'/></vstor:disk></vstor:vstor></metadata>
+          <devices/></domain>""")
+    assert on_a(h, "render", src, "-o", out) == 0
+    assert on_a(h, "prepare", out) == 0
+    return out
+
+
+def migration_records(h, who) -> dict:
+    d = f"{h.work}/{who}/state/domains"
+    out = {}
+    for name in (os.listdir(d) if os.path.isdir(d) else ()):
+        with open(os.path.join(d, name)) as f:
+            rec = json.load(f)
+        out[rec["domain"]] = rec["status"]
+    return out
+
+
+# -- two hosts with the SPDK double, for an NVMe disk's migration (test_migration_spdk, test_kinds, test_migrate_json) --
+
+B_NQN = "nqn.2014-08.org.nvmexpress:uuid:5a1e0000-0000-4000-8000-0000000000b2"
+
+
+@pytest.fixture
+def two(monkeypatch):
+    work = tempfile.mkdtemp(prefix="vs-mx-", dir="/tmp")
+    os.chmod(work, 0o755)
+    fabric = Fabric()
+    a_spdk = SpdkTargetDouble(f"{work}/a.sock", f"{work}/a/vhost", app="spdk_tgt", fabric=fabric,
+                              cores=tuple(range(64)), version="v26.09")
+    a_spdk.add_pcie(LOCAL, 1)
+    b_spdk = SpdkTargetDouble(f"{work}/b.sock", f"{work}/b/vhost", fabric=fabric, cores=tuple(range(64)))
+    a_spdk.start(), b_spdk.start()
+    a_root = build_tree(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"), f"{work}/a/host")
+    b_root = build_tree(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"), f"{work}/b/host")
+    b_conf = f"{work}/b.conf"
+    with open(b_conf, "w") as f:
+        f.write(f"[paths]\nstate_dir = {work}/b/state\nvhost_dir = {work}/b/vhost\nqsd_dir = {work}/b/qsd\n"
+                f"[cpu]\nreactors = 3,19\n[spdk]\nrpc_socket = {b_spdk.socket_path}\ntimeout = 5\n"
+                f"[nvmf]\nhostnqn = {B_NQN}\n")
+    agent = (f"unshare -m --propagation private {shlex.quote(sys.executable)} -m vstor.cli.main "
+             f"-c test:///default --config {b_conf} --host-root {b_root} migrate agent")
+    a_conf = f"{work}/a.conf"
+    with open(a_conf, "w") as f:
+        f.write(f"[paths]\nstate_dir = {work}/a/state\nvhost_dir = {work}/a/vhost\nqsd_dir = {work}/a/qsd\n"
+                f"[cpu]\nreactors = 2,18\n[spdk]\nrpc_socket = {a_spdk.socket_path}\ntimeout = 5\n"
+                f"[migrate]\nexport_address = 127.0.0.1\nexport_transport = tcp\npeer_command = {agent}\n")
+    # A's VFIO binding goes through the kernel sysfs double (the CLI's own
+    # runtime, with the double for sysfs).
+    sysfs = KernelSysfsDouble(a_root)
+    from vstor.cli import runtime as cli_runtime
+    from vstor.runtime.lifecycle import Runtime
+    real = cli_runtime._runtime
+
+    def runtime(ctx, dry_run=False, force=False):
+        if ctx.config.spdk_socket == a_spdk.socket_path:
+            return Runtime(ctx.config, sysfs, dry_run=dry_run, force=force)
+        return real(ctx, dry_run, force)
+    monkeypatch.setattr(cli_runtime, "_runtime", runtime)
+    t = type("Two", (), {})()
+    t.work, t.a_spdk, t.b_spdk, t.a_root, t.b_root = work, a_spdk, b_spdk, a_root, b_root
+    t.a_conf, t.b_conf, t.sysfs = a_conf, b_conf, sysfs
+    yield t
+    for cfg, root in ((a_conf, a_root), (b_conf, b_root)):
+        for who in ("a", "b"):
+            d = f"{work}/{who}/state/domains"
+            for name in (os.listdir(d) if os.path.isdir(d) and cfg.endswith(f"{who}.conf") else ()):
+                main(["-c", "test:///default", "--config", cfg, "--host-root", root,
+                      "release", "--force", name.removesuffix(".json")])
+    a_spdk.stop(), b_spdk.stop()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def on(t, who, *args) -> int:
+    cfg, root = (t.a_conf, t.a_root) if who == "a" else (t.b_conf, t.b_root)
+    return main(["-c", "test:///default", "--config", cfg, "--host-root", root, *args])
+
+
+def spdk_migration_hook(t, who, op, sub, extra, xml: str):
+    cfg, root = (t.a_conf, t.a_root) if who == "a" else (t.b_conf, t.b_root)
+    env = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", ""), "VSTOR_CONFIG": cfg, "VSTOR_HOST_ROOT": root}
+    return subprocess.run([installed_hook(), "vm", op, sub, extra], input=xml.encode(),
+                          capture_output=True, env=env)
+
+
+def running_nvme_on_a(t) -> str:
+    src, out = f"{t.work}/vm.in.xml", f"{t.work}/vm.xml"
+    with open(src, "w") as f:
+        f.write(f"""<domain type='kvm'><name>vm</name><uuid>6a0c6c5e-7f55-4b4a-9d8e-00000000a001</uuid>
+          <memory unit='MiB'>1024</memory><vcpu>2</vcpu><os><type arch='x86_64' machine='q35'>hvm</type></os>
+          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
+          <vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='{LOCAL}'/></vstor:disk>
+          </vstor:vstor></metadata><devices/></domain>""")
+    assert on(t, "a", "render", src, "-o", out) == 0
+    assert on(t, "a", "prepare", out) == 0
+    return out
+
+
+def kinds(t, who) -> tuple:
+    path = f"{t.work}/{who}/state/domains/vm.json"
+    if not os.path.exists(path):
+        return None, []
+    with open(path) as f:
+        rec = json.load(f)
+    return rec["status"], [s["kind"] for s in rec["steps"]]
+
+
+def changes(spdk, since=0) -> list:
+    return [(r["method"], r.get("params")) for r in spdk.requests[since:]
+            if not r["method"].endswith(("get_controllers", "get_version", "get_methods", "get_subsystems",
+                                         "get_bdevs"))]

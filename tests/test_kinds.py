@@ -17,8 +17,7 @@ import sys
 import pytest
 
 from tests.hostlayout import build_tree
-from tests.test_migration_spdk import on, two  # noqa: F401 (fixture)
-from tests.test_migration_spdk import running_on_a as running_nvme_on_a
+from tests.helpers import on, running_nvme_on_a, two  # noqa: F401 (two: a fixture)
 from vstor.runtime import actions, kinds, steps
 from vstor.runtime.kinds.base import ATTRIBUTES, METHODS
 
