@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 
@@ -116,7 +117,8 @@ _watching = [False]
 
 
 def _audit(event: str, args: tuple) -> None:
-    if _watching[0] and event in STARTS:
+    # The test's own thread: a double's server thread, left by another test, is not the test's.
+    if _watching[0] and event in STARTS and threading.current_thread() is threading.main_thread():
         _started.append(f"{event} {args[0]!r}"[:120] if event != "socket.__new__" else event)
 
 
