@@ -1,6 +1,7 @@
-"""What the test modules share besides fixtures (those are in
-tests/conftest.py): a test module imports from here, never from another
-test module."""
+"""What the test modules share: a test module imports from here, never
+from another test module.  The fixtures of one family of tests (work,
+hosts, two, dest) are here too, imported by the modules that use them;
+the fixtures any test may use are in tests/conftest.py."""
 
 import glob
 import json
@@ -18,8 +19,7 @@ from lxml import etree
 
 from vstor.cli.main import main
 from vstor.config import Config
-from vstor.errors import DoesNotFit
-from vstor.errors import ActionFailed
+from vstor.errors import ActionFailed, DoesNotFit
 from vstor.meta import metadata
 from vstor.meta.document import Domain, load_disk
 from vstor.planner import Request, plan_domain
