@@ -19,10 +19,8 @@ from vstor.host.sysfs import SysFS
 from vstor.migration import request as requests
 from vstor.migration import storage
 
-from tests import test_migration_agent as base
-from tests.test_migration_agent import ROOT, agent, domain
-
-dest = base.dest        # the destination's fixture: its config, image root and host layout
+from tests.helpers import ROOT, agent, dest  # noqa: F401 (dest: the destination's fixture)
+from tests.helpers import agent_domain as domain
 
 REQ = {"vstor_agent": 1, "op": "check"}
 

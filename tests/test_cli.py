@@ -17,14 +17,6 @@ TEMPLATES = os.path.join(ROOT, "xml-templates")
 URI = "test:///default"
 
 
-@pytest.fixture
-def cfg(tmp_path):
-    path = tmp_path / "vstor.conf"
-    path.write_text(f"[cpu]\nreactors = 2,18\n[paths]\nstate_dir = {tmp_path}/state\n"
-                    f"vhost_dir = /run/vstor/vhost\n")
-    return str(path)
-
-
 def vstor(*args, check_code=None):
     """Run the real command in a subprocess: what an operator sees."""
     out = subprocess.run([sys.executable, "-m", "vstor.cli.main", *args], capture_output=True,
@@ -316,3 +308,76 @@ def test_plan_says_how_many_spare_root_ports_the_domain_will_have(host_layout, c
     assert "\nHot-plug: 1 spare PCIe root port\n" in plan("vhost-local-nvme", ports=5)
     assert "\nHot-plug: spare PCIe root ports per guest cell: 0: 1, 1: 1\n" in plan("vhost-two-nodes")
     assert "Hot-plug" not in plan("qsd-file")          # i440fx: pci.0's slots, no ports
+
+
+# -- define over a defined domain ------------------------------------------------------------
+
+
+def test_define_over_a_defined_domain_points_at_replace_which_plans_the_new_file(host_layout, tmp_path, capsys):
+    """`vstor apply NAME` re-plans the definition libvirt has, not the new
+    file: the advice is `define --replace FILE`, which keeps the UUID."""
+    import os
+    import libvirt
+    from vstor.meta.document import Domain
+    conn = libvirt.open(URI)        # the test driver's domains live while a connection is open
+    cfg = tmp_path / "vstor.conf"
+    cfg.write_text(f"[cpu]\nreactors = 2,18\n[paths]\nstate_dir = {tmp_path}/state\nvhost_dir = /run/vstor/vhost\n")
+    base = ["-c", URI, "--config", str(cfg), "--host-root", host_layout("two-socket")]
+    first = open(os.path.join(TEMPLATES, "vhost-local-nvme.xml")).read()
+    (tmp_path / "a.xml").write_text(first)
+    try:
+        assert main([*base, "define", str(tmp_path / "a.xml")]) == 0
+        uuid = conn.lookupByName("web1").UUIDString()
+        new = tmp_path / "b.xml"
+        new.write_text(first.replace("0000:5f:00.0", "0000:60:00.0"))
+        if "<uuid>" in first:
+            new.write_text(new.read_text().split("<uuid>")[0] + new.read_text().split("</uuid>")[1])
+        capsys.readouterr()
+        assert main([*base, "define", str(new)]) == 2
+        err = capsys.readouterr().err
+        assert f"vstor define --replace {new}" in err and "vstor apply" not in err and err.count("\n") == 1
+        assert main([*base, "define", "--replace", str(new)]) == 0
+        now = Domain.parse(conn.lookupByName("web1").XMLDesc(0))
+        assert now.uuid == uuid.lower()
+        assert [d.controller for d in now.recorded_plan().disks] == ["0000:60:00.0"]
+        other = tmp_path / "c.xml"
+        other.write_text(new.read_text().replace("<name>web1</name>",
+                                                 "<name>web1</name><uuid>0d2f7a4e-0000-4000-8000-000000000001</uuid>"))
+        assert main([*base, "define", "--replace", str(other)]) == 2
+        assert "another domain of the same name" in capsys.readouterr().err
+    finally:
+        for name in conn.listDefinedDomains():
+            if name == "web1":
+                conn.lookupByName(name).undefine()
+        conn.close()
+
+
+# -- doctor: a venv's python and python3 are one Python ------------------------------------------
+
+
+def test_doctor_takes_a_venvs_python_and_python3_as_one(tmp_path):
+    import os
+    import sys
+    from vstor.cli.hooks import render_hook
+    from vstor.host import doctor
+    venv, other = tmp_path / "venv", tmp_path / "other"
+    for v in (venv, other):
+        (v / "bin").mkdir(parents=True)
+        (v / "pyvenv.cfg").write_text(f"home = {os.path.dirname(sys.executable)}\n")
+        os.symlink(sys.executable, v / "bin" / "python3")
+        os.symlink("python3", v / "bin" / "python")
+    py3, py = str(venv / "bin" / "python3"), str(venv / "bin" / "python")
+    assert doctor.same_python(py, py3) and doctor.same_python(py3, py3)
+    assert not doctor.same_python(py, str(other / "bin" / "python3"))     # another venv, one base
+    assert not doctor.same_python(py, py3 + " -I") and not doctor.same_python(py, "/nonexistent/python")
+
+    now = render_hook(None)
+    expected = now.replace(f"PYTHON={sys.executable}", f"PYTHON={py3}")
+    hook = tmp_path / "vstor"
+    hook.write_text(now.replace(f"PYTHON={sys.executable}", f"PYTHON={py}"))
+    hook.chmod(0o755)
+    check = doctor.check_hook(str(hook), expected, [])
+    assert check.status == "ok", check
+    hook.write_text(now.replace(f"PYTHON={sys.executable}", f"PYTHON={other}/bin/python3"))
+    check = doctor.check_hook(str(hook), expected, [])
+    assert check.status == "warn" and f"runs {other}/bin/python3; this vstor runs under {py3}" in check.detail

@@ -197,6 +197,7 @@ def vstor(*args, env=None):
     return out
 
 
+@pytest.mark.process
 def test_config_check_says_ok_for_a_good_file(tmp_path):
     path = write(tmp_path, "[cpu]\nreactors = 2,18\n")
     out = vstor("config", "check", path)
@@ -206,6 +207,7 @@ def test_config_check_says_ok_for_a_good_file(tmp_path):
     assert vstor("config", "check", env={"VSTOR_CONFIG": path}).stdout == f"{path}: ok\n"
 
 
+@pytest.mark.process
 def test_config_check_refuses_a_bad_file_in_one_line_exit_2(tmp_path):
     path = write(tmp_path, "[cpu]\nreactors = 1-x\n")
     out = vstor("--config", path, "config", "check")
@@ -216,6 +218,7 @@ def test_config_check_refuses_a_bad_file_in_one_line_exit_2(tmp_path):
     assert out.returncode == 2 and ":2: [cpu] reactors: cores 2 are both SPDK reactors and housekeeping cores" in out.stderr
 
 
+@pytest.mark.process
 def test_config_check_refuses_a_file_others_may_write(tmp_path):
     """Root runs the commands the file names: write access to it is root."""
     path = write(tmp_path, "[migrate]\npeer_command = ssh -- {host} vstor migrate agent\n")
@@ -233,6 +236,7 @@ def test_config_check_refuses_a_file_others_may_write(tmp_path):
         assert f"(fix: chown root: {path})" in out.stderr
 
 
+@pytest.mark.process
 def test_config_check_of_a_file_it_cannot_read_is_a_refusal_never_ok(tmp_path):
     for path in (str(tmp_path), str(tmp_path / "absent.conf")):     # a directory, nothing
         out = vstor("config", "check", path)
@@ -248,6 +252,7 @@ def test_config_check_without_a_file_says_the_defaults_apply(monkeypatch, tmp_pa
     assert capsys.readouterr().out == f"{tmp_path}/vstor.conf: absent, vstor runs on the defaults\n"
 
 
+@pytest.mark.process
 def test_config_show_reads_back_to_the_same_values(tmp_path):
     path = write(tmp_path, sample_examples())
     shown = vstor("--config", path, "config", "show")
@@ -258,3 +263,60 @@ def test_config_show_reads_back_to_the_same_values(tmp_path):
     defaults = vstor("--config", write(tmp_path, ""), "config", "show").stdout
     assert "# housekeeping: the first core of each NUMA node\n" in defaults
     assert config.load(write(tmp_path, defaults)) == config.Config()
+
+
+# -- vstor.conf: hostile or broken files -----------------------------------------------------
+
+
+def _check(path, timeout=20):
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {k: v for k, v in os.environ.items() if k != "VSTOR_CONFIG"} | {"PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-m", "vstor.cli.main", "config", "check", str(path)],
+                         capture_output=True, text=True, env=env, timeout=timeout)
+    assert "Traceback" not in out.stderr
+    return out
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("what", ["fifo", "/dev/zero", "huge"])
+def test_config_check_of_a_fifo_a_device_or_a_huge_file_refuses_at_once(tmp_path, what):
+    """A FIFO or /dev/zero as the config never hangs (the libvirt hook reads
+    the config too); a 64 MiB file is refused, not read whole."""
+    path = tmp_path / "vstor.conf"
+    if what == "fifo":
+        os.mkfifo(path)
+    elif what == "huge":
+        with open(path, "w") as f:
+            f.write("[cpu]\n" + "# x\n" * (16 << 20))
+    else:
+        path = what
+    out = _check(path)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and str(path) in out.stderr, out.stderr
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("text, line, words", [
+    ("[paths]\nstate_dir = /var/lib/vstor\n  /x\n", 3, "continues"),       # a path with a newline
+    ("[cpu] reactors = 7\n", 1, "after"),                                # silently dropped
+    ("[cpu]\rreactors = x\r", 1, "carriage return"),                     # a CR-only file: all dropped
+    ("[\0none]\nstate_dir = /x\n[paths]\n", 1, "NUL"),   # configparser's DEFAULT here: spilled into [paths]
+])
+def test_config_lines_configparser_would_drop_or_join_are_refused(tmp_path, text, line, words):
+    path = tmp_path / "vstor.conf"
+    path.write_text(text)
+    os.chmod(path, 0o644)
+    out = _check(path)
+    assert out.returncode == 2 and out.stderr.startswith(f"vstor: error: {path}:{line}: "), out.stderr
+    assert words in out.stderr and out.stderr.count("\n") == 1
+
+
+@pytest.mark.process
+def test_config_line_numbers_count_newlines_only(tmp_path):
+    """A form feed or U+2028 is no line break to configparser: the line
+    named is the file's line (as an editor and `sed -n Np` count)."""
+    path = tmp_path / "vstor.conf"
+    path.write_text("[cpu]\x0c\n# a \u2028 note\nreactors = x\n")
+    out = _check(path)
+    assert out.returncode == 2 and f"{path}:3: [cpu] reactors" in out.stderr, out.stderr

@@ -10,21 +10,17 @@ operator would: through the `vstor` CLI and through the libvirt hook script.
    before anything on the host is touched.
 """
 
-from tests import installed_hook  # noqa: E402
 import os
 import re
-import shutil
 import stat
 import subprocess
-import sys
-import tempfile
 
 import pytest
 
 from tests import qsd_fds
-
-from tests.hostlayout import build_tree
-from vstor.cli.main import main
+from tests.helpers import contract_work  # noqa: F401 (the fixture work)
+from tests.helpers import contract_domain_xml as domain_xml, contract_hook as hook
+from tests.helpers import contract_rendered as rendered, contract_vstor as vstor
 from vstor.host.read import read_host
 from vstor.host.sysfs import SysFS
 
@@ -35,49 +31,6 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 HOOK = os.path.join(ROOT, "hooks", "vstor")
 NS = "https://vstor.dev/xmlns/domain/1"
 CTRL = "0000:61:00.0"
-
-
-@pytest.fixture
-def work():
-    d = tempfile.mkdtemp(prefix="vs-ct-", dir="/tmp")
-    os.chmod(d, 0o755)
-    host = build_tree(os.path.join(ROOT, "tests", "hosts", "two-socket.toml"), os.path.join(d, "host"))
-    conf = os.path.join(d, "vstor.conf")
-    with open(conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d} /var/lib/vstor/images\n"
-                "[cpu]\nreactors = 2,18\n")
-    w = type("W", (), {"dir": d, "host": host, "conf": conf})
-    yield w
-    main(["--config", conf, "--host-root", host, "release", "--force", "ct1"])
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def vstor(w, *args) -> int:
-    return main(["-c", "test:///default", "--config", w.conf, "--host-root", w.host, *args])
-
-
-def domain_xml(w, disk: str, name="ct1") -> str:
-    path = os.path.join(w.dir, f"{name}.xml")
-    with open(path, "w") as f:
-        f.write(f"""<domain type='kvm'><name>{name}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
-          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>{disk}</vstor:vstor>
-          </metadata><os><type arch='x86_64' machine='q35'>hvm</type></os><devices/></domain>""")
-    return path
-
-
-def rendered(w, disk: str, name="ct1") -> str:
-    out = os.path.join(w.dir, f"{name}-rendered.xml")
-    assert vstor(w, "render", domain_xml(w, disk, name), "-o", out) == 0
-    return out
-
-
-def hook(w, op: str, xml_path: str, name="ct1", timeout=None):
-    with open(xml_path, "rb") as f:
-        xml = f.read()
-    env = {**os.environ, "PYTHONPATH": ROOT, "VSTOR_CONFIG": w.conf, "VSTOR_HOST_ROOT": w.host}
-    sub = "begin" if op == "prepare" else "end"
-    return subprocess.run([installed_hook(), name, op, sub, "-"], input=xml,
-                          capture_output=True, env=env, timeout=timeout)
 
 
 @pytest.fixture

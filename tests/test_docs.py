@@ -143,6 +143,7 @@ def documented_xmllint() -> str:
     raise AssertionError("docs/libvirt.md shows no xmllint --xpath check")
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("xmllint") is None, reason="xmllint (libxml2-utils) not installed")
 @pytest.mark.parametrize("template", sorted((ROOT / "xml-templates").glob("*.xml")),
                          ids=lambda p: p.name)
@@ -153,6 +154,7 @@ def test_documented_xmllint_check_works(template):
     assert "validates" in done.stderr
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("xmllint") is None, reason="xmllint (libxml2-utils) not installed")
 def test_documented_xmllint_check_refuses_bad_metadata(tmp_path):
     """An oracle that says yes to everything proves nothing."""

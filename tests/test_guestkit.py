@@ -211,6 +211,7 @@ def test_the_cloud_config_is_yaml_that_installs_and_runs_the_script(db1, host_mo
                                             f"{guestscript.INSTALLED}; fi"]]
 
 
+@pytest.mark.process
 def test_a_hostile_domain_name_stays_a_comment_and_a_quoted_word(db1, tmp_path):
     db1.root.find("name").text = "x'\n$(reboot)\u2028y"
     kit = guestkit.build(db1)
@@ -293,6 +294,7 @@ def shell(request):
     return request.param
 
 
+@pytest.mark.process
 def test_the_script_moves_the_controller_and_raises_the_pool(db1, host_model, tmp_path, shell, bin_dir):
     root, d = guest(tmp_path)
     out = run(guestkit.build(db1, host_model("two-socket")), root, shell, bin_dir)
@@ -307,6 +309,7 @@ def test_the_script_moves_the_controller_and_raises_the_pool(db1, host_model, tm
     assert "vstor-guest-kit: hugepages: 512 x 2048 kB on node 0" in out.stdout
 
 
+@pytest.mark.process
 def test_the_script_run_again_changes_nothing_and_says_what_spdk_needs(db1, host_model, tmp_path, shell, bin_dir):
     root, d = guest(tmp_path, driver="vfio-pci")
     (root / "sys/devices/system/node/node0/hugepages/hugepages-2048kB/nr_hugepages").write_text("600\n")
@@ -321,6 +324,7 @@ def test_the_script_run_again_changes_nothing_and_says_what_spdk_needs(db1, host
     assert (d / "driver_override").read_text() == "(null)\n"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("tree, words", [
     (dict(ids=("0x1b36", "0x0010")), "vdb: 0000:05:00.0 is NVMe 0x1b36:0x0010, not 0x8086:0x0a54 as on the host"),
     (dict(pci_class="0x020000"), "vdb: 0000:05:00.0 is not an NVMe controller (class 0x020000)"),
@@ -341,12 +345,14 @@ def test_the_script_refuses_before_it_touches_the_controller(db1, host_model, tm
     assert (root / "sys/bus/pci/drivers_probe").read_text() == ""
 
 
+@pytest.mark.process
 def test_modules_built_into_the_kernel_are_there(db1, host_model, tmp_path, bin_dir):
     root, d = guest(tmp_path, modules=("vfio_pci",), builtin=("vfio", "vfio_iommu_type1"))
     out = run(guestkit.build(db1, host_model("two-socket")), root, ["sh"], bin_dir)
     assert "no modprobe" not in out.stderr and "did not bind to vfio-pci" in out.stderr
 
 
+@pytest.mark.process
 def test_the_script_finds_no_bridge_in_another_guest(db1, tmp_path, bin_dir):
     root, d = guest(tmp_path)
     shutil.rmtree(root / "sys/bus/pci/devices/0000:00:01.2")
@@ -356,6 +362,7 @@ def test_the_script_finds_no_bridge_in_another_guest(db1, tmp_path, bin_dir):
             "is this the guest of domain 'db1'?") in out.stderr
 
 
+@pytest.mark.process
 def test_no_iommu_mode_is_switched_on_loudly_or_refused_where_the_kernel_lacks_it(db1, tmp_path, bin_dir):
     kit = guestkit.build(kernel_only(db1))
     root, d = guest(tmp_path, group=False, driver="vfio-pci", noiommu_param=True, modules=("vfio", "vfio_pci"))
@@ -375,6 +382,7 @@ def vstor(*args):
                           text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
 
 
+@pytest.mark.process
 def test_the_command_prints_the_script_the_cloud_config_and_json(db1, host_layout, tmp_path):
     path = tmp_path / "db1.xml"
     path.write_text(db1.to_string())
@@ -389,6 +397,7 @@ def test_the_command_prints_the_script_the_cloud_config_and_json(db1, host_layou
     assert data["setup_sh"]["HUGEMEM"] == 1024
 
 
+@pytest.mark.process
 def test_the_command_refuses_in_one_line(db1, host_layout, tmp_path):
     path = tmp_path / "db1.xml"
     db1.root.find("devices/hostdev").remove(db1.root.find("devices/hostdev/address"))

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.snapshot import tree_state
-from tests.test_logging import FakeJournal
+from tests.helpers import FakeJournal
 from vstor import log
 from vstor.cli.hooks import render_hook
 from vstor.cli.main import main
@@ -177,3 +177,37 @@ def test_the_packages_hook_is_not_rewritten_and_its_removal_says_how_back(site, 
     assert vstor(site, "uninstall") == 0
     assert "--force-confmiss vstor" in capsys.readouterr().out
     assert not target.exists()
+
+
+# -- hooks install over what is not vstor's hook --------------------------------------------
+
+
+@pytest.mark.parametrize("what", ["fifo", "someone-elses", "symlink"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_hooks_install_leaves_what_is_not_vstors_hook(tmp_path, monkeypatch, capsys, what, dry_run):
+    """As uninstall: a FIFO (which --dry-run opened and waited on for ever),
+    someone else's script, a symlink in the hook's place is refused, one
+    line, and left as it is."""
+    import subprocess
+    import sys
+    hooks = tmp_path / "qemu.d"
+    hooks.mkdir()
+    target = hooks / "vstor"
+    if what == "fifo":
+        os.mkfifo(target)
+    elif what == "someone-elses":
+        target.write_text("#!/bin/sh\necho mine\n")
+    else:
+        (tmp_path / "elsewhere").write_text("#!/bin/sh\necho theirs\n")
+        target.symlink_to(tmp_path / "elsewhere")
+    before = {p: (os.lstat(p).st_mode, os.lstat(p).st_ino) for p in (target,)}
+    conf = tmp_path / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {**os.environ, "PYTHONPATH": root, "VSTOR_JOURNAL_SOCKET": str(tmp_path / "none"),
+           "VSTOR_SYSLOG_SOCKET": str(tmp_path / "none")}
+    out = subprocess.run([sys.executable, "-m", "vstor.cli.main", "--config", str(conf), "hooks",
+                          "install", "--dir", str(hooks)] + (["--dry-run"] if dry_run else []),
+                         env=env, capture_output=True, text=True, timeout=20)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "left as it is" in out.stderr, out
+    assert {p: (os.lstat(p).st_mode, os.lstat(p).st_ino) for p in (target,)} == before

@@ -7,9 +7,16 @@ import socket
 
 import pytest
 
+from tests.helpers import as_nobody
+from tests.helpers import refused, request
+from vstor.cli.main import main
+from vstor.config import Config
+from vstor.errors import BadInput
 from vstor.host.read import read_host
 from vstor.host.model import NVME_CLASS
 from vstor.host.sysfs import SysFS
+from vstor.planner import plan_domain
+from vstor.planner.ledger import Ledger
 from tests.hostlayout import build_tree
 
 
@@ -298,29 +305,6 @@ def test_an_attribute_the_kernel_refuses_is_unreadable_not_the_default():
     assert SysFS("/").read("/proc/no-such-file", "absent") == "absent"      # absence is an answer
 
 
-def as_nobody(fn):
-    """fn() in a child running as nobody: ('ok', value) or (exception type name, message)."""
-    import json
-    r, w = os.pipe()
-    child = os.fork()
-    if child == 0:      # pragma: no cover (the child)
-        os.close(r)
-        try:
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            out = ["ok", repr(fn())]
-        except BaseException as e:      # noqa: BLE001
-            out = [type(e).__name__, str(e)]
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        data = f.read()
-    os.waitpid(child, 0)
-    return tuple(json.loads(data))
-
-
 @pytest.fixture
 def open_tree():
     """name -> the tree of tests/hosts/<name>.toml where nobody may read it
@@ -341,6 +325,7 @@ def open_tree():
     shutil.rmtree(work)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_a_permission_denied_read_refuses_the_host_instead_of_reading_it_as_absent(open_tree):
     root = open_tree("two-socket")
@@ -397,6 +382,7 @@ def test_a_stack_deeper_than_the_kernel_makes_is_a_refusal_not_nothing_below(tmp
         read_host(SysFS(root))
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_a_slaves_directory_the_kernel_refuses_is_a_refusal_not_nothing_below(open_tree):
     root = open_tree("stacked")
@@ -405,3 +391,38 @@ def test_a_slaves_directory_the_kernel_refuses_is_a_refusal_not_nothing_below(op
     kind, message = as_nobody(lambda: read_host(SysFS(root)))
     assert (kind, message) == ("Unreadable", "cannot read /sys/class/block/dm-5/slaves: Permission denied "
                                              "(run vstor as root)")
+
+
+# -- a loop device as a block source, and what host show says vstor would take ------------------
+
+
+@pytest.mark.parametrize("path, words, fix", [
+    ("/dev/loop0", "/dev/loop0 is a loop device: vstor does not serve a loop device, as the file behind "
+                   "it may lie outside the image roots", "losetup --list /dev/loop0"),
+    ("/dev/zram0", "is a RAM disk", "use a disk, a partition or a file"),
+    ("/dev/nvme1c1n1", "one path of a multipath NVMe namespace", "use its head device /dev/nvme1n1"),
+])
+def test_a_device_that_is_never_a_block_source_says_why_and_what_instead(host_model, path, words, fix):
+    with pytest.raises(BadInput) as e:
+        plan_domain(host_model("nvme-root"), Config(),
+                    request(f"<vstor:disk target='vdb'><vstor:block path='{path}'/></vstor:disk>"), Ledger())
+    assert words in e.value.message and fix in e.value.hint
+    assert "not a disk" not in e.value.message
+
+
+def test_host_show_lists_the_block_sources_vstor_would_take(host_layout, capsys):
+    assert main(["--host-root", host_layout("nvme-root"), "host", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "  block sources vstor would take: /dev/nvme1n1 (1000 GB)\n" in out
+    assert "    not /dev/nvme0n1p1: mounted at /boot\n" in out and "    not /dev/dm-1: swap\n" in out
+    # What it lists it takes: each one listed plans; each refused one does not.
+    from vstor.host.read import block_sources
+    from vstor.host.read import read_host
+    from vstor.host.sysfs import SysFS
+    host = read_host(SysFS(host_layout("nvme-root")))
+    for path, _, use in block_sources(host):
+        req = request(f"<vstor:disk target='vdb'><vstor:block path='{path}'/></vstor:disk>")
+        if use:
+            assert use[0] in refused(host, Config(), req)
+        else:
+            assert plan_domain(host, Config(), req, Ledger()).disks[0].source.path == path

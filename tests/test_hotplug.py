@@ -10,105 +10,15 @@ import time
 
 import pytest
 
-from tests.test_lifecycle import (LOCAL, domain, env, file_disk, file_disks,  # noqa: F401 (env: a fixture)
-                                  local_spdk, nvmf)
+from tests.helpers import LOCAL, GuestDouble, disk, file_disk, file_disks, flock_free, live, local_spdk, running
+from tests.helpers import spdk_nvmf as nvmf
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
-from vstor.meta import metadata
 from vstor.meta.document import Domain, load_disk
 from vstor.runtime.hotplug import attach, detach
-from vstor.runtime.lifecycle import prepare, release
+from vstor.runtime.lifecycle import release
 
 NS = "https://vstor.dev/xmlns/domain/1"
 OTHER = "0000:60:00.0"
-
-
-class GuestDouble:
-    """A test double of vstor.runtime.virt.LiveDomain: it records what
-    libvirt would be asked, and refuses the device when told to."""
-
-    def __init__(self, dom: Domain, refuse: str | None = None, plan="same", ports: int = 4):
-        self.dom, self.refuse = with_ports(dom, ports), refuse
-        self.calls: list[tuple] = []
-        self.present: set[str] = {d.target for d in dom.recorded_plan().disks}
-        self.saved = dom.recorded_plan() if plan == "same" else plan
-
-    def persistent_plan(self):
-        return self.saved
-
-    def current(self):
-        return live(self.dom, self)
-
-    def attach(self, device, element, persistent=False):
-        self.calls.append(("attach", device, element, persistent))
-        if self.refuse:
-            raise ActionFailed(f"libvirt refused to attach the device: {self.refuse}")
-        self.present.add(Domain.parse(f"<domain>{device}</domain>").root.find(".//target").get("dev"))
-
-    def set_metadata(self, element, persistent=False):
-        self.calls.append(("set_metadata", element, persistent))
-
-    def device(self, disk):
-        return f"<disk><target dev='{disk.target}'/></disk>" if disk.target in self.present else None
-
-    def detach(self, device, timeout, persistent=False):
-        self.calls.append(("detach", device, timeout, persistent))
-        if self.refuse:
-            raise ActionFailed(f"the guest did not let go within {timeout:g}s; nothing was released")
-        self.present.discard(Domain.parse(f"<domain>{device}</domain>").root.find(".//target").get("dev"))
-
-    def detach_config(self, disk):
-        self.calls.append(("detach_config", disk.target))
-
-
-def with_ports(dom: Domain, ports: int) -> Domain:
-    """A q35 domain as libvirt shows it running: each vstor disk on a root
-    port of its own, a USB controller and a balloon (model none here), and
-    `ports` empty root ports, as an operator gives a guest that takes disks
-    live (libvirt adds none spare)."""
-    if "q35" not in dom.root.find("os/type").get("machine", ""):
-        return dom
-    from lxml import etree
-    root = Domain.parse(dom.to_string()).root
-    devices = root.find("devices")
-    placed = [e for e in devices if e.tag in ("disk", "hostdev") and e.find("address") is None]
-    for index in range(1, len(placed) + ports + 1):
-        devices.append(etree.Element("controller", type="pci", index=str(index), model="pcie-root-port"))
-        if index <= len(placed):
-            etree.SubElement(placed[index - 1], "address", type="pci", domain="0x0000", bus=f"0x{index:02x}",
-                             slot="0x00", function="0x0")
-    etree.SubElement(devices, "controller", type="usb", model="none")
-    etree.SubElement(devices, "memballoon", model="none")
-    return Domain(root)
-
-
-def disk(text: str, tmp_path):
-    path = tmp_path / "disk.xml"
-    path.write_text(text.replace("<vstor:disk ", f"<vstor:disk xmlns:vstor='{NS}' ", 1))
-    return load_disk(str(path))
-
-
-def live(dom: Domain, guest: GuestDouble) -> Domain:
-    """The domain as libvirt would show it after the guest double's last
-    metadata: libvirt puts the element (sent without a namespace, as its
-    setMetadata wants it) into vstor's namespace."""
-    elements = [c[2] if c[0] == "attach" else c[1] for c in guest.calls
-                if c[0] in ("attach", "set_metadata")]
-    if not elements:
-        return dom
-    from lxml import etree
-    sent = etree.fromstring(elements[-1])
-    assert all(etree.QName(e).namespace is None for e in sent.iter(etree.Element))
-    for e in sent.iter(etree.Element):
-        e.tag = f"{{{NS}}}{e.tag}"
-    root = Domain.parse(dom.to_string()).root
-    root.find("metadata").replace(metadata.find(root), sent)
-    return Domain(root)
-
-
-def running(env, disks: str, **kw) -> Domain:
-    dom = domain(env, disks, **kw)
-    prepare(env.rt(), env.state, env.host(), dom)
-    return dom
 
 
 def test_an_spdk_disk_is_added_on_the_domains_node_and_reactor_and_removed_again(env, tmp_path):
@@ -227,11 +137,10 @@ def test_an_attach_killed_before_the_guest_had_its_disk_is_undone_by_the_next(en
 def test_a_qsd_disk_starts_without_the_host_lock_and_spdk_steps_under_it(env, tmp_path, monkeypatch):
     """As prepare: the host lock covers the decision; the new disk's own
     daemon starts after it is let go, SPDK's shared controller under it."""
-    from tests.test_lifecycle import _free
     from vstor.runtime import executor
     seen, real = [], executor.do
     lock = os.path.join(env.cfg.state_dir, "lock")
-    monkeypatch.setattr(executor, "do", lambda a, rt: seen.append((a.kind, _free(lock))) or real(a, rt))
+    monkeypatch.setattr(executor, "do", lambda a, rt: seen.append((a.kind, flock_free(lock))) or real(a, rt))
     _, paths = file_disks(env, "bc", size=8 << 20)
     dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
     seen.clear()
@@ -438,7 +347,6 @@ def test_an_attach_killed_between_metadata_and_device_is_taken_out_by_the_next(e
 
 
 def test_attach_plans_under_the_planning_lock_and_lets_it_go_once_recorded(env, tmp_path, monkeypatch):
-    from tests.test_lifecycle import _free
     from vstor.runtime import executor
     import fcntl
     from vstor.errors import Unavailable
@@ -447,7 +355,7 @@ def test_attach_plans_under_the_planning_lock_and_lets_it_go_once_recorded(env, 
     dom = running(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     seen, real = [], executor.do
-    monkeypatch.setattr(executor, "do", lambda a, rt: seen.append((a.kind, _free(lock))) or real(a, rt))
+    monkeypatch.setattr(executor, "do", lambda a, rt: seen.append((a.kind, flock_free(lock))) or real(a, rt))
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)      # another run is planning
         with pytest.raises(Unavailable, match="the planning lock .* stayed locked"):
@@ -538,3 +446,42 @@ def test_an_attach_into_a_q35_guest_without_a_free_root_port_is_refused_by_its_d
     new = attach(env.rt(), env.state, env.host(), dom, disk(local_spdk(OTHER, "vdc"), tmp_path),
                  GuestDouble(dom, ports=1))
     assert new.disk("vdc") is not None                      # one empty port is enough
+
+
+# -- hot-plug into an i440fx guest -------------------------------------------------------------
+
+
+def _i440fx(dom, acpi: bool, root_hotplug: str | None = None):
+    from vstor.meta.document import Domain
+    text = dom.to_string().replace("machine=\"q35\"", "machine=\"pc-i440fx-9.2\"")
+    if acpi:
+        text = text.replace("<devices>", "<features><acpi/></features><devices>", 1)
+    if root_hotplug:
+        text = text.replace("<devices>", f"<devices><controller type='pci' index='0' model='pci-root'>"
+                                         f"<target hotplug='{root_hotplug}'/></controller>", 1)
+    return Domain.parse(text)
+
+
+def test_hot_plug_into_an_i440fx_guest_without_acpi_names_acpi_not_q35(env, tmp_path):
+    from vstor.errors import ActionFailed, DoesNotFit
+    from vstor.runtime.hotplug import attach
+    dom = running(env, local_spdk())
+    rec = env.state.load("vm1")
+    for guest_dom, words, fix in (
+            (_i440fx(dom, acpi=False), "is an i440fx guest without ACPI, and i440fx hot-plugs PCI devices "
+                                       "through ACPI", "add <acpi/> to its <features>"),
+            (_i440fx(dom, acpi=True, root_hotplug="off"), "has hot-plug off on its pci-root controller",
+             "remove <target hotplug='off'/>")):
+        guest = GuestDouble(guest_dom)
+        with pytest.raises(DoesNotFit) as e:
+            attach(env.rt(), env.state, env.host(), guest_dom,
+                   disk(local_spdk("0000:60:00.0", "vdc"), tmp_path), guest)
+        assert words in e.value.message and fix in e.value.hint and "q35" not in str(e.value)
+        assert guest.calls == [] and env.state.load("vm1").steps == rec.steps
+    # With ACPI, libvirt's own refusal gets the i440fx fix, not the q35 one.
+    guest_dom = _i440fx(dom, acpi=True)
+    guest = GuestDouble(guest_dom, refuse="No more available PCI slots")
+    with pytest.raises(ActionFailed) as e:
+        attach(env.rt(), env.state, env.host(), guest_dom, disk(local_spdk("0000:60:00.0", "vdc"), tmp_path), guest)
+    assert "pci-bridge" in e.value.hint and "q35" not in e.value.hint
+    assert env.state.load("vm1").steps == rec.steps

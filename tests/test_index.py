@@ -171,6 +171,7 @@ def _killed_at(state: StateDir, k: int, change) -> int:
     return os.waitpid(pid, 0)[1]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("what", ["save", "change", "remove"])
 def test_a_run_killed_at_any_write_of_the_index_leaves_one_the_next_run_makes_right(tmp_path, what):
     r = random.Random(7)

@@ -6,52 +6,10 @@ import threading
 
 import pytest
 
+from tests.helpers import Executor, J, TouchFile, steps
 from vstor.errors import ActionFailed
 from vstor.runtime.journal import DONE, DOING, Journal
 from vstor.runtime.state import PREPARED, Record, StateDir
-
-
-class TouchFile:
-    """A test step that makes a real host change: a file; it can fail on do or undo."""
-    kind = "test-touch"
-
-    def __init__(self, data):
-        self.data = data
-
-    def describe(self):
-        return f"touch {os.path.basename(self.data['path'])}"
-
-    def do(self, rt):
-        with open(self.data["path"], "w") as f:
-            f.write("x")
-        if self.data.get("fail_do"):
-            raise OSError(5, "injected I/O error")
-
-    def undo(self, rt):
-        if self.data.get("fail_undo") and not os.path.exists(self.data["path"] + ".allow"):
-            raise OSError(16, "injected busy")
-        if os.path.exists(self.data["path"]):
-            os.unlink(self.data["path"])
-
-    def to_json(self, state):
-        return {"kind": self.kind, "state": state, "data": self.data}
-
-
-class Executor:
-    """The journal's executor interface, for TouchFile steps."""
-    encode = staticmethod(lambda step, state: step.to_json(state))
-    decode = staticmethod(lambda entry: TouchFile(entry["data"]))
-    do = staticmethod(lambda step, rt: step.do(rt))
-    undo = staticmethod(lambda step, rt, others: step.undo(rt))
-
-
-def J(state, rec, rt, progress=None):
-    return Journal(state, rec, rt, progress, executor=Executor)
-
-
-def steps(tmp_path, n, flags=None):
-    flags = flags or {}
-    return [TouchFile({"path": str(tmp_path / f"f{i}"), **flags.get(i, {})}) for i in range(n)]
 
 
 def test_run_records_each_step_done_and_the_record_is_prepared(tmp_path):

@@ -54,8 +54,7 @@ def vstor(*args):
     return out
 
 
-from tests.test_cli import cfg  # noqa: E402,F401  (the same config fixture)
-from tests.test_runtime_cli import work  # noqa: E402,F401  (the same domain and files)
+from tests.helpers import cli_work  # noqa: E402,F401  (the fixture work: the same domain and files)
 
 
 def test_host_show_json_is_the_documented_object(host_layout, cfg):

@@ -17,8 +17,7 @@ import sys
 import pytest
 
 from tests.hostlayout import build_tree
-from tests.test_migration_spdk import on, two  # noqa: F401 (fixture)
-from tests.test_migration_spdk import running_on_a as running_nvme_on_a
+from tests.helpers import on, running_nvme_on_a, two  # noqa: F401 (two: a fixture)
 from vstor.runtime import actions, executor, kinds
 from vstor.runtime.kinds.base import Kind, StepKind
 
@@ -159,6 +158,7 @@ def vstor(site, *args):
     return out.stdout
 
 
+@pytest.mark.process
 def test_prepare_dry_run_prints_each_steps_own_description_and_dry_run(site):
     """What `vstor prepare --dry-run` prints is, step by step, the kind's
     describe() and dry_run() of the steps the recorded plan builds: no
@@ -184,6 +184,7 @@ def test_prepare_dry_run_prints_each_steps_own_description_and_dry_run(site):
     assert not os.path.exists(os.path.join(site.dir, "state", "domains", "k1.json"))   # a dry run records nothing
 
 
+@pytest.mark.process
 def test_migrate_prepare_dry_run_prints_the_exports_own_dry_run(two, capsys):
     """nvmf-export, a migration's kind: `vstor migrate prepare --dry-run`
     prints its dry run under the line naming the disk: the subsystem made

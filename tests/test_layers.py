@@ -313,6 +313,7 @@ def test_the_synthetic_host_builder_is_not_in_the_product():
     assert not os.path.exists(os.path.join(PKG, "testing"))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("mod", ["vstor.planner", "vstor.render.libvirt", "vstor.meta.metadata"])
 def test_importing_a_pure_module_loads_no_service_client(mod):
     """At run time too: a fresh interpreter importing it has not loaded them."""

@@ -156,6 +156,7 @@ def test_command_line(tmp_path, capsys):
     assert main(["-x", "y"]) == 2
 
 
+@pytest.mark.process
 def test_runs_as_a_module(tmp_path):
     hosts = os.path.join(os.path.dirname(__file__), "hosts")
     done = subprocess.run([sys.executable, "-m", "tests.hostlayout", f"{hosts}/laptop.toml",
@@ -166,6 +167,7 @@ def test_runs_as_a_module(tmp_path):
     assert os.path.islink(tmp_path / "t/sys/bus/pci/devices/0000:02:00.0")
 
 
+@pytest.mark.process
 def test_help_prints_usage_and_exits_0():
     repo = os.path.join(os.path.dirname(__file__), "..")
     done = subprocess.run([sys.executable, "-m", "tests.hostlayout", "--help"],
@@ -176,6 +178,7 @@ def test_help_prints_usage_and_exits_0():
     assert 'hostname = "lab1"' in done.stdout
 
 
+@pytest.mark.process
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     toml = tmp_path / "bad.toml"
     toml.write_text("[[nvme]]\nbogus = 1\n")

@@ -13,12 +13,11 @@ import copy
 import glob
 import os
 import re
-import shutil
-import subprocess
 
 import pytest
 from lxml import etree
 
+from tests.helpers import accepted
 from tests.nova import ask
 from vstor.config import Config
 from vstor.host.model import parse_cpulist
@@ -36,32 +35,6 @@ CFG = Config(reactors=(2, 18))
 # What vstor builds, where libvirt keeps it in a domain.
 BUILT = ("devices/disk[@type='vhostuser']", "devices/hostdev", "devices/iommu", "memoryBacking",
          "vcpu", "cputune", "numatune", "cpu/numa")
-
-
-@pytest.fixture(scope="module")
-def conn():
-    c = libvirt.open("test:///default")
-    libvirt.registerErrorHandler(lambda *_: None, None)     # the refusal is in the exception
-    yield c
-    c.close()
-
-
-def accepted(conn, xml: str, tmp_path) -> etree._Element:
-    """The domain as libvirt parsed it, after virt-xml-validate and the test
-    driver's define accepted `xml`; defined for the caller, who undefines."""
-    path = tmp_path / "domain.xml"
-    path.write_text(xml)
-    if not shutil.which("virt-xml-validate"):
-        if os.environ.get("CI"):
-            pytest.fail("virt-xml-validate is missing (libvirt-clients): libvirt's schema is the judge")
-        pytest.skip("virt-xml-validate not installed")
-    valid = subprocess.run(["virt-xml-validate", str(path), "domain"], capture_output=True, text=True)
-    assert valid.returncode == 0, valid.stdout + valid.stderr
-    try:
-        dom = conn.defineXML(xml)
-    except libvirt.libvirtError as e:
-        pytest.fail(f"libvirt refuses the domain: {e}")
-    return etree.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
 
 
 def holds(theirs, ours) -> bool:

@@ -4,96 +4,22 @@ SPDK through its official client against the SPDK target double, and real
 qemu-storage-daemons.  Faults at every step must leave nothing behind."""
 
 import os
-import shutil
 import stat
-import tempfile
 
 import pytest
 
-from tests.doubles.kernel_sysfs import KernelSysfsDouble
+from tests.helpers import LOCAL, file_disk, file_disks, flock_free, local_spdk
+from tests.helpers import rendered_domain as domain, spdk_nvmf as nvmf
 from tests.doubles.spdk_target import SpdkTargetDouble
 from vstor.runtime.holders import FromRecords
-from vstor.config import Config
 from vstor.meta.document import Domain
 from vstor.errors import ActionFailed, BadInput, DoesNotFit, EXIT_UNAVAILABLE, InUse
-from vstor.host.read import read_host
 from vstor.planner.ledger import Ledger
 from vstor.runtime.lifecycle import Runtime, health, prepare, reconnect, release
-from vstor.planner import Request, plan_domain
 from vstor.render.libvirt import render
-from vstor.runtime.state import StateDir
-from vstor.host.sysfs import SysFS
-from tests.hostlayout import build_tree
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
                                 reason="sockets are handed to root:kvm (needs root)")
-
-HERE = os.path.dirname(__file__)
-NS = "https://vstor.dev/xmlns/domain/1"
-LOCAL = "0000:5f:00.0"
-
-
-@pytest.fixture(params=["v24.01", "v26.09"])
-def env(request):
-    """A two-socket host tree, the SPDK double (as the oldest SPDK vstor
-    supports and the newest recorded one), a state dir: one short-pathed workdir."""
-    work = tempfile.mkdtemp(prefix="vs-", dir="/tmp")
-    os.chmod(work, 0o755)
-    root = build_tree(os.path.join(HERE, "hosts", "two-socket.toml"), os.path.join(work, "host"))
-    spdk = SpdkTargetDouble(os.path.join(work, "spdk.sock"), os.path.join(work, "vhost"),
-                            cores=tuple(range(64)), version=request.param)
-    spdk.add_pcie(LOCAL, 1).add_pcie("0000:60:00.0", 1)
-    spdk.add_fabric("RDMA", "192.168.100.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
-    spdk.add_fabric("RDMA", "192.168.101.8", "4420", "nqn.2016-06.io.spdk:cnode1", (1, 2))
-    spdk.start()
-    cfg = Config(reactors=(2, 18), images=(work,), state_dir=f"{work}/state", vhost_dir=spdk.vhost_dir,
-                 qsd_dir=f"{work}/qsd", spdk_socket=spdk.socket_path, spdk_timeout=5.0)
-    e = type("Env", (), {})()
-    e.work, e.root, e.spdk, e.cfg = work, root, spdk, cfg
-    e.sysfs = KernelSysfsDouble(root)
-    e.state = StateDir(cfg.state_dir)
-    e.rt = lambda: Runtime(cfg, e.sysfs)
-    e.host = lambda: read_host(SysFS(root))
-    yield e
-    for rec in e.state.records():       # never leak a daemon into other tests
-        try:
-            release(e.rt(), e.state, rec.key)
-        except Exception:
-            pass
-    spdk.stop()
-    shutil.rmtree(work, ignore_errors=True)
-
-
-def domain(e, disks: str, name="vm1", vm="", vcpus=2, memory_mib=1024, ledger=None) -> Domain:
-    dom = Domain.parse(f"""<domain type='kvm'><name>{name}</name><memory unit='MiB'>{memory_mib}</memory>
-      <vcpu>{vcpus}</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'>{vm}{disks}</vstor:vstor></metadata>
-      <os><type arch='x86_64' machine='q35'>hvm</type></os><devices/></domain>""")
-    plan = plan_domain(e.host(), e.cfg, Request.from_domain(dom), ledger or Ledger())
-    return render(dom, plan)
-
-
-def local_spdk(addr=LOCAL, target="vdb"):
-    return f"<vstor:disk target='{target}' backend='spdk'><vstor:nvme controller='{addr}'/></vstor:disk>"
-
-
-def nvmf(nsid=1, target="vdb"):
-    return (f"<vstor:disk target='{target}' backend='spdk'><vstor:nvmf transport='rdma' traddr='192.168.100.8' "
-            f"subnqn='nqn.2016-06.io.spdk:cnode1' namespace='{nsid}' hostnqn='nqn.2014-08.org.nvmexpress:uuid:1'>"
-            "<vstor:path traddr='192.168.101.8'/><vstor:reconnect ctrlr_loss_timeout='90'/></vstor:nvmf></vstor:disk>")
-
-
-def file_disk(path: str, target: str = "vdb") -> str:
-    return f"<vstor:disk target='{target}'><vstor:file path='{path}'/></vstor:disk>"
-
-
-def file_disks(e, targets: str, prefix: str = "d", size: int = 16 << 20) -> tuple[str, list[str]]:
-    """Image files (prefix0.raw, ...) and a file disk on each, vd<t> for t in targets."""
-    paths = []
-    for i in range(len(targets)):
-        paths.append(os.path.join(e.work, f"{prefix}{i}.raw"))
-        with open(paths[-1], "wb") as f:
-            f.truncate(size)
-    return "".join(file_disk(p, f"vd{t}") for p, t in zip(paths, targets)), paths
 
 
 def nothing_left(e, addr=LOCAL):
@@ -413,20 +339,6 @@ def test_an_interrupted_prepare_leaves_no_record(env, monkeypatch):
     assert env.spdk.nvme == {}
 
 
-def _free(path: str) -> bool:
-    """Whether another open of `path` could take its flock now (this
-    process's own hold conflicts too: flock is per open file description)."""
-    import fcntl
-    fd = os.open(path, os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def test_daemons_start_without_the_host_lock_and_spdk_steps_under_it(env, monkeypatch):
     """The host lock covers the decision; a domain's own qsd daemons start
     (side by side) after it is let go, SPDK's shared controller under it."""
@@ -442,7 +354,7 @@ def test_daemons_start_without_the_host_lock_and_spdk_steps_under_it(env, monkey
         with probing:
             fd = os.open(lock, os.O_RDWR)
             try:        # the record lock: a byte of the same file, held by this run
-                seen.append((a.kind, _free(lock), not try_range(fd, "vm1")))
+                seen.append((a.kind, flock_free(lock), not try_range(fd, "vm1")))
             finally:
                 os.close(fd)
         real(a, rt)

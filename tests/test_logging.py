@@ -15,53 +15,16 @@ import tempfile
 
 import pytest
 
-from tests.test_journal import J, steps
+from tests.helpers import FakeJournal, J, Pve, parse, pve_applied, steps
 from vstor import log
 from vstor.cli.main import main
 from vstor.errors import ActionFailed
 from vstor.runtime.state import Record, StateDir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QEMU = ("--qemu-version", "9.2")
 needs_root = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
                                 reason="starts qemu-storage-daemons handed to root:kvm (needs root)")
-
-
-def parse(datagram: bytes) -> dict[str, str]:
-    """One entry of the native protocol, read as journald reads it."""
-    out, i = {}, 0
-    while i < len(datagram):
-        nl = datagram.index(b"\n", i)
-        line = datagram[i:nl]
-        if b"=" in line:
-            key, value = line.split(b"=", 1)
-            i = nl + 1
-        else:       # KEY\n<u64 le length><value>\n
-            key = line
-            (n,) = struct.unpack("<Q", datagram[nl + 1:nl + 9])
-            value = datagram[nl + 9:nl + 9 + n]
-            assert datagram[nl + 9 + n:nl + 10 + n] == b"\n"
-            i = nl + 10 + n
-        assert key.isupper() or key.replace(b"_", b"").isalnum(), key
-        out[key.decode()] = value.decode()
-    return out
-
-
-class FakeJournal:
-    """A datagram socket where journald's would be."""
-
-    def __init__(self, path):
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.setblocking(False)
-
-    def entries(self) -> list[dict]:
-        out = []
-        while True:
-            try:
-                out.append(parse(self.sock.recv(1 << 16)))
-            except BlockingIOError:
-                return out
 
 
 @pytest.fixture
@@ -269,10 +232,9 @@ def test_the_hook_imports_no_logging_when_it_has_nothing_to_log():
 
 @needs_root
 def test_the_proxmox_hookscript_logs_its_changes_and_refusals(tmp_path, journal):
-    from tests.test_pve import Pve, _applied
     pve = Pve(tmp_path / "pve")
     try:
-        text = _applied(pve)
+        text = pve_applied(pve)
         assert pve.vstor("pve", "hooks", "install") == 0     # logged itself: before what is read
         journal.entries()
         env = {"VSTOR_JOURNAL_SOCKET": journal.path}
@@ -346,3 +308,87 @@ def test_vstors_other_loggers_keep_their_hosts_handlers(journal, caplog):
         logging.getLogger("vstor.nova.driver").info("driver line")
     assert [r.getMessage() for r in caplog.records] == ["driver line"]
     assert [e["MESSAGE"] for e in journal.entries()] == ["vm1: touch f0: done"]
+
+
+# -- logging: a journal or syslog that stopped reading ----------------------------------------
+
+
+def _stuck_socket(path):
+    """A datagram socket bound and never read, its queue full: a journald
+    or syslog daemon that hangs."""
+    import socket
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(path))
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    try:
+        while True:
+            filler.sendto(b"x" * 64, str(path))
+    except BlockingIOError:
+        pass
+    return server, filler
+
+
+@pytest.mark.parametrize("via", ["journal", "syslog"])
+def test_a_log_daemon_that_stopped_reading_holds_a_run_seconds_not_forever(tmp_path, via):
+    """A hook logs a line per step: with journald or syslog stuck, the run
+    waits once (SEND_TIMEOUT), not per line and never for ever."""
+    import subprocess
+    import sys
+    import time
+    sock = tmp_path / "stuck.sock"
+    held = _stuck_socket(sock)
+    env = {**os.environ, "PYTHONPATH": os.path.join(os.path.dirname(__file__), ".."),
+           "VSTOR_JOURNAL_SOCKET": str(sock) if via == "journal" else str(tmp_path / "none"),
+           "VSTOR_SYSLOG_SOCKET": str(sock) if via == "syslog" else str(tmp_path / "none")}
+    code = ("from vstor import log\nlog.setup('test')\n"
+            "for i in range(10):\n    log.change('vm1', f'step {i}', log.DONE)\nprint('ok')\n")
+    started = time.monotonic()
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"10 lines to a stuck {via} took over 30 s")
+    finally:
+        for s in held:
+            s.close()
+    took = time.monotonic() - started
+    assert (out.returncode, out.stdout, out.stderr) == (0, "ok\n", "")
+    assert took < 6, f"{took:.1f} s"
+
+
+# -- the Proxmox commands' host changes in the log ----------------------------------------------
+
+
+@pytest.fixture
+def pve(tmp_path):
+    return Pve(tmp_path)
+
+
+def test_pve_apply_unapply_and_hooks_install_log_their_host_changes(pve, capsys, tmp_path, monkeypatch):
+    """They write /etc/pve/qemu-server/VMID.conf, the plan records and the
+    hookscript: each a host change, logged with the VM's domain as the
+    libvirt side's are."""
+    j = FakeJournal(tmp_path / "journal.sock")
+    monkeypatch.setenv("VSTOR_JOURNAL_SOCKET", j.path)
+    monkeypatch.setenv("VSTOR_SYSLOG_SOCKET", str(tmp_path / "no-syslog"))
+    try:
+        pve.vm()
+        pve.intent(pve.file_disk())
+        assert pve.vstor("pve", "hooks", "install") == 0
+        assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+        assert pve.vstor("pve", "unapply", "100", "--dry-run") == 0
+        dry = j.entries()
+        assert pve.vstor("pve", "unapply", "100") == 0
+        entries = dry + j.entries()
+    finally:
+        j.sock.close()
+        log.setup("")
+    conf = f"{pve.etc}/qemu-server/100.conf"
+    said = [(e.get("VSTOR_DOMAIN"), e["MESSAGE"]) for e in entries]
+    assert any(f"{pve.snippets}/vstor" in m and d is None for d, m in said), said
+    applied = [m for d, m in said if d == "pve-100" and conf in m and "write" in m]
+    removed = [m for d, m in said if d == "pve-100" and conf in m and "remove" in m]
+    assert applied and removed, said
+    assert any(d == "pve-100" and "remove the plan records" in m for d, m in said), said
+    assert not any("would" in m for _, m in said)

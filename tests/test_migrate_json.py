@@ -10,10 +10,8 @@ import json
 import os
 import shlex
 
-from tests.test_migration import hosts, on_a, records, running_on_a  # noqa: F401 (fixture)
-from tests.test_migration import hook
-from tests.test_migration_spdk import changes, kinds, on, two  # noqa: F401 (fixture)
-from tests.test_migration_spdk import running_on_a as running_nvme_on_a
+from tests.helpers import changes, hosts, kinds, on, on_a, running_nvme_on_a, running_on_a, two  # noqa: F401 (fixtures)
+from tests.helpers import migration_hook as hook, migration_records as records
 
 REPORT_KEYS = {"version", "domain", "destination", "answered", "error", "verdict", "live", "cold",
                "disks", "destination_problems", "placement"}

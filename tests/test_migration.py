@@ -5,17 +5,15 @@ another host's vstor would run behind ssh).  The disk is a file under a
 directory both list in [migrate] shared.  Real qemu-storage-daemons on both;
 libvirt's test driver (the live migration itself is in tests/e2e)."""
 
-from tests import installed_hook  # noqa: E402
 import json
 import os
-import shlex
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
+from tests.helpers import hosts, on_a, running_on_a  # noqa: F401 (hosts: a fixture)
+from tests.helpers import migration_hook as hook, migration_records as records
 from vstor.cli.main import main
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
@@ -25,84 +23,6 @@ HERE = os.path.dirname(__file__)
 ROOT = os.path.abspath(os.path.join(HERE, ".."))
 HOOK = os.path.join(ROOT, "hooks", "vstor")
 NS = "https://vstor.dev/xmlns/domain/1"
-
-
-def conf(work, h, shared, peer=None):
-    text = (f"[paths]\nstate_dir = {work}/{h}/state\nvhost_dir = {work}/{h}/vhost\n"
-            f"qsd_dir = {work}/{h}/qsd\nimages = {shared} {work}/{h}/local\n"
-            f"[migrate]\nshared = {shared}\nlocal_peers = yes\n")
-    if peer:
-        text += f"peer_command = {peer}\n"
-    path = f"{work}/{h}.conf"
-    with open(path, "w") as f:
-        f.write(text)
-    return path
-
-
-@pytest.fixture
-def hosts():
-    from tests.hostlayout import build_tree
-    work = tempfile.mkdtemp(prefix="vs-mig-", dir="/tmp")
-    os.chmod(work, 0o755)
-    shared = f"{work}/shared"
-    for d in (shared, f"{work}/a/local", f"{work}/b/local"):
-        os.makedirs(d)
-    for name in ("d0.raw", "big.raw"):
-        with open(f"{shared}/{name}", "wb") as f:
-            f.truncate(16 << 20)
-    with open(f"{work}/a/local/mine.raw", "wb") as f:
-        f.truncate(16 << 20)
-    a_root = build_tree(os.path.join(HERE, "hosts", "two-socket.toml"), f"{work}/a/host")
-    b_root = build_tree(os.path.join(HERE, "hosts", "laptop.toml"), f"{work}/b/host")
-    b_conf = conf(work, "b", shared)
-    agent = (f"unshare -m --propagation private {shlex.quote(sys.executable)} -m vstor.cli.main "
-             f"-c test:///default --config {b_conf} --host-root {b_root} migrate agent")
-    h = type("Hosts", (), {})()
-    h.work, h.shared, h.a_root, h.b_root, h.b_conf = work, shared, a_root, b_root, b_conf
-    h.a_conf = conf(work, "a", shared, peer=agent)
-    yield h
-    for who, cfg, root in (("a", h.a_conf, a_root), ("b", b_conf, b_root)):
-        d = f"{work}/{who}/state/domains"
-        for name in (os.listdir(d) if os.path.isdir(d) else ()):
-            main(["-c", "test:///default", "--config", cfg, "--host-root", root,
-                  "release", "--force", name.removesuffix(".json")])
-    shutil.rmtree(work, ignore_errors=True)
-
-
-def on_a(h, *args) -> int:
-    return main(["-c", "test:///default", "--config", h.a_conf, "--host-root", h.a_root, *args])
-
-
-def hook(h, who, name, op, sub, extra, xml: str):
-    cfg, root = (h.a_conf, h.a_root) if who == "a" else (h.b_conf, h.b_root)
-    env = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", ""), "VSTOR_CONFIG": cfg,
-           "VSTOR_HOST_ROOT": root}
-    return subprocess.run([installed_hook(), name, op, sub, extra], input=xml.encode(),
-                          capture_output=True, env=env)
-
-
-def running_on_a(h, name="vm", disk="shared/d0.raw", memory_mib=512) -> str:
-    """The domain rendered and prepared on A, as its start would."""
-    src, out = f"{h.work}/{name}.in.xml", f"{h.work}/{name}.xml"
-    with open(src, "w") as f:
-        f.write(f"""<domain type='kvm'><name>{name}</name><uuid>6a0c6c5e-7f55-4b4a-9d8e-0000000000{len(name):02d}</uuid>
-          <memory unit='MiB'>{memory_mib}</memory><vcpu>2</vcpu><os><type arch='x86_64' machine='q35'>hvm</type></os>
-          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm migratable='yes'/>
-          <vstor:disk target='vdb'><vstor:file path='{h.work}/{disk}'/></vstor:disk></vstor:vstor></metadata>
-          <devices/></domain>""")
-    assert on_a(h, "render", src, "-o", out) == 0
-    assert on_a(h, "prepare", out) == 0
-    return out
-
-
-def records(h, who) -> dict:
-    d = f"{h.work}/{who}/state/domains"
-    out = {}
-    for name in (os.listdir(d) if os.path.isdir(d) else ()):
-        with open(os.path.join(d, name)) as f:
-            rec = json.load(f)
-        out[rec["domain"]] = rec["status"]
-    return out
 
 
 def test_check_prepare_arrive_and_finish(hosts, capsys):

@@ -4,11 +4,11 @@ it, nothing on the host touched; and source paths opened only safely."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.helpers import agent, dest  # noqa: F401 (dest: a fixture)
+from tests.helpers import agent_domain as domain
 from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.host.sysfs import SysFS
@@ -16,61 +16,6 @@ from vstor.migration import storage
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 NS = "https://vstor.dev/xmlns/domain/1"
-
-
-@pytest.fixture
-def dest(tmp_path, host_layout):
-    images = tmp_path / "images"
-    images.mkdir()
-    (images / "a.raw").write_bytes(b"\0" * 4096)
-    conf = tmp_path / "b.conf"
-    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\nvhost_dir = {tmp_path}/vhost\n"
-                    f"qsd_dir = {tmp_path}/qsd\nimages = {images}\n[migrate]\nshared = {images}\n")
-    return type("D", (), {"tmp": tmp_path, "images": images, "conf": str(conf),
-                          "root": host_layout("two-socket")})()
-
-
-HOOKED = """import sys
-def opened(event, args):
-    # A relative name is a component opened below a held directory
-    # (vstor.host.sources walks a file source so).
-    if event == "open" and isinstance(args[0], str) and (
-            args[0].startswith(("/dev/", sys.argv[1])) or not args[0].startswith("/")):
-        sys.stderr.write(f"opened {args[0]}\\n")
-sys.addaudithook(opened)
-from vstor.cli.main import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
-def agent(d, request, opens=None, wrap=()) -> dict:
-    """The answer of the real `vstor migrate agent` process to `request`:
-    exactly one JSON object on stdout, the exit code its own (0 when ok),
-    no traceback.  `opens`, when given, gets every /dev and image path the
-    process opened (seen by an audit hook, not by patching anything);
-    `wrap` runs it inside another command (a private /dev)."""
-    raw = request if isinstance(request, (bytes, str)) else json.dumps(request)
-    argv = ["-c", "test:///default", "--config", d.conf, "--host-root", d.root, "migrate", "agent"]
-    out = subprocess.run([*wrap, sys.executable, "-c", HOOKED, str(d.images), *argv],
-                         input=raw if isinstance(raw, bytes) else raw.encode(), capture_output=True,
-                         cwd=ROOT, timeout=120)
-    err = out.stderr.decode(errors="replace")
-    assert "Traceback" not in err and "internal error" not in err, err
-    lines = out.stdout.decode().splitlines()
-    assert len(lines) == 1, out.stdout
-    answer = json.loads(lines[0])
-    assert isinstance(answer, dict) and answer["ok"] in (True, False), answer
-    assert out.returncode == (0 if answer["ok"] else answer["exit_code"]), (out.returncode, answer)
-    if opens is not None:
-        opens.extend(line.split(" ", 1)[1] for line in err.splitlines() if line.startswith("opened "))
-    return answer
-
-
-def domain(path="/x/a.raw") -> str:
-    return (f"<domain><name>vm</name><memory unit='MiB'>512</memory><vcpu>1</vcpu>"
-            f"<os><type arch='x86_64' machine='q35'>hvm</type></os><metadata><vstor:vstor xmlns:vstor='{NS}'>"
-            f"<vstor:vm cpus='shared'/><vstor:disk target='vdb'><vstor:file path='{path}'/></vstor:disk>"
-            "</vstor:vstor></metadata><devices/></domain>")
 
 
 @pytest.mark.parametrize("request_, code, words", [

@@ -6,7 +6,7 @@ source tells shared storage from local."""
 from lxml import etree
 import pytest
 
-from tests.test_planner import SPDK_CFG, nvme, nvmf, qsd_file, request
+from tests.helpers import SPDK_CFG, nvme, nvmf, qsd_file, request
 from vstor import records
 from vstor.errors import BadInput
 from vstor.meta.document import Domain

@@ -5,21 +5,15 @@ arriving domain.  Both SPDKs are the SPDK test double on one shared fabric;
 the destination's vstor agent runs in its own mount namespace, as in
 tests/test_migration.py.  Exact RPCs, their order, and the undo of each."""
 
-from tests import installed_hook  # noqa: E402
 import json
 import os
 import re
-import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 
 import pytest
 
-from tests.doubles.kernel_sysfs import KernelSysfsDouble
-from tests.doubles.spdk_target import Fabric, SpdkTargetDouble
-from vstor.cli.main import main
+from tests.helpers import B_NQN, changes, kinds, on, two  # noqa: F401 (two: a fixture)
+from tests.helpers import running_nvme_on_a as running_on_a, spdk_migration_hook as hook
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
                                 reason="sockets handed to root:kvm, a mount namespace (needs root)")
@@ -29,106 +23,14 @@ ROOT = os.path.abspath(os.path.join(HERE, ".."))
 HOOK = os.path.join(ROOT, "hooks", "vstor")
 NS = "https://vstor.dev/xmlns/domain/1"
 LOCAL = "0000:5f:00.0"
-B_NQN = "nqn.2014-08.org.nvmexpress:uuid:5a1e0000-0000-4000-8000-0000000000b2"
 EXPORT = "nqn.2016-06.io.vstor:migrate:vm-vdb"
 SERIAL = "VS" + __import__("hashlib").sha256(EXPORT.encode()).hexdigest()[:18].upper()
-
-
-@pytest.fixture
-def two(monkeypatch):
-    from tests.hostlayout import build_tree
-    work = tempfile.mkdtemp(prefix="vs-mx-", dir="/tmp")
-    os.chmod(work, 0o755)
-    fabric = Fabric()
-    a_spdk = SpdkTargetDouble(f"{work}/a.sock", f"{work}/a/vhost", app="spdk_tgt", fabric=fabric,
-                              cores=tuple(range(64)), version="v26.09")
-    a_spdk.add_pcie(LOCAL, 1)
-    b_spdk = SpdkTargetDouble(f"{work}/b.sock", f"{work}/b/vhost", fabric=fabric, cores=tuple(range(64)))
-    a_spdk.start(), b_spdk.start()
-    a_root = build_tree(os.path.join(HERE, "hosts", "two-socket.toml"), f"{work}/a/host")
-    b_root = build_tree(os.path.join(HERE, "hosts", "two-socket.toml"), f"{work}/b/host")
-    b_conf = f"{work}/b.conf"
-    with open(b_conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {work}/b/state\nvhost_dir = {work}/b/vhost\nqsd_dir = {work}/b/qsd\n"
-                f"[cpu]\nreactors = 3,19\n[spdk]\nrpc_socket = {b_spdk.socket_path}\ntimeout = 5\n"
-                f"[nvmf]\nhostnqn = {B_NQN}\n")
-    agent = (f"unshare -m --propagation private {shlex.quote(sys.executable)} -m vstor.cli.main "
-             f"-c test:///default --config {b_conf} --host-root {b_root} migrate agent")
-    a_conf = f"{work}/a.conf"
-    with open(a_conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {work}/a/state\nvhost_dir = {work}/a/vhost\nqsd_dir = {work}/a/qsd\n"
-                f"[cpu]\nreactors = 2,18\n[spdk]\nrpc_socket = {a_spdk.socket_path}\ntimeout = 5\n"
-                f"[migrate]\nexport_address = 127.0.0.1\nexport_transport = tcp\npeer_command = {agent}\n")
-    # A's VFIO binding goes through the kernel sysfs double (the CLI's own
-    # runtime, with the double for sysfs).
-    sysfs = KernelSysfsDouble(a_root)
-    from vstor.runtime.context import HostContext
-    from vstor.runtime.lifecycle import Runtime
-    real = HostContext.runtime
-
-    def runtime(here, dry_run=False, force=False):
-        if here.config.spdk_socket == a_spdk.socket_path:
-            return Runtime(here.config, sysfs, dry_run=dry_run, force=force)
-        return real(here, dry_run, force)
-    monkeypatch.setattr(HostContext, "runtime", runtime)
-    t = type("Two", (), {})()
-    t.work, t.a_spdk, t.b_spdk, t.a_root, t.b_root = work, a_spdk, b_spdk, a_root, b_root
-    t.a_conf, t.b_conf, t.sysfs = a_conf, b_conf, sysfs
-    yield t
-    for cfg, root in ((a_conf, a_root), (b_conf, b_root)):
-        for who in ("a", "b"):
-            d = f"{work}/{who}/state/domains"
-            for name in (os.listdir(d) if os.path.isdir(d) and cfg.endswith(f"{who}.conf") else ()):
-                main(["-c", "test:///default", "--config", cfg, "--host-root", root,
-                      "release", "--force", name.removesuffix(".json")])
-    a_spdk.stop(), b_spdk.stop()
-    shutil.rmtree(work, ignore_errors=True)
-
-
-def on(t, who, *args) -> int:
-    cfg, root = (t.a_conf, t.a_root) if who == "a" else (t.b_conf, t.b_root)
-    return main(["-c", "test:///default", "--config", cfg, "--host-root", root, *args])
-
-
-def hook(t, who, op, sub, extra, xml: str):
-    cfg, root = (t.a_conf, t.a_root) if who == "a" else (t.b_conf, t.b_root)
-    env = {"PYTHONPATH": ROOT, "PATH": os.environ.get("PATH", ""), "VSTOR_CONFIG": cfg, "VSTOR_HOST_ROOT": root}
-    return subprocess.run([installed_hook(), "vm", op, sub, extra], input=xml.encode(),
-                          capture_output=True, env=env)
-
-
-def running_on_a(t) -> str:
-    src, out = f"{t.work}/vm.in.xml", f"{t.work}/vm.xml"
-    with open(src, "w") as f:
-        f.write(f"""<domain type='kvm'><name>vm</name><uuid>6a0c6c5e-7f55-4b4a-9d8e-00000000a001</uuid>
-          <memory unit='MiB'>1024</memory><vcpu>2</vcpu><os><type arch='x86_64' machine='q35'>hvm</type></os>
-          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
-          <vstor:disk target='vdb' backend='spdk'><vstor:nvme controller='{LOCAL}'/></vstor:disk>
-          </vstor:vstor></metadata><devices/></domain>""")
-    assert on(t, "a", "render", src, "-o", out) == 0
-    assert on(t, "a", "prepare", out) == 0
-    return out
 
 
 def migration_nqn(t) -> str:
     """The host NQN A's export admits, as A's record holds it."""
     with open(f"{t.work}/a/state/domains/vm.json") as f:
         return next(e["data"]["host"] for e in json.load(f)["steps"] if e["kind"] == "nvmf-export")
-
-
-def kinds(t, who) -> tuple:
-    path = f"{t.work}/{who}/state/domains/vm.json"
-    if not os.path.exists(path):
-        return None, []
-    with open(path) as f:
-        rec = json.load(f)
-    return rec["status"], [s["kind"] for s in rec["steps"]]
-
-
-def changes(spdk, since=0) -> list:
-    return [(r["method"], r.get("params")) for r in spdk.requests[since:]
-            if not r["method"].endswith(("get_controllers", "get_version", "get_methods", "get_subsystems",
-                                         "get_bdevs"))]
 
 
 @pytest.mark.parametrize("reason", ["migrated", "-"])     # libvirt >= 10.5 says why; older does not

@@ -5,25 +5,12 @@ alias parser, the CPU sets by nova.virt.hardware, the flavor extra specs
 by Nova's extra-spec validators."""
 
 import json
-import os
 import re
 
 import pytest
 
+from tests.helpers import conf_file, run_cli
 from tests.nova import ask
-from vstor.cli.main import main
-
-
-def _conf(tmp_path, text=""):
-    path = tmp_path / "vstor.conf"
-    path.write_text(f"[paths]\nstate_dir = {tmp_path}/state\n{text}")
-    return str(path)
-
-
-def _run(capsys, *args):
-    code = main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("layout, offered, refused", [
@@ -32,9 +19,9 @@ def _run(capsys, *args):
     ("no-iommu", set(), None),
 ])
 def test_nova_reads_the_config_as_vstor_meant_it(tmp_path, capsys, host_layout, layout, offered, refused):
-    cfg = _conf(tmp_path, "[cpu]\nreactors = 2\n[pci]\nblocked = 0000:5f:00.0\n"
+    cfg = conf_file(tmp_path, "[cpu]\nreactors = 2\n[pci]\nblocked = 0000:5f:00.0\n"
                 if layout == "two-socket" else "")
-    code, text, err = _run(capsys, "--config", cfg, "--host-root", host_layout(layout), "nova", "config")
+    code, text, err = run_cli(capsys, "--config", cfg, "--host-root", host_layout(layout), "nova", "config")
     assert code == 0, err
     if layout == "two-socket":
         offered = offered - {"0000:5f:00.0"}
@@ -59,7 +46,7 @@ def test_nova_reads_the_config_as_vstor_meant_it(tmp_path, capsys, host_layout, 
 
 
 def test_the_flavor_extra_specs_pass_novas_validators(tmp_path, capsys, host_layout):
-    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+    code, out, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", host_layout("two-socket"),
                           "nova", "config", "--flavors", "--flavor", "nvme.large", "--page-size", "1G")
     assert code == 0, err
     commands = [line for line in out.splitlines() if line.startswith("openstack flavor set nvme.large ")]
@@ -101,14 +88,14 @@ def test_a_controller_vstor_passes_through_is_not_offered(tmp_path, capsys, host
 
 
 def test_bad_flavor_names_and_no_offers_are_refused(tmp_path, capsys, host_layout):
-    code, _, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+    code, _, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", host_layout("two-socket"),
                         "nova", "config", "--flavors", "--flavor", "x; rm -rf /")
     assert code == 2 and "is not a flavor name" in err and err.count("\n") == 1
-    code, _, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("no-iommu"),
+    code, _, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", host_layout("no-iommu"),
                         "nova", "config", "--flavors")
     assert code == 2 and "no NVMe controller here can be offered" in err
     out = tmp_path / "nova-pci.conf"
-    code, _, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+    code, _, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", host_layout("two-socket"),
                         "nova", "config", "-o", str(out))
     assert code == 0 and out.read_text().startswith("# Written by `vstor nova config`")
 
@@ -122,12 +109,12 @@ def test_a_controller_on_no_node_gets_a_legacy_alias(tmp_path, capsys):
     layout.write_text('hostname = "flat"\nnuma = false\n[[node]]\ncores = 4\nmemory = "16GiB"\n'
                       '[[nvme]]\naddress = "0000:03:00.0"\n')
     root = build_tree(str(layout), str(tmp_path / "root"))
-    code, text, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", root, "nova", "config")
+    code, text, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", root, "nova", "config")
     assert code == 0, err
     got = ask({"conf": text})
     (name, (policy, _)), = got["aliases"].items()
     assert name.endswith("-anynode") and policy == "legacy"
-    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", root,
+    code, out, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", root,
                           "nova", "config", "--flavors")
     specs = dict(p.split("=", 1) for p in re.findall(r"--property (\S+)", out))
     assert specs["hw:pci_numa_affinity_policy"] == "legacy" and "vstor:numa" not in specs
@@ -146,7 +133,7 @@ def test_a_controller_on_no_node_gets_a_legacy_alias(tmp_path, capsys):
 def test_vstor_nova_migrate_takes_only_nova_instances_and_host_names(tmp_path, capsys, args, code, message):
     """What sudo lets nova-compute run as root: checked before anything is read."""
     try:
-        got, out, err = _run(capsys, "--config", _conf(tmp_path), "-c", "test:///default", "nova", "migrate", *args)
+        got, out, err = run_cli(capsys, "--config", conf_file(tmp_path), "-c", "test:///default", "nova", "migrate", *args)
     except SystemExit as e:     # argparse's own refusal
         got, out, err = e.code, *capsys.readouterr()
     assert got == code and message in (err if code else out), (out, err)

@@ -205,7 +205,7 @@ def test_the_driver_as_the_nova_user_plans_without_the_root_only_state_directory
     of failing every instance with vstor disks on the state directory's
     check.  As root, a damaged record still refuses."""
     import tempfile
-    from tests.test_host import as_nobody
+    from tests.helpers import as_nobody
     from vstor.runtime.inventory import readable_records
     from vstor.runtime.state import DamagedRecord
     d = tempfile.mkdtemp(prefix="vs-nova-", dir="/tmp")

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tests.nova import ask
-from tests.test_nova import _conf, _run
+from tests.helpers import conf_file, run_cli
 from vstor.config import Config
 from vstor.errors import BadInput, VstorError
 
@@ -28,7 +28,7 @@ SPECS = {"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw",
 def _write(tmp_path, capsys, root, *extra, cfg=""):
     out = tmp_path / "provider"
     out.mkdir(exist_ok=True)
-    code, _, err = _run(capsys, "--config", _conf(tmp_path, cfg), "--host-root", root, "nova", "config",
+    code, _, err = run_cli(capsys, "--config", conf_file(tmp_path, cfg), "--host-root", root, "nova", "config",
                         "-o", str(tmp_path / "nova-vstor.conf"),
                         "--provider-config", str(out / "vstor.yaml"), *extra)
     assert code == 0, err
@@ -130,7 +130,7 @@ def test_nova_makes_a_provider_per_controller_that_its_alias_asks_for(tmp_path, 
 def test_the_flavor_asks_placement_for_what_the_file_offers(tmp_path, capsys, host_layout):
     root = host_layout("two-socket")
     args = [a for k, v in SPECS.items() for a in ("--disk-spec", f"{k}={v}")]
-    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", root, "nova", "config",
+    code, out, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", root, "nova", "config",
                           "--flavors", "--flavor", "db.fast", *args)
     assert code == 0, err
     command, = [line for line in out.splitlines() if line.startswith("openstack flavor set db.fast ")]
@@ -153,7 +153,7 @@ def test_the_flavor_asks_placement_for_what_the_file_offers(tmp_path, capsys, ho
 def test_the_passthrough_flavors_ask_through_the_alias(tmp_path, capsys, host_layout):
     """No resources: property for a passed-through controller: the alias
     already asks Placement for it, and a second ask would take two."""
-    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+    code, out, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", host_layout("two-socket"),
                           "nova", "config", "--flavors")
     assert code == 0, err
     assert "resources:" not in out
@@ -213,7 +213,7 @@ def test_refusals_write_nothing(tmp_path, capsys, host_layout, args, message):
     (d / "dir.yaml").mkdir()
     (d / "nova.conf").write_text("# the operator's\n")
     before = sorted(os.listdir(d))
-    code, out, err = _run(capsys, "--config", _conf(tmp_path), "--host-root", host_layout("two-socket"),
+    code, out, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", host_layout("two-socket"),
                           "nova", "config", *[a.format(d=d) for a in args])
     assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert sorted(os.listdir(d)) == before and (d / "nova.conf").read_text() == "# the operator's\n"

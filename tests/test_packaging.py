@@ -111,6 +111,7 @@ def test_the_units_the_package_installs_exist():
 
 # -- the Nova driver: an editable install (.nova-venv, as the tests make it) ---------
 
+@pytest.mark.process
 def test_install_driver_owns_what_it_writes_and_removes_the_old_shim():
     """An editable install cannot ship vstor-nova.pth: install-driver writes
     it and the finder into vstor's site-packages and adds both to vstor's
@@ -246,8 +247,101 @@ def test_state_records_without_a_format_load_and_newer_ones_are_refused(tmp_path
     assert "a newer vstor wrote it" in e.value.message and e.value.exit_code == 4
 
 
+@pytest.mark.process
 def test_the_maintainer_scripts_are_posix_sh():
     for name in ("vstor.prerm", "vstor.postrm"):
         done = _run(["sh", "-n", os.path.join(ROOT, "debian", name)])
         assert done.returncode == 0, (name, done.stderr)
         assert _read("debian", name).startswith("#!/bin/sh\n") and "#DEBHELPER#" in _read("debian", name)
+
+
+# -- the package's prerm and postrm ------------------------------------------------------------
+
+
+@pytest.mark.process
+def test_prerm_refuses_a_remove_when_the_config_naming_the_state_dir_cannot_be_read(tmp_path):
+    """vstor's records live where vstor.conf says: a config that does not
+    load (a typo made since, a key a newer vstor refuses) is no reason to
+    look in the default place, find nothing there and remove vstor while
+    it holds backends nobody would then release."""
+    import subprocess
+    state = tmp_path / "state"
+    (state / "domains").mkdir(parents=True)
+    (state / "domains" / "web1.json").write_text("{}")
+    conf = tmp_path / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {state}\n[cpu]\nreactors = 2-\n")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = {**os.environ, "PYTHONPATH": root, "VSTOR_CONFIG": str(conf)}
+    env.pop("VSTOR_REMOVE_KEEP_BACKENDS", None)
+    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done
+    assert "vstor.conf" in done.stderr and "VSTOR_REMOVE_KEEP_BACKENDS=1" in done.stderr
+    conf.write_text(f"[paths]\nstate_dir = {state}\n")          # as before: the record refuses it
+    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "web1" in done.stderr, done
+    (state / "domains" / "web1.json").unlink()
+    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done
+
+
+@pytest.mark.process
+def test_purge_keeps_run_vstor_after_a_removal_that_kept_backends_recorded_elsewhere(tmp_path):
+    """[paths] state_dir elsewhere, vhost_dir and qsd_dir at their defaults
+    under /run/vstor: a removal forced with VSTOR_REMOVE_KEEP_BACKENDS=1
+    leaves daemons serving from /run/vstor (their sockets, their pidfiles,
+    which the guide says to stop them by), and purge must not delete those
+    because /run/vstor/state holds no record.  In a private mount namespace
+    with its own /run."""
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (a private /run)")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    state = tmp_path / "state"
+    (state / "domains").mkdir(parents=True)
+    (state / "domains" / "web1.json").write_text("{}")
+    conf = tmp_path / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {state}\n")
+    script = (f"mount -t tmpfs tmpfs /run && mkdir -p /run/vstor/qsd && touch /run/vstor/qsd/web1.pid && "
+              f"VSTOR_REMOVE_KEEP_BACKENDS=1 sh {root}/debian/vstor.prerm remove && "
+              f"sh {root}/debian/vstor.postrm purge && ls /run/vstor/qsd")
+    env = {**os.environ, "PYTHONPATH": root, "VSTOR_CONFIG": str(conf)}
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "web1.pid\n", done
+    assert "keeping /run/vstor" in done.stderr
+
+
+# -- the Nova finder's .pth, at every interpreter start of Nova's venv ------------------------
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("pth", ["file", "install-driver"])
+def test_the_pth_of_a_half_removed_vstor_never_troubles_an_interpreters_start(tmp_path, pth):
+    """vstor-nova.pth without _vstor_nova beside it (a removal half done, a
+    finder deleted by hand): every Python of that venv still starts, and
+    says nothing on stderr (site printed a traceback at each start)."""
+    import subprocess
+    import sys
+    from vstor.nova import install
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, install.PTH)) as f:
+        text = f.read() if pth == "file" else install.PTH_TEXT
+    if pth == "file":
+        assert text == install.PTH_TEXT      # one text: the wheel's and install-driver's
+    (tmp_path / install.PTH).write_text(text)
+    code = (f"import site, sys; site.addsitedir({str(tmp_path)!r}); "
+            "print([f.__name__ for f in sys.meta_path if isinstance(f, type)])")
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30,
+                          cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0 and "VstorNovaFinder" not in done.stdout and done.stderr == "", done
+    # With the finder there, it is installed as before.
+    with open(os.path.join(root, install.FINDER)) as f:
+        (tmp_path / install.FINDER).write_text(f.read())
+    code = f"import site, sys; site.addsitedir({str(tmp_path)!r}); print([f.__name__ for f in sys.meta_path][-1])"
+    done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30,
+                          cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert (done.returncode, done.stdout, done.stderr) == (0, "VstorNovaFinder\n", "")

@@ -5,46 +5,13 @@ import re
 
 import pytest
 
+from tests.helpers import nvme, nvmf, qsd_file, refused, request, SPDK_CFG
 from vstor.config import Config
-from vstor.meta.document import Domain
-from vstor.errors import BadInput, DoesNotFit
+from vstor.errors import BadInput
 from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.planner import Request, plan_domain
 
 NS = "https://vstor.dev/xmlns/domain/1"
-
-
-def request(disks: str, vm: str = "", name="vm1", vcpus=4, memory_mib=8192, machine="q35") -> Request:
-    return Request.from_domain(Domain.parse(f"""
-      <domain type='kvm'><name>{name}</name><memory unit='MiB'>{memory_mib}</memory>
-      <vcpu>{vcpus}</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'>{vm}{disks}</vstor:vstor></metadata>
-      <os><type arch='x86_64' machine='{machine}'>hvm</type></os><devices/></domain>"""))
-
-
-def nvme(addr, target="vdb", **attrs):
-    a = " ".join(f"{k}='{v}'" for k, v in attrs.items())
-    return f"<vstor:disk target='{target}' {a}><vstor:nvme controller='{addr}'/></vstor:disk>"
-
-
-def nvmf(target="vdb", **attrs):
-    a = " ".join(f"{k}='{v}'" for k, v in attrs.items())
-    return (f"<vstor:disk target='{target}' {a}><vstor:nvmf transport='rdma' traddr='192.168.100.8' "
-            "subnqn='nqn.2016-06.io.spdk:cnode1'><vstor:path traddr='192.168.101.8'/></vstor:nvmf></vstor:disk>")
-
-
-def qsd_file(path="/var/lib/vstor/images/a.raw", target="vdb", **attrs):
-    a = " ".join(f"{k}='{v}'" for k, v in attrs.items())
-    return f"<vstor:disk target='{target}' {a}><vstor:file path='{path}'/></vstor:disk>"
-
-
-SPDK_CFG = Config(reactors=(2, 18))
-
-
-def refused(host, cfg, req, ledger=Ledger()) -> str:
-    with pytest.raises(DoesNotFit) as e:
-        plan_domain(host, cfg, req, ledger)
-    assert e.value.exit_code == 3 and "\n" not in str(e.value)
-    return str(e.value)
 
 
 # -- two-socket server: NVMe on node 1, RDMA NIC on node 0 ------------------------------

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.test_pve import Pve
+from tests.helpers import Pve
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 PAIRS = int(os.environ.get("VSTOR_PAIRS", "50"))

@@ -15,94 +15,12 @@ import sys
 import pytest
 from lxml import etree
 
+from tests.helpers import CONF, PCI, Pve, judge, needs_root, pve_applied, pve_left, running_qemu
 from tests.pve.oracle import agrees_with_plan, showcmd, vfio_hosts
-from vstor.cli.main import main
 from vstor.formats.pve.config import PveConfig
 
 NS = "https://vstor.dev/xmlns/domain/1"
 TEMPLATES = os.path.join(os.path.dirname(__file__), "..", "xml-templates")
-
-CONF = """# web server
-#  notes: %C3%A9t%C3%A9
-boot: order=scsi0
-cores: 2
-memory: 1024
-name: web1
-args: -msg timestamp=on -set 'device.x.y=a b'
-net0: virtio=BC:24:11:00:00:01,bridge=vmbr0
-ostype: l26
-scsi0: local-lvm:vm-100-disk-0,size=8G
-smbios1: uuid=6ad6b5f0-3b36-4a8e-9e1c-1f0d2d5e8c11
-hostpci0: 0000:17:00.0
-
-[PENDING]
-memory: 2048
-
-[before-upgrade]
-cores: 1
-memory: 1024
-numa: 0
-snaptime: 1700000000
-"""
-
-
-class Pve:
-    def __init__(self, root, host_root=None):
-        self.root = str(root)
-        self.etc = f"{root}/etc/pve"
-        self.snippets = f"{root}/vz/snippets"
-        for d in (f"{self.etc}/qemu-server", self.snippets, f"{root}/run", f"{root}/lock",
-                  f"{self.etc}/nodes/other/qemu-server"):
-            os.makedirs(d, exist_ok=True)
-        with open(f"{self.etc}/storage.cfg", "w") as f:
-            f.write(f"dir: local\n\tpath {root}/vz\n\tcontent iso,vztmpl,backup,snippets\n\n"
-                    "lvmthin: local-lvm\n\tthinpool data\n\tvgname pve\n\tcontent rootdir,images\n")
-        self.conf = f"{root}/vstor.conf"
-        self.write_config()
-        self.host_root = host_root
-        os.chmod(self.root, 0o755)
-
-    def write_config(self, extra: str = "") -> None:
-        r = self.root
-        with open(self.conf, "w") as f:
-            f.write(f"[paths]\nstate_dir = {r}/state\nvhost_dir = {r}/vhost\nqsd_dir = {r}/qsd\n"
-                    f"images = {r}\n[qemu]\nuser = root\ngroup = root\n[cpu]\nreactors = 2,18\n"
-                    f"[pve]\netc = {self.etc}\nrun_dir = {r}/run\nlock_dir = {r}/lock\n{extra}")
-
-    def vm(self, text: str = CONF, vmid: int = 100) -> str:
-        path = f"{self.etc}/qemu-server/{vmid}.conf"
-        with open(path, "w") as f:
-            f.write(text)
-        return path
-
-    def intent(self, body: str, vmid: int = 100, vm: str = "<vstor:vm cpus='shared'/>") -> str:
-        path = f"{self.snippets}/vstor-{vmid}.xml"
-        with open(path, "w") as f:
-            f.write(f"<vstor:vstor xmlns:vstor='{NS}'>\n  <!-- kept -->\n  {vm}\n  {body}\n</vstor:vstor>\n")
-        return path
-
-    def file_disk(self, name: str = "d0.raw") -> str:
-        path = f"{self.root}/{name}"
-        with open(path, "wb") as f:
-            f.truncate(16 << 20)
-        return f"<vstor:disk target='vdb'><vstor:file path='{path}'/></vstor:disk>"
-
-    def vstor(self, *args) -> int:
-        host = ["--host-root", self.host_root] if self.host_root else []
-        return main(["--config", self.conf, *host, *args])
-
-    def config(self, vmid: int = 100) -> str:
-        return open(f"{self.etc}/qemu-server/{vmid}.conf").read()
-
-    def hook(self, vmid: int, phase: str, env=None) -> subprocess.CompletedProcess:
-        script = f"{self.snippets}/vstor"
-        if not os.path.exists(script):
-            assert self.vstor("pve", "hooks", "install") == 0
-        run_env = {**os.environ, "PVE_MIGRATED_FROM": "", **(env or {})}
-        if self.host_root:
-            run_env["VSTOR_HOST_ROOT"] = self.host_root
-        return subprocess.run([script, str(vmid), phase], capture_output=True, text=True,
-                              env=run_env, timeout=120)
 
 
 @pytest.fixture
@@ -118,14 +36,6 @@ def pve_nvme(tmp_path, host_layout):
 
 
 # Every host PCI function the tests' configs name (the oracle's fake lspci).
-PCI = ("0000:17:00.0", "0000:3b:00.0", "0000:5e:00.0", "0000:5f:00.0", "0000:60:00.0", "0000:61:00.0")
-
-
-def judge(pve, text: str, mib: int = 1024, user_vfio=(), vmid: int = 100, qemu: str = "9.2"):
-    """Proxmox's own qemu-server, run on the config vstor wrote, agrees with
-    the plan vstor recorded on every line."""
-    plan = etree.parse(f"{pve.snippets}/vstor-{vmid}.plan.xml").getroot()
-    agrees_with_plan(showcmd(text, PCI, qemu, vmid), plan, mib, user_vfio)
 
 
 def _owned(key: str) -> bool:
@@ -335,14 +245,6 @@ def test_passthrough_lines_are_vstors_only_for_its_controllers(pve_nvme, capsys)
 
 # -- bad input: one line, a distinct exit code, nothing changed -------------------------
 
-def _running_qemu(pve, vmid=100):
-    """A process qemu-server's check takes for the VM's QEMU."""
-    pidfile = f"{pve.root}/run/{vmid}.pid"
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-pidfile", pidfile])
-    with open(pidfile, "w") as f:
-        f.write(str(proc.pid))
-    return proc
-
 
 @pytest.mark.parametrize("case, code, message", [
     ("unknown", 2, "VM 101 does not exist on this node"),
@@ -359,7 +261,7 @@ def test_bad_input_is_one_line_and_changes_nothing(pve, capsys, case, code, mess
            if case != "locked" else CONF.replace("boot:", "lock: backup\nboot:"))
     intent = pve.intent(pve.file_disk())
     vmid = {"unknown": "101", "not-a-vmid": "10x"}.get(case, "100")
-    proc = _running_qemu(pve) if case == "running" else None
+    proc = running_qemu(pve) if case == "running" else None
     if case == "no-storage":
         pve.write_config("storage = nope\n")
     if case == "no-intent":
@@ -384,34 +286,10 @@ def test_bad_input_is_one_line_and_changes_nothing(pve, capsys, case, code, mess
 
 # -- the hookscript, called as qemu-server calls it ---------------------------------------
 
-def _applied(pve, conf=CONF, vmid=100):
-    pve.vm(conf, vmid)
-    pve.intent(pve.file_disk(f"d{vmid}.raw").replace("d0.raw", f"d{vmid}.raw"), vmid)
-    assert pve.vstor("pve", "apply", str(vmid), "--qemu-version",
-                     ".".join(map(str, _local_qemu()))) == 0
-    text = pve.config(vmid).replace("boot:", "hookscript: local:snippets/vstor\nboot:", 1)
-    pve.vm(text, vmid)
-    return text
-
-
-def _local_qemu():
-    from vstor.config import Config
-    from vstor.pve.node import Node
-    return Node(Config()).qemu_version()
-
-
-def _left(pve) -> list[str]:
-    return sorted(glob.glob(f"{pve.root}/vhost/*") + glob.glob(f"{pve.root}/qsd/*")
-                  + glob.glob(f"{pve.root}/state/*.json"))
-
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
-                                reason="starts qemu-storage-daemons (needs root)")
-
 
 @needs_root
 def test_pre_start_makes_the_backends_and_post_stop_removes_them(pve, capsys):
-    _applied(pve)
+    pve_applied(pve)
     done = pve.hook(100, "pre-start")
     assert done.returncode == 0, done.stderr
     assert os.path.exists(f"{pve.root}/vhost/pve-100-vdb")
@@ -427,31 +305,31 @@ def test_pre_start_makes_the_backends_and_post_stop_removes_them(pve, capsys):
     assert "pve-100: prepared" in capsys.readouterr().out
     done = pve.hook(100, "post-stop")
     assert done.returncode == 0, done.stderr
-    assert _left(pve) == []
+    assert pve_left(pve) == []
     assert pve.hook(100, "post-stop").returncode == 0        # twice: nothing to do
 
 
 @needs_root
 def test_a_start_that_failed_without_post_stop_is_undone_by_the_next_pre_start(pve):
-    _applied(pve)
+    pve_applied(pve)
     assert pve.hook(100, "pre-start").returncode == 0
     pid = open(f"{pve.root}/qsd/pve-100-vdb.pid").read()
     # QEMU failed to start: Proxmox calls no post-stop.  The next start:
     assert pve.hook(100, "pre-start").returncode == 0
     assert open(f"{pve.root}/qsd/pve-100-vdb.pid").read() != pid
     assert not os.path.exists(f"/proc/{pid}")
-    assert pve.hook(100, "post-stop").returncode == 0 and _left(pve) == []
+    assert pve.hook(100, "post-stop").returncode == 0 and pve_left(pve) == []
 
 
 @needs_root
 def test_a_migration_source_gets_no_stop_phase_and_gc_releases_what_it_held(pve, capsys):
     """The target node runs pre-start with PVE_MIGRATED_FROM and the config
     still in the source node's directory; the source gets no stop phase."""
-    text = _applied(pve)
+    text = pve_applied(pve)
     assert pve.hook(100, "pre-start").returncode == 0
     assert pve.vstor("status") == 0
     assert "VM 100 does not run on this node (vstor gc releases it)" in capsys.readouterr().out
-    qemu = _running_qemu(pve)
+    qemu = running_qemu(pve)
     try:
         assert pve.vstor("gc") == 0
         assert "Nothing to collect" in capsys.readouterr().out      # it runs: kept
@@ -461,7 +339,7 @@ def test_a_migration_source_gets_no_stop_phase_and_gc_releases_what_it_held(pve,
         qemu.kill()
         qemu.wait()
     assert pve.vstor("gc") == 0                                     # migrated away: released
-    assert "Releasing pve-100 (not running)" in capsys.readouterr().out and _left(pve) == []
+    assert "Releasing pve-100 (not running)" in capsys.readouterr().out and pve_left(pve) == []
 
     # This node as the target: the config is still the source's, locked
     # for the migration (qemu-server starts it all the same).
@@ -473,7 +351,7 @@ def test_a_migration_source_gets_no_stop_phase_and_gc_releases_what_it_held(pve,
     done = pve.hook(100, "pre-start", env={"PVE_MIGRATED_FROM": "other"})
     assert done.returncode == 0, done.stderr
     assert os.path.exists(f"{pve.root}/vhost/pve-100-vdb")
-    assert pve.hook(100, "post-stop").returncode == 0 and _left(pve) == []
+    assert pve.hook(100, "post-stop").returncode == 0 and pve_left(pve) == []
     bad = pve.hook(100, "pre-start", env={"PVE_MIGRATED_FROM": "../../x"})
     assert bad.returncode == 2 and "is not a node name" in bad.stderr
     assert text
@@ -486,21 +364,21 @@ def test_a_migration_source_gets_no_stop_phase_and_gc_releases_what_it_held(pve,
     (lambda t: t.replace(" -device vhost-user-blk-pci", " -usb -device vhost-user-blk-pci"), "args"),
 ])
 def test_pre_start_refuses_a_config_that_no_longer_carries_the_plan(pve, edit, message):
-    text = _applied(pve)
+    text = pve_applied(pve)
     pve.vm(edit(text))
     done = pve.hook(100, "pre-start")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("vstor: ") and done.stderr.count("\n") == 1
     assert message in done.stderr and ("vstor pve apply 100" in done.stderr or "qm unlock" in done.stderr)
-    assert _left(pve) == []
+    assert pve_left(pve) == []
 
 
 def test_a_clone_with_vstors_args_but_no_intent_is_refused(pve):
-    text = _applied(pve)
+    text = pve_applied(pve)
     pve.vm(text.replace("smbios1: uuid=6ad6b5f0", "smbios1: uuid=7ad6b5f0"), 101)
     done = pve.hook(101, "pre-start")
     assert done.returncode == 2 and "a clone or a restore of another VM" in done.stderr
-    assert "args hold vstor's vhost-user disks" in done.stderr and _left(pve) == []
+    assert "args hold vstor's vhost-user disks" in done.stderr and pve_left(pve) == []
 
 
 def test_a_clone_of_a_passthrough_vm_is_refused(pve_nvme):
@@ -535,7 +413,7 @@ def test_doctor_names_what_a_node_lacks(pve, tmp_path, capsys):
     from vstor.config import load
     from vstor.pve.doctor import checks
     from vstor.pve.node import Node
-    text = _applied(pve)
+    text = pve_applied(pve)
     pve.vm(text.replace("hookscript: local:snippets/vstor\n", ""))
     mounts = tmp_path / "mounts"
     os.makedirs(tmp_path / "hp" / "2048kB")
@@ -577,7 +455,7 @@ def test_the_proxmox_template_applies(pve_nvme, capsys):
 @needs_root
 def test_gc_leaves_a_vm_whose_config_lock_is_held(pve, capsys):
     import fcntl
-    _applied(pve)
+    pve_applied(pve)
     assert pve.hook(100, "pre-start").returncode == 0
     with open(f"{pve.root}/lock/lock-100.conf", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)            # a start (or migration) under way
@@ -586,7 +464,7 @@ def test_gc_leaves_a_vm_whose_config_lock_is_held(pve, capsys):
         assert pve.vstor("release", "pve-100") == 3
         assert "its config is locked" in capsys.readouterr().err
         assert os.path.exists(f"{pve.root}/vhost/pve-100-vdb")
-    assert pve.vstor("gc") == 0 and _left(pve) == []
+    assert pve.vstor("gc") == 0 and pve_left(pve) == []
 
 
 def test_offline_apply_writes_only_the_files_it_was_given(pve, tmp_path, capsys):

@@ -17,7 +17,7 @@ import pytest
 from lxml import etree
 
 from tests.pve.oracle import cpus, showcmd
-from tests.test_pve import PCI, Pve
+from tests.helpers import PCI, Pve
 from vstor.errors import BadInput
 from vstor.formats.pve.config import PveConfig
 from vstor.meta.plan import Plan
@@ -198,6 +198,7 @@ CASES = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("layout, disks, vm, cores, mib, machine, nodes", CASES,
                          ids=["2-q35-2M", "2-pc-1G", "3-q35-2M", "3-i440fx-2M-4disks", "3-q35-preferred",
                               "2-q35-passthrough-no-hugepages", "3-pc-passthrough-7001MiB"])
@@ -242,6 +243,7 @@ def test_a_second_apply_changes_nothing_and_unapply_gives_the_config_back(pve3, 
     assert pve3.config() == original
 
 
+@pytest.mark.process
 def test_from_cells_to_one_and_back_vstors_lines_follow_the_plan(pve2, capsys):
     """Re-applied with one cell, the cells' lines and buses go (they were
     vstor's: the plan before wrote them); with cells again they come back
@@ -265,6 +267,7 @@ def test_from_cells_to_one_and_back_vstors_lines_follow_the_plan(pve2, capsys):
     assert {k: again.get(k) for k in again.keys()} == {k: before.get(k) for k in before.keys()}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("edit, said", [
     (lambda t: t.replace("numa1: cpus=2-3,hostnodes=1", "numa1: cpus=2-3,hostnodes=0"), "(numa1 changed"),
     (lambda t: re.sub(r"(numa2: [^\n]*)policy=bind", r"\1policy=interleave", t), "(numa2 changed"),
@@ -276,10 +279,10 @@ def test_from_cells_to_one_and_back_vstors_lines_follow_the_plan(pve2, capsys):
      "args has '-device pxb-pcie,id=vstor-cell1,bus_nr=252,numa_node=0,"),
 ])
 def test_a_hand_edit_of_a_cells_line_is_drift_refused_at_pre_start(pve3, edit, said):
-    from tests.test_pve import _local_qemu
+    from tests.helpers import local_qemu
     pve3.vm("cores: 6\nmemory: 6144\nmachine: q35\nname: db\nhookscript: local:snippets/vstor\n")
     pve3.intent(THREE, vm="<vstor:vm hugepages='2M'/>")
-    assert pve3.vstor("pve", "apply", "100", "--qemu-version", ".".join(map(str, _local_qemu()))) == 0
+    assert pve3.vstor("pve", "apply", "100", "--qemu-version", ".".join(map(str, local_qemu()))) == 0
     text = pve3.config()
     pve3.vm(edit(text))
     assert pve3.config() != text
@@ -343,6 +346,7 @@ def test_cells_qemu_server_cannot_make_are_refused_naming_the_cell(pve2):
     assert e.value.hint and "\n" not in e.value.message
 
 
+@pytest.mark.process
 def test_the_fourth_qxl_display_of_an_i440fx_guest_is_refused(pve2, capsys):
     """qemu-server puts a Windows guest's fourth qxl display in pci.0 slot
     0x1a, the slot of vstor's expander buses on i440fx."""
@@ -392,7 +396,7 @@ def _stop(procs) -> None:
         p.wait(10)
 
 
-def _local_qemu() -> str:
+def local_qemu() -> str:
     out = subprocess.run([QEMU_BIN, "--version"], capture_output=True, text=True).stdout
     return re.search(r"version (\d+\.\d+)", out).group(1)
 
@@ -436,6 +440,7 @@ def _pci_devices(buses) -> dict[str, dict]:
     return out
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not (QEMU_BIN and QSD_BIN), reason="needs qemu-system-x86_64 and qemu-storage-daemon")
 @pytest.mark.parametrize("layout, disks, machine", [("three-node", FOUR, "q35"), ("three-node", FOUR, "pc"),
                                                    ("two-socket", TWO, "q35")])
@@ -449,7 +454,7 @@ def test_qemu_and_its_firmware_put_each_disk_on_its_cells_bus(host_layout, tmp_p
     would not see it."""
     pve = Pve(tmp_path, host_layout(layout))
     three = layout == "three-node"
-    local = _local_qemu()
+    local = local_qemu()
     pve.vm(f"cores: {6 if three else 4}\nmemory: {6144 if three else 4096}\nmachine: {machine}\nname: db\n")
     pve.intent(disks, vm="<vstor:vm hugepages='2M'/>")
     assert pve.vstor("pve", "apply", "100", "--qemu-version", local) == 0

@@ -47,6 +47,7 @@ def _generated(n: int) -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.process
 def test_property_strings_parse_as_proxmox_parses_them():
     cases = _generated(1500)
     cases += [("pve-qm-hostpci", v) for v in ("pcie=1,host=0000:5e:00.0", "rombar=0,host=5e:00.0",
@@ -88,6 +89,7 @@ PCI_CFG = [
 ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("text", PCI_CFG)
 def test_mappings_resolve_as_proxmox_resolves_them(text):
     want = perl(MAPPINGS, [[text, "nvme1", "pve1"]])[0]
@@ -116,6 +118,7 @@ HOSTPCI = ["pcie=1,host=0000:5e:00.0", "rombar=0,host=5e:00.0", "pcie=1,host=5e:
            "vendor-id=0x1234,5e:00.0", "5e:00.0,host=5f:00.0", "host=0000:5e:00.1,pcie=1,x-vga=0"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("value", HOSTPCI)
 def test_what_a_hostpci_line_hands_over_is_what_qemu_server_passes(value):
     """The functions qemu-server passes for a line are the ones the grammar

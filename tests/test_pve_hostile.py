@@ -16,7 +16,7 @@ from lxml import etree
 
 from tests.hostlayout import build_tree
 from tests.pve.oracle import agrees_with_plan, showcmd, vfio_hosts
-from tests.test_pve import PCI, Pve, judge
+from tests.helpers import PCI, Pve, judge
 from vstor.config import Config
 from vstor.formats.pve.config import PveConfig
 from vstor.pve.node import Node

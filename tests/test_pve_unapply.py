@@ -13,11 +13,12 @@ import re
 
 import pytest
 
+from tests.pve import CFG2CMD, missing_cfg2cmd
 from tests.pve.oracle import showcmd
-from tests.test_pve import CONF, PCI, Pve, _applied, _left, _running_qemu, judge, needs_root
+from tests.helpers import CONF, PCI, Pve, judge, needs_root, pve_applied, pve_left, running_qemu
 from vstor.formats.pve.config import PveConfig
 
-CASES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "pve", "cfg2cmd")
+CASES = CFG2CMD
 QEMU = ("--qemu-version", "9.2")
 
 
@@ -37,6 +38,7 @@ def _tree(pve) -> dict:
             if os.path.isfile(p) and "/lock/" not in p and not p.endswith("plan.lock")}
 
 
+@pytest.mark.process
 def test_unapply_gives_back_the_config_before_apply_byte_for_byte(pve, capsys):
     pve.vm()
     pve.intent(pve.file_disk())
@@ -77,11 +79,13 @@ def _cases():
     return sorted(glob.glob(os.path.join(CASES, "**", "*.conf"), recursive=True))
 
 
-@pytest.mark.parametrize("case", [os.path.relpath(c, CASES) for c in _cases()])
+@pytest.mark.parametrize("case", [os.path.relpath(c, CASES) for c in _cases()] or [None])
 def test_apply_then_unapply_on_qemu_servers_own_configs(pve_nvme, case, capsys):
     """Where apply takes the config, unapply gives back its bytes; where it
     refuses (a numa or hugepages line of the user's, a VM too big for the
     host layout), nothing changed."""
+    if case is None:
+        missing_cfg2cmd()
     pve = pve_nvme
     with open(os.path.join(CASES, case)) as f:
         before = f.read()
@@ -107,6 +111,7 @@ def test_apply_then_unapply_on_qemu_servers_own_configs(pve_nvme, case, capsys):
     assert not os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")
 
 
+@pytest.mark.process
 def test_what_the_user_changed_after_apply_stays(pve, capsys):
     """A user's args word put before vstor's, a line added, a snapshot
     taken: unapply removes vstor's lines only, and qemu-server takes the
@@ -153,6 +158,7 @@ def test_dry_run_prints_the_diff_and_changes_nothing(pve, capsys):
     assert _tree(pve) == tree
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case, code, message", [
     ("running", 3, "VM 100 is running"),
     ("locked", 3, "VM 100 is locked (backup)"),
@@ -169,7 +175,7 @@ def test_refusals_are_one_line_and_change_nothing(pve, capsys, case, code, messa
         pve.vm(pve.config().replace("num-queues=", "num-queues=1,x=", 1))
     capsys.readouterr()
     tree = _tree(pve)
-    proc = _running_qemu(pve) if case == "running" else None
+    proc = running_qemu(pve) if case == "running" else None
     try:
         assert pve.vstor("pve", "unapply", "10x" if case == "not-a-vmid" else "100") == code
     finally:
@@ -207,6 +213,7 @@ def test_apply_refuses_a_hookscript_of_the_vms_own_that_does_not_call_vstors(pve
     assert "hookscript local:snippets/mine.sh is yours" in capsys.readouterr().out
 
 
+@pytest.mark.process
 def test_doctor_takes_a_hookscript_that_calls_vstors(pve, capsys):
     with open(f"{pve.snippets}/mine.sh", "w") as f:
         f.write(f"#!/bin/sh\n{pve.snippets}/vstor \"$1\" \"$2\" || exit $?\n")
@@ -224,20 +231,21 @@ def test_doctor_takes_a_hookscript_that_calls_vstors(pve, capsys):
            f"start: make yours call {pve.snippets}/vstor with its two arguments first" in out, out
 
 
+@pytest.mark.process
 @needs_root
 def test_backends_a_start_left_are_released_with_the_plan(pve, capsys):
     """A start whose post-stop never ran (QEMU failed, a migration's
     source) left its daemons: unapply releases them, so nothing of the VM
     stays held."""
-    _applied(pve)
+    pve_applied(pve)
     done = pve.hook(100, "pre-start")
     assert done.returncode == 0, done.stderr
-    assert _left(pve)
+    assert pve_left(pve)
     assert pve.vstor("pve", "unapply", "100", "--dry-run") == 0
     assert "would release what vstor holds for pve-100" in capsys.readouterr().out
-    assert _left(pve)
+    assert pve_left(pve)
     assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
-    assert _left(pve) == []
+    assert pve_left(pve) == []
     assert "hookscript" not in pve.config() and "vstor-" not in pve.config()
 
 
@@ -263,6 +271,7 @@ def test_plan_json_is_one_stable_object(pve, capsys):
     assert all(conf.get(k) == v for k, v in data["keys"].items())
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("lock", ["config", "planning"])
 def test_unapply_waits_for_qemu_servers_config_lock_and_the_planning_lock(pve, capsys, lock):
     """As apply: under qemu-server's lock of the VM's config (no start, qm
@@ -293,6 +302,7 @@ def test_unapply_waits_for_qemu_servers_config_lock_and_the_planning_lock(pve, c
     assert pve.config() == before
 
 
+@pytest.mark.process
 def test_hooks_install_never_tells_to_replace_a_hookscript_that_calls_vstors(pve, capsys):
     with open(f"{pve.snippets}/mine.sh", "w") as f:
         f.write(f"#!/bin/sh\n{pve.snippets}/vstor \"$1\" \"$2\" || exit $?\n")
@@ -307,3 +317,69 @@ def test_hooks_install_never_tells_to_replace_a_hookscript_that_calls_vstors(pve
     assert "qm set 100" not in out and "VM 100" not in out
     assert f"VM 101's own hookscript local:snippets/theirs.sh must call {pve.snippets}/vstor" in out
     assert "qm set 102 --hookscript local:snippets/vstor" in out
+
+
+# -- lines equal to the plan's, another domain's record, keys a killed unapply left --------------
+
+
+def test_placement_lines_of_the_users_equal_to_the_plans_stay_when_apply_wrote_none(pve, capsys):
+    """A config that already carried numa/numa0/hugepages/affinity exactly as
+    the plan says (copied from a vstor VM, say): apply changes none of them,
+    so none is vstor's, and unapply keeps them all."""
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    applied = PveConfig.parse(pve.config())
+    assert pve.vstor("pve", "unapply", "100") == 0
+    conf = PveConfig.parse(pve.config())
+    for key in ("numa", "numa0", "hugepages", "affinity"):
+        if applied.get(key):
+            conf.set(key, applied.get(key))
+    before = conf.to_text()
+    pve.vm(before)
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    assert "wrote args" in capsys.readouterr().out
+    assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
+    assert pve.config() == before
+    assert not os.path.exists(f"{pve.snippets}/vstor-100.plan.keys")
+
+
+def test_unapply_releases_no_record_of_another_uuid_by_the_vms_name(pve, capsys):
+    """A libvirt domain may be named pve-100 (any libvirt client chooses
+    names): its record is not VM 100's, whose UUID is in smbios1.  unapply
+    leaves it, refusing in one line, and changes nothing."""
+    from vstor.runtime.state import Record, StateDir
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    applied = pve.config()
+    state = StateDir(f"{pve.root}/state")
+    state.save(Record("pve-100", "pve-100", "11111111-2222-3333-4444-555555555555", status="prepared"))
+    capsys.readouterr()
+    assert pve.vstor("pve", "unapply", "100") == 3
+    err = capsys.readouterr().err
+    assert "11111111-2222-3333-4444-555555555555" in err and err.count("\n") == 1, err
+    assert state.load("pve-100") is not None and pve.config() == applied
+    assert os.path.exists(f"{pve.snippets}/vstor-100.plan.xml")
+
+
+def test_keys_left_by_an_unapply_killed_before_their_removal_are_not_taken_by_the_next_apply(pve, capsys):
+    """unapply removes the plan, then the keys file: killed in between, the
+    keys of a plan no longer recorded stay.  The next apply must not take
+    them for lines it wrote: a user's `numa: 1` equal to the plan's stays
+    theirs, and the next unapply keeps it."""
+    pve.vm()
+    pve.intent(pve.file_disk())
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    keys = open(f"{pve.snippets}/vstor-100.plan.keys").read()
+    assert "numa\n" in keys
+    assert pve.vstor("pve", "unapply", "100") == 0
+    with open(f"{pve.snippets}/vstor-100.plan.keys", "w") as f:     # as a kill there leaves it
+        f.write(keys)
+    conf = PveConfig.parse(pve.config())
+    conf.set("numa", "1")
+    before = conf.to_text()
+    pve.vm(before)
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0, capsys.readouterr().err
+    assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
+    assert pve.config() == before

@@ -917,7 +917,7 @@ def test_the_second_writer_check_refuses_when_it_cannot_look():
     """Another daemon's source vstor may not stat is not 'another file'."""
     import shutil
     import tempfile
-    from tests.test_host import as_nobody
+    from tests.helpers import as_nobody
     from vstor.backends.qsd import files
     work = tempfile.mkdtemp(prefix="vs-sw-", dir="/tmp")
     os.chmod(work, 0o755)
@@ -970,3 +970,32 @@ def test_a_second_writer_refusal_names_the_vstor_disk_that_holds_the_source(area
                                f"for vstor disk web1-vdb ({first.socket_path})")
     assert e.value.hint == ("two writers would corrupt it: if domain web1 does not run, vstor release web1 "
                             "stops it; otherwise make both readonly or stop the other")
+
+
+# -- the AIO fallback keeps the socket it hands the daemon ---------------------------------------
+
+
+def test_the_aio_fallback_keeps_the_vhost_socket_it_hands_the_daemon(tmp_path, monkeypatch):
+    from vstor.backends.qsd import aio, daemon
+    from vstor.backends.qsd.export import QsdExport
+    sock_path = str(tmp_path / "vm1-vdb")
+    export = QsdExport(run_dir=str(tmp_path), name="vm1-vdb", source="/dev/null", kind="block",
+                       socket_path=sock_path)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(sock_path)
+    listening.listen()
+    seen = []
+
+    def spawn(exp, source_fd, socket_fd, timeout, native_aio=True):
+        seen.append((native_aio, os.path.exists(sock_path)))
+        if native_aio:
+            raise ActionFailed(f"qemu-storage-daemon vm1-vdb failed to start: {aio.FULL}: "
+                               "Resource temporarily unavailable")
+    monkeypatch.setattr(aio, "room", lambda *a: True)
+    monkeypatch.setattr(daemon, "_spawn", spawn)
+    monkeypatch.setattr("vstor.log.note", lambda *a, **k: None)
+    try:
+        daemon._spawn_any_aio(export, 0, listening.fileno(), 5.0)
+    finally:
+        listening.close()
+    assert seen == [(True, True), (False, True)], "the fallback daemon got a socket with no path"

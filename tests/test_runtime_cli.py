@@ -3,46 +3,21 @@ qemu-storage-daemons (the embedded default) on this machine."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import socket
-import tempfile
 
 import libvirt
 import pytest
 
+from tests.helpers import cli_work  # noqa: F401 (the fixture work)
 from vstor.cli.main import main
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
                                 reason="starts qemu-storage-daemons handed to root:kvm (needs root)")
 
 NS = "https://vstor.dev/xmlns/domain/1"
-
-
-@pytest.fixture
-def work():
-    d = tempfile.mkdtemp(prefix="vs-cli-", dir="/tmp")
-    os.chmod(d, 0o755)
-    conf = os.path.join(d, "vstor.conf")
-    with open(conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d}\n")
-    for i in (0, 1):
-        with open(os.path.join(d, f"d{i}.raw"), "wb") as f:
-            f.truncate(16 << 20)
-    xml = os.path.join(d, "vm.xml")
-    with open(xml, "w") as f:
-        f.write(f"""<domain type='kvm'><name>cli1</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
-          <metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
-          <vstor:disk target='vdb'><vstor:file path='{d}/d0.raw'/></vstor:disk>
-          <vstor:disk target='vdc' readonly='yes'><vstor:file path='{d}/d1.raw'/></vstor:disk>
-          </vstor:vstor></metadata><devices/></domain>""")
-    conn = libvirt.open("test:///default")     # keeps the test driver's state for the test
-    yield type("W", (), {"dir": d, "conf": conf, "xml": xml})
-    main(["-c", "test:///default", "--config", conf, "release", "--force", "cli1"])
-    conn.close()
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def vstor(w, *args):

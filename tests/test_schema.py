@@ -117,6 +117,7 @@ def test_the_shipped_schema_is_generated_from_the_declaration():
             "vstor/schema/vstor.rng is stale: python3 -m vstor.meta.schema"
 
 
+@pytest.mark.slow
 def test_schema_and_parser_accept_and_reject_the_same_documents():
     rng = random.Random(7)
     bases = _templates()

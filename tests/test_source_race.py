@@ -26,8 +26,8 @@ import time
 import pytest
 
 from tests import ended_process, qsd_fds
-from tests.test_contract import hook, rendered, vstor, work  # noqa: F401 (work: a fixture)
-from tests.test_lifecycle import env  # noqa: F401 (a fixture)
+from tests.helpers import contract_work  # noqa: F401 (the fixture work)
+from tests.helpers import contract_hook as hook, contract_rendered as rendered, contract_vstor as vstor
 from vstor.errors import BadInput, Unavailable
 from vstor.host import sources
 from vstor.host.sysfs import SysFS
@@ -300,8 +300,7 @@ def test_a_start_in_a_socket_directory_others_can_write_is_refused(work):  # noq
 
 
 def test_attach_of_a_fifo_is_refused_at_once_and_changes_nothing(env, tmp_path):  # noqa: F811
-    from tests.test_hotplug import GuestDouble, disk, running
-    from tests.test_lifecycle import file_disk, file_disks
+    from tests.helpers import GuestDouble, disk, file_disk, file_disks, running
     from vstor.runtime.hotplug import attach
     from vstor.runtime.lifecycle import release
     _, paths = file_disks(env, "b", size=8 << 20)

@@ -3,9 +3,9 @@
 import glob
 import os
 
-import pytest
+from tests.helpers import SHARED, unavailable
 
-CFG2CMD = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "pve", "cfg2cmd")
+CFG2CMD = os.path.join(SHARED, "pve", "cfg2cmd")
 
 
 def proxmox_configs(recursive: bool = False) -> list[str]:
@@ -13,7 +13,10 @@ def proxmox_configs(recursive: bool = False) -> list[str]:
     pattern = os.path.join(CFG2CMD, "**", "*.conf") if recursive else os.path.join(CFG2CMD, "*.conf")
     found = sorted(glob.glob(pattern, recursive=recursive))
     if not found:
-        if os.environ.get("CI"):
-            pytest.fail(f"Proxmox's cfg2cmd cases are missing ({CFG2CMD}): CI must have ../shared/pve")
-        pytest.skip(f"Proxmox's cfg2cmd cases are not here ({CFG2CMD})")
+        missing_cfg2cmd()
     return found
+
+
+def missing_cfg2cmd() -> None:
+    unavailable(f"Proxmox's cfg2cmd test configs are not at {CFG2CMD} "
+                "(../shared/pve next to the checkout, where CI puts it)")
