@@ -49,7 +49,7 @@ FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", 
              "vstor.runtime.lifecycle", "vstor.locking", "vstor.runtime.inventory",
              "vstor.runtime.virt", "vstor.runtime.gc", "vstor.runtime.context", "vstor.migration.peer",
              "vstor.cli", "vstor.hook")
-MAX_LINES = 350
+MAX_LINES = 800     # modules sized by what they hold (issue 29)
 
 
 def _modules() -> dict[str, str]:
@@ -303,10 +303,31 @@ def test_a_new_package_must_be_given_a_layer(tmp_path):
     assert _undeclared({**_modules(), "vstor.gadgets.m": str(path)}) == ["vstor.gadgets.m"]
 
 
-def test_no_product_module_is_over_350_lines():
+def test_no_product_module_is_over_800_lines():
     long = {mod: n for mod, path in _modules().items()
             if (n := sum(1 for _ in open(path))) > MAX_LINES}
     assert long == {}
+
+
+def _private_imports(modules: dict) -> list[str]:
+    """Every `from vstor.x import _name` between vstor's modules."""
+    found = []
+    for mod, path in modules.items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vstor"):
+                found += [f"{mod}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    assert _private_imports(_modules()) == []
+
+
+def test_a_private_import_is_found(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from vstor.meta.document import _hidden\n")
+    assert _private_imports({"vstor.x.m": str(path)}) == ["vstor.x.m: vstor.meta.document._hidden"]
 
 
 def test_the_synthetic_host_builder_is_not_in_the_product():

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from vstor.backends.spdk_app import (_TRANSPORT_ERRORS, CONFIG_FILE, DEFAULT_SOCKET,
+from vstor.backends.spdk_app import (TRANSPORT_ERRORS, CONFIG_FILE, DEFAULT_SOCKET,
                                      DEFAULT_VHOST_DIR, connect)
 from vstor.errors import ActionFailed, InUse, Unavailable
 
@@ -103,7 +103,7 @@ class SpdkClient:
             # "method"/"req_id" into the caller's params dict on error.
             req_id = rpc.send(method, params)
             response = rpc.recv()
-        except _TRANSPORT_ERRORS as e:
+        except TRANSPORT_ERRORS as e:
             self._drop()
             raise self._lost(method, e) from None
         if response.get("id") != req_id:

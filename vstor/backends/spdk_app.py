@@ -14,10 +14,10 @@ from vstor.errors import Unavailable
 
 try:
     from spdk.rpc.client import JSONRPCClient, JSONRPCException
-    _TRANSPORT_ERRORS: tuple = (JSONRPCException, OSError)
+    TRANSPORT_ERRORS: tuple = (JSONRPCException, OSError)
 except ImportError:     # said when a connection is needed; dry runs work without it
     JSONRPCClient = None
-    _TRANSPORT_ERRORS = (OSError,)
+    TRANSPORT_ERRORS = (OSError,)
 
 DEFAULT_SOCKET = "/var/tmp/spdk.sock"
 DEFAULT_VHOST_DIR = "/run/vstor/vhost"
@@ -69,7 +69,7 @@ def connect(socket_path: str, timeout: float, vhost_dir: str = DEFAULT_VHOST_DIR
     _check_socket(socket_path, unreachable)
     try:
         rpc = JSONRPCClient(socket_path, timeout=timeout)
-    except _TRANSPORT_ERRORS as e:
+    except TRANSPORT_ERRORS as e:
         raise unreachable(_connect_failure(e.__cause__ or e)) from None
     # Each JSONRPCClient adds one more log handler to the logger shared by
     # every client of the same address; keep a single one.

@@ -8,6 +8,9 @@ from functools import cached_property
 from vstor import config as config_mod
 from vstor.errors import Unavailable
 from vstor.runtime.context import HostContext, host_root
+from vstor.runtime.holders import recorded
+from vstor.runtime.inventory import load_ledger, plans_cache
+from vstor.runtime.recordfile import DamagedRecord, UntrustedState
 
 
 class Context(HostContext):
@@ -26,7 +29,6 @@ class Context(HostContext):
     def ledger(self):
         """The ledger from libvirt; planning offline (another host's capture,
         or no libvirt here) goes on without it, and says so."""
-        from vstor.runtime.inventory import load_ledger, plans_cache
         if self.host_root != "/" and not self.args.connect:
             warn("planning against a host capture: other domains' holdings are not known")
             return load_ledger(None)
@@ -47,9 +49,6 @@ class Context(HostContext):
         """The state records as planning needs them (what each holds, from
         the index: vstor.runtime.holders.recorded): unreadable (not root) is a
         warning, as the start checks them again, as root."""
-        from vstor.errors import Unavailable
-        from vstor.runtime.holders import recorded
-        from vstor.runtime.recordfile import DamagedRecord, UntrustedState
         try:
             return recorded(self.state())
         except (DamagedRecord, UntrustedState):

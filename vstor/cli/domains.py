@@ -10,9 +10,15 @@ from vstor import records
 from vstor.atomic import write_file
 from vstor.cli.hotplug import hotplug_text
 from vstor.errors import BadInput
+from vstor.host import sources
 from vstor.host.model import format_cpulist
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
+from vstor.planner import Request, plan_domain
+from vstor.render.libvirt import render, with_spares
+from vstor.runtime import virt
+from vstor.runtime.hotplug import spare_ports
+from vstor.runtime.inventory import load_ledger, plans_cache, save_pending
 
 
 def register(sub) -> None:
@@ -55,13 +61,10 @@ def load_source(ctx, source: str) -> Domain:
             raise BadInput(f"cannot read {source}: the file does not exist",
                            hint="give the annotated domain XML file, or the name of a defined domain")
         return Domain.load(source)
-    from vstor.runtime import virt
     return Domain.parse(virt.inactive_xml(virt.lookup(ctx.conn, source)), f"domain '{source}'")
 
 
 def make_plan(ctx, dom: Domain, ledger=None) -> Plan:
-    from vstor.host import sources
-    from vstor.planner import Request, plan_domain
     request = Request.from_domain(dom)
     plan = plan_domain(ctx.host, ctx.config, request, ledger if ledger is not None else ctx.ledger())
     sources.foresee(plan, ctx.config.images)
@@ -69,7 +72,6 @@ def make_plan(ctx, dom: Domain, ledger=None) -> Plan:
 
 
 def rendered(ctx, dom: Domain, ledger=None, spares: bool = True) -> tuple[Plan, Domain]:
-    from vstor.render.libvirt import render
     previous = _previous_plan(dom)
     plan = make_plan(ctx, dom, ledger)
     return plan, render(dom, plan, previous, spares)
@@ -78,7 +80,6 @@ def rendered(ctx, dom: Domain, ledger=None, spares: bool = True) -> tuple[Plan, 
 def _previous_plan(dom: Domain) -> Plan | None:
     """What vstor rendered last time (its devices are replaced); a record this
     vstor cannot read is re-planned from scratch."""
-    from vstor.errors import BadInput
     try:
         return dom.recorded_plan()
     except BadInput:
@@ -90,7 +91,6 @@ def cmd_plan(ctx, args) -> int:
         json.dump(plan_to_json(make_plan(ctx, load_source(ctx, args.source))), sys.stdout, indent=2)
         print()
         return 0
-    from vstor.runtime.hotplug import spare_ports
     plan, out = rendered(ctx, load_source(ctx, args.source))
     print(format_plan(plan, spare_ports(out, len(plan.guest_cells()))))
     return 0
@@ -107,7 +107,6 @@ def cmd_render(ctx, args) -> int:
 
 
 def cmd_define(ctx, args) -> int:
-    from vstor.errors import BadInput
     dom = Domain.load(args.file)
     running = _replacing(ctx, dom, args.file) if args.replace else False
     try:
@@ -128,8 +127,6 @@ def _replacing(ctx, dom: Domain, path: str) -> bool:
     that domain's UUID (libvirt replaces a definition of the same name and
     UUID); whether it runs.  A FILE with another UUID is another domain."""
     import libvirt
-    from vstor.errors import BadInput
-    from vstor.runtime import virt
     try:
         old = ctx.conn.lookupByName(dom.name)
     except libvirt.libvirtError as e:
@@ -151,7 +148,6 @@ def _replacing(ctx, dom: Domain, path: str) -> bool:
 
 
 def cmd_apply(ctx, args) -> int:
-    from vstor.runtime import virt
     vdom = virt.lookup(ctx.conn, args.domain)
     dom = Domain.parse(virt.inactive_xml(vdom), f"domain '{args.domain}'")
     code = _define(ctx, dom, args.dry_run)
@@ -161,8 +157,6 @@ def cmd_apply(ctx, args) -> int:
 
 
 def _define(ctx, dom: Domain, dry_run: bool) -> int:
-    from vstor.runtime import virt
-    from vstor.runtime.inventory import load_ledger, plans_cache, save_pending
     conn = ctx.conn
     with ctx.planning(dry_run):     # the ledger read, the plan made and defined: one at a time
         plan, out = rendered(ctx, dom, load_ledger(conn, ctx.records(), plans_cache(ctx.config)), dry_run)
@@ -183,8 +177,6 @@ def _define_with_spares(conn, name: str, out: Domain) -> None:
     """Define a guest with cells in two steps: libvirt places every device
     first, then the cells' spare ports go above the ports it made. A second
     step libvirt refuses puts back what was defined before (or nothing)."""
-    from vstor.render.libvirt import with_spares
-    from vstor.runtime import virt
     before = None if virt.state(conn, name) == "not defined" else virt.lookup(conn, name)
     before_xml = virt.inactive_xml(before) if before is not None and before.isPersistent() else None
     defined = virt.define(conn, out.to_string())

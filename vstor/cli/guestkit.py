@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 import sys
 
+from vstor.cli.context import warn
+from vstor.cli.domains import is_file, load_source
 from vstor.errors import BadInput
+from vstor.meta.document import Domain
+from vstor.pve.node import Node
+from vstor.render import guestkit, guestscript
+from vstor.runtime import virt
 
 
 def register(sub) -> None:
@@ -22,7 +28,6 @@ def register(sub) -> None:
 
 
 def cmd_guest_kit(ctx, args) -> int:
-    from vstor.render import guestkit, guestscript
     kit = guestkit.build(_domain(ctx, args.source), _host(ctx))
     if args.json:
         json.dump({**guestkit.to_json(kit), "script": guestscript.script(kit)}, sys.stdout, indent=2)
@@ -37,16 +42,12 @@ def cmd_guest_kit(ctx, args) -> int:
 def _domain(ctx, source: str):
     """A file, or a defined domain as libvirt has it now: live while it
     runs (the addresses it runs with), else its persistent definition."""
-    from vstor.cli.domains import is_file, load_source
-    from vstor.meta.document import Domain
     if is_file(source):
         return load_source(ctx, source)
     if source.isdigit():
-        from vstor.pve.node import Node
         if Node(ctx.config).is_proxmox():
             raise BadInput(f"'{source}' looks like a Proxmox VM: guest-kit covers libvirt domains "
                            "vstor renders, not Proxmox's or Nova's guests")
-    from vstor.runtime import virt
     found = virt.lookup(ctx.conn, source)
     xml = (virt.LiveDomain(ctx.conn, found).live_xml() if found.isActive()
            else virt.inactive_xml(found))
@@ -56,7 +57,6 @@ def _domain(ctx, source: str):
 def _host(ctx):
     """The host model, for the controllers' vendor:device and node; without
     it the guest's script checks the class only."""
-    from vstor.cli.context import warn
     try:
         return ctx.host
     except BadInput as e:

@@ -3,10 +3,21 @@ writes it (hooks/vstor with this interpreter, its paths and the config)."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import shlex
+import stat
+import subprocess
 import sys
 
+import vstor
+from vstor import log
+from vstor.atomic import write_file
+from vstor.config import DEFAULT_PATH
 from vstor.errors import BadInput, InUse
+from vstor.formats.pve.vm import vmid_of
+from vstor.runtime.state import StateDir
 
 HOOK_DIR = "/etc/libvirt/hooks/qemu.d"     # where libvirt (libvirtd, virtqemud) looks
 
@@ -39,7 +50,6 @@ def hook_source(name: str = "vstor") -> str:
 
 
 def render_hook(config_path: str | None, name: str = "vstor") -> str:
-    import shlex
     with open(hook_source(name)) as f:
         text = f.read()
     # The interpreter that has vstor installed: libvirt runs the hook with a
@@ -67,9 +77,6 @@ def site_paths() -> list[str]:
     when only an import hook finds it (pip install -e): the hook's Python
     starts with -S and appends these.  Paths that cannot be carried (one
     with ':') give none: the hook then runs site itself."""
-    import json
-    import subprocess
-    import vstor
     ask = "import json, sys; print(json.dumps(sys.path[1:]))"
     try:
         bare, full = (json.loads(subprocess.run([sys.executable, "-E", *flag, "-c", ask], check=True,
@@ -113,7 +120,6 @@ def cmd_hooks_install(ctx, args) -> int:
         # dpkg installs and upgrades it; rewriting it would make dpkg ask
         # about a changed conffile at every upgrade.
         if "\nCONFIG=\n" not in text:
-            from vstor.config import DEFAULT_PATH
             raise BadInput(f"{target} is the vstor package's hook, which reads {DEFAULT_PATH}",
                            hint=f"keep the configuration in {DEFAULT_PATH}, or drop --config/VSTOR_CONFIG")
         print(f"{target} is the vstor package's hook (a conffile the package installs and "
@@ -124,7 +130,6 @@ def cmd_hooks_install(ctx, args) -> int:
         for line in _would_install(args.dir, target, text, now):
             print(line)
         return 0
-    from vstor.atomic import write_file
     try:
         write_file(target, text, mode=0o755, makedirs=True,
                    failure=f"cannot install the hook into {args.dir}")
@@ -137,7 +142,6 @@ def cmd_hooks_install(ctx, args) -> int:
         else:
             hint = None
         raise BadInput(e.message, hint=hint) from None
-    from vstor import log
     log.change(None, f"install the libvirt hook {target}", log.DONE)
     print(f"Installed {target}; restart libvirtd (or virtqemud) so it picks the hook up")
     return 0
@@ -194,8 +198,6 @@ def _held_domains(ctx) -> list[str]:
     """The libvirt domains vstor holds backends for (its state records; a
     Proxmox VM's are released by the hookscript, not this hook).  A record
     that cannot be read may be one: it counts."""
-    from vstor.formats.pve.vm import vmid_of
-    from vstor.runtime.state import StateDir
     damaged: list[str] = []
     try:
         records = StateDir(ctx.config.state_dir).records(damaged)
@@ -239,7 +241,6 @@ def _remove_checked(target: str, noun: str, then: str, dry_run: bool) -> int:
     except OSError as e:
         raise BadInput(f"cannot remove {target}: {e.strerror}",
                        hint="run as root" if os.geteuid() else None) from None
-    from vstor import log
     log.change(None, f"remove the {noun} {target}", log.DONE)
     print(f"Removed {target}; {then}")
     return 0
@@ -258,8 +259,6 @@ def check_hook(target: str, noun: str) -> bool:
 def _read_hook(target: str, noun: str) -> str | None:
     """The text of the regular file at `target` (None: nothing there),
     opened once: never through a symlink, never waiting on a FIFO."""
-    import errno
-    import stat
     try:
         fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 
 from vstor import records
-from vstor.errors import EXIT_ERROR
+from vstor.backends import spdk_app
+from vstor.backends.spdk import SpdkClient
+from vstor.cli.hooks import HOOK_DIR, installed_hook_text
+from vstor.errors import EXIT_ERROR, VstorError
 from vstor.host import doctor
+from vstor.host.capture import capture
 from vstor.host.model import format_cpulist
+from vstor.host.read import block_source_lines
+from vstor.runtime.actions import SpdkAttach, SpdkVhost
 
 
 def register(sub) -> None:
@@ -44,9 +51,6 @@ def cmd_doctor(ctx, args) -> int:
 
 
 def _spdk_check(cfg):
-    from vstor.backends import spdk_app
-    from vstor.backends.spdk import SpdkClient
-    from vstor.runtime.actions import SpdkAttach, SpdkVhost
 
     def probe() -> dict:
         with SpdkClient(cfg.spdk_socket, timeout=min(cfg.spdk_timeout, 5.0),
@@ -56,7 +60,6 @@ def _spdk_check(cfg):
 
 
 def _libvirt_check(ctx):
-    from vstor.errors import VstorError
     try:
         major, rest = divmod(ctx.conn.getLibVersion(), 1000000)
         minor = rest // 1000
@@ -71,8 +74,6 @@ def _libvirt_check(ctx):
 def _hook_check(ctx):
     """The hook `vstor hooks install` puts in libvirt's qemu.d (under
     --host-root, as the host's other files), against what it would write now."""
-    import os
-    from vstor.cli.hooks import HOOK_DIR, installed_hook_text
     path = os.path.join(ctx.host_root, HOOK_DIR.lstrip("/"), "vstor")
     return doctor.check_hook(path, installed_hook_text(ctx),
                              doctor.libvirt_daemons(os.path.join(ctx.host_root, "proc")))
@@ -104,13 +105,11 @@ def cmd_host_show(ctx, args) -> int:
     for nic in host.rdma_nics:
         nets = ", ".join(f"{n.name} mtu {n.mtu}" for n in nic.netdevs)
         print(f"  rdma {nic.name} {nic.address} node {nic.numa_node} {nets}")
-    from vstor.host.read import block_source_lines
     print("\n".join(block_source_lines(host)))
     return 0
 
 
 def cmd_host_capture(ctx, args) -> int:
-    from vstor.host.capture import capture
     out = args.output or f"vstor-host-{socket.gethostname()}.tar.gz"
     paths = capture(ctx.host_root, out)
     print(f"Captured {len(paths)} paths to {out}; plan against it with: "

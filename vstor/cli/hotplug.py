@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from vstor.errors import BadInput, DoesNotFit
+import re
+
+from vstor.cli.context import say
+from vstor.errors import BadInput, DoesNotFit, VstorError
+from vstor.meta.document import Domain, load_disk
+from vstor.planner.placement import counted
+from vstor.runtime import hotplug, virt
+from vstor.runtime.hotplug import spare_ports
 
 
 def register(sub) -> None:
@@ -29,7 +36,6 @@ def register(sub) -> None:
 
 def _running(ctx, name: str):
     """The running domain's live XML (as vstor's Domain) and its LiveDomain."""
-    from vstor.runtime import virt
     found = virt.lookup(ctx.conn, name)
     if not found.isActive():
         raise DoesNotFit(f"domain '{name}' is not running",
@@ -45,9 +51,6 @@ def _running(ctx, name: str):
 
 
 def cmd_attach(ctx, args) -> int:
-    from vstor.cli.context import say
-    from vstor.meta.document import load_disk
-    from vstor.runtime import hotplug
     disk = load_disk(args.disk)
     dom, guest = _running(ctx, args.domain)
     plan = hotplug.attach(ctx.runtime(args.dry_run), ctx.state(), ctx.host, dom, disk, guest,
@@ -60,9 +63,6 @@ def cmd_attach(ctx, args) -> int:
 
 
 def cmd_detach(ctx, args) -> int:
-    from vstor.cli.context import say
-    import re
-    from vstor.runtime import hotplug
     if not re.fullmatch(r"vd[a-z]{1,3}", args.target):
         raise BadInput(f"'{args.target[:40]}' is not a vstor disk target", hint="like vdb or vdc")
     if not 0 < args.timeout <= 3600:
@@ -80,7 +80,6 @@ def hotplug_text(ports: tuple[int, ...] | None) -> str | None:
     """A domain's spare PCIe root ports (vstor.runtime.hotplug.spare_ports),
     where `vstor attach` puts a disk live; None when it has no such ports
     to count (i440fx)."""
-    from vstor.planner.placement import counted
     if ports is None:
         return None
     if len(ports) == 1:
@@ -93,9 +92,6 @@ def spare_ports_of(ctx, records, said: dict[str, str]) -> dict[str, list[int]]:
     (vstor.runtime.hotplug.spare_ports), from its live XML while it runs;
     a domain whose XML cannot be read is left out (null: not known)."""
     import libvirt
-    from vstor.errors import VstorError
-    from vstor.meta.document import Domain
-    from vstor.runtime.hotplug import spare_ports
     out = {}
     for r in records:
         if said.get(r.domain) in (None, "not defined", "libvirt unreachable"):

@@ -7,9 +7,10 @@ import os
 import sys
 
 from vstor import __version__, log
-from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError, one_line
 from vstor.cli import config, domains, guestkit, hostcmds, hotplug, migrate, nova, pve, runtime
 from vstor.cli.context import Context
+from vstor.cli.domains import is_file
+from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError, one_line
 
 COMMAND_MODULES = [hostcmds, domains, guestkit, runtime, hotplug, migrate, pve, nova, config]
 
@@ -78,7 +79,6 @@ def _domain(args) -> str | None:
         return name
     source = getattr(args, "source", None)      # FILE|DOMAIN: a domain when it is not a file
     if isinstance(source, str):
-        from vstor.cli.domains import is_file
         return None if is_file(source) else source
     vm = getattr(args, "vmid", None)
     return f"pve-{vm}" if isinstance(vm, str) and vm.isdigit() else None

@@ -7,7 +7,16 @@ import json
 import shlex
 import sys
 
-from vstor.errors import BadInput
+from vstor.cli.domains import is_file, load_source
+from vstor.cli.runtime import is_running, key_of
+from vstor.errors import BadInput, DoesNotFit, VstorError
+from vstor.host.sysfs import SysFS
+from vstor.meta.document import Domain
+from vstor.migration import agent, run, source
+from vstor.migration.peer import Peer, destination
+from vstor.migration.verdict import report
+from vstor.runtime import virt
+from vstor.runtime.lifecycle import release
 
 
 def register(sub) -> None:
@@ -56,13 +65,11 @@ def _dry_run(p) -> None:
 
 
 def _peer(ctx, dest: str):
-    from vstor.migration.peer import Peer, destination
     host, uri = destination(dest)
     return Peer(ctx.config, host), uri
 
 
 def _domain(ctx, source: str):
-    from vstor.cli.domains import is_file, load_source
     return load_source(ctx, source) if is_file(source) else migrating(ctx, source)
 
 
@@ -71,8 +78,6 @@ def migrating(ctx, name: str):
     `virsh dumpxml --migratable` (virsh migrate --xml is checked against
     exactly that)."""
     import libvirt
-    from vstor.meta.document import Domain
-    from vstor.runtime import virt
     vdom = virt.lookup(ctx.conn, name)
     flags = libvirt.VIR_DOMAIN_XML_MIGRATABLE if vdom.isActive() else 0
     return Domain.parse(vdom.XMLDesc(flags), f"domain '{name}'")
@@ -82,10 +87,6 @@ def cmd_check(ctx, args) -> int:
     """This host's side first (what each disk needs on the destination),
     then the destination's answer; --json: one object (verdict.report),
     also when the destination does not answer."""
-    from vstor.errors import VstorError
-    from vstor.host.sysfs import SysFS
-    from vstor.migration import source
-    from vstor.migration.verdict import report
     dom = _domain(ctx, args.domain)
     peer, _ = _peer(ctx, args.to)
     sysfs = SysFS(ctx.host_root)
@@ -119,7 +120,6 @@ def cmd_check(ctx, args) -> int:
 
 
 def cmd_prepare(ctx, args) -> int:
-    from vstor.migration import source
     if args.cold and args.run:
         raise BadInput("--run migrates live; a cold migration waits for the domain to be shut down",
                        hint="drop --run, or --cold")
@@ -161,8 +161,6 @@ def cmd_prepare(ctx, args) -> int:
 def _prepare_dry(ctx, args, dom, peer, uri: str) -> int:
     """What prepare would do, after every check it makes (the destination's
     read-only `check`): nothing is exported, held, written or recorded."""
-    from vstor.host.sysfs import SysFS
-    from vstor.migration import source
     print(f"Preparing {peer.host} for {dom.name} (dry run):")
     verdict, exports = source.preflight(ctx.config, ctx.state(), dom, peer, SysFS(ctx.host_root), args.cold)
     for d in verdict.disks:
@@ -183,7 +181,6 @@ def _prepare_dry(ctx, args, dom, peer, uri: str) -> int:
 
 def _run(ctx, args, dom, peer, uri: str, xml: str) -> int:
     """Migrate now; finish on success, give both sides back on failure."""
-    from vstor.migration import run
     print(f"Migrating {dom.name} to {peer.host}:", flush=True)
     try:
         stats = run.migrate(ctx.conn, dom.name, uri, xml, ctx.config.migrate_timeout,
@@ -200,7 +197,6 @@ def _run(ctx, args, dom, peer, uri: str, xml: str) -> int:
 
 
 def _recorded_peer(ctx, args):
-    from vstor.migration import source
     dest = args.to or source.recorded_destination(ctx.state(), args.domain)
     if not dest:
         raise BadInput(f"no migration of domain '{args.domain}' is recorded here",
@@ -209,7 +205,6 @@ def _recorded_peer(ctx, args):
 
 
 def cmd_abort(ctx, args) -> int:
-    from vstor.migration import source
     peer = _recorded_peer(ctx, args)
     uuid = _uuid_of(ctx, args.domain)
     if args.dry_run:
@@ -240,10 +235,6 @@ def _abort_dry(ctx, args, peer, uuid) -> int:
 
 
 def cmd_finish(ctx, args) -> int:
-    from vstor.cli.runtime import is_running, key_of
-    from vstor.errors import DoesNotFit
-    from vstor.migration import source
-    from vstor.runtime.lifecycle import release
     peer = _recorded_peer(ctx, args)
     there = peer.call("status", name=args.domain, uuid=_uuid_of(ctx, args.domain))
     arrived = there.get("status") == "prepared" or (there.get("cold") is True and there.get("status") == "incoming")
@@ -280,8 +271,6 @@ def cmd_finish(ctx, args) -> int:
 
 def _finish_dry(ctx, args, peer, state) -> int:
     """finish's checks passed (the destination asked read-only): what it would release here."""
-    from vstor.cli.runtime import key_of
-    from vstor.runtime.lifecycle import release
     recs = [r for r in state.records() if r.domain == args.domain]
     print(f"{args.domain} runs on {peer.host} (dry run):")
     if not recs:
@@ -309,5 +298,4 @@ def _libvirt_uuid(ctx, name: str) -> str | None:
 
 
 def cmd_agent(ctx, args) -> int:
-    from vstor.migration import agent
     return agent.serve(ctx, sys.stdin.buffer)

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import sys
 
+from vstor.atomic import write_file
+from vstor.backends.qsd.export import QsdExport
+from vstor.cli import migrate
+from vstor.cli.migrate import migrating
 from vstor.errors import BadInput
+from vstor.meta.names import is_safe_name
+from vstor.migration import source
+from vstor.nova import config as nova, install, placement
 
 MAX_VHOST_DISKS = 100000
 
@@ -48,8 +57,6 @@ def register(sub) -> None:
 
 
 def cmd_config(ctx, args) -> int:
-    import os
-    from vstor.nova import config as nova, placement
     if args.flavor and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,254}", args.flavor):
         raise BadInput(f"--flavor '{args.flavor[:40]}' is not a flavor name vstor will print into a "
                        "command", hint="letters, digits and _.:-")
@@ -76,13 +83,11 @@ def cmd_config(ctx, args) -> int:
         return 0
     provider = None
     if args.provider_config:
-        from vstor.backends.qsd.export import QsdExport
         view = placement.view(ctx.host, ctx.config, len(s.offers), vhost_disks=args.vhost_disks or ctx.config.nova_vhost_disks,
                               qsd_installed=os.access(QsdExport.binary, os.X_OK))
         provider = placement.provider_yaml(view, ctx.host.hostname or "this host")
     text = nova.nova_conf(s, ctx.host.hostname or "this host",
                           os.path.dirname(args.provider_config) if provider else None)
-    from vstor.atomic import write_file
     if provider:
         write_file(args.provider_config, provider)
         print(f"Wrote {args.provider_config}: {len(view.inventories)} inventories, "
@@ -111,7 +116,6 @@ def _specs(items: list[str]) -> dict[str, str]:
 
 def _check_targets(provider: str | None, output: str | None) -> None:
     """Before anything is written: a refusal leaves both files as they were."""
-    import os
     if provider is not None:
         if not provider.endswith(".yaml"):
             raise BadInput(f"--provider-config {provider[:80]}: nova-compute loads only *.yaml files",
@@ -134,14 +138,13 @@ def _check_targets(provider: str | None, output: str | None) -> None:
 
 def cmd_install_driver(ctx, args) -> int:
     """Nothing in Nova's own package: see vstor.nova.install."""
-    import os
     try:
         import nova.virt
+
         from vstor.nova import driver  # noqa: F401  (Nova's libvirt driver imports here)
     except ImportError as e:
         raise BadInput(f"Nova is not importable by this vstor ({e})",
                        hint="install vstor into nova-compute's environment: pip install 'vstor[nova]'") from None
-    from vstor.nova import install
     setup = install.plan(os.path.dirname(nova.virt.__file__))
     then = ("set [DEFAULT] compute_driver = vstor.VstorLibvirtDriver in nova.conf and restart "
             "nova-compute")
@@ -161,10 +164,6 @@ def cmd_install_driver(ctx, args) -> int:
 def cmd_migrate(ctx, args) -> int:
     """`vstor migrate` for a Nova instance with vstor disks, and nothing
     else: the one command a sudoers line gives nova-compute."""
-    import argparse
-    from vstor.cli import migrate
-    from vstor.meta.names import is_safe_name
-    from vstor.migration import source
     name = args.instance
     if not is_safe_name(name):
         raise BadInput(f"'{name[:40]}' is not a Nova instance's domain name",
@@ -189,7 +188,6 @@ def cmd_migrate(ctx, args) -> int:
 def _instance(ctx, name: str):
     """The instance as libvirt migrates it, if it is a Nova instance with
     vstor disks."""
-    from vstor.cli.migrate import migrating
     dom = migrating(ctx, name)
     if not (dom.is_nova() and dom.has_vstor()):
         raise BadInput(f"domain '{name}' is not a Nova instance with vstor disks",

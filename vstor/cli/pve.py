@@ -12,7 +12,21 @@ import re
 import sys
 from contextlib import nullcontext
 
+from vstor import log
+from vstor.atomic import write_file
+from vstor.cli.context import say
+from vstor.cli.domains import format_plan, plan_to_json, where
+from vstor.cli.hooks import check_replaceable, remove_hook, render_hook
 from vstor.errors import BadInput, DoesNotFit, InUse
+from vstor.formats.pve.config import PveConfig
+from vstor.formats.pve.vm import name_of, uuid_of, vmid
+from vstor.host import sources
+from vstor.pve import leave, manage, snippet
+from vstor.pve.doctor import checks
+from vstor.pve.leave import chains_vstor, hook_value
+from vstor.pve.node import Node
+from vstor.render import pve as render
+from vstor.runtime.recorded import release
 
 
 def register(sub) -> None:
@@ -51,7 +65,6 @@ def register(sub) -> None:
 
 
 def _node(ctx):
-    from vstor.pve.node import Node
     return Node(ctx.config)
 
 
@@ -68,9 +81,6 @@ def _qemu(node, args) -> tuple[int, int]:
 
 
 def _planned(ctx, args):
-    from vstor.host import sources
-    from vstor.pve import manage
-    from vstor.formats.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
     vmo = manage.load(node, vm, args.conf, args.intent, tolerant=True,
@@ -81,8 +91,6 @@ def _planned(ctx, args):
 
 
 def cmd_plan(ctx, args) -> int:
-    from vstor.cli.domains import format_plan, plan_to_json
-    from vstor.pve import manage
     node, vmo, plan = _planned(ctx, args)
     old = vmo.conf.to_text()
     new, _ = manage.new_config(vmo, plan, _qemu(node, args))
@@ -106,7 +114,6 @@ def plan_json(vmo, plan, old: str, new: str, plan_data: dict) -> dict:
          "changed": [key],              # the keys apply would write or remove
          "config": str}                 # the whole config apply would write
     """
-    from vstor.formats.pve.config import PveConfig
     after, before = PveConfig.parse(new), PveConfig.parse(old)
     keys = sorted({k for k in after.keys() + before.keys() if _owned(k)} | set(_PLACEMENT))
     return {"version": 1, "vmid": vmo.vmid, "domain": plan.domain, "config_path": vmo.conf_path,
@@ -116,7 +123,6 @@ def plan_json(vmo, plan, old: str, new: str, plan_data: dict) -> dict:
 
 
 def _owned(key: str) -> bool:
-    from vstor.render import pve as render
     return key in render.PLACEMENT_KEYS or key in render.HOSTPCI_KEYS or key == "args"
 
 
@@ -124,7 +130,6 @@ _PLACEMENT = ("numa", "numa0", "hugepages", "affinity", "args")
 
 
 def cmd_apply(ctx, args) -> int:
-    from vstor.formats.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
     if bool(args.conf) != bool(args.intent) and not args.dry_run:
@@ -146,10 +151,8 @@ def _apply(ctx, args, node) -> int:
 
 
 def _apply_planned(ctx, args, node) -> int:
-    from vstor.pve import manage, snippet
     _, vmo, plan = _planned(ctx, args)
     _check_unlocked(vmo.conf, vmo.vmid)
-    from vstor.pve.leave import hook_value
     hook = hook_value(ctx.config.pve_storage)
     if not args.conf:
         _check_hookscript(node, vmo.vmid, vmo.conf.get("hookscript"), hook)
@@ -160,11 +163,9 @@ def _apply_planned(ctx, args, node) -> int:
         print(f"would record the plan in {snippet.plan_path(vmo.intent_path)}")
         return 0
     manage.write(node, vmo, plan, old, new, _qemu(node, args), changed)
-    from vstor import log
     log.change(plan.domain, f"record the plan in {snippet.plan_path(vmo.intent_path)}", log.DONE)
     if changed:
         log.change(plan.domain, f"write {', '.join(changed)} into {vmo.conf_path}", log.DONE)
-    from vstor.cli.domains import where
     print(f"VM {vmo.vmid}: " + ", ".join(f"{d.target} {d.mode}/{d.backend}" for d in plan.disks)
           + f", {where(plan)}; " + (f"wrote {', '.join(changed)}" if changed else "config unchanged"))
     if not vmo.conf.get("hookscript"):
@@ -183,7 +184,6 @@ def _check_unlocked(conf, vm: int) -> None:
 
 def _check_hookscript(node, vm: int, have: str | None, hook: str) -> None:
     """Proxmox runs one hookscript per VM: a VM's own must call vstor's."""
-    from vstor.pve import leave
     if have and have != hook:
         script = os.path.join(node.snippets().snippets, "vstor")
         if not leave.chains_vstor(node.etc, have, script):
@@ -191,7 +191,6 @@ def _check_hookscript(node, vm: int, have: str | None, hook: str) -> None:
 
 
 def cmd_unapply(ctx, args) -> int:
-    from vstor.formats.pve.vm import vmid
     node = _node(ctx)
     vm = vmid(args.vmid)
     with nullcontext() if args.dry_run else node.lock(vm):     # as `qm set` does
@@ -205,10 +204,6 @@ def cmd_unapply(ctx, args) -> int:
 def _unapply(ctx, args, node, vm: int) -> int:
     """Backends a start left (no post-stop) first, then the config, then the
     plan records: a run killed on the way leaves what the next one finishes."""
-    from vstor.cli.context import say
-    from vstor.pve import leave, manage, snippet
-    from vstor.formats.pve.vm import name_of
-    from vstor.runtime.recorded import release
     conf, path = node.read_config(vm)
     _check_unlocked(conf, vm)
     ipath = snippet.path_of(manage.intent_dir(node), vm)
@@ -235,7 +230,6 @@ def _unapply(ctx, args, node, vm: int) -> int:
         return 0
     for r in held:
         release(ctx.runtime(), ctx.state(), r.key, progress=say, domain=r.domain, uuid=r.uuid)
-    from vstor import log
     if new != old:
         node.write_config(path, new)
         log.change(name_of(vm), f"remove {', '.join(removed)} from {path}", log.DONE)
@@ -257,7 +251,6 @@ def _unapply(ctx, args, node, vm: int) -> int:
 def _check_own(held, conf, vm: int) -> None:
     """A record by the VM's name is the VM's only with its UUID (smbios1):
     any libvirt client may name a domain pve-VMID."""
-    from vstor.formats.pve.vm import uuid_of
     mine = uuid_of(conf, f"VM {vm}")
     for r in held:
         if (r.uuid or "").lower() != (mine or ""):
@@ -274,9 +267,6 @@ def _diff(old: str, new: str, path: str) -> None:
 
 
 def cmd_hooks_install(ctx, args) -> int:
-    from vstor.atomic import write_file
-    from vstor.cli.hooks import check_replaceable, render_hook
-    from vstor.pve import manage
     node = _node(ctx)
     store = node.snippets()
     target = os.path.join(store.snippets, "vstor")
@@ -284,12 +274,10 @@ def cmd_hooks_install(ctx, args) -> int:
     config_path = ctx.args.config or os.environ.get("VSTOR_CONFIG")
     write_file(target, render_hook(config_path, "proxmox/vstor"), mode=0o755, makedirs=True,
                failure=f"cannot install the hookscript into {store.snippets}", hint="run as root")
-    from vstor import log
     log.change(None, f"install the Proxmox hookscript {target}", log.DONE)
     print(f"Installed {target}" + ("" if store.shared else
                                    f" (storage '{store.id}' is not shared: install it on every node "
                                    "a vstor VM may start or migrate to)"))
-    from vstor.pve.leave import chains_vstor, hook_value
     hook = hook_value(store.id)
     for vm in manage.vstor_vms(node):
         conf, _ = node.read_config(vm)
@@ -303,14 +291,12 @@ def cmd_hooks_install(ctx, args) -> int:
 
 def cmd_hooks_uninstall(ctx, args) -> int:
     store = _node(ctx).snippets()
-    from vstor.cli.hooks import remove_hook
     return remove_hook(os.path.join(store.snippets, "vstor"), "hookscript",
                        "VMs that name it no longer start (vstor pve unapply VMID takes vstor's lines, "
                        "its hookscript included, out of each)")
 
 
 def cmd_doctor(ctx, args) -> int:
-    from vstor.pve.doctor import checks
     problems = 0
     for ok, line in checks(_node(ctx), ctx.config):
         print(f"{'ok' if ok else 'PROBLEM'}: {line}")

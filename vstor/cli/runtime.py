@@ -5,11 +5,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 
+from vstor.backends.qsd import daemon
 from vstor.cli.context import say
-from vstor.cli.hotplug import hotplug_text, spare_ports_of
+from vstor.cli.domains import is_file, load_source
 from vstor.cli.hooks import register as hooks_register
-from vstor.errors import BadInput, InUse
+from vstor.cli.hotplug import hotplug_text, spare_ports_of
+from vstor.errors import ActionFailed, BadInput, InUse, Unavailable
+from vstor.formats.pve.vm import vmid_of
+from vstor.meta.names import is_safe_name
+from vstor.migration import peer
+from vstor.pve.node import Node, RunGuard
+from vstor.runtime import actions, gc, virt
+from vstor.runtime.lifecycle import health, prepare, release
+from vstor.runtime.state import DamagedRecord
 
 
 def register(sub) -> None:
@@ -53,7 +63,6 @@ def headed(title: str):
 # -- status ---------------------------------------------------------------------------
 
 def cmd_status(ctx, args) -> int:
-    from vstor.runtime.lifecycle import health
     damaged: list[str] = []
     records = ctx.state().records(damaged)
     for problem in damaged:
@@ -116,14 +125,11 @@ def labelled(entry: dict, spdk_pid: int | None) -> dict:
     """A recorded step as labelled fields (docs/operations.md, `status
     --json`): its kind, what it made, and the daemon serving it with its
     pid (None when it does not run)."""
-    from vstor.errors import ActionFailed
-    from vstor.runtime import actions
     try:
         a = actions.from_json(entry)
     except ActionFailed:
         return {"kind": entry.get("kind")}
     if a.kind == "qsd-export":
-        from vstor.backends.qsd import daemon
         e = a.export
         return {"kind": a.kind, "name": e.name, "source": e.source, "socket": e.socket_path,
                 "daemon": "qemu-storage-daemon", "pid": daemon.pid(e)}
@@ -153,10 +159,6 @@ def _libvirt_says(ctx, names: list[str]) -> dict[str, str]:
     """Per domain, what libvirt says (running, paused, shut off, not
     defined), next to what vstor holds; 'libvirt unreachable' when it
     cannot be asked.  Proxmox VMs are qemu-server's (_pve_elsewhere)."""
-    from vstor.errors import Unavailable
-    from vstor.pve.node import Node
-    from vstor.formats.pve.vm import vmid_of
-    from vstor.runtime import virt
     if any(vmid_of(n) for n in names) and Node(ctx.config).is_proxmox():
         names = [n for n in names if not vmid_of(n)]
     out = dict.fromkeys(names, "libvirt unreachable")
@@ -171,8 +173,6 @@ def _libvirt_says(ctx, names: list[str]) -> dict[str, str]:
 def _pve_elsewhere(ctx, records) -> dict[str, str]:
     """Proxmox VMs vstor holds for that do not run on this node (stopped
     without post-stop, or migrated away: the source gets no stop phases)."""
-    from vstor.pve.node import Node
-    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if not node.is_proxmox():
         return {}
@@ -183,8 +183,6 @@ def _pve_elsewhere(ctx, records) -> dict[str, str]:
 # -- prepare / release / gc -------------------------------------------------------------
 
 def cmd_prepare(ctx, args) -> int:
-    from vstor.runtime.lifecycle import prepare
-    from vstor.cli.domains import is_file, load_source
     dom = load_source(ctx, args.source)
     if is_file(args.source):
         _refuse_unrendered(dom, args.source)
@@ -211,9 +209,6 @@ def is_running(ctx, name: str) -> bool | None:
     """True or False as libvirt (or, for a Proxmox VM, qemu-server's pid
     file) says; None when vstor cannot tell."""
     import libvirt
-    from vstor.errors import Unavailable
-    from vstor.pve.node import Node
-    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if vmid_of(name) and node.is_proxmox():
         return node.running(vmid_of(name))
@@ -228,8 +223,6 @@ def is_running(ctx, name: str) -> bool | None:
 
 
 def cmd_release(ctx, args) -> int:
-    from vstor.pve.node import Node, RunGuard
-    from vstor.formats.pve.vm import vmid_of
     node = Node(ctx.config)
     if vmid_of(args.domain) and node.is_proxmox() and not args.force:
         # Under the VM's config lock: no start between the check and the release.
@@ -242,8 +235,6 @@ def cmd_release(ctx, args) -> int:
 
 
 def _release(ctx, args) -> int:
-    from vstor.errors import Unavailable
-    from vstor.runtime.lifecycle import release
     if not args.force:
         running = is_running(ctx, args.domain)
         if running is None:
@@ -267,7 +258,6 @@ def key_of(ctx, name: str) -> str:
     (vstor.meta.names.safe_key): that one record is read, unless it is
     another domain's.  Any other name's record is under its UUID, found
     among every record."""
-    from vstor.meta.names import is_safe_name
     state = ctx.state()
     if is_safe_name(name):
         rec = state.load(name)
@@ -278,7 +268,6 @@ def key_of(ctx, name: str) -> str:
         if rec.domain == name:
             return rec.key
     if damaged:     # one of them may be this domain's
-        from vstor.runtime.state import DamagedRecord
         raise DamagedRecord(f"{damaged[0]}; it may be domain '{name}''s")
     if not is_safe_name(name):
         raise BadInput(f"vstor holds nothing for domain '{name}'")
@@ -286,11 +275,7 @@ def key_of(ctx, name: str) -> str:
 
 
 def cmd_gc(ctx, args) -> int:
-    from functools import partial
 
-    from vstor.migration import peer
-    from vstor.pve.node import Node, RunGuard
-    from vstor.runtime import gc
     state = ctx.state()
     node = Node(ctx.config)
     records, damaged = gc.read_records(state, args.dry_run)     # before what runs is asked: see gc.collect
@@ -308,8 +293,6 @@ def _running(ctx, records, node) -> set[str]:
     (records named pve-VMID) are judged by qemu-server's pid files, the rest
     by libvirt; each release is checked again under the VM's config lock
     (RunGuard), so no start begins on what gc releases."""
-    from vstor.errors import Unavailable
-    from vstor.formats.pve.vm import vmid_of
     pve = {vmid_of(r.domain) for r in records if vmid_of(r.domain)}
     if pve and not node.is_proxmox():
         raise Unavailable(f"vstor holds Proxmox VMs here but {node.etc}/qemu-server is missing "
@@ -317,6 +300,5 @@ def _running(ctx, records, node) -> set[str]:
                           hint="start pve-cluster, then run vstor gc again")
     running = {f"pve-{vm}" for vm in pve if node.running(vm)}
     if any(not vmid_of(r.domain) for r in records):
-        from vstor.runtime import virt
         running |= {d.name() for d in virt.all_domains(ctx.conn) if d.isActive()}
     return running

@@ -7,8 +7,11 @@ when a committed one differs from what the code makes now.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+
+from vstor.docgen import cli, completion, conffiles, roff
 
 COMMAND = "python3 scripts/gen-docs.py"
 
@@ -21,7 +24,6 @@ FILES = ("man/vstor.8", "man/vstor.conf.5", "completion/vstor", "etc/vstor.conf"
 def generate(repo: str) -> dict[str, str]:
     """Each generated file's text as the code makes it now (docs/configuration.md:
     its hand-written prose from `repo`, the reference made anew)."""
-    from vstor.docgen import cli, completion, conffiles, roff
     root = cli.commands()
     with open(os.path.join(repo, "docs/configuration.md"), encoding="utf-8") as f:
         guide = f.read()
@@ -49,7 +51,6 @@ def stale(repo: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
     p = argparse.ArgumentParser(prog="gen-docs.py", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is stale")
     p.add_argument("--repo", default=os.path.dirname(os.path.dirname(os.path.dirname(

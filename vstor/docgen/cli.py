@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from vstor.cli.main import build_parser
+
 
 class Arg:
     """An option (flags) or a positional argument (no flags)."""
@@ -95,6 +97,5 @@ class Command:
 
 def commands() -> Command:
     """The root command: `vstor`, from vstor.cli.main.build_parser()."""
-    from vstor.cli.main import build_parser
     parser = build_parser()
     return Command((), parser.description or "", parser)

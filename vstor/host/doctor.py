@@ -7,11 +7,15 @@ tests drive them with real-but-local things.
 
 from __future__ import annotations
 
+import ast
 import os
+import shlex
 import shutil
+import stat
 from typing import Callable
 
 from vstor.config import Config
+from vstor.errors import VstorError
 from vstor.host.model import Host, format_cpulist
 from vstor.records import record
 
@@ -140,7 +144,6 @@ def check_sources(cfg: Config, root: str = "/") -> list[Check]:
     can change (vstor binds each socket there and sets its owner before it
     listens), and the kernel's hard-link protection (nobody links a file
     into an image root that they could not already write)."""
-    import stat
     where = cfg.vhost_dir
     try:
         st = os.lstat(os.path.join(root, where.lstrip("/")))
@@ -173,7 +176,6 @@ def check_spdk(cfg: Config, probe: Callable[[], dict], supported) -> Check:
     """probe() returns the SPDK app's facts (backends.spdk.app_facts) or
     raises a VstorError saying why not; `supported`: the oldest and newest
     (year, month) releases vstor supports."""
-    from vstor.errors import VstorError
     bad = FAIL if cfg.default_backend == "spdk" else WARN
     try:
         facts = probe()
@@ -237,8 +239,6 @@ def libvirt_daemons(proc: str = "/proc") -> list[tuple[int, str, float]]:
 def _baked(key: str, hook: str) -> str:
     """A value `vstor hooks install` writes into a hook: KEY=value (the shell
     hook) or KEY = 'value' (Python); '' when unset."""
-    import ast
-    import shlex
     for line in hook.splitlines():
         k, sep, value = line.partition("=")
         if sep and k.strip() == key:
@@ -263,7 +263,6 @@ def same_python(a: str, b: str) -> bool:
     packages: the same file (through symlinks: a venv's python, python3 and
     python3.11 are one) in the same environment (a venv's directory: two
     venvs of one base Python are not the same), and the same arguments."""
-    import shlex
     try:
         (x, *xs), (y, *ys) = shlex.split(a), shlex.split(b)
         if xs != ys or not os.path.samefile(x, y):

@@ -43,7 +43,7 @@ def to_kib(text: str, unit: str) -> int:
     return kib
 
 
-def _parser() -> etree.XMLParser:
+def xml_parser() -> etree.XMLParser:
     # Domain XML comes from operators and from libvirt: never expand entities
     # or fetch anything it points at.
     return etree.XMLParser(resolve_entities=False, no_network=True,
@@ -72,7 +72,7 @@ class Domain:
         if isinstance(text, str):
             text = text.encode()
         try:
-            root = etree.fromstring(text, _parser())
+            root = etree.fromstring(text, xml_parser())
         except etree.XMLSyntaxError as e:
             raise BadInput(f"{origin}: {syntax_error(e)}") from None
         if root.getroottree().docinfo.doctype:
@@ -186,7 +186,7 @@ def load_disk(path: str) -> DiskIntent:
     except OSError as e:
         raise BadInput(f"cannot read {path}: {e.strerror}") from None
     try:
-        root = etree.fromstring(text, _parser())
+        root = etree.fromstring(text, xml_parser())
     except etree.XMLSyntaxError as e:
         raise BadInput(f"{path}: {syntax_error(e)}") from None
     if root.tag != f"{{{NS}}}disk":

@@ -11,7 +11,7 @@ from lxml import etree
 from vstor import NS, PREFIX
 from vstor.meta.metadata import SCHEMA_FILE, Metadata
 from vstor.meta.types import RNG, XSD, FreeText, rng
-from vstor.meta.xmlmodel import _Attr, _Choice, _Texts, _attr_name, _fields
+from vstor.meta.xmlmodel import Attr, Choice, Texts, attr_name, element_fields
 
 
 def schema_text() -> str:
@@ -38,20 +38,20 @@ def _define(g, cls, defined) -> str:
     defined[cls] = name
     d = rng(g, "define", name=name)
     el = rng(d, "element", name=cls.xml_tag)
-    for f, spec in _fields(cls):
-        if isinstance(spec, _Attr):
+    for f, spec in element_fields(cls):
+        if isinstance(spec, Attr):
             holder = el if spec.required else rng(el, "optional")
-            spec.type.rng(rng(holder, "attribute", name=_attr_name(f, spec)))
-    content = [(f, s) for f, s in _fields(cls) if not isinstance(s, _Attr)]
+            spec.type.rng(rng(holder, "attribute", name=attr_name(f, spec)))
+    content = [(f, s) for f, s in element_fields(cls) if not isinstance(s, Attr)]
     if not content:
         if not len(el):
             rng(el, "empty")
         return name
     box = rng(el, "interleave") if len(content) > 1 and not cls.xml_ordered else el
     for f, spec in content:
-        if isinstance(spec, _Texts):
+        if isinstance(spec, Texts):
             FreeText().rng(rng(rng(box, "zeroOrMore"), "element", name=spec.tag))
-        elif isinstance(spec, _Choice):
+        elif isinstance(spec, Choice):
             c = rng(box, "choice")
             for sub in spec.classes:
                 rng(c, "ref", name=_define(g, sub, defined))

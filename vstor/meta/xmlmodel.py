@@ -33,7 +33,7 @@ _WS = " \t\r\n"
 # -- field declarations ----------------------------------------------------------------
 
 @record
-class _Attr:
+class Attr:
     type: object
     required: bool
     name: str | None
@@ -49,18 +49,18 @@ class _Child:
 
 
 @record
-class _Choice:
+class Choice:
     classes: tuple[type, ...]
     label: str
 
 
 @record
-class _Texts:
+class Texts:
     tag: str
 
 
 def attr(type, *, required=False, default=None, name=None):
-    return field(default=default, metadata={"xml": _Attr(type, required, name)})
+    return field(default=default, metadata={"xml": Attr(type, required, name)})
 
 
 def child(cls, *, default=None):
@@ -73,11 +73,11 @@ def children(cls, *, min=0, missing=None, unique=None):
 
 
 def choice(*classes, label: str):
-    return field(default=None, metadata={"xml": _Choice(classes, label)})
+    return field(default=None, metadata={"xml": Choice(classes, label)})
 
 
 def texts(tag: str):
-    return field(default=(), metadata={"xml": _Texts(tag)})
+    return field(default=(), metadata={"xml": Texts(tag)})
 
 
 def element(tag: str, *, where: str | None = None, ordered: bool = False):
@@ -91,22 +91,22 @@ def element(tag: str, *, where: str | None = None, ordered: bool = False):
     return mark
 
 
-def _fields(cls):
+def element_fields(cls):
     return [(f, f.metadata["xml"]) for f in fields(cls) if "xml" in f.metadata]
 
 
-def _attr_name(f, spec) -> str:
+def attr_name(f, spec) -> str:
     return spec.name or f.name
 
 
 def _child_tags(cls) -> list[str]:
     tags = []
-    for _f, spec in _fields(cls):
+    for _f, spec in element_fields(cls):
         if isinstance(spec, _Child):
             tags.append(spec.cls.xml_tag)
-        elif isinstance(spec, _Choice):
+        elif isinstance(spec, Choice):
             tags += [c.xml_tag for c in spec.classes]
-        elif isinstance(spec, _Texts):
+        elif isinstance(spec, Texts):
             tags.append(spec.tag)
     return tags
 
@@ -117,8 +117,8 @@ def parse(cls, e: etree._Element, where: str = ""):
     """An element -> an instance of its declared class, or BadInput."""
     tag = cls.xml_tag
     pre = f"{where}: " if where else ""
-    specs = _fields(cls)
-    names = {_attr_name(f, s): (f, s) for f, s in specs if isinstance(s, _Attr)}
+    specs = element_fields(cls)
+    names = {attr_name(f, s): (f, s) for f, s in specs if isinstance(s, Attr)}
     for name in e.attrib:
         if name not in names:
             raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_shown(_local(name))}'",
@@ -144,14 +144,14 @@ def parse(cls, e: etree._Element, where: str = ""):
     for f, spec in specs:
         if isinstance(spec, _Child):
             values[f.name] = _parse_children(cls, spec, kids, where)
-        elif isinstance(spec, _Choice):
+        elif isinstance(spec, Choice):
             found = [k for k in kids if _local(k.tag) in {c.xml_tag for c in spec.classes}]
             if len(found) != 1:
                 raise BadInput(f"{where or tag} needs exactly one {spec.label} element",
                                hint="one of " + ", ".join(f"<vstor:{c.xml_tag}>" for c in spec.classes))
             sub = next(c for c in spec.classes if c.xml_tag == _local(found[0].tag))
             values[f.name] = parse(sub, found[0], where)
-        elif isinstance(spec, _Texts):
+        elif isinstance(spec, Texts):
             values[f.name] = tuple(_text_of(k, spec.tag, pre) for k in kids if _local(k.tag) == spec.tag)
     return cls(**values)
 
@@ -199,12 +199,12 @@ def _element_children(e, tag, allowed, pre) -> list:
 
 def _in_order(cls, kids, pre) -> None:
     rank = {}
-    for i, (_f, spec) in enumerate(_fields(cls)):
+    for i, (_f, spec) in enumerate(element_fields(cls)):
         if isinstance(spec, _Child):
             rank[spec.cls.xml_tag] = i
-        elif isinstance(spec, _Choice):
+        elif isinstance(spec, Choice):
             rank.update({c.xml_tag: i for c in spec.classes})
-        elif isinstance(spec, _Texts):
+        elif isinstance(spec, Texts):
             rank[spec.tag] = i
     ranks = [rank[_local(k.tag)] for k in kids]
     for a, b, ka, kb in zip(ranks, ranks[1:], kids, kids[1:]):
@@ -245,13 +245,13 @@ def build(value, *, defaults: bool = False) -> etree._Element:
     left out unless `defaults` (the canonical form digests are taken of)."""
     cls = type(value)
     e = etree.Element(Q + cls.xml_tag, nsmap={PREFIX: NS})
-    for f, spec in _fields(cls):
+    for f, spec in element_fields(cls):
         v = getattr(value, f.name)
-        if isinstance(spec, _Attr):
+        if isinstance(spec, Attr):
             if v is None or (v == f.default and not defaults and not spec.required):
                 continue
-            e.set(_attr_name(f, spec), spec.type.format(v))
-        elif isinstance(spec, _Texts):
+            e.set(attr_name(f, spec), spec.type.format(v))
+        elif isinstance(spec, Texts):
             for text in v:
                 etree.SubElement(e, Q + spec.tag).text = text
         elif v is not None:

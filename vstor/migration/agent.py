@@ -10,11 +10,15 @@ import json
 import os
 import sys
 
-from vstor.errors import EXIT_ERROR, BadInput, DoesNotFit, VstorError, one_line
+from vstor.errors import EXIT_ERROR, BadInput, DoesNotFit, Unavailable, VstorError, one_line
 from vstor.meta.document import Domain
-from vstor.migration import request as requests
+from vstor.migration import request as requests, storage
 from vstor.planner.ledger import Ledger
 from vstor.runtime.context import HostContext
+from vstor.runtime.holders import recorded
+from vstor.runtime.incoming import abort_incoming, parse_imports, plan_here, prepare_incoming, reserve_cold
+from vstor.runtime.inventory import load_ledger
+from vstor.runtime.lifecycle import own_record
 
 
 def serve(here: HostContext, stdin) -> int:
@@ -59,8 +63,6 @@ def _serve(here: HostContext, request: dict) -> dict:
     if op in ("abort", "status"):
         name, uuid = request["name"], request["uuid"]
         if op == "status":
-            from vstor.errors import Unavailable
-            from vstor.runtime.lifecycle import own_record
             damaged: list[str] = []
             records = state.records(damaged)
             if damaged:     # one of them may be this domain's: "nothing" would be a guess
@@ -72,15 +74,12 @@ def _serve(here: HostContext, request: dict) -> dict:
                 rec = own_record(rec, name, uuid)
             return {"host": here.host.hostname, "status": rec.status if rec else None,
                     "cold": bool(rec and rec.migration.get("cold") == "yes")}
-        from vstor.runtime.incoming import abort_incoming
         return {"host": here.host.hostname, "aborted": abort_incoming(rt, state, name, uuid, _quiet)}
-    from vstor.runtime.incoming import parse_imports
     dom = Domain.parse(request["xml"], "the migrating domain's XML")
     requests.NAME.check(dom.name, "the migrating domain's name")
     imports = parse_imports(request["imports"])
     if op == "check":
         return _check(here, rt, dom, _ledger(here, state), request["files"], imports, request["cold"])
-    from vstor.runtime.incoming import prepare_incoming, reserve_cold
     source = request["from"]
     # The ledger is read under the planning lock (runtime.incoming.ledger_now).
     if request["cold"]:
@@ -92,7 +91,6 @@ def _serve(here: HostContext, request: dict) -> dict:
 
 
 def _check(here: HostContext, rt, dom: Domain, ledger: Ledger, files, imports, cold: bool) -> dict:
-    from vstor.runtime.incoming import plan_here
     problems, placement, disks = [], [], {}
     try:
         plan = plan_here(here.host, rt, dom, ledger, imports, cold).recorded_plan()
@@ -108,7 +106,6 @@ def _check(here: HostContext, rt, dom: Domain, ledger: Ledger, files, imports, c
 
 def _sees(rt, theirs: dict) -> str | None:
     """None when this host has the same storage at the same path; else why not."""
-    from vstor.migration import storage
     try:
         mine = storage.describe(rt.cfg, theirs["kind"], theirs["path"], rt.sysfs)
     except BadInput as e:
@@ -119,8 +116,6 @@ def _sees(rt, theirs: dict) -> str | None:
 def _ledger(here: HostContext, state) -> Ledger:
     """Other domains' holdings: libvirt's defined domains and every state
     record besides (a migration held for a domain not defined here yet)."""
-    from vstor.runtime.holders import recorded
-    from vstor.runtime.inventory import load_ledger
     return load_ledger(here.conn, recorded(state))
 
 

@@ -5,6 +5,7 @@ request on its stdin, one JSON answer on its stdout."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import shlex
@@ -35,7 +36,6 @@ def destination(dest: str) -> tuple[str, str]:
 
 
 def _is_ipv6(text: str) -> bool:
-    import ipaddress
     try:
         return ipaddress.ip_address(text).version == 6
     except ValueError:

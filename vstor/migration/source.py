@@ -6,15 +6,19 @@ in the domain's state record until it is finished or aborted."""
 from __future__ import annotations
 
 import socket
+import uuid
 
 from vstor import records
 from vstor.config import Config
-from vstor.errors import DoesNotFit
+from vstor.errors import DoesNotFit, Unavailable
 from vstor.meta.document import Domain
 from vstor.meta.names import MIGRATION_SUBNQN, migration_subnqn
 from vstor.migration import storage
 from vstor.migration.peer import Peer
-from vstor.migration.verdict import MAKE_READY, Verdict, judge
+from vstor.migration.verdict import IMPOSSIBLE, MAKE_READY, DiskVerdict, Verdict, judge, source_side
+from vstor.runtime.actions import NvmfExport
+from vstor.runtime.journal import Journal
+from vstor.runtime.lifecycle import own_record, plan_of as checked, release
 
 
 def imported(plan) -> dict:
@@ -28,8 +32,6 @@ def plan_of(dom: Domain):
     """The domain's plan, made for its metadata as it is (lifecycle.plan_of's
     check), with each disk's source as the metadata says: a plan in a
     domain's XML is input, and nothing on this host is opened on its word."""
-    from vstor import records
-    from vstor.runtime.lifecycle import plan_of as checked
     req, plan = checked(dom)
     intent = {d.target: d.source for d in req.intent.disks}
     disks = []
@@ -53,7 +55,6 @@ def check(cfg: Config, dom: Domain, peer: Peer, sysfs, looked=None) -> Verdict:
 def look(cfg: Config, dom: Domain, sysfs):
     """This host's side, before the destination is asked: (plan, files,
     each file's storage facts, what each disk needs on the destination)."""
-    from vstor.migration.verdict import source_side
     plan = plan_of(dom)
     files = files_to_check(cfg, plan, sysfs)
     facts = {t: storage.shared(f) for t, f in files.items()}
@@ -83,7 +84,6 @@ def _check(cfg: Config, dom: Domain, peer: Peer, sysfs, cold: bool = False,
     verdict = judge(plan, facts, seen, peer.host, problems, placement)
     relayed = imported(plan)
     if relayed:     # another host's disk: only that host's export serves it, to this host alone
-        from vstor.migration.verdict import IMPOSSIBLE, DiskVerdict
         disks = tuple(DiskVerdict(d.target, IMPOSSIBLE, f"it reads another host's local NVMe through "
                                   f"{relayed[d.target].traddr}'s export {relayed[d.target].subnqn}, "
                                   "which serves this host alone",
@@ -97,7 +97,6 @@ def expect(answer: dict, key: str, kind: type, default):
     """answer[key] if it is a `kind` (a destination's answer is checked like any input)."""
     value = answer.get(key, default)
     if value is not default and not isinstance(value, kind):
-        from vstor.errors import Unavailable
         raise Unavailable(f"vstor on the destination answered {key} that is not a {kind.__name__}",
                           hint="install the same vstor version on both hosts")
     return value
@@ -126,14 +125,12 @@ def new_hostnqn() -> str:
     could reach the export by its predictable name after the move): a
     random UUID nobody can guess, recorded in the export steps here and in
     the arriving domain's plan there."""
-    import uuid
     return f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
 
 
 def recorded_hostnqn(state, dom: Domain) -> str | None:
     """The host NQN an earlier run of this migration's prepare exported to
     (a re-run keeps it: the destination may have attached with it)."""
-    from vstor.runtime.lifecycle import own_record
     rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
     hosts = sorted({e["data"].get("host") for e in (rec.steps if rec else ())
                     if e.get("kind") == "nvmf-export"} - {None})
@@ -143,7 +140,6 @@ def recorded_hostnqn(state, dom: Domain) -> str | None:
 def exports_for(cfg: Config, dom: Domain, plan, hostnqn: str | None) -> dict:
     """target -> (the NvmfExport step, the import the destination plans with)
     for each local NVMe disk under SPDK; {} until both ends are known."""
-    from vstor.runtime.actions import NvmfExport
     if not (cfg.export_address and hostnqn):
         return {}
     out = {}
@@ -218,7 +214,6 @@ def _arriving(peer: Peer, dom: Domain, answer: dict) -> str:
     """The XML the destination's prepare answered with (it holds something now)."""
     xml = expect(answer, "xml", str, None)
     if not xml:
-        from vstor.errors import Unavailable
         raise Unavailable(f"vstor on {peer.host} prepared {dom.name} but sent no XML",
                           hint=f"vstor migrate abort {dom.name} --to {peer.host}")
     return xml
@@ -227,8 +222,6 @@ def _arriving(peer: Peer, dom: Domain, answer: dict) -> str:
 def _export(state, dom: Domain, rt, steps) -> list[str]:
     """The exports journaled in the domain's record (it runs here); the NQNs
     this call added (a re-run finds the earlier ones and adds nothing)."""
-    from vstor.runtime.journal import Journal
-    from vstor.runtime.lifecycle import own_record
     with state.planning(), state.record_lock(dom.safe_name), state.lock():
         rec = own_record(state.load(dom.safe_name), dom.name, dom.uuid)
         if rec is None or rec.status != "prepared":
@@ -252,7 +245,6 @@ def unexport_all(state, name: str, rt) -> int:
             _unexport(state, rec.key, rt, nqns)
             return len(nqns)
         if rec.domain == name and rec.status == "exporting":    # it stopped here, never moved
-            from vstor.runtime.lifecycle import release
             release(rt, state, rec.key, drop_exports=True, domain=rec.domain, uuid=rec.uuid)
             return len(nqns)
     return 0
@@ -260,7 +252,6 @@ def unexport_all(state, name: str, rt) -> int:
 
 def _unexport(state, key: str, rt, nqns: list[str]) -> None:
     """Undo the exports this prepare added (the destination refused)."""
-    from vstor.runtime.journal import Journal
     if not nqns:
         return
     with state.record_lock(key), state.lock():

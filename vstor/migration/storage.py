@@ -14,6 +14,7 @@ import stat
 
 from vstor.config import Config
 from vstor.errors import BadInput
+from vstor.host import sources
 from vstor.host.blocks import stack_of
 from vstor.host.model import is_listed, unservable
 from vstor.host.sysfs import SysFS
@@ -32,7 +33,6 @@ def describe(cfg: Config, kind: str, path: str, sysfs: SysFS) -> dict:
     if kind == "file":
         # Walked component by component below an image root and never opened
         # for reading (vstor.host.sources): its size is the inode's.
-        from vstor.host import sources
         with sources.open_file(path, cfg.images) as src:
             real, size = src.resolved, src.st.st_size
     else:

@@ -16,21 +16,26 @@ destination's up; the destination's hook places the arriving domain.
 
 from __future__ import annotations
 
+from nova.virt.libvirt import driver as libvirt_driver
 from oslo_log import log as logging
 
-from nova.virt.libvirt import driver as libvirt_driver
+from vstor import config as config_mod
+from vstor.errors import VstorError
+from vstor.host.read import read_host
+from vstor.host.sysfs import SysFS
+from vstor.nova import disks, migrate
+from vstor.nova.guest import augment
+from vstor.render.migration import reshare_memory
+from vstor.runtime.inventory import load_ledger, readable_records
 
 LOG = logging.getLogger(__name__)
 
 
 def _has_vstor_disks(instance) -> bool:
-    from vstor.nova import disks
     return disks.has_disks(dict(instance.flavor.extra_specs or {}))
 
 
 def _vstor_migrate(step: str, instance, dest: str | None = None) -> str:
-    from vstor import config as config_mod
-    from vstor.nova import migrate
     return migrate.run(config_mod.load(), step, instance.name, dest)
 
 
@@ -39,13 +44,7 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
     def _get_guest_config(self, instance, *args, **kwargs):
         guest = super()._get_guest_config(instance, *args, **kwargs)
         specs = dict(instance.flavor.extra_specs or {})
-        from vstor.nova import disks
         if disks.has_disks(specs):
-            from vstor import config as config_mod
-            from vstor.host.read import read_host
-            from vstor.host.sysfs import SysFS
-            from vstor.nova.guest import augment
-            from vstor.runtime.inventory import load_ledger, readable_records
             cfg = config_mod.load()
             ledger = load_ledger(self._host.get_connection(), readable_records(cfg.state_dir))
             augment(guest, specs, instance.flavor.name, instance.project_id,
@@ -57,7 +56,6 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
         if not _has_vstor_disks(instance):
             return super().live_migration(context, instance, dest, post_method, recover_method,
                                           block_migration, migrate_data)
-        from vstor.errors import VstorError
         # The source's record (which names the destination) goes with the
         # domain, and a prepare that died half-way may have left the
         # destination holding backends: finish and abort are told where.
@@ -102,7 +100,6 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
     def post_live_migration_at_source(self, context, instance, network_info):
         super().post_live_migration_at_source(context, instance, network_info)
         if _has_vstor_disks(instance):
-            from vstor.errors import VstorError
             try:
                 dest = self._vstor_destinations().pop(instance.uuid, None)
                 LOG.info("vstor: %s", " ".join(_vstor_migrate("finish", instance, dest).split()),
@@ -112,7 +109,6 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
                             instance=instance)
 
     def _vstor_abort(self, instance) -> None:
-        from vstor.errors import VstorError
         dest = self._vstor_destinations().pop(instance.uuid, None)
         try:
             LOG.info("vstor: %s", " ".join(_vstor_migrate("abort", instance, dest).split()),
@@ -135,6 +131,5 @@ class SharedMemoryGuest:
 
     def migrate(self, *args, destination_xml=None, **kwargs):
         if destination_xml:
-            from vstor.render.migration import reshare_memory
             destination_xml = reshare_memory(destination_xml)
         return self._guest.migrate(*args, destination_xml=destination_xml, **kwargs)

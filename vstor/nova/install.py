@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import os
+from importlib import metadata
 
+import vstor
+from vstor.atomic import write_file
 from vstor.errors import BadInput
 from vstor.records import record
 
@@ -79,7 +83,6 @@ def describe(s: DriverSetup) -> list[str]:
 
 
 def apply(s: DriverSetup) -> None:
-    from vstor.atomic import write_file
     texts = {PTH: PTH_TEXT, FINDER: _finder_text()}
     rows = []
     for name in s.write:
@@ -102,8 +105,6 @@ def _vstor_dist() -> str:
     """The .dist-info directory of vstor's installation in this environment
     (a checkout's vstor.egg-info, found first when run from the checkout,
     is not one: it lists no files)."""
-    from importlib import metadata
-    import vstor
     path = next((p for p in (getattr(d, "_path", None) for d in metadata.distributions(name="vstor"))
                  if p is not None and str(p).endswith(".dist-info")), None)
     if path is None:
@@ -114,7 +115,6 @@ def _vstor_dist() -> str:
 
 
 def _finder_text() -> str:
-    import importlib.util
     spec = importlib.util.find_spec("_vstor_nova")
     if spec is None or not spec.origin:
         raise BadInput("vstor's _vstor_nova module is missing", hint="reinstall vstor")
@@ -138,7 +138,6 @@ def _record_row(name: str, data: bytes) -> str:
 
 
 def _add_to_record(record_file: str, rows: list[str]) -> None:
-    from vstor.atomic import write_file
     text = _read(record_file) or ""
     names = {row.split(",", 1)[0] for row in rows}
     kept = [line for line in text.splitlines() if line.split(",", 1)[0] not in names]

@@ -3,12 +3,16 @@ planned.  Each check is (ok, one line saying what was found and the fix)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 
 from vstor.config import Config
 from vstor.errors import VstorError
-from vstor.pve.leave import chains_vstor
+from vstor.pve import manage
+from vstor.pve.leave import chains_vstor, hook_value
 from vstor.pve.node import Node
+from vstor.runtime.state import StateDir
 
 HUGEPAGES = "/run/hugepages/kvm"        # qemu-server's mount points: <dir>/<kB>kB
 _PAGE_KB = (2048, 1048576)
@@ -32,7 +36,6 @@ def checks(node: Node, cfg: Config, hugepages: str = HUGEPAGES,
     installed = os.path.isfile(script) and os.access(script, os.X_OK)
     out.append((installed, f"hookscript {script} " + ("installed" if installed else
                                                       "missing: run vstor pve hooks install")))
-    from vstor.pve.leave import hook_value
     out += _vms(node, hook_value(store.id))
     return out
 
@@ -63,7 +66,6 @@ def _hugepage_mounts(base: str, mounts: str) -> list[tuple[bool, str]]:
 
 
 def _vms(node: Node, hook: str) -> list[tuple[bool, str]]:
-    from vstor.pve import manage
     out = []
     qemu = None
     for vm in manage.vstor_vms(node):
@@ -98,10 +100,6 @@ def _script(node: Node) -> str:
 def _others(node: Node, ours: set[int]) -> list[tuple[bool, str]]:
     """The VMs without a vstor intent: none may hand over what vstor holds
     (its pre-start refuses that only where the hookscript is set)."""
-    import glob
-    import re
-    from vstor.pve import manage
-    from vstor.runtime.state import StateDir
     out = []
     claimed = manage.claimed_controllers(node, StateDir(node.cfg.state_dir).records())
     mappings = node.pci_mappings()

@@ -17,8 +17,15 @@ from __future__ import annotations
 import os
 import sys
 
-from vstor import log as vlog
+from vstor import config as config_mod, log as vlog
 from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, BadInput, DoesNotFit, VstorError, one_line
+from vstor.formats.pve.vm import name_of
+from vstor.hook import progress
+from vstor.meta.names import inside
+from vstor.pve import manage, snippet
+from vstor.pve.node import Node
+from vstor.runtime.context import HostContext, host_root
+from vstor.runtime.lifecycle import carry_out, release
 
 PHASES = ("pre-start", "post-start", "pre-stop", "post-stop")
 
@@ -57,15 +64,10 @@ def run(argv: list[str]) -> int:
 
 
 def _here():
-    from vstor import config as config_mod
-    from vstor.runtime.context import HostContext, host_root
     return HostContext(config_mod.load(), host_root())
 
 
 def pre_start(vm: int, migrated_from: str | None) -> None:
-    from vstor.pve import manage, snippet
-    from vstor.pve.node import Node
-    from vstor.runtime.lifecycle import carry_out
     here = _here()
     cfg, state = here.config, here.state()
     node = Node(cfg)
@@ -104,7 +106,6 @@ def _exists(path: str) -> bool:
 
 def _check_movable(cfg, vm: int, plan, source: str) -> None:
     """On a migration's target: Proxmox moved the config, not the disks."""
-    from vstor.meta.names import inside
     for d in plan.disks:
         if d.source.kind == "nvme" or d.mode == "passthrough":
             raise DoesNotFit(f"VM {vm}'s disk {d.target} is local NVMe on {source}; Proxmox's "
@@ -117,8 +118,6 @@ def _check_movable(cfg, vm: int, plan, source: str) -> None:
 
 
 def post_stop(vm: int) -> None:
-    from vstor.formats.pve.vm import name_of
-    from vstor.runtime.lifecycle import release
     here = _here()
     state = here.state()
     name = name_of(vm)
@@ -134,5 +133,4 @@ def post_stop(vm: int) -> None:
 def _progress(vm: int):
     """Each host change is logged with its result by the journal; only a
     run's warnings are logged here."""
-    from vstor.hook import progress
     return progress(f"pve-{vm}")

@@ -23,6 +23,9 @@ from vstor.pve.node import Node
 from vstor.pve.request import request_of
 from vstor.records import field, record, replace
 from vstor.render import pve as render
+from vstor.runtime.holders import holding_of
+from vstor.runtime.inventory import load_ledger
+from vstor.runtime.state import StateDir
 
 
 @record(frozen=False)
@@ -75,7 +78,6 @@ def load(node: Node, vmid: int, conf_path: str | None = None, intent_path: str |
 
 
 def _records(node: Node):
-    from vstor.runtime.state import StateDir
     return StateDir(node.cfg.state_dir).records()
 
 
@@ -179,7 +181,6 @@ def _with_earlier(held: Holding, prev: str, vmid: int) -> Holding:
 
 
 def ledger(node: Node, records, skip: int | None = None) -> Ledger:
-    from vstor.runtime.inventory import load_ledger
     base = load_ledger(None, records)
     known = {h.domain for h in base.holdings}
     return Ledger(list(base.holdings) + [h for h in holdings(node, skip) if h.domain not in known])
@@ -217,7 +218,6 @@ def claimed_controllers(node: Node, records, skip: int | None = None) -> set[str
     """Every local controller a vstor plan on this node (and the plan before
     it, while its config write is pending) or a state record holds; of all
     VMs but `skip`."""
-    from vstor.runtime.holders import holding_of
     held = holdings(node, skip) + [holding_of(r) for r in records
                                    if r.holding and (skip is None or r.domain != name_of(skip))]
     out = set()

@@ -20,6 +20,8 @@ from vstor.config import Config
 from vstor.errors import BadInput, InUse, Unavailable
 from vstor.formats.pve import storage as storage_mod
 from vstor.formats.pve.config import MAX_BYTES, PveConfig
+from vstor.formats.pve.grammar import Mappings
+from vstor.formats.pve.vm import vmid_of
 
 _NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", re.ASCII)
 LOCK_SECONDS = 10           # how long qemu-server waits for a VM's config lock
@@ -140,7 +142,6 @@ class Node:
         """/etc/pve/mapping/pci.cfg as this node reads it (qemu-server's
         mapping= lines): its name is the host name up to the first dot
         (PVE::INotify::nodename)."""
-        from vstor.formats.pve.grammar import Mappings
         path = os.path.join(self.etc, "mapping", "pci.cfg")
         name = os.uname().nodename.split(".")[0]
         try:
@@ -176,7 +177,6 @@ class RunGuard:
     leave it, or None.  Anything else passes (None)."""
 
     def __init__(self, node: Node, name: str):
-        from vstor.formats.pve.vm import vmid_of
         self.node, self.vm, self._lock = node, vmid_of(name), None
 
     def __enter__(self) -> str | None:

@@ -31,10 +31,11 @@ from vstor import NS, PREFIX
 from vstor.atomic import write_file
 from vstor.errors import BadInput
 from vstor.meta import metadata
-from vstor.meta.document import _parser, syntax_error
+from vstor.meta.document import xml_parser, syntax_error
 from vstor.meta.intent import Intent
 from vstor.meta.plan import Plan
 from vstor.meta.xmlmodel import Q, build
+from vstor.render.pve import PLACEMENT_KEYS
 
 MAX_BYTES = 1 << 20
 
@@ -73,7 +74,6 @@ def read_written(intent_path: str) -> set[str] | None:
     if data is None:
         return None
     keys = set(data.decode(errors="replace").split())
-    from vstor.render.pve import PLACEMENT_KEYS
     if not keys <= set(PLACEMENT_KEYS):
         raise BadInput(f"{written_path(intent_path)} names keys vstor does not write",
                        hint="restore it, or remove it (vstor then takes every placement line "
@@ -107,7 +107,7 @@ def _read(path: str) -> bytes | None:
 
 def parse(data: bytes, origin: str, root_tag: str = "vstor") -> etree._Element:
     try:
-        root = etree.fromstring(data, _parser())
+        root = etree.fromstring(data, xml_parser())
     except etree.XMLSyntaxError as e:
         raise BadInput(f"{origin}: {syntax_error(e)}") from None
     if root.tag != Q + root_tag:

@@ -22,8 +22,8 @@ from vstor.errors import BadInput, DoesNotFit, one_line
 from vstor.host.model import Host, format_cpulist
 from vstor.meta.document import Domain
 from vstor.meta.plan import Plan
-from vstor.records import record
 from vstor.meta.topology import BadPart, hostdev_address, pci_address
+from vstor.records import asdict, record
 
 # SPDK in the guest gets 2 MiB pages (x86's default size, and setup.sh's) on
 # the guest's only NUMA cell (vstor renders one): min(1024 MB, a quarter of
@@ -228,7 +228,6 @@ def spdk_vcpus(plan: Plan, ctrl_node: int, host: Host | None) -> tuple[tuple[int
 
 
 def to_json(kit: Kit) -> dict:
-    from vstor.records import asdict
     return {**asdict(kit), "setup_sh": kit.setup_env()}
 
 

@@ -177,17 +177,17 @@ def _on(flag: bool) -> str:
     return "on" if flag else "off"
 
 
-def _after(argv: list[str], option: str) -> str | None:
+def option_value(argv: list[str], option: str) -> str | None:
     for i, arg in enumerate(argv[:-1]):
         if arg == option:
             return argv[i + 1]
     return None
 
 
-def _export_opts(argv: list[str]) -> dict[str, str]:
+def export_opts(argv: list[str]) -> dict[str, str]:
     """The options that say what a daemon serves (filename, addr.*,
     writable), from its command line."""
-    blockdev, export = _after(argv, "--blockdev") or "", _after(argv, "--export") or ""
+    blockdev, export = option_value(argv, "--blockdev") or "", option_value(argv, "--export") or ""
     keep = ("filename", "addr.type", "addr.path", "addr.str", "writable")
     opts = dict(o.split("=", 1) for o in _split(blockdev) + _split(export) if "=" in o)
     return {k: v for k, v in opts.items() if k in keep}

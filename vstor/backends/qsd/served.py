@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from vstor.backends.qsd import files, proc
-from vstor.backends.qsd.export import QsdExport, _export_opts
+from vstor.backends.qsd.export import QsdExport, export_opts
 from vstor.errors import DoesNotFit
 from vstor.meta.names import is_disk_name
 
@@ -61,7 +61,7 @@ def check_no_other_writer(export: QsdExport, mine: os.stat_result, handover: boo
         argv = proc.cmdline(p)
         if not argv or os.path.basename(argv[0]) != "qemu-storage-daemon":
             continue
-        opts = _export_opts(argv)
+        opts = export_opts(argv)
         served = _source_of(p, opts)
         if served is None or not files.same_file(mine, served):
             continue

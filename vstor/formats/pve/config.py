@@ -13,6 +13,7 @@ the end of the main section; Proxmox sorts keys when it next writes the file.
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
 from vstor.errors import BadInput
 from vstor.records import field, record
@@ -127,7 +128,6 @@ class PveConfig:
     def description(self) -> str:
         """The `#` lines of the main section, as Proxmox shows the description
         (its URL escapes undone)."""
-        from urllib.parse import unquote
         return "\n".join(unquote(line.raw[1:]) for line in self.main.lines if line.raw.startswith("#"))
 
 
