@@ -345,3 +345,20 @@ def test_importing_a_pure_module_loads_no_service_client(mod):
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.process
+def test_the_hooks_release_path_loads_no_lxml_nor_the_planner():
+    """The hook's release and reconnect read the domain's name and UUID with
+    expat and the state record as JSON: what they import (vstor.hook and
+    vstor.runtime.recorded, fresh) loads neither lxml, the declarations nor
+    the planner (19 ms of every stop when holders.py imported the Ledger
+    at its top; docs/performance.md, "The hook")."""
+    import subprocess
+    code = ("import sys, vstor.hook, vstor.runtime.recorded; print(sorted(m for m in sys.modules "
+            "if m == 'lxml' or m.startswith(('lxml.', 'vstor.planner', 'vstor.meta.document', "
+            "'vstor.meta.xmlmodel'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -5,10 +5,8 @@ a directory, and a missing group is an error, not a silent skip."""
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import os
-import socket
 import stat
 
 from vstor.errors import ActionFailed
@@ -62,6 +60,7 @@ def listening_socket(path: str, group: str):
     socket of that name (a daemon that died) is removed first; anything else
     there is refused.  The caller hands the listening socket to the daemon
     (qemu-storage-daemon's addr.type=fd) and closes its own copy."""
+    import socket
     gid = qemu_gid(group)
     where = os.path.dirname(path)
     st = os.lstat(where)
@@ -102,4 +101,5 @@ def listening_socket(path: str, group: str):
 
 
 def _suppress():
+    import contextlib
     return contextlib.suppress(OSError)

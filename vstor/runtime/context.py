@@ -11,12 +11,6 @@ import os
 from functools import cached_property
 
 from vstor.config import Config
-from vstor.errors import BadInput
-from vstor.host.read import read_host
-from vstor.host.sysfs import SysFS
-from vstor.runtime import virt
-from vstor.runtime.executor import Runtime
-from vstor.runtime.state import StateDir
 
 
 def host_root(given: str | None = None) -> str:
@@ -33,6 +27,9 @@ class HostContext:
 
     @cached_property
     def host(self):
+        from vstor.errors import BadInput
+        from vstor.host.read import read_host
+        from vstor.host.sysfs import SysFS
         root = self.host_root
         if not os.path.isdir(os.path.join(root, "sys/devices/system/cpu")):
             raise BadInput(f"{root} holds no sysfs tree (no sys/devices/system/cpu)",
@@ -42,10 +39,14 @@ class HostContext:
 
     @cached_property
     def conn(self):
+        from vstor.runtime import virt
         return virt.connect(self.uri)
 
     def runtime(self, dry_run: bool = False, force: bool = False):
+        from vstor.host.sysfs import SysFS
+        from vstor.runtime.executor import Runtime
         return Runtime(self.config, SysFS(self.host_root), dry_run=dry_run, force=force)
 
     def state(self):
+        from vstor.runtime.state import StateDir
         return StateDir(self.config.state_dir)

@@ -11,8 +11,6 @@ import stat
 from contextlib import nullcontext
 from typing import Callable
 
-from vstor.backends.qsd import daemon
-from vstor.backends.spdk import SpdkClient
 from vstor.config import Config
 from vstor.errors import InUse, Unavailable, VstorError
 from vstor.meta.names import is_disk_name
@@ -20,7 +18,7 @@ from vstor.runtime import actions
 from vstor.runtime.executor import Runtime
 from vstor.runtime.index import reindex
 from vstor.runtime.lifecycle import release
-from vstor.runtime.state import EXPORTING, INCOMING, DamagedRecord, Record, StateDir
+from vstor.runtime.state import EXPORTING, INCOMING, Record, StateDir
 
 
 def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[str],
@@ -99,6 +97,7 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
     for what in spdk_leftovers(rt.cfg, state):
         say(f"Leaving {what}")
     if damaged:
+        from vstor.runtime.state import DamagedRecord
         raise DamagedRecord(f"gc left what {len(damaged)} state records that cannot be read may "
                             "hold, and every file in vstor's directories",
                             hint="inspect each, undo by hand what it lists, remove it, then vstor gc again")
@@ -205,6 +204,7 @@ def spdk_leftovers(cfg: Config, state: StateDir) -> list[str]:
     how to remove them, and left.  Only read, in a dry run too."""
     if not os.path.exists(cfg.spdk_socket):
         return []
+    from vstor.backends.spdk import SpdkClient
     try:
         # SPDK first, the records after: a step is journaled before it is
         # made, so whatever SPDK listed is in a record read afterwards.
@@ -265,6 +265,7 @@ def _qsd_entry(name: str, path: str) -> str | None:
 
 def remove_orphan(path: str) -> None:
     if path.endswith(".pid"):
+        from vstor.backends.qsd import daemon
         daemon.stop_orphan(path)
     if os.path.lexists(path) and not os.path.isdir(path):
         os.unlink(path)

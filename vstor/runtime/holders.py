@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from vstor.planner.ledger import Ledger, holding_from_json
+from vstor.meta.holding import holding_from_json
 from vstor.runtime.index import UNREADABLE, FromIndex, IndexLedger
 from vstor.runtime.state import INCOMING, PREPARED, Record, StateDir
 
@@ -53,6 +53,9 @@ def ledger_of(state: StateDir, exclude=(), dry_run: bool = False):
     writes nothing, so it reads the records themselves (the index may need
     a rebuild)."""
     if dry_run:
+        # Here, not at the top: the hook's release imports this module, and
+        # vstor.planner (lxml, the declarations) is 19 ms it never needs.
+        from vstor.planner.ledger import Ledger
         return Ledger([holding_of(r) for r in state.records() if r.holding and r.key not in exclude])
     state.index.check_damaged()
     return IndexLedger(state.index, frozenset(exclude))

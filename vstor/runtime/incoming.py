@@ -11,21 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vstor import NS
 from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import Host
-from vstor.meta import xmlmodel
 from vstor.meta.document import Domain
-from vstor.meta.intent import NvmfSource
-from vstor.meta.names import is_safe_name
 from vstor.planner import Request, fit, plan_domain
-from vstor.planner.ledger import Holding, Ledger, holding_to_json
+from vstor.planner.ledger import Ledger
 from vstor.render.libvirt import render
 from vstor.render.migration import render_incoming
 from vstor.runtime.executor import Runtime
-from vstor.runtime.holders import holding_of, ledger_of, recorded
 from vstor.runtime.lifecycle import own_record, prepare, release
-from vstor.runtime.state import INCOMING, Record, StateDir
+from vstor.runtime.state import INCOMING, StateDir
 
 
 def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger, imports=(), cold=False) -> Domain:
@@ -54,6 +49,7 @@ def ledger_now(ledger: Ledger | Callable[[], Ledger], state: StateDir) -> Ledger
     lock: `ledger` itself when it is a function (it then reads libvirt now),
     and the state records as they are now (a domain prepared or reserved
     since `ledger` was read) besides."""
+    from vstor.runtime.holders import holding_of, recorded
     base = ledger() if callable(ledger) else ledger
     known = {h.domain for h in base.holdings}
     return Ledger(base.holdings + tuple(holding_of(r) for r in recorded(state)
@@ -69,6 +65,8 @@ def reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger, 
 
 
 def _reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger: Ledger, source: str):
+    from vstor.planner.ledger import Holding, holding_to_json
+    from vstor.runtime.state import Record
     arriving = plan_here(host, rt, dom, ledger, cold=True)
     plan = arriving.recorded_plan()
     with state.record_lock(dom.safe_name), state.lock():
@@ -76,6 +74,7 @@ def _reserve_cold(rt: Runtime, state: StateDir, host: Host, dom: Domain, ledger:
         if existing is not None and (existing.status != INCOMING or existing.steps):
             raise DoesNotFit(f"domain '{dom.name}' already has backends on this host ({existing.status})",
                              hint=f"vstor migrate abort {dom.name} on the source first")
+        from vstor.runtime.holders import ledger_of
         problems = fit.problems(host, rt.cfg, Request.from_domain(arriving), plan,
                                 ledger_of(state, {dom.safe_name}))
         if problems:
@@ -93,6 +92,9 @@ def parse_imports(given) -> tuple:
     """{target: {nvmf attributes}} from a request -> ((target, NvmfSource), ...),
     each checked by the metadata's own declaration."""
     from lxml import etree
+    from vstor.meta import xmlmodel
+    from vstor.meta.intent import NvmfSource
+    from vstor import NS
     if not isinstance(given, dict):
         raise BadInput("imports must be an object")
     out = []
@@ -152,6 +154,7 @@ def arriving_xml(state: StateDir, dom: Domain) -> str:
 def abort_incoming(rt: Runtime, state: StateDir, name: str, uuid: str | None, progress=None) -> bool:
     """Give up the backends held for a migration that will not come.  Never
     a domain that arrived (its record is prepared then): False if none."""
+    from vstor.meta.names import is_safe_name
     key = next((r.key for r in state.records() if r.domain == name), name)
     if not is_safe_name(key):
         return False

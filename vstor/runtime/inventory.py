@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sys
 
-from vstor.errors import Unavailable, VstorError
 from vstor.meta.document import Domain
+from vstor.errors import VstorError
 from vstor.planner.ledger import Holding, Ledger, holding_from_json, holding_to_json
 from vstor.runtime import virt
-from vstor.runtime.holders import holding_of
-from vstor.runtime.recordfile import DamagedRecord, UntrustedState, read_json, write_text
-from vstor.runtime.state import StateDir
+from vstor.runtime.recordfile import read_json, write_text
 
 
 def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
@@ -26,6 +23,7 @@ def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
     function of its XML alone; whether it runs is asked of libvirt, once
     for all of them.  Read here; what this run learned is written by
     save_pending(), after a define or apply that went well."""
+    import hashlib
     known = _load_cache(cache)
     used: dict[str, dict | None] = {}
     active, persistent = virt.uuids_of(conn, "ACTIVE"), virt.uuids_of(conn, "PERSISTENT")
@@ -106,6 +104,9 @@ def readable_records(state_dir: str) -> list:
     much as check it): none then, as the hook reads them again, as root,
     and refuses what they forbid.  A damaged record, or a state directory
     someone else may change, still refuses."""
+    from vstor.errors import Unavailable
+    from vstor.runtime.recordfile import DamagedRecord, UntrustedState
+    from vstor.runtime.state import StateDir
     try:
         return StateDir(state_dir).records()
     except (DamagedRecord, UntrustedState):
@@ -123,6 +124,7 @@ def load_ledger(conn=None, records=(), cache: str | None = None) -> Ledger:
     """Every defined domain's plan (libvirt) and, besides, what state
     records hold for domains libvirt does not list: prepared by hand, or
     reserved for an incoming migration."""
+    from vstor.runtime.holders import holding_of
     holdings = holdings_from_libvirt(conn, cache) if conn is not None else []
     known = {h.domain for h in holdings}
     holdings += [holding_of(r) for r in records if r.holding and r.domain not in known]

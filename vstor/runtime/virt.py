@@ -4,19 +4,14 @@ calls back into libvirt deadlocks it)."""
 from __future__ import annotations
 
 import os
-import threading
 
-from vstor import NS, PREFIX
 from vstor.errors import ActionFailed, BadInput, Unavailable
-from vstor.meta import metadata
-from vstor.meta.document import Domain
-from vstor.render.libvirt import hostdev_address
 
 DEFAULT_URI = "qemu:///system"
 
 
 def _libvirt():
-    import libvirt  # imported late: the hook's fast path must not pay for it
+    import libvirt   # imported late: the hook's fast path must not pay for it
     return libvirt
 
 
@@ -128,14 +123,17 @@ class LiveDomain:
 
     def current(self):
         """The running domain as libvirt has it now (vstor's Domain)."""
+        from vstor.meta.document import Domain
         return Domain.parse(self.live_xml(), f"domain '{self.name}'")
 
     def persistent_plan(self):
+        from vstor.meta.document import Domain
         if not self.dom.isPersistent():
             return None
         return Domain.parse(inactive_xml(self.dom), f"domain '{self.name}' (persistent)").recorded_plan()
 
     def set_metadata(self, element: str, persistent: bool = False) -> None:
+        from vstor import NS, PREFIX
         libvirt = _libvirt()
         try:
             self.dom.setMetadata(libvirt.VIR_DOMAIN_METADATA_ELEMENT, element, PREFIX, NS,
@@ -146,6 +144,7 @@ class LiveDomain:
 
     def attach(self, device: str, element: str, persistent: bool = False) -> None:
         """The metadata first (a refused device puts the old back), then the device."""
+        from vstor.meta import metadata
         libvirt = _libvirt()
         old = metadata.element_text(self.current().root)
         self.set_metadata(element, persistent)
@@ -166,6 +165,7 @@ class LiveDomain:
     def detach(self, device: str, timeout: float, persistent: bool = False) -> None:
         """Ask QEMU to unplug it and wait for DEVICE_DELETED (libvirt's
         device-removed event), `timeout` seconds at most."""
+        import threading
         from lxml import etree
         libvirt = _libvirt()
         alias = etree.fromstring(device).find("alias")
@@ -231,6 +231,7 @@ def _event_connection(target: str):
     """A connection of its own whose events the default event loop delivers
     (registered once per process, before the connection is opened)."""
     global _events_ready
+    import threading
     libvirt = _libvirt()
     if not _events_ready:
         libvirt.virEventRegisterDefaultImpl()
@@ -245,6 +246,8 @@ def _event_connection(target: str):
 
 
 def _device(xml: str, disk):
+    from vstor.meta.document import Domain
+    from vstor.render.libvirt import hostdev_address
     devices = Domain.parse(xml).root.find("devices")
     if devices is None:
         return None
@@ -255,6 +258,7 @@ def _device(xml: str, disk):
 
 
 def _device_by_alias(xml: str, alias: str):
+    from vstor.meta.document import Domain
     root = Domain.parse(xml).root
     return next((e for e in root.iterfind("devices/*") if e.find("alias") is not None
                  and e.find("alias").get("name") == alias), None)

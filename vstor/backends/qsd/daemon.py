@@ -12,14 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 import time
 
-from vstor import log, records
+from vstor import records
 from vstor.backends import ownership
 from vstor.backends.qsd import aio, files, proc, served
 from vstor.backends.qsd.export import EXPORT_ID, QsdExport, option_value, export_opts
-from vstor.backends.qsd.monitor import Monitor, QmpConnectionError, QmpError
 from vstor.backends.qsd.proc import connect_as
 from vstor.errors import ActionFailed, BadInput, Unavailable
 from vstor.host import sources
@@ -65,6 +63,7 @@ def _is_ours(export: QsdExport, p: int) -> bool:
 
 def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
     # QEMU's QMP library is asyncio: imported only when a daemon is asked.
+    from vstor.backends.qsd.monitor import Monitor, QmpConnectionError, QmpError
     # qsd now and then hangs up on a client between its greeting and the
     # capabilities reply (seen in CI: ECONNRESET in negotiation, the daemon
     # fine), so a refused connection is tried again until the deadline.
@@ -171,6 +170,7 @@ def _spawn_any_aio(export: QsdExport, source_fd: int, socket_fd: int, timeout: f
                 raise
         _remove_files(export, keep_socket=True)     # the listening socket is the next try's
     if native:
+        from vstor import log
         log.note(export.name, "the host's AIO events are used up (fs.aio-max-nr): "
                  "qemu-storage-daemon uses its thread pool (aio=threads) instead of aio=native; "
                  f"raise the limit: {aio.FIX}", log.WARNING)
@@ -182,6 +182,7 @@ def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float,
     # subprocess, not os.posix_spawn (whose import is cheaper): Popen closes
     # every other fd in the child, and a daemon that outlives the hook must
     # not keep one its caller leaked (qemu-server's config lock, say).
+    import subprocess       # here: a release (every hook's) starts nothing
     # qsd reports startup errors on stderr before its parent exits; a file
     # (in memory), not a pipe, so a daemon that kept stderr open could never
     # hang us.

@@ -8,12 +8,11 @@ import os
 import pwd
 import select
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterator
 
-from vstor.errors import ActionFailed, Unavailable
+from vstor.errors import ActionFailed
 
 
 def pids() -> Iterator[int]:
@@ -83,6 +82,7 @@ def unix_peers(path: str, since: float | None = None) -> int:
     connected sockets in /proc/net/unix).  A table vstor cannot read is a
     refusal, never "nobody connected".  `since` (a time.monotonic()): a
     read of the table begun after it serves, as pids_of's look does."""
+    from vstor.errors import Unavailable
     with _LOOK_LOCK:
         last = _PEERS[0]
         if since is not None and last is not None and last[0] >= since:
@@ -112,6 +112,7 @@ def socket_path_of(pid: int, fd: str) -> str | None:
     bound to (its network namespace's /proc/net/unix, matched by inode), or
     None: how a daemon given its listening socket (addr.type=fd) is matched
     to the name QEMU connects to."""
+    from vstor.errors import Unavailable
     try:
         inode = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
     except (FileNotFoundError, NotADirectoryError, ValueError):
@@ -186,6 +187,7 @@ def connect_as(user: str, path: str, timeout: float = 2.0) -> str | None:
     # Imported here (a release, every hook's, never connects), and in the
     # parent: a child forked from threads must not import (another thread
     # may have held a module's import lock at the fork).
+    import socket
     try:
         pw = pwd.getpwnam(user)
     except KeyError:
@@ -246,6 +248,7 @@ def reachable(user: str, path: str) -> str | None:
 
 def _listens(path: str, timeout: float = 2.0) -> str | None:
     """Connect to the socket (as whoever runs vstor); None when it worked."""
+    import socket
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
