@@ -170,6 +170,7 @@ def wheel(tmp_path_factory) -> str:
     return str(out / found)
 
 
+@pytest.mark.process
 @PACKAGE_STEP
 def test_the_wheel_into_a_venv_with_nova_survives_novas_upgrade(wheel, tmp_path):
     venv = tmp_path / "venv"
