@@ -19,6 +19,8 @@ rule the schema cannot say (`unique=`) is the parser's alone.
 
 from __future__ import annotations
 
+import functools
+
 from lxml import etree
 
 from vstor import NS, PREFIX
@@ -91,15 +93,25 @@ def element(tag: str, *, where: str | None = None, ordered: bool = False):
     return mark
 
 
-def element_fields(cls):
-    return [(f, f.metadata["xml"]) for f in fields(cls) if "xml" in f.metadata]
+@functools.cache
+def element_fields(cls) -> tuple:
+    """(field, its XML spec) of a declared class, in declaration order;
+    derived once per class (every parse asks it of every element)."""
+    return tuple((f, f.metadata["xml"]) for f in fields(cls) if "xml" in f.metadata)
 
 
 def attr_name(f, spec) -> str:
     return spec.name or f.name
 
 
-def _child_tags(cls) -> list[str]:
+@functools.cache
+def _attrs(cls) -> dict:
+    """Each attribute's name -> (field, spec)."""
+    return {attr_name(f, s): (f, s) for f, s in element_fields(cls) if isinstance(s, Attr)}
+
+
+@functools.cache
+def _child_tags(cls) -> tuple[str, ...]:
     tags = []
     for _f, spec in element_fields(cls):
         if isinstance(spec, _Child):
@@ -108,7 +120,7 @@ def _child_tags(cls) -> list[str]:
             tags += [c.xml_tag for c in spec.classes]
         elif isinstance(spec, Texts):
             tags.append(spec.tag)
-    return tags
+    return tuple(tags)
 
 
 # -- parsing --------------------------------------------------------------------------------
@@ -118,7 +130,7 @@ def parse(cls, e: etree._Element, where: str = ""):
     tag = cls.xml_tag
     pre = f"{where}: " if where else ""
     specs = element_fields(cls)
-    names = {attr_name(f, s): (f, s) for f, s in specs if isinstance(s, Attr)}
+    names = _attrs(cls)
     for name in e.attrib:
         if name not in names:
             raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_shown(_local(name))}'",
@@ -189,15 +201,17 @@ def _element_children(e, tag, allowed, pre) -> list:
                            hint="vstor metadata takes no entities; write the value itself")
         if not isinstance(k.tag, str):
             continue            # comments, processing instructions
-        qn = etree.QName(k)
-        if qn.namespace != NS or qn.localname not in allowed:
-            raise BadInput(f"{pre}<vstor:{tag}> has unexpected element <{_shown(qn.localname)}>",
+        local = _local(k.tag)
+        if not k.tag.startswith(_CLARK) or local not in allowed:
+            raise BadInput(f"{pre}<vstor:{tag}> has unexpected element <{_shown(local)}>",
                            hint="allowed: " + (", ".join(f"<vstor:{a}>" for a in allowed) or "none"))
         kids.append(k)
     return kids
 
 
-def _in_order(cls, kids, pre) -> None:
+@functools.cache
+def _ranks(cls) -> dict[str, int]:
+    """Each child element's tag -> its place in the declaration."""
     rank = {}
     for i, (_f, spec) in enumerate(element_fields(cls)):
         if isinstance(spec, _Child):
@@ -206,6 +220,11 @@ def _in_order(cls, kids, pre) -> None:
             rank.update({c.xml_tag: i for c in spec.classes})
         elif isinstance(spec, Texts):
             rank[spec.tag] = i
+    return rank
+
+
+def _in_order(cls, kids, pre) -> None:
+    rank = _ranks(cls)
     ranks = [rank[_local(k.tag)] for k in kids]
     for a, b, ka, kb in zip(ranks, ranks[1:], kids, kids[1:]):
         if b < a:
@@ -234,8 +253,12 @@ def _shown(text: str) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+_CLARK = "{" + NS + "}"       # a vstor element's tag, as lxml writes it: {namespace}local
+
+
 def _local(name: str) -> str:
-    return etree.QName(name).localname
+    """'{namespace}local' or 'local' -> 'local' (lxml's Clark notation)."""
+    return name.rpartition("}")[2]
 
 
 # -- serialising ----------------------------------------------------------------------------
