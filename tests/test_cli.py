@@ -161,6 +161,22 @@ def test_a_define_with_cells_whose_second_step_is_refused_leaves_nothing(host_la
     assert "db1" not in testconn.listDefinedDomains()
 
 
+def test_a_define_whose_spares_are_refused_after_the_first_step_leaves_nothing(host_layout, cfg, capsys,
+                                                                                testconn, monkeypatch):
+    """with_spares refusing (no controller index left) comes after libvirt
+    defined the first step: that definition goes too."""
+    from vstor.cli import domains
+    from vstor.errors import BadInput
+
+    def refused(dom):
+        raise BadInput("domain 'db1': no PCI controller index is left for the spare root port")
+    monkeypatch.setattr(domains, "with_spares", refused)
+    assert main(["-c", URI, "--config", cfg, "--host-root", host_layout("two-socket"), "define",
+                 os.path.join(TEMPLATES, "vhost-two-nodes.xml")]) == 2
+    assert "no PCI controller index is left" in capsys.readouterr().err
+    assert "db1" not in testconn.listDefinedDomains()
+
+
 def test_an_apply_with_cells_whose_second_step_is_refused_keeps_the_definition(host_layout, cfg, capsys,
                                                                                 testconn, monkeypatch):
     from lxml import etree

@@ -163,33 +163,32 @@ def _define(ctx, dom: Domain, dry_run: bool) -> int:
         if dry_run:
             sys.stdout.write(out.to_string())
             return 0
-        if len(plan.guest_cells()) > 1:
-            _define_with_spares(conn, plan.domain, out)
-        else:
-            virt.define(conn, out.to_string())
+        _define_addressed(conn, plan.domain, out)
     save_pending()      # the other domains' holdings by their XML: the next plan reads them
     print(f"Domain '{plan.domain}' defined: " + ", ".join(
         f"{d.target} {d.mode}/{d.backend}" for d in plan.disks) + f", {where(plan)}")
     return 0
 
 
-def _define_with_spares(conn, name: str, out: Domain) -> None:
-    """Define a guest with cells in two steps: libvirt places every device
-    first, then the cells' spare ports go above the ports it made. A second
-    step libvirt refuses puts back what was defined before (or nothing)."""
+def _define_addressed(conn, name: str, out: Domain) -> None:
+    """Define the rendered domain; then, once libvirt has placed every
+    device, the spare root ports of its cells (a guest with cells: vstor's
+    expander buses), above the ports libvirt made. A failure after the
+    first define puts back what was defined before: the earlier
+    definition, or none (a running domain that had none is transient
+    again)."""
     before = None if virt.state(conn, name) == "not defined" else virt.lookup(conn, name)
     before_xml = virt.inactive_xml(before) if before is not None and before.isPersistent() else None
     defined = virt.define(conn, out.to_string())
-    addressed = Domain.parse(virt.inactive_xml(defined, persistent=True), f"domain '{name}'")
-    final = with_spares(addressed)
-    if final.to_string() == addressed.to_string():
-        return
     try:
-        virt.define(conn, final.to_string())
+        addressed = Domain.parse(virt.inactive_xml(defined, persistent=True), f"domain '{name}'")
+        final = with_spares(addressed)
+        if final.to_string() != addressed.to_string():
+            virt.define(conn, final.to_string())
     except BaseException:
         if before_xml is not None:
             virt.define(conn, before_xml)
-        elif not defined.isActive():
+        else:
             defined.undefine()
         raise
 
