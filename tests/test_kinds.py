@@ -72,19 +72,46 @@ def test_the_journal_reads_parallel_and_private_from_the_classes():
 
 
 def _ops_used(cls) -> set[str]:
-    """Every attribute the kind's module reads from a parameter named rt."""
+    """Every attribute the kind's module reads from a parameter named rt,
+    and every operation of a backend's (`rt.qsd.start`: "qsd.start")."""
     tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
-    return {n.attr for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "rt"}
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "rt":
+            out.add(n.attr)
+        elif (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+              and isinstance(n.value.value, ast.Name) and n.value.value.id == "rt"):
+            out.add(f"{n.value.attr}.{n.attr}")
+    return out
 
 
 @pytest.mark.parametrize("name", list(kinds.KINDS))
 def test_a_kind_asks_the_host_only_for_operations_the_executor_passes_in(name):
     from vstor.config import Config
-    offered = {a for a in vars(executor.Runtime(Config(), object())) if not a.startswith("_")}
+    rt = executor.Runtime(Config(), object())
+    offered = {a for a in vars(rt) if not a.startswith("_")}
     offered |= {a for a in vars(executor.Runtime) if not a.startswith("_")}
-    used = _ops_used(kinds.KINDS[name])
+    # One attribute per backend, each with its operations.
+    offered |= {f"{a}.{op}" for a in vars(rt) if not a.startswith("_")
+                for op in dir(type(getattr(rt, a))) if not op.startswith("_")
+                and type(getattr(rt, a)).__module__ == executor.__name__}
+    offered |= {f"spdk.{op}" for op in _spdk_methods()}
+    backends = {"qsd", "vfio", "sources", "ownership", "spdk"}
+    used = {u for u in _ops_used(kinds.KINDS[name]) if "." not in u or u.split(".")[0] in backends}
     assert used and used <= offered, used - offered
+
+
+def _spdk_methods() -> set[str]:
+    from vstor.backends.spdk import SpdkClient
+    return {op for op in dir(SpdkClient) if not op.startswith("_")}
+
+
+def test_the_runtime_has_one_attribute_per_backend():
+    from vstor.config import Config
+    rt = executor.Runtime(Config(), object())
+    backends = {a for a in vars(rt) if not a.startswith("_")} - {"cfg", "sysfs", "dry_run", "handover", "force"}
+    assert backends == {"qsd", "vfio", "sources", "ownership"}
+    assert isinstance(vars(executor.Runtime)["spdk"], property)
 
 
 # One of each, with every optional part set: the journal gives each back.

@@ -219,7 +219,7 @@ def test_a_multipath_domain_gets_every_path_of_its_controller(env):
     attach = next(a for a in actions.build(dom.recorded_plan(), env.cfg) if a.kind == "spdk-attach")
     env.spdk.requests.clear()
     first = attach.paths[0].params(attach.name)
-    client = env.rt().spdk()
+    client = env.rt().spdk
     client.attach_nvme_controller(**first)
     assert "lost its path RDMA 192.168.101.8:4420" in executor.check(attach, env.rt())
     prepare(env.rt(), env.state, env.host(), dom)

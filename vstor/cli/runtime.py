@@ -150,7 +150,7 @@ def _spdk_pid(rt) -> int | None:
     """The SPDK application's pid as it reports it; None when it cannot be
     asked (its steps then say what is wrong)."""
     try:
-        return rt.spdk().app_pid()
+        return rt.spdk.app_pid()
     except Exception:       # noqa: BLE001 (health() reports SPDK's absence per step)
         return None
 

@@ -231,7 +231,7 @@ def _export(state, dom: Domain, rt, steps) -> list[str]:
         have = {e["data"].get("nqn") for e in rec.steps if e.get("kind") == "nvmf-export"}
         new = [s for s in steps if s.nqn not in have]
         if new:
-            rt.spdk().require({m for s in new for m in s.rpc_methods})
+            rt.spdk.require({m for s in new for m in s.rpc_methods})
             Journal(state, rec, rt, lambda m: print(f"  {m}")).extend(new)
         return [s.nqn for s in new]
 

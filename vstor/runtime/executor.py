@@ -11,6 +11,10 @@ to kill the process at every point).
 
 from __future__ import annotations
 
+import copy
+import os
+import time
+
 from vstor.config import Config
 from vstor.errors import DoesNotFit
 from vstor.runtime import kinds
@@ -26,11 +30,12 @@ PRIVATE = frozenset(kind for kind, cls in kinds.KINDS.items() if cls.private)
 
 class Runtime:
     """What a run's steps may do to the host, the only way a step kind
-    reaches it: the host's sysfs, SPDK (connected on first use, once per
-    Runtime) and the config, and the backends' operations with this host's
-    policy filled in (the image roots, the block devices its sysfs names).
-    Each backend is imported when first used: a release that stops daemons
-    never loads vfio."""
+    reaches it: the config, the host's sysfs, and one attribute per backend
+    with this host's policy filled in (the image roots, the block devices
+    its sysfs names): `spdk` (the client, connected on first use, once per
+    Runtime), `qsd`, `vfio`, and the `sources` and socket `ownership` the
+    backends share. Each backend's module is imported when first used: a
+    release that stops daemons never loads vfio."""
 
     def __init__(self, cfg: Config, sysfs, dry_run: bool = False, spdk_factory=None,
                  force: bool = False, handover: bool = False):
@@ -45,25 +50,23 @@ class Runtime:
         self.force = force
         self._spdk_factory = spdk_factory
         self._spdk = None
-        # A look through /proc (for daemons that lost their pidfile, and at
-        # /proc/net/unix for QEMU's connections) made after this moment
-        # (time.monotonic()) serves every step of the run (looking_once);
-        # None: each asks anew.
-        self.looked_since: float | None = None
+        self.sources = Sources(cfg.images, sysfs)
+        self.ownership = Ownership()
+        self.vfio = Vfio(sysfs)
+        self.qsd = Qsd(self.sources, since=None)
 
     def looking_once(self) -> "Runtime":
         """This runtime for a run that stops many daemons and starts none
-        (gc): one look through /proc serves every stop, and one read of
-        /proc/net/unix every check for a connected QEMU, not one per daemon.
-        A QEMU that connects after the look connects to a domain that
-        started since gc asked what runs: its start changed its record,
-        which gc then leaves."""
-        import copy
-        import time
+        (gc): one look through /proc (for daemons that lost their pidfile,
+        and at /proc/net/unix for QEMU's connections) serves every stop and
+        every check for a connected QEMU, not one per daemon. A QEMU that
+        connects after the look connects to a domain that started since gc
+        asked what runs: its start changed its record, which gc then leaves."""
         out = copy.copy(self)
-        out.looked_since = time.monotonic()
+        out.qsd = Qsd(self.sources, since=time.monotonic())
         return out
 
+    @property
     def spdk(self):
         if self._spdk is None:
             if self._spdk_factory:
@@ -75,45 +78,35 @@ class Runtime:
                                         config=self.cfg.file)
         return self._spdk
 
-    def vfio_plan(self, address: str):
-        """Where the controller and its IOMMU group peers are now."""
-        from vstor.backends import vfio
-        return vfio.plan_bind(self.sysfs, address)
 
-    def vfio_bind(self, target) -> None:
-        from vstor.backends import vfio
-        vfio.bind_to_vfio(self.sysfs, target)
+class Sources:
+    """File and block device sources as the backends are given them
+    (vstor.host.sources): below the image roots, or the block device this
+    host's sysfs names as the path does."""
 
-    def vfio_restore(self, original) -> None:
-        from vstor.backends import vfio
-        vfio.restore_driver(self.sysfs, original)
+    def __init__(self, images, sysfs):
+        self.images = images
+        self.sysfs = sysfs
 
-    def qsd_start(self, export, handover: bool) -> None:
-        from vstor.backends.qsd import daemon
-        daemon.start(export, handover=handover, **self._policy())
+    def policy(self) -> dict:
+        from vstor.host import sources
+        return {"roots": self.images, "kernel_name": sources.sysfs_kernel_name(self.sysfs)}
 
-    def qsd_stop(self, export) -> None:
-        from vstor.backends.qsd import daemon
-        daemon.stop(export, since=self.looked_since)
+    def open(self, kind: str, path: str):
+        """The source held open, as the daemon will be given it; a context manager."""
+        from vstor.host import sources
+        return sources.open_source(kind, path, **self.policy())
 
-    def qsd_maybe_running(self, export) -> bool:
-        """Its pidfile is there (a daemon that lost it is found by stop)."""
-        import os
-        return os.path.lexists(export.pidfile)
+    def resolve(self, path: str) -> str:
+        """The file a file source is now, symlinks followed one by one below
+        an image root."""
+        from vstor.host import sources
+        with sources.open_file(path, self.images) as src:
+            return src.resolved
 
-    def qsd_alive(self, export) -> bool:
-        from vstor.backends.qsd import daemon
-        return daemon.alive(export)
 
-    def qsd_restart(self, export) -> None:
-        """Start the daemon again if it died; a live one is left alone."""
-        from vstor.backends.qsd import daemon
-        daemon.restart_if_dead(export, **self._policy())
-
-    def clients(self, socket_path: str) -> int:
-        """How many peers are connected to a listening Unix socket."""
-        from vstor.backends.qsd import proc
-        return proc.unix_peers(socket_path, since=self.looked_since)
+class Ownership:
+    """Who may reach a vhost-user socket (vstor.backends.ownership)."""
 
     def ensure_dir(self, path: str, group: str) -> None:
         from vstor.backends import ownership
@@ -123,24 +116,61 @@ class Runtime:
         from vstor.backends import ownership
         ownership.restrict_socket(path, group)
 
-    def open_source(self, kind: str, path: str):
-        """A file or block device source held open (vstor.host.sources), as
-        the daemon will be given it; a context manager."""
-        from vstor.host import sources
-        return sources.open_source(kind, path, **self._policy())
 
-    def resolve_image(self, path: str) -> str:
-        """The file a file source is now, symlinks followed one by one below
-        an image root (vstor.host.sources)."""
-        from vstor.host import sources
-        with sources.open_file(path, self.cfg.images) as src:
-            return src.resolved
+class Vfio:
+    """An NVMe controller handed to vfio-pci and back (vstor.backends.vfio)."""
 
-    def _policy(self) -> dict:
-        """What a qemu-storage-daemon's source may be: below the image roots, or
-        the block device this host's sysfs names as the path does."""
-        from vstor.host import sources
-        return {"roots": self.cfg.images, "kernel_name": sources.sysfs_kernel_name(self.sysfs)}
+    def __init__(self, sysfs):
+        self.sysfs = sysfs
+
+    def plan(self, address: str):
+        """Where the controller and its IOMMU group peers are now."""
+        from vstor.backends import vfio
+        return vfio.plan_bind(self.sysfs, address)
+
+    def bind(self, target) -> None:
+        from vstor.backends import vfio
+        vfio.bind_to_vfio(self.sysfs, target)
+
+    def restore(self, original) -> None:
+        from vstor.backends import vfio
+        vfio.restore_driver(self.sysfs, original)
+
+
+class Qsd:
+    """qemu-storage-daemons (vstor.backends.qsd). `since`: a look through
+    /proc made after this moment (time.monotonic()) serves every call
+    (Runtime.looking_once); None: each asks anew."""
+
+    def __init__(self, sources: Sources, since: float | None):
+        self.sources = sources
+        self.since = since
+
+    def start(self, export, handover: bool) -> None:
+        from vstor.backends.qsd import daemon
+        daemon.start(export, handover=handover, **self.sources.policy())
+
+    def stop(self, export) -> None:
+        from vstor.backends.qsd import daemon
+        daemon.stop(export, since=self.since)
+
+    def maybe_running(self, export) -> bool:
+        """Its pidfile is there (a daemon that lost it is found by stop)."""
+        return os.path.lexists(export.pidfile)
+
+    def alive(self, export) -> bool:
+        from vstor.backends.qsd import daemon
+        return daemon.alive(export)
+
+    def restart(self, export) -> None:
+        """Start the daemon again if it died; a live one is left alone."""
+        from vstor.backends.qsd import daemon
+        daemon.restart_if_dead(export, **self.sources.policy())
+
+    def clients(self, socket_path: str) -> int:
+        """How many peers are connected to a listening Unix socket."""
+        from vstor.backends.qsd import proc
+        return proc.unix_peers(socket_path, since=self.since)
 
 
 def preflight(steps: list, rt) -> None:

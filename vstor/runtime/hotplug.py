@@ -86,7 +86,7 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
             return new
         methods = {m for step in steps for m in getattr(step, "rpc_methods", ())}
         if methods:
-            rt.spdk().require(methods)
+            rt.spdk.require(methods)
         others = holders_of(state, rec.key)
         steps = [executor.observe(step, rt, others) for step in steps]
         before, first = rec.holding, len(rec.steps)

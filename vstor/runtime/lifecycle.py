@@ -98,7 +98,7 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             return rec
         methods = {m for step in steps for m in getattr(step, "rpc_methods", ())}
         if methods:     # SPDK missing, or an app without vhost: said before touching anything
-            rt.spdk().require(methods)
+            rt.spdk.require(methods)
         others = holders_of(state, key)
         steps = [executor.observe(step, rt, others) for step in steps]
         state.save(rec)     # holds the resources while preparing: a concurrent prepare sees them

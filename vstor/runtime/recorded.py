@@ -123,7 +123,7 @@ def check_releasable(rt: Runtime, rec: Record) -> None:
         except ActionFailed:
             continue        # undo reports it
     if any(getattr(step, "rpc_methods", ()) for step in recorded):
-        rt.spdk().get_version()
+        rt.spdk.get_version()
     if rt.force:
         return
     for step in recorded:

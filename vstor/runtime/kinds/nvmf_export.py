@@ -63,7 +63,7 @@ class NvmfExport(Kind):
         """Look, then make what is missing: a re-run after a crash finds its
         own subsystem; one of that name serving another bdev is not vstor's
         export."""
-        spdk = rt.spdk()
+        spdk = rt.spdk
         try:
             spdk.nvmf_create_transport(self.trtype)
         except Exception as e:      # SPDK keeps one transport per type: "already exists"
@@ -96,7 +96,7 @@ class NvmfExport(Kind):
             spdk.nvmf_subsystem_add_host(self.nqn, self.host)
 
     def undo(self, rt, others) -> None:
-        spdk = rt.spdk()
+        spdk = rt.spdk
         found = spdk.nvmf_get_subsystems(self.nqn)
         if found and found[0].get("serial_number") == _serial(self.nqn):    # vstor's, not one refused
             spdk.nvmf_delete_subsystem(self.nqn)     # its namespace, listener and host go with it
@@ -106,7 +106,7 @@ class NvmfExport(Kind):
     # in_use: the default (QEMU here does not use it; the migration's destination does)
 
     def check(self, rt) -> str | None:
-        return None if rt.spdk().nvmf_get_subsystems(self.nqn) else f"SPDK has no NVMe-oF subsystem {self.nqn}"
+        return None if rt.spdk.nvmf_get_subsystems(self.nqn) else f"SPDK has no NVMe-oF subsystem {self.nqn}"
 
 
 def _serial(nqn: str) -> str:

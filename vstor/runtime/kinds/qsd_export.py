@@ -43,7 +43,7 @@ class QsdExport(Kind):
         the wrong kind."""
         if self.export.kind == "block" and rt.sysfs.root != "/":
             return None     # a block device is the host's, and an offline --host-root has none
-        with rt.open_source(self.export.kind, self.export.source) as src:
+        with rt.sources.open(self.export.kind, self.export.source) as src:
             st = src.st
         thing = ("dev", st.st_rdev) if stat.S_ISBLK(st.st_mode) else ("file", st.st_dev, st.st_ino)
         return Writes(thing, self.export.readonly, self.export.name, self.export.source)
@@ -54,31 +54,31 @@ class QsdExport(Kind):
         the file it opens itself, never this name."""
         if self.export.kind != "file":
             return self
-        return QsdExport(replace(self.export, source=rt.resolve_image(self.export.source)))
+        return QsdExport(replace(self.export, source=rt.sources.resolve(self.export.source)))
 
     def do(self, rt) -> None:
-        rt.qsd_start(self._here(rt), handover=rt.handover)
+        rt.qsd.start(self._here(rt), handover=rt.handover)
 
     def undo(self, rt, others) -> None:
-        rt.qsd_stop(self.export)
+        rt.qsd.stop(self.export)
 
     def undo_waits(self, rt) -> bool:
         """A daemon may be running (its pidfile is there): stopping it waits
         for it to exit, so the journal stops a domain's daemons side by
         side; with none there (gc of a domain whose daemons are long gone)
         one after the other costs less than a thread each."""
-        return rt.qsd_maybe_running(self.export)
+        return rt.qsd.maybe_running(self.export)
 
     def in_use(self, rt) -> str | None:
-        if rt.clients(self.export.socket_path):
+        if rt.qsd.clients(self.export.socket_path):
             return f"a client (QEMU) is connected to {self.export.socket_path}"
         return None
 
     def check(self, rt) -> str | None:
-        return None if rt.qsd_alive(self.export) else "qemu-storage-daemon is not running"
+        return None if rt.qsd.alive(self.export) else "qemu-storage-daemon is not running"
 
     def repair(self, rt) -> None:
-        rt.qsd_restart(self._here(rt))
+        rt.qsd.restart(self._here(rt))
 
     def _here(self, rt) -> QsdSpec:
         """The export's CPUs are the planned host's; when vstor reads another

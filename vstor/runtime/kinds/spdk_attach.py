@@ -58,7 +58,7 @@ class SpdkAttach(Kind):
         refused here, before anything changes."""
         if others.step(self.kind, self.name, finished_only=False) is not None:
             return self
-        every = rt.spdk().get_nvme_controllers()
+        every = rt.spdk.get_nvme_controllers()
         _refuse_taken_paths(self, every)
         return replace(self, found=any(c.get("name") == self.name for c in every))
 
@@ -67,7 +67,7 @@ class SpdkAttach(Kind):
         (an interrupted run, a path SPDK dropped).  A controller of that name
         with a path the plan does not have is not the connection the name
         stands for: refused, never merged."""
-        spdk = rt.spdk()
+        spdk = rt.spdk
         found = spdk.get_nvme_controllers(self.name)
         missing, foreign = _path_difference(self, found) if found else (self.paths, [])
         if foreign:
@@ -80,7 +80,7 @@ class SpdkAttach(Kind):
     def undo(self, rt, others) -> None:
         if self.found or others.step(self.kind, self.name, finished_only=True) is not None:
             return      # not vstor's, or another domain's disks still use it
-        spdk = rt.spdk()
+        spdk = rt.spdk
         if spdk.get_nvme_controllers(self.name):
             spdk.detach_nvme_controller(self.name)
 
@@ -89,7 +89,7 @@ class SpdkAttach(Kind):
     # in_use: the default (QEMU connects to the vhost controllers on it (spdk-vhost), not to it)
 
     def check(self, rt) -> str | None:
-        found = rt.spdk().get_nvme_controllers(self.name)
+        found = rt.spdk.get_nvme_controllers(self.name)
         if not found:
             return f"SPDK has no NVMe controller {self.name}"
         missing, foreign = _path_difference(self, found)

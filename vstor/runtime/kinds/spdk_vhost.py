@@ -59,7 +59,7 @@ class SpdkVhost(Kind):
     # observe: the default (its undo needs nothing read before)
 
     def do(self, rt) -> None:
-        spdk = rt.spdk()
+        spdk = rt.spdk
         existing = spdk.vhost_get_controllers(self.ctrlr)
         if existing:
             bdev = (existing[0].get("backend_specific", {}).get("block", {}) or {}).get("bdev")
@@ -72,7 +72,7 @@ class SpdkVhost(Kind):
         else:
             # SPDK makes the socket in its -S directory; QEMU must be able to reach
             # into it (the directory is shared by every domain and kept).
-            rt.ensure_dir(os.path.dirname(self.socket), self.group)
+            rt.ownership.ensure_dir(os.path.dirname(self.socket), self.group)
             spdk.vhost_create_blk_controller(ctrlr=self.ctrlr, dev_name=self.bdev, cpumask=self.cpumask,
                                              readonly=self.readonly or None)
         if not os.path.lexists(self.socket):
@@ -81,10 +81,10 @@ class SpdkVhost(Kind):
                                f"directory is not [paths] vhost_dir {where}",
                                hint=f"start SPDK's vhost app with -S {where}, or set [paths] vhost_dir "
                                     f"in {rt.cfg.file} to SPDK's")
-        rt.restrict_socket(self.socket, self.group)
+        rt.ownership.restrict_socket(self.socket, self.group)
 
     def undo(self, rt, others) -> None:
-        spdk = rt.spdk()
+        spdk = rt.spdk
         sessions = spdk.vhost_sessions(self.ctrlr)
         if sessions is None:
             return
@@ -98,12 +98,12 @@ class SpdkVhost(Kind):
     # undo_waits: the default (RPCs: nothing to wait for beside the others)
 
     def in_use(self, rt) -> str | None:
-        if rt.spdk().vhost_sessions(self.ctrlr):
+        if rt.spdk.vhost_sessions(self.ctrlr):
             return f"QEMU is connected to SPDK vhost controller {self.ctrlr}"
         return None
 
     def check(self, rt) -> str | None:
-        if not rt.spdk().vhost_get_controllers(self.ctrlr):
+        if not rt.spdk.vhost_get_controllers(self.ctrlr):
             return f"SPDK has no vhost controller {self.ctrlr}"
         return None if os.path.exists(self.socket) else f"socket {self.socket} is missing"
 

@@ -48,16 +48,16 @@ class VfioBind(Kind):
         theirs = others.step(self.kind, self.address, finished_only=False)
         if theirs is not None and "peers" in theirs["data"]:
             return replace(self, original=self.from_data(theirs["data"]).original)
-        return replace(self, original=rt.vfio_plan(self.address))
+        return replace(self, original=rt.vfio.plan(self.address))
 
     def do(self, rt) -> None:
-        rt.vfio_bind(self.original or self.address)
+        rt.vfio.bind(self.original or self.address)
 
     def undo(self, rt, others) -> None:
         if others.step(self.kind, self.address, finished_only=True) is not None:
             return      # another domain's SPDK still needs it on vfio-pci
         if self.original is not None:
-            rt.vfio_restore(self.original)
+            rt.vfio.restore(self.original)
 
     # undo_waits: the default (sysfs writes: nothing to wait for beside the others)
 
