@@ -73,13 +73,27 @@ def test_the_debian_version_is_vstors():
 
 
 def test_the_hook_has_the_lines_the_package_fills():
-    """debian/rules writes Debian's interpreter and dist-packages into
-    exactly these lines (as `vstor hooks install` does for a venv)."""
+    """debian/rules writes the package's hook with vstor.cli.hooks.packaged_hook
+    (Debian's interpreter, dist-packages and apt's fix into exactly these
+    lines, as `vstor hooks install` does for a venv), the form `vstor
+    doctor` checks the installed hook against."""
+    from vstor.cli.hooks import packaged_hook
     lines = _read("hooks", "vstor").splitlines()
     assert lines.count("PYTHON=python3") == 1 and lines.count("SYSPATH=") == 1
+    assert "from vstor.cli.hooks import packaged_hook" in _read("debian", "rules")
+    ours = packaged_hook().splitlines()
+    assert [a for a, b in zip(lines, ours) if a != b] == [
+        "PYTHON=python3", "SYSPATH=", "FIX='reinstall vstor, then: vstor hooks install'"]
+    assert "PYTHON=/usr/bin/python3" in ours and "SYSPATH=/usr/lib/python3/dist-packages" in ours
+
+
+def test_the_maintainer_scripts_never_name_the_slice_the_daemons_run_in():
+    """dh_installsystemd stops or restarts every unit it is given on an
+    upgrade or a removal; vstor.slice holds every running domain's daemons."""
     rules = _read("debian", "rules")
-    assert "s|^PYTHON=python3$$|PYTHON=/usr/bin/python3|" in rules
-    assert "s|^SYSPATH=$$|SYSPATH=/usr/lib/python3/dist-packages|" in rules
+    installs = [line for line in rules.splitlines() if "dh_installsystemd" in line and not line.startswith("#")]
+    assert installs and not any("vstor.slice" in line for line in installs)
+    assert any("--no-stop-on-upgrade --no-restart-after-upgrade vstor-gc.service" in line for line in installs)
 
 
 def test_the_vendored_wheels_satisfy_setup_cfg():
