@@ -103,7 +103,8 @@ def test_every_kind_of_step_has_documented_labelled_fields():
             actions.QsdExport(Spec(run_dir="/run/vstor/qsd", name="web1-vdc", source="/srv/web1.raw",
                                    kind="file", socket_path="/run/vstor/vhost/web1-vdc")),
             actions.NvmfExport("nqn.2024-01.dev.vstor:web1", "nvme5en1", "TCP", "IPv4", "10.0.0.1", 4420,
-                               "nqn.2014-08.org.nvmexpress:uuid:1")]
+                               "nqn.2014-08.org.nvmexpress:uuid:1"),
+            actions.Gate("/run/vstor/vhost/web1.vstor-prepared", "web1")]
     assert {a.kind for a in made} == set(actions.KINDS)
     doc = {k[len("steps[]."):] for k in documented("`vstor status [DOMAIN] --json`") if k.startswith("steps[].")}
     found = set()
@@ -132,7 +133,9 @@ def test_status_json_gives_each_daemons_pid_and_the_documented_keys(work, capsys
     assert strip(keys(rows)) <= documented("`vstor status [DOMAIN] --json`")
     (row,) = rows
     pids = {}
-    for step in row["steps"]:
+    *daemons, gate = row["steps"]
+    assert (gate["kind"], gate["name"], gate["problem"]) == ("gate", f"{d}/vhost/cli1.vstor-prepared", None)
+    for step in daemons:
         assert step["kind"] == "qsd-export" and step["daemon"] == "qemu-storage-daemon"
         with open(f"{d}/qsd/{step['name']}.pid") as f:
             assert step["pid"] == int(f.read())
@@ -141,7 +144,7 @@ def test_status_json_gives_each_daemons_pid_and_the_documented_keys(work, capsys
         assert os.path.basename(argv[0]) == b"qemu-storage-daemon"
         assert f"{d}/qsd/{step['name']}.pid".encode() in argv
         pids[step["name"]] = step["pid"]
-    assert sorted(s["source"] for s in row["steps"]) == [f"{d}/d0.raw", f"{d}/d1.raw"]
+    assert sorted(s["source"] for s in daemons) == [f"{d}/d0.raw", f"{d}/d1.raw"]
     assert run("status") == 0
     out = capsys.readouterr().out
     for pid in pids.values():

@@ -27,8 +27,8 @@ GOLDEN = os.path.join(HERE, "golden", "prepare-dry-run.txt")
 NS = "https://vstor.dev/xmlns/domain/1"
 
 
-def test_the_five_kinds_are_registered_by_their_names():
-    assert list(kinds.KINDS) == ["vfio-bind", "spdk-attach", "spdk-vhost", "qsd-export", "nvmf-export"]
+def test_the_six_kinds_are_registered_by_their_names():
+    assert list(kinds.KINDS) == ["vfio-bind", "spdk-attach", "spdk-vhost", "qsd-export", "nvmf-export", "gate"]
     for name, cls in kinds.KINDS.items():
         assert cls.kind == name
         assert getattr(actions, cls.__name__) is cls      # what callers import today
@@ -68,7 +68,7 @@ def test_the_journal_reads_parallel_and_private_from_the_classes():
     """As before the classes said it: one daemon per disk side by side; the
     domain's own daemons and vhost controllers without the host lock."""
     assert executor.PARALLEL == {"qsd-export"}
-    assert executor.PRIVATE == {"qsd-export", "spdk-vhost"}
+    assert executor.PRIVATE == {"qsd-export", "spdk-vhost", "gate"}
 
 
 def _ops_used(cls) -> set[str]:
@@ -133,6 +133,7 @@ def _samples():
                                cpus=(16, 48))),
         actions.NvmfExport("nqn.2016-06.io.vstor:migrate:k1-vdb", "vs_0000_5e_00_0n1", "TCP", "IPv4",
                            "10.0.0.1", 4420, "nqn.2014-08.org.nvmexpress:uuid:0f0e"),
+        actions.Gate("/run/vstor/vhost/k1.vstor-prepared", "k1", "kvm"),
     ]
 
 
@@ -146,7 +147,8 @@ def test_every_kind_survives_its_journal_form_and_knows_what_it_makes():
         assert again == step and kinds.identity(again) == kinds.identity(step)
         assert step.describe() and all(isinstance(line, str) and line for line in step.dry_run())
     assert [kinds.identity(s)[1] for s in made] == [
-        "0000:5e:00.0", "0000:3b:00.0", "vs_nvmf_1", "k1-vdb", "k1-vdc", "nqn.2016-06.io.vstor:migrate:k1-vdb"]
+        "0000:5e:00.0", "0000:3b:00.0", "vs_nvmf_1", "k1-vdb", "k1-vdc", "nqn.2016-06.io.vstor:migrate:k1-vdb",
+        "/run/vstor/vhost/k1.vstor-prepared"]
 
 
 # -- the dry run an operator reads -------------------------------------------------------------
@@ -196,7 +198,9 @@ def test_prepare_dry_run_prints_each_steps_own_description_and_dry_run(site):
     rendered = os.path.join(site.dir, "k1-rendered.xml")
     vstor(site, "render", os.path.join(site.dir, "k1.xml"), "-o", rendered)
     out = vstor(site, "prepare", "--dry-run", rendered)
-    built = actions.build(Domain.load(rendered).recorded_plan(), load_config(site.conf))
+    dom = Domain.load(rendered)
+    assert dom.gate() == f"{site.dir}/vhost/k1.vstor-prepared"     # the mark render names, prepare writes
+    built = actions.build(dom.recorded_plan(), load_config(site.conf), dom.gate())
     assert {s.kind for s in built} == set(kinds.KINDS) - {"nvmf-export"}     # a migration's only
     expected = ["Preparing k1 (dry run):"]
     for step in built:

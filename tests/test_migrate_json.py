@@ -154,7 +154,7 @@ def test_a_dry_run_prepare_exports_nothing_from_spdk(two, capsys):
            "at 127.0.0.1 port 4420, to host NQN nqn.2014-08.org.nvmexpress:uuid:" in out
     assert changes(t.a_spdk, sent_a) == [] and changes(t.b_spdk, sent_b) == []
     assert ops(log) == ["check"] and tree(t.work) == before
-    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost"])
+    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "gate"])
     assert kinds(t, "b") == (None, [])
 
 

@@ -55,8 +55,8 @@ def test_local_nvme_is_exported_to_the_destination_and_the_export_outlives_the_m
         ("nvmf_subsystem_add_ns", {"nqn": EXPORT, "namespace": {"bdev_name": "vs_0000_5f_00_0n1", "nsid": 1}}),
         ("nvmf_subsystem_add_listener", {"nqn": EXPORT, "listen_address": listen}),
         ("nvmf_subsystem_add_host", {"nqn": EXPORT, "host": mig})]
-    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "nvmf-export"])
-    assert kinds(t, "b") == ("incoming", ["spdk-attach", "spdk-vhost"])
+    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "gate", "nvmf-export"])
+    assert kinds(t, "b") == ("incoming", ["spdk-attach", "spdk-vhost", "gate"])
     attach = t.b_spdk.params_of("bdev_nvme_attach_controller")
     assert [(a["trtype"], a["traddr"], a["trsvcid"], a["subnqn"], a["hostnqn"]) for a in attach] == [
         ("TCP", "127.0.0.1", "4420", EXPORT, mig)]
@@ -132,7 +132,7 @@ def test_a_destination_that_refuses_leaves_no_export_behind(two, capsys):
     capsys.readouterr()
     assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 3
     assert capsys.readouterr().err.count("\n") == 1
-    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost"])
+    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "gate"])
     assert kinds(t, "b") == (None, []) and EXPORT not in t.a_spdk.subsystems
 
 
@@ -146,7 +146,7 @@ def test_abort_takes_the_export_down_and_keeps_the_running_domain(two, capsys):
     assert migration_nqn(t) == first and first in open(f"{t.work}/o.xml").read()   # and keeps its NQN
     assert t.a_spdk.subsystems[EXPORT].hosts == [first]
     assert on(t, "a", "migrate", "abort", "vm") == 0
-    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost"])
+    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "gate"])
     assert kinds(t, "b") == (None, []) and EXPORT not in t.a_spdk.subsystems
     assert list(t.a_spdk.vhost) == ["vm-vdb"] and t.b_spdk.nvme == {}
     assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 0
@@ -167,5 +167,5 @@ def test_an_export_subsystem_that_admits_another_host_is_refused_and_left(two, c
     assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 5
     assert f"SPDK's NVMe-oF subsystem {EXPORT} admits any host" in capsys.readouterr().err
     assert t.a_spdk.subsystems[EXPORT].serial_number == "OPERATOR1"     # left as it was
-    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost"])
+    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "gate"])
     assert kinds(t, "b") == (None, [])

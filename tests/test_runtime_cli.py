@@ -29,10 +29,10 @@ def test_prepare_status_release(work, capsys):
     assert vstor(work, "render", work.xml, "-o", rendered) == 0
     assert vstor(work, "prepare", rendered) == 0
     out = capsys.readouterr().out
-    assert "start qemu-storage-daemon" in out and "2 host changes recorded" in out
+    assert "start qemu-storage-daemon" in out and "3 host changes recorded" in out
     assert vstor(work, "status") == 0
     out = capsys.readouterr().out
-    assert "cli1: prepared" in out and out.count(": ok") == 2
+    assert "cli1: prepared" in out and out.count(": ok") == 3
     assert vstor(work, "status", "--json") == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["domain"] == "cli1" and all(s["problem"] is None for s in rows[0]["steps"])
@@ -58,7 +58,7 @@ def test_status_shows_a_dead_daemon_and_names_unknown_domains(work, capsys):
     assert "PROBLEM: qemu-storage-daemon is not running" in capsys.readouterr().out
     assert vstor(work, "status", "--json") == 1         # and --json still prints everything
     rows = json.loads(capsys.readouterr().out)
-    assert [s["problem"] for s in rows[0]["steps"]] == ["qemu-storage-daemon is not running", None]
+    assert [s["problem"] for s in rows[0]["steps"]] == ["qemu-storage-daemon is not running", None, None]
     assert vstor(work, "status", "nosuch") == 2
     assert "vstor holds nothing for domain 'nosuch'" in capsys.readouterr().err
 
@@ -382,7 +382,7 @@ def test_a_stop_with_a_broken_config_leaves_no_daemon_socket_or_record(work, cap
     loads: it warns, names the problem, and undoes everything the record names."""
     rendered = _prepared(work, capsys)
     pids = [int(open(f"{work.dir}/qsd/{p}").read()) for p in os.listdir(f"{work.dir}/qsd") if p.endswith(".pid")]
-    assert len(pids) == 2 and len(_held(work)) == 5
+    assert len(pids) == 2 and len(_held(work)) == 6     # and the prepared mark QEMU reads
     _break(work)
     assert vstor(work, "status") == 2          # the typo is still refused where nothing is undone
     capsys.readouterr()
@@ -422,13 +422,15 @@ def test_a_broken_config_that_hides_where_the_records_are_is_the_refusal(work, c
     _prepared(work, capsys)
     with open(work.conf) as f:
         text = f.read()
-    with open(work.conf, "w") as f:
-        f.write(text.replace("state_dir =", "state_dr ="))
-    assert vstor(work, "release", "cli1") == 2
-    assert "unknown key 'state_dr' in [paths] (fix: did you mean state_dir?" in capsys.readouterr().err
-    assert len(_held(work)) == 5
-    with open(work.conf, "w") as f:
-        f.write(text)
+    try:
+        with open(work.conf, "w") as f:
+            f.write(text.replace("state_dir =", "state_dr ="))
+        assert vstor(work, "release", "cli1") == 2
+        assert "unknown key 'state_dr' in [paths] (fix: did you mean state_dir?" in capsys.readouterr().err
+        assert len(_held(work)) == 6
+    finally:
+        with open(work.conf, "w") as f:
+            f.write(text)
 
 
 def test_status_flags_a_stopped_domain_that_still_holds_backends(work, capsys, monkeypatch):

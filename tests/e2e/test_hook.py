@@ -127,6 +127,7 @@ def nothing_left(name: str) -> None:
         time.sleep(0.2)
     assert not record.exists()
     assert not [p for p in (WORK / "vhost").glob(f"{name}-*")]
+    assert not (WORK / "vhost" / f"{name}.vstor-prepared").exists()     # the prepared mark
     assert not [p for p in (WORK / "qsd").glob(f"{name}-*")]
     ps = subprocess.run(["pgrep", "-f", f"{WORK}/qsd/{name}-"], capture_output=True)
     assert ps.returncode == 1, "a qemu-storage-daemon of the domain is still running"
@@ -177,6 +178,36 @@ def test_a_missing_backing_file_fails_the_start_with_vstors_reason(vstor_env, li
         nothing_left(name)
     finally:
         cleanup(libvirt_conn, name)
+
+
+def test_a_start_vstors_hook_did_not_prepare_fails_at_once_naming_vstor(vstor_env, libvirt_daemons, libvirt_conn,
+                                                                         guest_image):
+    """Issue 30: without vstor's prepare (the package removed, the hook gone,
+    libvirt never ran it) QEMU 7.2 would wait for the vhost-user socket for
+    ever (its chardev's reconnect retries the first connect).  vstor's fw_cfg
+    entry makes QEMU read the prepared mark before it creates any device:
+    the start fails at once, and the error names vstor."""
+    import time
+    from vstor.cli.hooks import render_hook
+    name = "e2e-nohook"
+    try:
+        define(vstor_env, annotated(name, guest_image, backing(name), job("read", "vda")), name)
+        xml = libvirt_conn.lookupByName(name).XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)
+        mark = WORK / "vhost" / f"{name}.vstor-prepared"
+        assert f"<entry name=\"opt/dev.vstor/prepared\" file=\"{mark}\"/>" in xml
+        libvirt_daemons.install_hook("vstor", "#!/bin/sh\nexit 0\n")     # libvirt runs no vstor
+        began = time.monotonic()
+        with pytest.raises(libvirt.libvirtError) as e:
+            libvirt_conn.lookupByName(name).create()
+        took = time.monotonic() - began
+        assert took < 30, took
+        assert "opt/dev.vstor/prepared" in str(e.value) and str(mark) in str(e.value), str(e.value)
+        print(f"a start without vstor's prepare failed after {took:.2f} s: {e.value}")
+        assert not libvirt_conn.lookupByName(name).isActive()
+    finally:
+        libvirt_daemons.install_hook("vstor", render_hook(str(vstor_env)))
+        cleanup(libvirt_conn, name)
+    assert not (WORK / "vhost" / f"{name}.vstor-prepared").exists()
 
 
 def test_two_domains_started_at_once_get_distinct_cores_and_sockets(vstor_env, libvirt_conn, guest_image):

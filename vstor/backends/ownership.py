@@ -1,5 +1,6 @@
 """Who may reach what vstor hands to QEMU: vhost-user sockets root:<qemu
-group> 0660 and their directories root:<qemu group> 0750.  The one place
+group> 0660, their directories root:<qemu group> 0750, and the prepared
+mark QEMU reads first root:<qemu group> 0640.  The one place
 ownership is set: never through a symlink, never on anything but a socket or
 a directory, and a missing group is an error, not a silent skip."""
 
@@ -10,6 +11,7 @@ import os
 import stat
 
 from vstor.errors import ActionFailed
+from vstor.meta.names import GATE_TEXT
 
 
 def qemu_gid(group: str) -> int:
@@ -37,6 +39,52 @@ def ensure_dir(path: str, group: str, enforce: bool = True) -> None:
     except OSError as e:
         raise ActionFailed(f"cannot make directory {path}: {e.strerror}") from None
     _hand_over(path, group, stat.S_ISDIR, "a directory", 0o750)
+
+
+def mark(path: str, group: str, text: str = GATE_TEXT) -> None:
+    """vstor's prepared mark at `path` (vstor.meta.names.gate_path), which
+    QEMU reads: root:<group> 0640 in a directory made as for sockets; never
+    written through a link; one already there is written again."""
+    ensure_dir(os.path.dirname(path), group, enforce=False)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o640)
+    except OSError as e:
+        raise ActionFailed(f"cannot write {path}: {e.strerror}",
+                           hint="move away what is there; vstor writes its mark there") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ActionFailed(f"{path} is not a regular file", hint="move it away")
+        os.ftruncate(fd, 0)
+        os.write(fd, text.encode())
+        os.fchown(fd, 0, qemu_gid(group))
+        os.fchmod(fd, 0o640)
+    except OSError as e:
+        raise ActionFailed(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def marked(path: str, text: str = GATE_TEXT) -> bool:
+    """Is vstor's mark at `path` (a regular file holding what vstor writes)?"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, len(text) + 1) == text.encode()
+    finally:
+        os.close(fd)
+
+
+def unmark(path: str) -> None:
+    """Remove vstor's mark; anything else at `path` is not vstor's and stays."""
+    if marked(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise ActionFailed(f"cannot remove {path}: {e.strerror}") from None
 
 
 def _hand_over(path: str, group: str, is_kind, kind: str, mode: int) -> None:

@@ -13,6 +13,7 @@ from vstor.errors import BadInput
 from vstor.host import sources
 from vstor.host.model import format_cpulist
 from vstor.meta.document import Domain
+from vstor.meta.names import gate_path
 from vstor.meta.plan import Plan
 from vstor.planner import Request, plan_domain
 from vstor.render.libvirt import render, with_spares
@@ -74,7 +75,7 @@ def make_plan(ctx, dom: Domain, ledger=None) -> Plan:
 def rendered(ctx, dom: Domain, ledger=None, spares: bool = True) -> tuple[Plan, Domain]:
     previous = _previous_plan(dom)
     plan = make_plan(ctx, dom, ledger)
-    return plan, render(dom, plan, previous, spares)
+    return plan, render(dom, plan, previous, spares, gate=gate_path(ctx.config.vhost_dir, dom.safe_name))
 
 
 def _previous_plan(dom: Domain) -> Plan | None:

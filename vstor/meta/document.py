@@ -11,7 +11,7 @@ from vstor import NS, PREFIX
 from vstor.errors import BadInput
 from vstor.meta import metadata
 from vstor.meta.intent import DiskIntent, Intent
-from vstor.meta.names import safe_key
+from vstor.meta.names import GATE_FWCFG, safe_key
 from vstor.meta.plan import Plan
 from vstor.meta import xmlmodel
 
@@ -153,6 +153,14 @@ class Domain:
 
     def has_vstor(self) -> bool:
         return self._find() is not None
+
+    def gate(self) -> str | None:
+        """The file of vstor's fw_cfg entry (vstor.meta.names.GATE_FWCFG), as
+        the XML names it (whoever wrote it: checked where it is used)."""
+        for entry in self.root.iterfind("sysinfo[@type='fwcfg']/entry"):
+            if entry.get("name") == GATE_FWCFG:
+                return entry.get("file") or ""
+        return None
 
     def _find(self):
         try:

@@ -62,6 +62,22 @@ def volume_keys(source) -> tuple[str, ...]:
     return (f"{source.kind}:{source.path}",)
 
 
+#: The fw_cfg entry whose file vstor's prepare writes (docs/libvirt.md): QEMU
+#: reads it before it creates any device, so a start the hook did not
+#: prepare fails at once, naming vstor, instead of waiting for a socket.
+GATE_FWCFG = "opt/dev.vstor/prepared"
+GATE_TEXT = "prepared by vstor\n"
+
+
+def gate_path(vhost_dir: str, safe_name: str) -> str:
+    """The file a domain's start needs vstor's prepare to have written:
+    <vhost_dir>/<safe name>.vstor-prepared (QEMU reaches it as it reaches
+    the sockets there)."""
+    if not is_safe_name(safe_name):
+        raise BadInput(f"'{safe_name}' cannot name a file")
+    return os.path.join(vhost_dir, f"{safe_name}.vstor-prepared")
+
+
 def socket_path(vhost_dir: str, safe_name: str, target: str) -> str:
     """The vhost-user socket of one disk: <vhost_dir>/<safe name>-<target>."""
     if not is_safe_name(safe_name):

@@ -59,6 +59,9 @@ class Request:
     # them: the guest's ABI) and the cell of each disk: (target, cell).
     fixed_cells: tuple = ()
     fixed_disk_cells: tuple[tuple[str, int], ...] = ()
+    # The file the domain's XML has QEMU read before any device (vstor's
+    # fw_cfg entry, vstor.meta.names.gate_path): its prepare writes it.
+    gate: str | None = None
 
     @property
     def fix(self) -> str:
@@ -71,7 +74,8 @@ class Request:
     @classmethod
     def from_domain(cls, dom: Domain, imports=()) -> "Request":
         return cls(dom.name, dom.safe_name, dom.uuid, dom.vcpus, dom.memory_kib,
-                   dom.machine, dom.intent(), tuple(imports), external_cpus=dom.is_nova())
+                   dom.machine, dom.intent(), tuple(imports), external_cpus=dom.is_nova(),
+                   gate=dom.gate())
 
     @classmethod
     def keeping_cells(cls, dom: Domain, imports=()) -> "Request":

@@ -18,6 +18,7 @@ from lxml import etree
 
 from vstor.host.model import format_cpulist
 from vstor.meta import topology
+from vstor.meta.names import GATE_FWCFG
 from vstor.meta.plan import DiskPlan, Plan
 
 
@@ -42,6 +43,19 @@ def vhost_source(disk: DiskPlan):
     # QEMU reconnects when the backend restarts instead of failing the disk.
     etree.SubElement(src, "reconnect", enabled="yes", timeout="10")
     return src
+
+
+def gate(root, path: str) -> None:
+    """vstor's fw_cfg entry (vstor.meta.names.GATE_FWCFG) naming `path`: QEMU
+    reads the file before it creates any device, so a start vstor's hook did
+    not prepare fails at once.  The domain's other fw_cfg entries stay."""
+    sysinfo = next((s for s in root.iterfind("sysinfo") if s.get("type") == "fwcfg"), None)
+    if sysinfo is None:
+        sysinfo = etree.SubElement(root, "sysinfo", type="fwcfg")
+    for entry in sysinfo.findall("entry"):
+        if entry.get("name") == GATE_FWCFG:
+            sysinfo.remove(entry)
+    etree.SubElement(sysinfo, "entry", name=GATE_FWCFG, file=path)
 
 
 def hostdev(address: str):

@@ -28,13 +28,18 @@ _ORDER = ("name", "uuid", "genid", "title", "description", "metadata", "maxMemor
           "clock", "on_poweroff", "on_reboot", "on_crash", "pm", "perf", "devices")
 
 
-def render(dom: Domain, plan: Plan, previous: Plan | None = None, spares: bool = True) -> Domain:
+def render(dom: Domain, plan: Plan, previous: Plan | None = None, spares: bool = True,
+           gate: str | None = None) -> Domain:
     """The domain as the plan renders it.  spares=False: without the spare
     root ports of a q35 guest's cells, for libvirt to place the domain's
-    devices first; `with_spares` then adds them (render/buses.py)."""
+    devices first; `with_spares` then adds them (render/buses.py).  `gate`:
+    the file vstor's prepare writes (vstor.meta.names.gate_path), which the
+    domain's QEMU then reads first (elements.gate)."""
     root = copy.deepcopy(dom.root)
     _drop_owned(root, plan, previous)
     place(root, plan)
+    if gate:
+        elements.gate(root, gate)
     devices = _child(root, "devices")
     controllers, addresses = buses.layout(plan, is_q35(dom.machine), devices)
     devices.extend(controllers)

@@ -18,8 +18,13 @@ from vstor.render import elements
 from vstor.render.libvirt import place, share_domain_memory
 
 
-def render_incoming(dom: Domain, plan: Plan) -> Domain:
+def render_incoming(dom: Domain, plan: Plan, gate: str | None = None) -> Domain:
+    """`gate`: this host's path of vstor's prepared mark, for a domain that
+    arrives with one (a domain without it keeps its fw_cfg as it is: the
+    guest's)."""
     root = copy.deepcopy(dom.root)
+    if gate and dom.gate() is not None:
+        elements.gate(root, gate)
     disks = {}
     for el in root.iterfind("devices/disk"):
         target = el.find("target")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from vstor.backends.qsd.export import QsdExport as QsdSpec
 from vstor.runtime.kinds import KINDS, Step, from_json, identity, to_json
+from vstor.runtime.kinds.gate import Gate
 from vstor.runtime.kinds.nvmf_export import NvmfExport
 from vstor.runtime.kinds.qsd_export import QsdExport
 from vstor.runtime.kinds.spdk_attach import SpdkAttach
@@ -24,12 +25,13 @@ if TYPE_CHECKING:   # the plan's declarations (lxml) only where a plan is read
     from vstor.meta.plan import Plan
 
 Action = Step
-__all__ = ["KINDS", "Action", "NvmfExport", "QsdExport", "SpdkAttach", "SpdkVhost", "VfioBind",
+__all__ = ["KINDS", "Action", "Gate", "NvmfExport", "QsdExport", "SpdkAttach", "SpdkVhost", "VfioBind",
            "build", "from_json", "identity", "to_json"]
 
 
-def build(plan: Plan, cfg: Config) -> list[Step]:
-    """The host changes, in order, that carry out `plan`."""
+def build(plan: Plan, cfg: Config, gate: str | None = None) -> list[Step]:
+    """The host changes, in order, that carry out `plan`; with `gate`, last,
+    the prepared mark there (vstor.runtime.kinds.gate)."""
     out: list[Step] = []
     bound: set[str] = set()
     attached: set[str] = set()
@@ -51,4 +53,6 @@ def build(plan: Plan, cfg: Config) -> list[Step]:
                 socket_path=disk.socket, readonly=disk.readonly, queues=disk.queues,
                 qemu_user=cfg.qemu_user, qemu_group=cfg.qemu_group,
                 cpus=tuple(plan.disk_cell(disk).emulator))))   # its cell's node's
+    if gate:
+        out.append(Gate(gate, plan.domain, cfg.qemu_group))
     return out

@@ -117,7 +117,20 @@ class Sources:
 
 
 class Ownership:
-    """Who may reach a vhost-user socket (vstor.backends.ownership)."""
+    """Who may reach a vhost-user socket, and the prepared mark QEMU reads
+    first (vstor.backends.ownership)."""
+
+    def mark(self, path: str, group: str) -> None:
+        from vstor.backends import ownership
+        ownership.mark(path, group)
+
+    def unmark(self, path: str) -> None:
+        from vstor.backends import ownership
+        ownership.unmark(path)
+
+    def marked(self, path: str) -> bool:
+        from vstor.backends import ownership
+        return ownership.marked(path)
 
     def ensure_dir(self, path: str, group: str) -> None:
         from vstor.backends import ownership

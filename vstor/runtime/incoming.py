@@ -16,6 +16,7 @@ from vstor.host.model import Host
 from vstor.meta.document import Domain
 from vstor.planner import Request, fit, plan_domain
 from vstor.planner.ledger import Ledger
+from vstor.meta.names import gate_path
 from vstor.render.libvirt import render
 from vstor.render.migration import render_incoming
 from vstor.runtime.executor import Runtime
@@ -37,11 +38,12 @@ def plan_here(host: Host, rt: Runtime, dom: Domain, ledger: Ledger, imports=(), 
                            f"domain '{dom.name}'")
     req = Request.from_domain(dom, imports) if cold else Request.keeping_cells(dom, imports)
     plan = plan_domain(host, rt.cfg, req, ledger.without(dom.name, dom.uuid))
-    return _placed(dom, plan, cold)
+    return _placed(dom, plan, cold, gate_path(rt.cfg.vhost_dir, dom.safe_name))
 
 
-def _placed(dom: Domain, plan, cold: bool) -> Domain:
-    return render(dom, plan, dom.recorded_plan()) if cold else render_incoming(dom, plan)
+def _placed(dom: Domain, plan, cold: bool, gate: str | None = None) -> Domain:
+    return (render(dom, plan, dom.recorded_plan(), gate=gate) if cold
+            else render_incoming(dom, plan, gate))
 
 
 def ledger_now(ledger: Ledger | Callable[[], Ledger], state: StateDir) -> Ledger:
@@ -138,9 +140,11 @@ def arriving_xml(state: StateDir, dom: Domain) -> str:
         raise DoesNotFit(f"vstor domain '{dom.name}' arrives, but no migration was prepared for "
                          "it on this host", hint=f"on the source: vstor migrate prepare {dom.name} "
                                                  "--to <this host>, then migrate again")
-    planned = Domain.parse(rec.migration.get("xml", ""), f"state record {rec.key}").recorded_plan()
+    made = Domain.parse(rec.migration.get("xml", ""), f"state record {rec.key}")
+    planned = made.recorded_plan()
     fit.check_made_for(planned, Request.from_domain(dom))
-    arriving = _placed(dom, planned, rec.migration.get("cold") == "yes").to_string()
+    # The prepared mark where the domain was placed here for it (plan_here).
+    arriving = _placed(dom, planned, rec.migration.get("cold") == "yes", made.gate()).to_string()
     # Read first: a refusal takes no lock and creates nothing; then, under
     # the lock, only a domain let in here takes the held backends over.
     with state.record_lock(dom.safe_name), state.lock():

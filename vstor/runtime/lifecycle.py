@@ -18,6 +18,7 @@ from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import Host
 from vstor.host.read import read_host
 from vstor.meta.document import Domain
+from vstor.meta.names import gate_path
 from vstor.meta.plan import Plan
 from vstor.planner import Request, fit
 from vstor.planner.ledger import Holding, holding_to_json
@@ -49,6 +50,19 @@ def prepare(rt: Runtime, state: StateDir, host: Host, dom: Domain,
     """Carry out the domain's recorded plan (see carry_out)."""
     req, plan = plan_of(dom)
     return carry_out(rt, state, host, req, plan, progress, incoming)
+
+
+def _gate(rt: Runtime, req: Request) -> str | None:
+    """Where the domain's XML has QEMU read vstor's prepared mark, checked
+    to be the one place vstor writes it for this domain (whoever wrote the
+    XML chose the path)."""
+    if req.gate is None:
+        return None
+    mine = gate_path(rt.cfg.vhost_dir, req.safe_name)
+    if req.gate != mine:
+        raise BadInput(f"{req.who}: its XML has QEMU read vstor's mark {req.gate[:200]!r}; vstor "
+                       f"writes it only at {mine}", hint=f"run: {req.fix}")
+    return mine
 
 
 def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan,
@@ -86,7 +100,7 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
                              reasons=tuple(problems), hint=f"if the host changed for good: {req.fix}")
         for line in fit.advice(req, plan):
             say(f"warning: {line}")
-        steps = actions.build(plan, rt.cfg)     # from a plan that passed the check
+        steps = actions.build(plan, rt.cfg, _gate(rt, req))     # from a plan that passed the check
         executor.preflight(steps, rt)
         if rt.dry_run:
             if leftover is not None:

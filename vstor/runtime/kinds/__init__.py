@@ -32,14 +32,15 @@ records hold (vstor.runtime.holders).
 from __future__ import annotations
 
 from vstor.errors import ActionFailed, VstorError
+from vstor.runtime.kinds.gate import Gate
 from vstor.runtime.kinds.nvmf_export import NvmfExport
 from vstor.runtime.kinds.qsd_export import QsdExport
 from vstor.runtime.kinds.spdk_attach import SpdkAttach
 from vstor.runtime.kinds.spdk_vhost import SpdkVhost
 from vstor.runtime.kinds.vfio_bind import VfioBind
 
-Step = VfioBind | SpdkAttach | SpdkVhost | QsdExport | NvmfExport
-KINDS = {cls.kind: cls for cls in (VfioBind, SpdkAttach, SpdkVhost, QsdExport, NvmfExport)}
+Step = VfioBind | SpdkAttach | SpdkVhost | QsdExport | NvmfExport | Gate
+KINDS = {cls.kind: cls for cls in (VfioBind, SpdkAttach, SpdkVhost, QsdExport, NvmfExport, Gate)}
 
 
 def to_json(step: Step, state: str) -> dict:
