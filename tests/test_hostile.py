@@ -52,7 +52,6 @@ import signal
 import socket
 import string
 import subprocess
-import sys
 import tempfile
 import time
 
