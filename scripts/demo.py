@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.e2e.guest import build_guest, expected_pattern, job, parse_console  # noqa: E402
 from tests.e2e.libvirtd import Daemons, read_console                        # noqa: E402
-from tests.e2e.test_hook import annotated                                    # noqa: E402
+from tests.e2e.helpers import annotated                                      # noqa: E402
 
 WORK = Path("/run/vstor-demo")
 NAME, SEED, SIZE = "vstor-demo", 2026, 1 << 20

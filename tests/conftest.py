@@ -164,15 +164,39 @@ def _watched(item):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def checkout_state(root: str = ROOT) -> set[str] | None:
-    """What git says differs in the checkout: changed tracked files and
-    untracked files it does not ignore; None outside a git checkout."""
-    try:
-        done = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=all"],
-                              capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
+def checkout_state(root: str = ROOT) -> dict[str, tuple] | None:
+    """What git says differs in the checkout (changed tracked files and
+    untracked files it does not ignore), each as git's status line with
+    what lstat says of the file, so that a file already changed before the
+    run and written again during it is a change too.  None when `root` is
+    not the top of a git checkout (an unpacked sdist, a wheel's tests, a
+    tree inside someone else's repository) or git cannot say."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout if done.returncode == 0 else None
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(top.strip()) != os.path.realpath(root):
         return None
-    return set(done.stdout.splitlines()) if done.returncode == 0 else None
+    out = git("status", "--porcelain", "-z", "--untracked-files=all")
+    if out is None:
+        return None
+    state = {}
+    entries = iter(out.split("\0"))
+    for entry in entries:
+        if not entry:
+            continue
+        xy, path = entry[:2], entry[3:]
+        if "R" in xy or "C" in xy:
+            next(entries, None)         # -z gives a rename's old path as an entry of its own
+        try:
+            st = os.lstat(os.path.join(root, path))
+            state[f"{xy} {path}"] = (st.st_mode, st.st_size, st.st_mtime_ns)
+        except OSError:
+            state[f"{xy} {path}"] = ()
+    return state
 
 
 def pytest_sessionstart(session):
@@ -181,12 +205,13 @@ def pytest_sessionstart(session):
 
 def pytest_sessionfinish(session, exitstatus):
     """A test that writes into the checkout (a stray file at the root, a
-    tracked file changed) fails the run, naming what it left."""
+    tracked file changed, or one already changed written again) fails the
+    run, naming what it left."""
     before = session.config.stash.get(_BEFORE, None)
     after = checkout_state() if before is not None else None
     if after is None or after == before:
         return
-    left = sorted(after - before) or sorted(before - after)
+    left = sorted(line for line in after.keys() | before.keys() if after.get(line) != before.get(line))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(f"the tests changed the checkout ({len(left)} paths): " + "; ".join(left[:8]),

@@ -365,6 +365,42 @@ def accepted(conn, xml: str, tmp_path) -> etree._Element:
     return etree.fromstring(dom.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE))
 
 
+# -- the guest-kit's template as libvirt defines it (test_guestkit, e2e/test_guestkit) ----------------
+
+TEMPLATES = os.path.join(ROOT, "xml-templates")
+
+# What libvirt adds to the rendered template when it defines it: root ports
+# in slot 1, the disk on pci.2, the hostdev on pci.3 (00:01.2).
+MULTIFUNCTION = " multifunction='on'"
+LIBVIRT_CONTROLLERS = "".join(
+    f"<controller type='pci' index='{i}' model='pcie-root-port'><model name='pcie-root-port'/>"
+    f"<target chassis='{i}' port='0x{7 + i:x}'/><address type='pci' domain='0x0000' bus='0x00' "
+    f"slot='0x01' function='0x{i - 1:x}'{MULTIFUNCTION if i == 1 else ''}/></controller>"
+    for i in range(1, 6))
+LIBVIRT_ADDRESS = {"vda": "0x02", "hostdev": "0x03"}
+
+
+def planned(host, path=os.path.join(TEMPLATES, "passthrough-guest-spdk.xml"), edit=None) -> Domain:
+    """The template (or `path`), edited, planned on `host` and rendered."""
+    dom = Domain.load(path)
+    if edit:
+        edit(dom.root)
+    return render(dom, plan_domain(host, SPDK_CFG, Request.from_domain(dom), Ledger()))
+
+
+def addressed(dom: Domain) -> Domain:
+    """The rendered domain as libvirt defines it (see LIBVIRT_CONTROLLERS)."""
+    root = etree.fromstring(dom.to_string())
+    devices = root.find("devices")
+    devices.append(etree.fromstring("<controller type='pci' index='0' model='pcie-root'/>"))
+    for c in etree.fromstring(f"<x>{LIBVIRT_CONTROLLERS}</x>"):
+        devices.append(c)
+    for e, bus in ((devices.find("disk"), LIBVIRT_ADDRESS["vda"]),
+                   *((hd, LIBVIRT_ADDRESS["hostdev"]) for hd in devices.findall("hostdev"))):
+        etree.SubElement(e, "address", type="pci", domain="0x0000", bus=bus, slot="0x00", function="0x0")
+    return Domain(root, dom.origin)
+
+
 # -- a two-socket host with the SPDK double (the env fixture's; test_lifecycle, test_hotplug, test_source_race) --
 
 LOCAL = "0000:5f:00.0"

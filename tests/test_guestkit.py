@@ -1,8 +1,8 @@
 """vstor guest-kit: the guest side of a passed-through controller, from the
 plan and the domain as libvirt addressed it.
 
-The addresses below are the ones the real libvirtd (9.0) gives the rendered
-xml-templates/passthrough-guest-spdk.xml; tests/e2e/test_guestkit.py defines
+The addresses tests/helpers.py adds (addressed) are the ones the real
+libvirtd (9.0) gives the rendered xml-templates/passthrough-guest-spdk.xml; tests/e2e/test_guestkit.py defines
 that domain in libvirtd and checks it still does.  The kit's script runs here
 under dash, busybox and bash on a guest-like sysfs tree (VSTOR_KIT_ROOT) with
 a PATH that has no modprobe and no mount; in a real guest it runs in
@@ -18,49 +18,14 @@ import pytest
 import yaml
 from lxml import etree
 
-from vstor.config import Config
 from vstor.errors import BadInput
 from vstor.meta import metadata
 from vstor.meta.document import Domain
-from vstor.planner import Request, plan_domain
-from vstor.planner.ledger import Ledger
 from vstor.records import replace
 from vstor.render import guestkit, guestscript
-from vstor.render.libvirt import render
+from tests.helpers import TEMPLATES, addressed, planned
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-TEMPLATES = os.path.join(ROOT, "xml-templates")
-CFG = Config(reactors=(2, 18))
-
-# What libvirt adds to the rendered template when it defines it: root ports
-# in slot 1, the disk on pci.2, the hostdev on pci.3 (00:01.2).
-MULTIFUNCTION = " multifunction='on'"
-LIBVIRT_CONTROLLERS = "".join(
-    f"<controller type='pci' index='{i}' model='pcie-root-port'><model name='pcie-root-port'/>"
-    f"<target chassis='{i}' port='0x{7 + i:x}'/><address type='pci' domain='0x0000' bus='0x00' "
-    f"slot='0x01' function='0x{i - 1:x}'{MULTIFUNCTION if i == 1 else ''}/></controller>"
-    for i in range(1, 6))
-LIBVIRT_ADDRESS = {"vda": "0x02", "hostdev": "0x03"}
-
-
-def planned(host, path=os.path.join(TEMPLATES, "passthrough-guest-spdk.xml"), edit=None) -> Domain:
-    dom = Domain.load(path)
-    if edit:
-        edit(dom.root)
-    return render(dom, plan_domain(host, CFG, Request.from_domain(dom), Ledger()))
-
-
-def addressed(dom: Domain) -> Domain:
-    """The rendered domain as libvirt defines it (see LIBVIRT_CONTROLLERS)."""
-    root = etree.fromstring(dom.to_string())
-    devices = root.find("devices")
-    devices.append(etree.fromstring("<controller type='pci' index='0' model='pcie-root'/>"))
-    for c in etree.fromstring(f"<x>{LIBVIRT_CONTROLLERS}</x>"):
-        devices.append(c)
-    for e, bus in ((devices.find("disk"), LIBVIRT_ADDRESS["vda"]),
-                   *((hd, LIBVIRT_ADDRESS["hostdev"]) for hd in devices.findall("hostdev"))):
-        etree.SubElement(e, "address", type="pci", domain="0x0000", bus=bus, slot="0x00", function="0x0")
-    return Domain(root, dom.origin)
 
 
 def kernel_only(dom: Domain) -> Domain:

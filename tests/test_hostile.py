@@ -52,7 +52,6 @@ import signal
 import socket
 import string
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -1309,38 +1308,91 @@ def test_a_state_directory_anyone_else_may_change_is_refused_before_anything(bar
     assert not os.path.exists(f"{w.vhost}/hx1-vdb")
 
 
+def _plant(w: World, at: str, names, directories: bool = False) -> dict[str, str]:
+    """A link at each of `names` (under `at`) to a file of root's own
+    outside, or to a directory holding one: link -> target."""
+    planted = {}
+    for name in names:
+        target = f"{w.outside}/{name.replace('/', '-')}"
+        if directories:
+            os.makedirs(target)
+        with open(f"{target}/kept" if directories else target, "w") as f:
+            f.write("root's own\n")
+        link = f"{at}/{name}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(link)
+        os.makedirs(os.path.dirname(link), mode=0o700, exist_ok=True)
+        os.symlink(target, link)
+        planted[link] = target
+    return planted
+
+
+def _not_written_through(planted: dict[str, str]) -> None:
+    for link, target in planted.items():
+        if os.path.isdir(target):
+            assert os.listdir(target) == ["kept"], f"{link} was written through"
+            target = f"{target}/kept"
+        with open(target) as f:
+            assert f.read() == "root's own\n", f"{link} was written through"
+
+
 def test_links_planted_at_the_names_vstor_writes_are_never_written_through(bare):
     """What root's own state files are replaced by is vstor's JSON at
-    vstor's own names, never a file a link there points at."""
+    vstor's own names, never a file a link there points at: the temporary
+    each save writes beside what it replaces (a record, the index's sums and
+    summaries, the plans' cache: vstor.runtime.recordfile.write_text), the
+    index's dirty mark, the directories its rebuild builds aside
+    (index.new, index.old), the locks, and what vstor writes outside its
+    state directory (vstor.atomic).  Each name is one vstor reaches: the
+    link there is gone afterwards, replaced or refused."""
     w = bare
     xml = _domain_in(w)
-    code, _, err = cli(w, "status")             # the index made
+    for args in (("prepare", xml), ("release", "hx1")):        # the index made
+        code, _, err = cli(w, *args)
+        assert code == 0, err
+    index = os.stat(f"{w.state}/index").st_ino
+    # Saves under an index that is trusted as it is.  The plans' cache is
+    # written by define, its temporary named by the writer's pid: this
+    # process's, as cli() runs vstor in it.
+    saves = _plant(w, w.state, ("domains/hx1.json.tmp", "index/sums.json.tmp", "index/keys/hx1.json.tmp",
+                                f"plans.json.{os.getpid()}.tmp"))
+    try:
+        code, _, err = cli(w, "define", w.write("hx2-in.xml", domain_xml(w, name="hx2")))
+        assert code == 0, err
+    finally:
+        with contextlib.suppress(Exception):        # test:///default is shared while a connection is open
+            libvirt = pytest.importorskip("libvirt")
+            libvirt.open("test:///default").lookupByName("hx2").undefine()
+    code, _, err = cli(w, "prepare", xml)
     assert code == 0, err
-    os.makedirs(f"{w.state}/index/keys", exist_ok=True)
-    targets = {}
-    for name in ("index/sums.json.tmp", "index/keys/hx1.json.tmp", "index/dirty", "index/stamp.tmp",
-                 "plans.json.tmp", "domains/hx1.json.tmp", "lock", "plan.lock"):
-        target = f"{w.outside}/{name.replace('/', '-')}"
-        with open(target, "w") as f:
-            f.write("root's own\n")
-        targets[target] = name
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"{w.state}/{name}")
-        os.makedirs(os.path.dirname(f"{w.state}/{name}"), mode=0o700, exist_ok=True)
-        os.symlink(target, f"{w.state}/{name}")
-    code, out, err = cli(w, "prepare", xml)
-    held = [n for n in ("lock", "plan.lock") if os.path.islink(f"{w.state}/{n}")]
-    if held:        # a lock file that is a link is refused: nothing was started
-        assert code == 4 and _one_line(err) and "Too many levels of symbolic links" in err, err
-        for n in held:
-            os.unlink(f"{w.state}/{n}")
-        code, out, err = cli(w, "prepare", xml)
+    _not_written_through(saves)
+    assert [link for link in saves if os.path.islink(link)] == []
+    assert os.stat(f"{w.state}/index").st_ino == index          # no rebuild took the links away
+    # A change under way (the dirty mark) is found, and the index rebuilt
+    # aside past what is at the names it builds in.
+    rebuild = {**_plant(w, w.state, ("index/dirty",)),
+               **_plant(w, w.state, ("index.new", "index.old"), directories=True)}
+    code, _, err = cli(w, "release", "hx1")
     assert code == 0, err
-    code, out, err = cli(w, "release", "hx1")
-    assert code == 0, err
-    for target, name in targets.items():
-        with open(target) as f:
-            assert f.read() == "root's own\n", f"{name} was written through"
+    assert os.stat(f"{w.state}/index").st_ino != index
+    assert [link for link in rebuild if os.path.lexists(link)] == []
+    _not_written_through(rebuild)
+    # A lock file that is a link is refused: nothing is started.
+    locks = _plant(w, w.state, ("lock", "plan.lock"))
+    for args in (("define", w.write("hx2-in.xml", domain_xml(w, name="hx2"))), ("prepare", xml)):
+        code, out, err = cli(w, *args)
+        assert code == 4 and _one_line(err) and "Too many levels of symbolic links" in err, (args, code, err)
+    assert not os.path.exists(f"{w.vhost}/hx1-vdb")
+    _not_written_through(locks)
+    for link in locks:
+        os.unlink(link)
+    # Outside the state directory: a temporary made anew, never opened through a link.
+    out = f"{w.cases}/out.xml"
+    written = _plant(w, w.cases, (f"out.xml.tmp.{os.getpid()}",))
+    code, _, err = cli(w, "render", w.write("hx1-in.xml", domain_xml(w)), "-o", out)
+    assert code == BAD and _one_line(err) and f"cannot write {out}: File exists" in err, (code, err)
+    assert not os.path.lexists(out)
+    _not_written_through(written)
 
 
 def test_planning_refuses_a_state_directory_anyone_else_may_change(bare):

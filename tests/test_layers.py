@@ -330,6 +330,61 @@ def test_a_private_import_is_found(tmp_path):
     assert _private_imports({"vstor.x.m": str(path)}) == ["vstor.x.m: vstor.meta.document._hidden"]
 
 
+# -- the tests: none imports a test module ------------------------------------------------
+
+TESTS = os.path.join(ROOT, "tests")
+
+
+def _test_tree() -> dict[str, str]:
+    """Every Python module under tests/, by its dotted name."""
+    out = {}
+    for dirpath, dirs, files in os.walk(TESTS):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[mod.removesuffix(".__init__")] = path
+    return out
+
+
+def _test_module_imports(modules: dict) -> list[str]:
+    """Each import of a test module (test_*.py) by any module under tests/
+    (a test module, conftest, a helper), wherever the import is, as
+    `importer -> imported, file:line`.  What test modules share lives in a
+    module of its own (tests/helpers.py, tests/e2e/helpers.py) or a conftest."""
+    bad = []
+    for mod, path in sorted(modules.items()):
+        for name, line in sorted(_named(mod, path, modules).items()):
+            while name not in modules and "." in name:       # from tests.x import f: f is no module
+                name = name.rsplit(".", 1)[0]
+            if name in modules and name != mod and name.rsplit(".", 1)[-1].startswith("test_"):
+                bad.append(f"{mod} -> {name}, {os.path.relpath(path, ROOT)}:{line}")
+    return bad
+
+
+def test_no_module_of_the_tests_imports_a_test_module():
+    modules = _test_tree()
+    assert len([m for m in modules if m.startswith("tests.e2e.test_")]) > 5
+    assert _test_module_imports(modules) == []
+
+
+@pytest.mark.parametrize("mod, code, says", [
+    # The forms tests/e2e used before its helpers.py: relative, absolute, in a function.
+    ("tests.e2e.test_fake", "from .test_hook import cleanup as undefine\n", "tests.e2e.test_fake -> tests.e2e.test_hook"),
+    ("tests.e2e.test_fake", "def f():\n    from tests.test_guestkit import addressed\n",
+     "tests.e2e.test_fake -> tests.test_guestkit"),
+    ("tests.test_fake", "from tests.e2e import test_hook\n", "tests.test_fake -> tests.e2e.test_hook"),
+    ("tests.test_fake", "import tests.test_cells\n", "tests.test_fake -> tests.test_cells"),
+    ("tests.e2e.fake", "from ..test_cells import running\n", "tests.e2e.fake -> tests.test_cells"),
+])
+def test_an_import_of_a_test_module_is_found_with_where_it_is(tmp_path, mod, code, says):
+    path = tmp_path / "fake.py"
+    path.write_text(code)
+    bad = _test_module_imports({**_test_tree(), mod: str(path)})
+    assert bad == [f"{says}, {os.path.relpath(path, ROOT)}:{code.count(chr(10))}"], bad
+
+
 def test_the_synthetic_host_builder_is_not_in_the_product():
     assert not os.path.exists(os.path.join(PKG, "testing"))
 

@@ -452,3 +452,27 @@ def test_status_flags_a_stopped_domain_that_still_holds_backends(work, capsys, m
     finally:
         conn.lookupByName("cli1").undefine()
         conn.close()
+
+
+def test_a_refused_prepare_prints_nothing_before_its_refusal(work, capsys):
+    """'Preparing X:' is said once something is done (or, in a dry run,
+    would be): a prepare refused before its first step prints only the
+    refusal, as a refused release does."""
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    assert vstor(work, "prepare", rendered) == 0
+    capsys.readouterr()
+    with socket.socket(socket.AF_UNIX) as qemu:       # what the earlier run left is still in use
+        qemu.connect(f"{work.dir}/vhost/cli1-vdb")
+        assert vstor(work, "prepare", rendered) == 3
+        out, err = capsys.readouterr()
+        assert out == "" and "still using its storage: a client (QEMU) is connected" in err
+    assert vstor(work, "release", "cli1") == 0
+    capsys.readouterr()
+    os.unlink(f"{work.dir}/d0.raw")                 # a source gone: refused before anything starts
+    for args in (("prepare", rendered), ("prepare", "--dry-run", rendered)):
+        code = vstor(work, *args)
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, ""), (args, code, out, err)
+        assert f"{work.dir}/d0.raw" in err and err.count("\n") == 1, err
+    assert not os.listdir(f"{work.dir}/state/domains")

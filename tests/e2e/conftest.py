@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from .guest import Guest, build_guest
+from .helpers import hooked
 from .libvirtd import Daemons, which
 
 HERE = Path(__file__).parent
@@ -69,3 +70,11 @@ class _LiveConnection:
 @pytest.fixture(scope="session")
 def libvirt_conn(libvirt_daemons: Daemons):
     return _LiveConnection(libvirt_daemons)
+
+
+@pytest.fixture(scope="module")
+def vstor_env(libvirt_daemons):
+    """A vstor config of its own, the hook installed into libvirt's qemu.d.
+    No housekeeping cores on this 2-CPU machine: two 1-vCPU domains get a
+    dedicated core each, with their emulator threads on their own core."""
+    yield from hooked(libvirt_daemons, housekeeping="")

@@ -47,11 +47,16 @@ def which(tool: str) -> str | None:
 
 
 def running_pid(name: str) -> int | None:
-    """The pid of a live process whose command name is `name`, if any."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and _comm(int(entry.name)) == name:
-            return int(entry.name)
-    return None
+    """The pid of the machine's own `name` daemon, if it runs: the live
+    process of that name its pid file (PIDFILES) names.  Not any process of
+    that name: another user's session libvirtd, one in a container or a
+    migration lab's is not the daemon qemu:///system reaches, and taking it
+    for that one left the session waiting for a socket nobody served."""
+    try:
+        pid = int(PIDFILES[name].read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if _comm(pid) == name else None
 
 
 def _comm(pid: int) -> str | None:

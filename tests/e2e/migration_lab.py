@@ -16,9 +16,9 @@ and in [paths] images. A's `[migrate] peer_command` runs `vstor migrate
 agent` inside B's namespaces, and B's runs it inside A's.
 
 What runs in the lab never touches the machine's own libvirtd. Processes are
-found by pid or by their network namespace, never by name (pitfall 7:
-libvirtd.running_pid("libvirtd") would take a lab libvirtd for the default
-one). `Lab.stop()` also works after a half-done `start()`: it destroys
+found by pid or by their network namespace, never by name (pitfall 7: a
+search by name would take a lab libvirtd for the default one; so does not
+libvirtd.running_pid, which reads the default pid file). `Lab.stop()` also works after a half-done `start()`: it destroys
 domains, stops daemons (SIGTERM, then SIGKILL), kills whatever is left in
 the hosts' network namespaces, ends the anchors (their mounts, namespaces and
 veth go with them) and removes the lab directory.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import unavailable
-from .test_hook import ROOT, WORK, vstor_env  # noqa: F401 (vstor_env: a fixture)
+from .helpers import ROOT, WORK
 
 HARDWARE = ("passthrough_spdk_guest", "vhost_local_nvme", "vhost_nvmf_rdma", "migration")
 # Devices a lab would name, none of them on this machine.

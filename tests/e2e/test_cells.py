@@ -33,8 +33,7 @@ import pytest
 from lxml import etree
 
 from .guest import domain_xml, expected_pattern, job, label_disk
-from .test_hook import ROOT, SIZE, WORK, backing, hooked, cleanup, nothing_left, stop, vstor, wait_for_marker
-from .test_hotplug import daemons
+from .helpers import ROOT, SIZE, WORK, backing, cleanup, daemons, hooked, nothing_left, stop, vstor, wait_for_marker
 
 NS = "https://vstor.dev/xmlns/domain/1"
 V = f"{{{NS}}}"
@@ -60,7 +59,7 @@ ELSEWHERE_Q35 = sorted(ELSEWHERE + ["controller-pci"])
 
 @pytest.fixture(scope="module")
 def cells_env(libvirt_daemons):
-    """test_hook's vstor_env, with housekeeping cores for shared vCPUs."""
+    """conftest's vstor_env, with housekeeping cores for shared vCPUs."""
     yield from hooked(libvirt_daemons, housekeeping="0-1")
 
 

@@ -22,8 +22,8 @@ from tests.hostlayout import build_tree
 from tests.hostlayout.model import load_layout
 
 from .guest import domain_xml, script_disk, script_job, script_output
+from .helpers import cleanup as undefine
 from .libvirtd import read_console, wait_shutoff
-from .test_hook import cleanup as undefine
 
 ROOT = Path(__file__).resolve().parents[2]
 WORK = Path("/run/vstor-e2e-guestkit")
@@ -237,9 +237,9 @@ def test_the_kit_puts_the_controller_on_vfio_pci_inside_the_guest(work, libvirt_
 
 
 def test_libvirt_addresses_the_template_as_the_unit_tests_say(work, libvirt_conn, host_model):
-    """tests/test_guestkit.py adds the addresses libvirt gives the rendered
-    passthrough-guest-spdk.xml; this libvirtd must give the same."""
-    from tests.test_guestkit import addressed, planned
+    """tests/helpers.py adds (for tests/test_guestkit.py) the addresses libvirt
+    gives the rendered passthrough-guest-spdk.xml; this libvirtd must give the same."""
+    from tests.helpers import addressed, planned
     from vstor.meta.document import Domain
     from vstor.render import guestkit
     name = f"{NAME}-db1"

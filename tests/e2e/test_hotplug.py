@@ -12,8 +12,8 @@ import pytest
 from lxml import etree
 
 from .guest import expected_pattern, job
-from .test_hook import (ROOT, SIZE, WORK, annotated, backing, cleanup, define, nothing_left, stop,
-                        vstor, vstor_env, wait_for_marker)  # noqa: F401 (vstor_env: a fixture)
+from .helpers import (ROOT, SIZE, WORK, annotated, backing, cleanup, daemons, define, nothing_left, stop,
+                      vstor, wait_for_marker)
 
 NS = "https://vstor.dev/xmlns/domain/1"
 
@@ -33,12 +33,6 @@ def disk_file(name: str, target: str, path: str) -> str:
     out.write_text(f"<vstor:disk xmlns:vstor='{NS}' target='{target}' backend='qsd'>"
                    f"<vstor:file path='{path}'/></vstor:disk>\n")
     return str(out)
-
-
-def daemons(name: str) -> list[str]:
-    ps = subprocess.run(["pgrep", "-af", f"{WORK}/qsd/{name}-"], capture_output=True, text=True)
-    return sorted(line.split("--pidfile", 1)[-1].split()[0] for line in ps.stdout.splitlines()
-                  if "--pidfile" in line)
 
 
 def refused(conf, *args) -> subprocess.CompletedProcess:

@@ -21,13 +21,13 @@ from tests.nova import ask
 
 from .guest import expected_pattern, job, parse_console, script_disk, script_job, script_output
 from .libvirtd import read_console, wait_shutoff
-from .test_hook import WORK, backing, cleanup, nothing_left, vstor, vstor_env  # noqa: F401
+from .helpers import WORK, backing, cleanup, nothing_left
 
 SIZE = 1 << 20
 NAME = "instance-0000002a"
 
 
-def test_a_nova_instance_writes_through_its_vstor_disk(vstor_env, libvirt_conn, guest_image):  # noqa: F811
+def test_a_nova_instance_writes_through_its_vstor_disk(vstor_env, libvirt_conn, guest_image):
     disk = backing(NAME)
     console = WORK / f"{NAME}.console"
     spec = {"name": NAME, "uuid": "9f6f1a40-2a35-4a6f-8b0b-5a3c1e2d4f10", "vcpus": 1,
@@ -88,7 +88,7 @@ def _qsd_argv(name: str) -> list[str]:
 
 
 def test_a_nova_instance_with_a_readonly_flavor_disk_starts_and_its_writes_are_refused(
-        vstor_env, libvirt_conn, guest_image):  # noqa: F811
+        vstor_env, libvirt_conn, guest_image):
     disk = backing(NAME)
     script_disk(disk, READONLY_SCRIPT)
     with open(disk, "rb") as f:
@@ -126,7 +126,7 @@ def test_a_nova_instance_with_a_readonly_flavor_disk_starts_and_its_writes_are_r
 
 
 def test_a_nova_instance_whose_flavor_asks_for_vstor_disks_without_the_driver_is_refused(
-        vstor_env, libvirt_conn, guest_image):  # noqa: F811
+        vstor_env, libvirt_conn, guest_image):
     """The stock driver: the flavor's vstor specs reach the domain's metadata,
     vstor's disks do not; the start fails with vstor's one line."""
     spec = {"name": NAME, "uuid": "9f6f1a40-2a35-4a6f-8b0b-5a3c1e2d4f10", "vcpus": 1,

@@ -51,13 +51,15 @@ def register(sub) -> None:
 
 def headed(title: str):
     """say, with `title` printed before the first line: a run refused
-    before it changes anything prints its refusal alone."""
+    before it changes anything prints its refusal alone.  Called with no
+    message: the title alone, unless it was printed."""
     untold = [title]
 
-    def first_titled(message: str) -> None:
+    def first_titled(message: str | None = None) -> None:
         if untold:
             print(untold.pop(), flush=True)
-        say(message)
+        if message is not None:
+            say(message)
     return first_titled
 
 
@@ -207,9 +209,11 @@ def cmd_prepare(ctx, args) -> int:
     dom = load_source(ctx, args.source)
     if is_file(args.source):
         _refuse_unrendered(dom, args.source)
-    print(f"Preparing {dom.name}{' (dry run)' if args.dry_run else ''}:")
+    say = headed(f"Preparing {dom.name}{' (dry run)' if args.dry_run else ''}:")
     rec = prepare(ctx.runtime(args.dry_run), ctx.state(), ctx.host, dom, progress=say)
-    if not args.dry_run:
+    if args.dry_run:
+        say()       # a dry run that would change nothing says so by its title alone
+    else:
         print(f"Domain '{dom.name}' prepared: {len(rec.steps)} host changes recorded")
     return 0
 

@@ -231,9 +231,8 @@ class Index:
             damaged = []
             records = self.state.records(damaged)
         self.state.drop_temporaries()
-        import shutil
         new = self.path + ".new"
-        shutil.rmtree(new, ignore_errors=True)
+        _discard(new)
         os.makedirs(new, mode=0o700)
         sums = empty_sums()
         sums["damaged"] = list(damaged or ())
@@ -244,11 +243,11 @@ class Index:
             self._apply(new, sums, rec.key, None, summary(rec))
         self._write_sums(new, sums)
         old = self.path + ".old"
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
         with contextlib.suppress(FileNotFoundError):
             os.rename(self.path, old)
         os.rename(new, self.path)
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
         self._sums = sums
         self._listed = self._held()
 
@@ -280,6 +279,19 @@ class Index:
             for item in _listdir(os.path.join(by, table)):
                 out.update((table, item, key) for key in _listdir(os.path.join(by, table, item)))
         return out
+
+
+def _discard(path: str) -> None:
+    """What a killed rebuild left at `path` (index.new, index.old), or
+    whatever else is at that name: a link goes, never what it points at
+    (shutil.rmtree refuses a link, and the makedirs or rename after it
+    then failed every run)."""
+    import shutil       # the hook's release path reads the index: only a rebuild needs it
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _listdir(path: str) -> list[str]:
