@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import unavailable
 
 HERE = Path(__file__).parent
-TOOLS = ("systemd-nspawn", "mmdebstrap", "nsenter", "dpkg-buildpackage")
+TOOLS = ("systemd-nspawn", "mmdebstrap", "nsenter")
 
 
 def pytest_collection_modifyitems(items):
