@@ -32,6 +32,16 @@ if command -v lintian >/dev/null; then
     lintian --fail-on error "$DEB" || fail "lintian found errors"
 fi
 
+step "the maintainer scripts never stop, restart or reload what a running domain's disk runs in"
+# Every qemu-storage-daemon lives in a scope of vstor.slice: stopping or
+# restarting the slice stops them all (docs/install.md, debian/rules).
+mkdir "$WORK/control"
+dpkg-deb -e "$DEB" "$WORK/control"
+if grep -n "vstor\.slice\|deb-systemd-invoke.*vstor-gc\.service" "$WORK"/control/*inst "$WORK"/control/*rm \
+        2>/dev/null | grep -v '^[^:]*:[0-9]*:#'; then
+    fail "a maintainer script names vstor.slice or acts on vstor-gc.service (lines above)"
+fi
+
 # What the package needs, installed before the 'before' file list, so that
 # the lists differ by vstor alone.
 step "the package's dependencies"

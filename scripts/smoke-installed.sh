@@ -38,6 +38,8 @@ check "the libvirt hook is an executable conffile" sh -c \
     "test -x $HOOK && grep -qx $HOOK /var/lib/dpkg/info/vstor.conffiles"
 check "the hook runs Debian's python3 on Debian's dist-packages" sh -c \
     "grep -qx 'PYTHON=/usr/bin/python3' $HOOK && grep -qx 'SYSPATH=/usr/lib/python3/dist-packages' $HOOK"
+check "doctor calls the package's hook the package's, current (not another version)" sh -c \
+    "vstor doctor --json | /usr/bin/python3 -c 'import json,sys; c={x[\"name\"]: x for x in json.load(sys.stdin)}[\"libvirt hook\"]; sys.exit(\"the vstor package\x27s hook\" not in c[\"detail\"] or c[\"status\"] == \"fail\")'"
 check "the hook passes a domain that is not vstor's (shell only)" sh -c \
     "echo '<domain><name>other</name></domain>' | env -i PATH=/usr/bin:/bin $HOOK other prepare begin - | grep -c . | grep -qx 0"
 check "the hook loads vstor for a vstor domain (release of one it holds nothing for)" sh -c \

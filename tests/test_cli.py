@@ -397,3 +397,27 @@ def test_doctor_takes_a_venvs_python_and_python3_as_one(tmp_path):
     hook.write_text(now.replace(f"PYTHON={sys.executable}", f"PYTHON={other}/bin/python3"))
     check = doctor.check_hook(str(hook), expected, [])
     assert check.status == "warn" and f"runs {other}/bin/python3; this vstor runs under {py3}" in check.detail
+
+
+def test_doctor_judges_the_packages_hook_against_what_the_package_installs(tmp_path):
+    """The Debian package's hook (debian/rules writes vstor.cli.hooks.packaged_hook)
+    is not "another version" of what `vstor hooks install` would write
+    (issue 30): it is checked against the package's own form."""
+    from vstor.cli.hooks import packaged_hook, render_hook
+    from vstor.host import doctor
+    path, ours = tmp_path / "vstor", packaged_hook()
+    assert "\nPYTHON=/usr/bin/python3\n" in ours and "\nSYSPATH=/usr/lib/python3/dist-packages\n" in ours
+    assert "apt-get install vstor" in ours and ours != render_hook(None)
+    check = doctor.check_hook(str(path), ours, [], packaged=True)
+    assert (check.status, check.fix) == ("fail", "apt-get install --reinstall vstor, then " + doctor.RESTART)
+    path.write_text(ours)
+    path.chmod(0o755)
+    later = [(4242, "libvirtd", os.stat(path).st_mtime + 0.5)]
+    check = doctor.check_hook(str(path), ours, later, packaged=True)
+    assert check.status == "ok" and check.detail == f"{path} the vstor package's hook, read by libvirtd pid 4242"
+    before = [(4242, "libvirtd", os.stat(path).st_mtime - 100)]
+    check = doctor.check_hook(str(path), ours, before, packaged=True)
+    assert check.status == "warn" and "after an upgrade nothing needs restarting" in check.detail
+    path.write_text(ours + "# edited\n")
+    check = doctor.check_hook(str(path), ours, later, packaged=True)
+    assert (check.status, check.fix) == ("warn", "apt-get install --reinstall vstor")

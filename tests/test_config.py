@@ -320,3 +320,38 @@ def test_config_line_numbers_count_newlines_only(tmp_path):
     path.write_text("[cpu]\x0c\n# a \u2028 note\nreactors = x\n")
     out = _check(path)
     assert out.returncode == 2 and f"{path}:3: [cpu] reactors" in out.stderr, out.stderr
+
+
+# -- a config that no longer loads, read to undo what vstor holds (issue 30) ---------------------
+
+@pytest.mark.parametrize("text, unread", [
+    ("[paths]\nstate_dir = /srv/st\n[spdk]\nrpc_socket = /x/spdk.sock\n", frozenset()),
+    ("[paths]\nstate_dir = /srv/st\nbogus = 1\n[spdk]\nrpc_socket = /x/spdk.sock\n", frozenset()),
+    ("[paths]\nstate_dir = /srv/st\n[spdk]\nrpc_sockt = /x/spdk.sock\n", {"spdk_socket"}),
+    ("[paths]\nstate_dir = /srv/st\n[cpu]\nreactors = x\n", {"reactors"}),
+    ("[paths]\nstate_dr = /srv/st\n", {"state_dir"}),
+    ("[path]\nstate_dir = /srv/st\n", {"state_dir", "vhost_dir", "qsd_dir", "images"}),
+    ("[paths]\nstate_dir = relative\n", {"state_dir"}),
+    ("garbage\n[paths]\nstate_dir = /srv/st\n", None),
+])
+def test_salvage_reads_every_key_that_reads_and_names_what_it_could_not(tmp_path, text, unread):
+    got = config.salvage(write(tmp_path, text))
+    assert got.unread == (None if unread is None else frozenset(unread))
+    assert (got.problem is None) == (unread == frozenset() and "bogus" not in text)
+    if got.knows("state_dir"):
+        assert got.config.state_dir == "/srv/st"
+    if "rpc_socket" in text:
+        assert got.config.spdk_socket == "/x/spdk.sock"
+
+
+def test_for_undo_warns_and_goes_on_unless_the_records_place_is_unknown(tmp_path):
+    said = []
+    cfg = config.for_undo(write(tmp_path, "[paths]\nstate_dir = /srv/st\n[cpu]\nreactor = 2\n"), said.append)
+    assert cfg.state_dir == "/srv/st"
+    assert said == [f"{tmp_path}/vstor.conf:4: unknown key 'reactor' in [cpu] (fix: did you mean reactors? "
+                    "known keys: housekeeping, reactors); undoing by the records, with the keys that read"]
+    with pytest.raises(BadInput, match="unknown key 'state_dr'"):
+        config.for_undo(write(tmp_path, "[paths]\nstate_dr = /srv/st\n"), said.append)
+    with pytest.raises(BadInput, match="comes before any"):
+        config.for_undo(write(tmp_path, "x\n[paths]\nstate_dir = /srv/st\n"), said.append)
+    assert len(said) == 1

@@ -454,3 +454,26 @@ def test_a_damaged_record_leaves_what_is_shared_and_refuses_starts(env):
     os.unlink(damaged)
     release(env.rt(), env.state, "vm1")
     nothing_left(env)
+
+
+def test_the_record_names_the_spdk_its_steps_were_made_through(env):
+    """[spdk] rpc_socket changed (or misspelt) after the start: the release
+    asks the SPDK application that holds the domain's controllers, which
+    the record names (issue 30: release from the record alone)."""
+    from vstor import records
+    prepare(env.rt(), env.state, env.host(), domain(env, local_spdk()))
+    assert env.state.load("vm1").spdk_socket == env.spdk.socket_path
+    elsewhere = Runtime(records.replace(env.cfg, spdk_socket=f"{env.work}/moved.sock"), env.sysfs)
+    assert all(problem is None for _, _, problem in health(elsewhere, env.state.load("vm1")))
+    release(elsewhere, env.state, "vm1")
+    changes = [m for m in env.spdk.methods_called()
+               if not m.endswith(("_get_controllers", "get_version", "get_methods"))]
+    assert changes[-2:] == ["vhost_delete_controller", "bdev_nvme_detach_controller"]
+    nothing_left(env)
+
+
+def test_a_record_of_qsd_disks_names_no_spdk(env):
+    disks, _ = file_disks(env, "b")
+    rec = prepare(env.rt(), env.state, env.host(), domain(env, disks, vm="<vstor:vm cpus='shared'/>"))
+    assert rec.spdk_socket is None and "spdk_socket" not in rec.to_json()
+    release(env.rt(), env.state, "vm1")

@@ -73,13 +73,27 @@ def test_the_debian_version_is_vstors():
 
 
 def test_the_hook_has_the_lines_the_package_fills():
-    """debian/rules writes Debian's interpreter and dist-packages into
-    exactly these lines (as `vstor hooks install` does for a venv)."""
+    """debian/rules writes the package's hook with vstor.cli.hooks.packaged_hook
+    (Debian's interpreter, dist-packages and apt's fix into exactly these
+    lines, as `vstor hooks install` does for a venv), the form `vstor
+    doctor` checks the installed hook against."""
+    from vstor.cli.hooks import packaged_hook
     lines = _read("hooks", "vstor").splitlines()
     assert lines.count("PYTHON=python3") == 1 and lines.count("SYSPATH=") == 1
+    assert "from vstor.cli.hooks import packaged_hook" in _read("debian", "rules")
+    ours = packaged_hook().splitlines()
+    assert [a for a, b in zip(lines, ours) if a != b] == [
+        "PYTHON=python3", "SYSPATH=", "FIX='reinstall vstor, then: vstor hooks install'"]
+    assert "PYTHON=/usr/bin/python3" in ours and "SYSPATH=/usr/lib/python3/dist-packages" in ours
+
+
+def test_the_maintainer_scripts_never_name_the_slice_the_daemons_run_in():
+    """dh_installsystemd stops or restarts every unit it is given on an
+    upgrade or a removal; vstor.slice holds every running domain's daemons."""
     rules = _read("debian", "rules")
-    assert "s|^PYTHON=python3$$|PYTHON=/usr/bin/python3|" in rules
-    assert "s|^SYSPATH=$$|SYSPATH=/usr/lib/python3/dist-packages|" in rules
+    installs = [line for line in rules.splitlines() if "dh_installsystemd" in line and not line.startswith("#")]
+    assert installs and not any("vstor.slice" in line for line in installs)
+    assert any("--no-stop-on-upgrade --no-restart-after-upgrade vstor-gc.service" in line for line in installs)
 
 
 def test_the_vendored_wheels_satisfy_setup_cfg():
@@ -261,30 +275,33 @@ def test_the_maintainer_scripts_are_posix_sh():
 
 @pytest.mark.process
 def test_prerm_refuses_a_remove_when_the_config_naming_the_state_dir_cannot_be_read(tmp_path):
-    """vstor's records live where vstor.conf says: a config that does not
-    load (a typo made since, a key a newer vstor refuses) is no reason to
-    look in the default place, find nothing there and remove vstor while
-    it holds backends nobody would then release."""
+    """vstor's records live where vstor.conf says: a config whose [paths]
+    state_dir does not read (a typo made since) is no reason to look in the
+    default place, find nothing there and remove vstor while it holds
+    backends nobody would then release.  A problem elsewhere in the file
+    hides nothing: the records are judged where it says (issue 30: it
+    never blocks a removal on its own)."""
     import subprocess
     state = tmp_path / "state"
     (state / "domains").mkdir(parents=True)
     (state / "domains" / "web1.json").write_text("{}")
     conf = tmp_path / "vstor.conf"
-    conf.write_text(f"[paths]\nstate_dir = {state}\n[cpu]\nreactors = 2-\n")
     root = os.path.join(os.path.dirname(__file__), "..")
     env = {**os.environ, "PYTHONPATH": root, "VSTOR_CONFIG": str(conf)}
     env.pop("VSTOR_REMOVE_KEEP_BACKENDS", None)
-    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
-                          capture_output=True, text=True, timeout=60)
+
+    def prerm():
+        return subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
+                              capture_output=True, text=True, timeout=60)
+    conf.write_text(f"[paths]\nstate_dr = {state}\n")
+    done = prerm()
     assert done.returncode == 1, done
-    assert "vstor.conf" in done.stderr and "VSTOR_REMOVE_KEEP_BACKENDS=1" in done.stderr
-    conf.write_text(f"[paths]\nstate_dir = {state}\n")          # as before: the record refuses it
-    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "web1" in done.stderr, done
+    assert "unknown key 'state_dr'" in done.stderr and "VSTOR_REMOVE_KEEP_BACKENDS=1" in done.stderr
+    conf.write_text(f"[paths]\nstate_dir = {state}\n[cpu]\nreactors = 2-\n")
+    done = prerm()
+    assert done.returncode == 1 and "holds backends for: web1" in done.stderr, done
     (state / "domains" / "web1.json").unlink()
-    done = subprocess.run(["sh", os.path.join(root, "debian", "vstor.prerm"), "remove"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = prerm()
     assert done.returncode == 0, done
 
 

@@ -238,3 +238,20 @@ def test_asdict_keeps_namedtuples():
     assert records.asdict(R(P(1, 2))) == dataclasses.asdict(
         dataclasses.make_dataclass("R", [("p", tuple)], frozen=True)(P(1, 2)))
 
+
+
+@pytest.mark.parametrize("value", [5, "relative.sock", "/x/" + "s" * 120, "/a\0b", ["/x"]])
+def test_a_records_spdk_socket_is_an_absolute_socket_path_or_the_record_is_damaged(tmp_path, value):
+    """The SPDK a record's undo asks (issue 30): read from root's state
+    directory, yet checked for the shape vstor writes."""
+    import json
+    from vstor.runtime.state import DamagedRecord, Record, StateDir
+    state = StateDir(str(tmp_path / "state"))
+    rec = Record(key="x", domain="x", uuid=None, spdk_socket="/run/spdk.sock")
+    state.save(rec)
+    assert state.load("x").spdk_socket == "/run/spdk.sock"
+    path = tmp_path / "state" / "domains" / "x.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "spdk_socket": value}))
+    with pytest.raises(DamagedRecord):
+        state.load("x")

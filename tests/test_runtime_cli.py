@@ -343,3 +343,110 @@ def test_status_says_how_many_spare_root_ports_a_domain_has(work, capsys):
         conn.close()
     assert vstor(work, "status", "--json") == 0
     assert json.loads(capsys.readouterr().out)[0]["spare_ports"] is None     # not defined: not known
+
+
+# -- issue 30: what a record names is undone whatever vstor.conf says now --------------------------
+
+def _prepared(work, capsys):
+    rendered = os.path.join(work.dir, "r.xml")
+    assert vstor(work, "render", work.xml, "-o", rendered) == 0
+    assert vstor(work, "prepare", rendered) == 0
+    capsys.readouterr()
+    return rendered
+
+
+def _held(work) -> list:
+    """What is left of cli1: daemons' pidfiles, sockets, records."""
+    return ([f for f in os.listdir(f"{work.dir}/qsd") if f.endswith(".pid")]
+            + os.listdir(f"{work.dir}/vhost")
+            + [f for f in os.listdir(f"{work.dir}/state/domains") if f.endswith(".json")])
+
+
+def _alive(pid: int) -> bool:
+    """Running (the daemons are this process's children: a stopped one is a zombie until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _break(work, line="[cpu]\nreactor = 2\n"):
+    """A typo made after the domain started."""
+    with open(work.conf, "a") as f:
+        f.write(line)
+
+
+def test_a_stop_with_a_broken_config_leaves_no_daemon_socket_or_record(work, capsys):
+    """libvirt's release hook (the stop) with a vstor.conf that no longer
+    loads: it warns, names the problem, and undoes everything the record names."""
+    rendered = _prepared(work, capsys)
+    pids = [int(open(f"{work.dir}/qsd/{p}").read()) for p in os.listdir(f"{work.dir}/qsd") if p.endswith(".pid")]
+    assert len(pids) == 2 and len(_held(work)) == 5
+    _break(work)
+    assert vstor(work, "status") == 2          # the typo is still refused where nothing is undone
+    capsys.readouterr()
+    from vstor.cli.hooks import render_hook
+    hook = os.path.join(work.dir, "hook")
+    with open(hook, "w") as f:
+        f.write(render_hook(work.conf))
+    os.chmod(hook, 0o755)
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = subprocess.run([hook, "cli1", "release", "end", "-"], input=open(rendered, "rb").read(),
+                         capture_output=True, env={**os.environ, "PYTHONPATH": root}, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert _held(work) == [] and not any(_alive(p) for p in pids)
+
+
+def test_release_and_gc_with_a_broken_config_warn_and_undo(work, capsys):
+    _prepared(work, capsys)
+    _break(work)
+    assert vstor(work, "release", "cli1") == 0
+    out, err = capsys.readouterr()
+    assert "Domain 'cli1' released" in out and _held(work) == []
+    assert f"vstor: warning: {work.conf}:7: unknown key 'reactor' in [cpu]" in err
+    assert "undoing by the records, with the keys that read" in err
+    with open(work.conf) as f:
+        good = f.read().replace("[cpu]\nreactor = 2\n", "")
+    with open(work.conf, "w") as f:
+        f.write(good)
+    _prepared(work, capsys)
+    _break(work)
+    assert vstor(work, "gc") == 0          # cli1 is not defined in libvirt: stale
+    assert _held(work) == [] and "undoing by the records" in capsys.readouterr().err
+
+
+def test_a_broken_config_that_hides_where_the_records_are_is_the_refusal(work, capsys):
+    """[paths] state_dir misspelt: another state directory would hold nothing
+    and say so; the problem itself is the answer, and nothing changes."""
+    _prepared(work, capsys)
+    with open(work.conf) as f:
+        text = f.read()
+    with open(work.conf, "w") as f:
+        f.write(text.replace("state_dir =", "state_dr ="))
+    assert vstor(work, "release", "cli1") == 2
+    assert "unknown key 'state_dr' in [paths] (fix: did you mean state_dir?" in capsys.readouterr().err
+    assert len(_held(work)) == 5
+    with open(work.conf, "w") as f:
+        f.write(text)
+
+
+def test_status_flags_a_stopped_domain_that_still_holds_backends(work, capsys, monkeypatch):
+    from vstor.cli import runtime as cli_runtime
+    _prepared(work, capsys)
+    conn = libvirt.open("test:///default")
+    conn.defineXML("<domain type='test'><name>cli1</name><memory>262144</memory>"
+                   "<os><type>hvm</type></os></domain>")
+    try:
+        assert vstor(work, "status") == 0       # just prepared: libvirt starts QEMU next
+        assert "PROBLEM" not in capsys.readouterr().out
+        monkeypatch.setattr(cli_runtime, "STARTING", 0.0)
+        assert vstor(work, "status") == 1
+        out = capsys.readouterr().out
+        assert ("  PROBLEM: libvirt says shut off but vstor still holds its backends (its stop's release did "
+                "not run or failed: see journalctl -t vstor); fix: vstor release cli1, or vstor gc\n") in out
+        assert vstor(work, "status", "--json") == 1
+        assert json.loads(capsys.readouterr().out)[0]["problem"].startswith("libvirt says shut off")
+    finally:
+        conn.lookupByName("cli1").undefine()
+        conn.close()

@@ -66,8 +66,11 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
     from vstor.host.sysfs import SysFS
     from vstor.runtime.executor import Runtime
     from vstor.runtime.state import StateDir
-    cfg = config_mod.load()
     root = os.environ.get("VSTOR_HOST_ROOT", "/")
+    if op == "release":     # what the record names is undone, whatever vstor.conf says now
+        cfg = config_mod.for_undo(None, lambda m: log(name, m, vlog.WARNING))
+    else:
+        cfg = config_mod.load()
     if op in ("release", "reconnect"):
         # What to undo or check is in the state record: the domain's name
         # and UUID are all these read of its XML (no lxml, no planner).

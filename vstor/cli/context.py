@@ -26,6 +26,14 @@ class Context(HostContext):
     def config(self):
         return config_mod.load(self.args.config)
 
+    def undoing(self) -> "Context":
+        """For a command that undoes what vstor holds (release, gc): the
+        config's keys that read well when vstor.conf does not load, with a
+        warning (vstor.config.for_undo)."""
+        if "config" not in self.__dict__:
+            self.config = config_mod.for_undo(self.args.config, warn)
+        return self
+
     def ledger(self):
         """The ledger from libvirt; planning offline (another host's capture,
         or no libvirt here) goes on without it, and says so."""

@@ -91,6 +91,28 @@ def site_paths() -> list[str]:
     return [] if any(":" in p or "\n" in p for p in paths) else paths
 
 
+# The Debian package's libvirt hook (debian/rules writes it with this
+# function): Debian's python3 and dist-packages, not one venv, and a fix
+# that names apt.
+PACKAGED_PYTHON = "/usr/bin/python3"
+PACKAGED_SYSPATH = "/usr/lib/python3/dist-packages"
+PACKAGED_FIX = "install the vstor package again (apt-get install vstor), or purge it"
+
+
+def packaged_hook() -> str:
+    """The libvirt hook the vstor Debian package installs."""
+    with open(hook_source("vstor")) as f:
+        text = f.read()
+    for old, new in (("\nPYTHON=python3\n", f"\nPYTHON={PACKAGED_PYTHON}\n"),
+                     ("\nSYSPATH=\n", f"\nSYSPATH={PACKAGED_SYSPATH}\n"),
+                     ("\nFIX='reinstall vstor, then: vstor hooks install'\n",
+                      f"\nFIX={shlex.quote(PACKAGED_FIX)}\n")):
+        if old not in text:
+            raise BadInput(f"hooks/vstor lost its line {old.strip()!r}", hint="restore it")
+        text = text.replace(old, new, 1)
+    return text
+
+
 def installed_hook_text(ctx) -> str:
     """What `vstor hooks install` writes, with this command's config path."""
     return render_hook(ctx.args.config or os.environ.get("VSTOR_CONFIG"))

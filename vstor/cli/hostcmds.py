@@ -10,7 +10,7 @@ import sys
 from vstor import records
 from vstor.backends import spdk_app
 from vstor.backends.spdk import SpdkClient
-from vstor.cli.hooks import HOOK_DIR, installed_hook_text
+from vstor.cli.hooks import HOOK_DIR, installed_hook_text, packaged, packaged_hook
 from vstor.errors import EXIT_ERROR, VstorError
 from vstor.host import doctor
 from vstor.host.capture import capture
@@ -75,8 +75,10 @@ def _hook_check(ctx):
     """The hook `vstor hooks install` puts in libvirt's qemu.d (under
     --host-root, as the host's other files), against what it would write now."""
     path = os.path.join(ctx.host_root, HOOK_DIR.lstrip("/"), "vstor")
-    return doctor.check_hook(path, installed_hook_text(ctx),
-                             doctor.libvirt_daemons(os.path.join(ctx.host_root, "proc")))
+    ours = packaged(os.path.join(HOOK_DIR, "vstor")) and ctx.host_root == "/"
+    return doctor.check_hook(path, packaged_hook() if ours else installed_hook_text(ctx),
+                             doctor.libvirt_daemons(os.path.join(ctx.host_root, "proc")),
+                             packaged=ours)
 
 
 def cmd_host_show(ctx, args) -> int:

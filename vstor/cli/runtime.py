@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from functools import partial
 
 from vstor.backends.qsd import daemon
@@ -19,7 +20,7 @@ from vstor.migration import peer
 from vstor.pve.node import Node, RunGuard
 from vstor.runtime import actions, gc, virt
 from vstor.runtime.lifecycle import health, prepare, release
-from vstor.runtime.state import DamagedRecord
+from vstor.runtime.state import PREPARED, DamagedRecord
 
 
 def register(sub) -> None:
@@ -80,6 +81,7 @@ def cmd_status(ctx, args) -> int:
                                     for r in records for e in r.steps) else None
     rows = [{"domain": r.domain, "status": r.status, "libvirt": said.get(r.domain),
              "holding": r.holding, "elsewhere": elsewhere.get(r.domain),
+             "problem": _left_behind(r, said.get(r.domain)),
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
              "spare_ports": spare.get(r.domain),
              "steps": [{"step": s, "state": st, "problem": p, **labelled(entry, spdk_pid)}
@@ -87,7 +89,8 @@ def cmd_status(ctx, args) -> int:
             for r in records]
     # Like doctor's failed check: a step with a problem, or a record that
     # cannot be read, is exit 1 once everything has been printed.
-    code = 1 if damaged or any(s["problem"] for row in rows for s in row["steps"]) else 0
+    code = 1 if damaged or any(row["problem"] or any(s["problem"] for s in row["steps"])
+                               for row in rows) else 0
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()
@@ -102,6 +105,8 @@ def cmd_status(ctx, args) -> int:
                  if h.get("cells") else f"node {h.get('node')}")
         print(f"{row['domain']}: {row['status']}{libvirt}; {where}; CPUs {cpus}; "
               f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
+        if row["problem"]:
+            print(f"  PROBLEM: {row['problem']}")
         if hotplug_text(row["spare_ports"]):
             print(f"  hot-plug: {hotplug_text(row['spare_ports'])}")
         m = row["migration"] or {}
@@ -119,6 +124,22 @@ def cmd_status(ctx, args) -> int:
             pid = f" ({s['daemon']} pid {s['pid']})" if s.get("pid") and s["problem"] is None else ""
             print(f"  {s['step']}: {mark}{pid}")
     return code
+
+
+# How long after its prepare a domain may still be shut off: libvirt starts
+# QEMU once the prepare hook has returned.
+STARTING = 60.0
+
+
+def _left_behind(rec, libvirt: str | None) -> str | None:
+    """A domain libvirt has stopped whose backends vstor still holds: its
+    stop's release did not run or failed (the hook then logs why)."""
+    if (rec.status != PREPARED or libvirt not in ("shut off", "crashed") or not rec.steps
+            or time.time() - rec.updated < STARTING):
+        return None
+    return (f"libvirt says {libvirt} but vstor still holds its backends (its stop's release "
+            f"did not run or failed: see journalctl -t vstor); fix: vstor release {rec.domain}, "
+            "or vstor gc")
 
 
 def labelled(entry: dict, spdk_pid: int | None) -> dict:
@@ -223,7 +244,7 @@ def is_running(ctx, name: str) -> bool | None:
 
 
 def cmd_release(ctx, args) -> int:
-    node = Node(ctx.config)
+    node = Node(ctx.undoing().config)
     if vmid_of(args.domain) and node.is_proxmox() and not args.force:
         # Under the VM's config lock: no start between the check and the release.
         with RunGuard(node, args.domain) as why:
@@ -275,8 +296,7 @@ def key_of(ctx, name: str) -> str:
 
 
 def cmd_gc(ctx, args) -> int:
-
-    state = ctx.state()
+    state = ctx.undoing().state()
     node = Node(ctx.config)
     records, damaged = gc.read_records(state, args.dry_run)     # before what runs is asked: see gc.collect
     running = _running(ctx, records, node)

@@ -17,7 +17,8 @@ from vstor.records import field, record
 
 DEFAULT_PATH = "/etc/vstor/vstor.conf"
 
-__all__ = ["DEFAULT_PATH", "Config", "KEYS", "SECTIONS", "load", "locate", "parse", "conflicts"]
+__all__ = ["DEFAULT_PATH", "Config", "KEYS", "SECTIONS", "Salvaged", "load", "locate", "parse", "conflicts",
+           "salvage", "for_undo"]
 
 
 def _make_config():
@@ -53,13 +54,65 @@ def load(path: str | None = None) -> Config:
             raise BadInput(f"config file {path} does not exist",
                            hint="create it or drop --config/VSTOR_CONFIG")
         return Config()
+    return parse(_text(path), path)
+
+
+@record
+class Salvaged:
+    """A config read to undo what vstor holds although the file does not
+    load: every key that reads well, the defaults for the rest, and the
+    first problem (None when the file loads). `unread`: the keys (their
+    attributes) the file sets but that could not be read; None: the whole
+    file could not be read."""
+    config: Config
+    problem: BadInput | None = None
+    unread: frozenset | None = frozenset()
+
+    def knows(self, attr: str) -> bool:
+        """Is the value of `attr` the one the operator meant?"""
+        return self.unread is not None and attr not in self.unread
+
+
+def salvage(path: str | None = None) -> Salvaged:
+    """The config for a release, a stop or gc, which must undo what vstor
+    holds even when vstor.conf no longer loads (a typo made after the
+    domain started): what `load` reads, else every key that reads well."""
+    try:
+        return Salvaged(load(path))
+    except BadInput as e:
+        first = e
+    path, _ = locate(path)
+    try:
+        text = _text(path)
+    except BadInput:
+        return Salvaged(Config(), first, None)
+    problems: list[BadInput] = []
+    cfg = parse(text, path, problems)
+    return Salvaged(cfg, first, None if cfg.source == "(defaults)" else
+                    frozenset().union(*(getattr(p, "attrs", ()) for p in problems)))
+
+
+def for_undo(path: str | None, warn) -> Config:
+    """The config a release, a stop or gc reads: `load`'s, else what
+    `salvage` reads, with `warn` told the problem; but when the file does
+    not say where the records are ([paths] state_dir), the problem itself:
+    undoing by another state directory would find nothing and say so."""
+    got = salvage(path)
+    if got.problem is None:
+        return got.config
+    if not got.knows("state_dir"):
+        raise got.problem
+    warn(f"{got.problem}; undoing by the records, with the keys that read")
+    return got.config
+
+
+def _text(path: str) -> str:
     data = _read(path)
     try:
-        text = data.decode()
+        return data.decode()
     except UnicodeDecodeError as e:
         line = data[:e.start].count(b"\n") + 1
         raise BadInput(f"{path}:{line}: not UTF-8 text", hint="fix: write the file as UTF-8") from None
-    return parse(text, path)
 
 
 MAX_BYTES = 1 << 20
@@ -105,35 +158,51 @@ def _lines_configparser_drops(text: str, path: str) -> None:
                                hint="fix: put each key on a line of its own under the [section]")
 
 
-def parse(text: str, path: str) -> Config:
-    """A Config from the text of a vstor.conf; `path` names it in errors."""
+def parse(text: str, path: str, problems: list | None = None) -> Config:
+    """A Config from the text of a vstor.conf; `path` names it in errors.
+    With `problems`, a list, nothing is raised: each key or section that
+    does not read is left out and its refusal added there (a refusal of a
+    key's value carries the key's attribute as .attr); a file that does not
+    parse at all is the defaults (source "(defaults)")."""
     # default_section: no [DEFAULT] whose keys would spill into every section.
     parser = configparser.ConfigParser(interpolation=None, inline_comment_prefixes=(";",),
                                        default_section="\0none")
-    _lines_configparser_drops(text, path)
     try:
-        parser.read_string(text, source=path)
-    except configparser.Error as e:
-        raise _syntax_error(e, path, text) from None
+        _lines_configparser_drops(text, path)
+        try:
+            parser.read_string(text, source=path)
+        except configparser.Error as e:
+            raise _syntax_error(e, path, text) from None
+    except BadInput as e:
+        if problems is None:
+            raise
+        problems.append(e)
+        return Config()
     lines = _Lines(text)
     kw: dict = {"source": path}
     for section in parser.sections():
         known = BY_SECTION.get(section)
         if known is None:
-            raise BadInput(f"{path}:{lines.section(section)}: unknown section [{section}]",
-                           hint="fix: " + _suggest(section, SECTIONS, "known sections"))
+            _refuse(problems, BadInput(f"{path}:{lines.section(section)}: unknown section [{section}]",
+                                       hint="fix: " + _suggest(section, SECTIONS, "known sections")),
+                    *BY_SECTION.get(_closest(section, SECTIONS), {}).values())
+            continue
         for name, raw in parser.items(section):
             key = known.get(name)
             where = f"{path}:{lines.key(section, name)}"
             if key is None:
-                raise BadInput(f"{where}: unknown key '{name}' in [{section}]",
-                               hint="fix: " + _suggest(name, known, "known keys"))
+                _refuse(problems, BadInput(f"{where}: unknown key '{name}' in [{section}]",
+                                           hint="fix: " + _suggest(name, known, "known keys")),
+                        *[known[k] for k in [_closest(name, known)] if k])
+                continue
             if "\n" in raw.strip():     # an indented line: configparser's continuation
                 more = next(i for i, part in enumerate(raw.split("\n")) if i and part.strip())
                 line = lines.key(section, name)
-                raise BadInput(f"{path}:{line + more if isinstance(line, int) else line}: [{section}] "
-                               f"{name} continues on this indented line",
-                               hint="fix: write the value on one line, or unindent the line")
+                _refuse(problems, BadInput(
+                    f"{path}:{line + more if isinstance(line, int) else line}: [{section}] "
+                    f"{name} continues on this indented line",
+                    hint="fix: write the value on one line, or unindent the line"), key)
+                continue
             raw = raw.strip()
             if raw == "" and key.kind.empty_is_default:
                 continue
@@ -141,9 +210,19 @@ def parse(text: str, path: str) -> Config:
                 kw[key.attr] = key.kind.parse(raw)
             except Bad as e:
                 sep = " " if e.reason.startswith("must ") else ": "
-                raise BadInput(f"{where}: [{section}] {name}{sep}{e.reason}",
-                               hint="fix: " + fix(key, e.hint)) from None
+                _refuse(problems, BadInput(f"{where}: [{section}] {name}{sep}{e.reason}",
+                                           hint="fix: " + fix(key, e.hint)), key)
     return Config(**kw)
+
+
+def _refuse(problems: list | None, e: BadInput, *keys: Key) -> None:
+    """Raise `e`, or (salvaging) add it with the keys whose value the file
+    meant but could not give (a typo of a key's or section's name counts
+    for the closest one): `e.attrs`."""
+    if problems is None:
+        raise e
+    e.attrs = frozenset(k.attr for k in keys)
+    problems.append(e)
 
 
 def fix(key: Key, hint: str | None = None) -> str:
@@ -174,11 +253,16 @@ def conflicts(cfg: Config, path: str | None = None) -> BadInput | None:
                     hint="fix: a core has one owner: take it out of reactors or housekeeping")
 
 
-def _suggest(word: str, known, what: str) -> str:
+def _closest(word: str, known) -> str | None:
     import difflib
     close = difflib.get_close_matches(word, list(known), n=1)
+    return close[0] if close else None
+
+
+def _suggest(word: str, known, what: str) -> str:
+    close = _closest(word, known)
     listed = f"{what}: " + ", ".join(known)
-    return f"did you mean {close[0]}? {listed}" if close else listed
+    return f"did you mean {close}? {listed}" if close else listed
 
 
 def _syntax_error(e: configparser.Error, path: str, text: str) -> BadInput:

@@ -278,11 +278,22 @@ def _environment(python: str) -> str | None:
     return os.path.realpath(venv) if os.path.isfile(os.path.join(venv, "pyvenv.cfg")) else None
 
 
-def check_hook(path: str, expected: str, daemons: list[tuple[int, str, float]]) -> Check:
+def check_hook(path: str, expected: str, daemons: list[tuple[int, str, float]],
+               packaged: bool = False) -> Check:
     """The libvirt hook at `path`: there, vstor's, what `vstor hooks install`
-    writes now (`expected`), and installed before the running libvirt daemon
-    started (libvirt looks for hooks when it starts)."""
+    writes now, or with `packaged` what the vstor Debian package installs
+    (`expected`), and installed before the running libvirt daemon started
+    (libvirt looks for hooks when it starts)."""
     name = "libvirt hook"
+    if packaged:
+        now = open_text(path)
+        if now is None:
+            return Check(name, FAIL, f"the vstor package's hook {path} is gone: vstor domains get no "
+                         "backends at start", f"apt-get install --reinstall vstor, then {RESTART}")
+        if now != expected:
+            return Check(name, WARN, f"{path}, the vstor package's hook, was changed since the "
+                         "package installed it", "apt-get install --reinstall vstor")
+        return _read_by(name, path, daemons, "the vstor package's hook")
     running = ", ".join(f"{n} pid {pid}" for pid, n, _ in daemons)
     try:
         st = os.stat(path)
@@ -316,17 +327,41 @@ def check_hook(path: str, expected: str, daemons: list[tuple[int, str, float]]) 
                      f"{path} runs {interp or 'no interpreter'}"
                      + (", which does not exist" if missing else "")
                      + f"; this vstor runs under {want}", "vstor hooks install")
+    return _read_by(name, path, daemons, "installed")
+
+
+def open_text(path: str) -> str | None:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read(1 << 20)
+    except OSError:
+        return None
+
+
+def _read_by(name: str, path: str, daemons, what: str) -> Check:
+    """The hook as it should be: read by the running libvirt daemons, if
+    they started after it was installed."""
+    running = ", ".join(f"{n} pid {pid}" for pid, n, _ in daemons)
+    st = os.stat(path)
     if not daemons:
-        return Check(name, OK, f"{path} installed; no libvirtd runs (it reads the hook when "
+        return Check(name, OK, f"{path} {what}; no libvirtd runs (it reads the hook when "
                                "it starts)")
     # /proc's boot time is whole seconds: a daemon started within a second
     # of the install counts as started after it.
     stale = [(pid, n) for pid, n, started in daemons if st.st_mtime > started + 1]
+    if stale and what != "installed":
+        # libvirt enables qemu hooks when, at its start, qemu.d holds one;
+        # it runs each one there as it is at every call: a hook replaced by
+        # an upgrade needs no restart, a first install does.
+        return Check(name, WARN, f"{path} ({what}) was written after "
+                     + ", ".join(f"{n} pid {pid}" for pid, n in stale)
+                     + " started: after the package's first install libvirt has not seen it yet; "
+                       "after an upgrade nothing needs restarting", f"after a first install: {RESTART}")
     if stale:
         return Check(name, WARN, f"{path} was installed after "
                      + ", ".join(f"{n} pid {pid}" for pid, n in stale)
                      + " started: libvirt looks for hooks when it starts", RESTART)
-    return Check(name, OK, f"{path} installed, read by {running}")
+    return Check(name, OK, f"{path} {what}, read by {running}")
 
 
 HOST_CHECKS = (check_iommu, check_vfio, check_hugepages, check_thp, check_irqbalance,

@@ -66,6 +66,17 @@ class Runtime:
         out.qsd = Qsd(self.sources, since=time.monotonic())
         return out
 
+    def of(self, rec) -> "Runtime":
+        """This runtime for undoing or checking what `rec` (a state record)
+        holds: its SPDK steps ask the SPDK application they were made through."""
+        if not getattr(rec, "spdk_socket", None) or rec.spdk_socket == self.cfg.spdk_socket:
+            return self
+        from vstor import records
+        out = copy.copy(self)
+        out.cfg = records.replace(self.cfg, spdk_socket=rec.spdk_socket)
+        out._spdk = None
+        return out
+
     @property
     def spdk(self):
         if self._spdk is None:

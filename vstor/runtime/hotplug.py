@@ -64,6 +64,7 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
         if persistent:
             _check_persistent(guest, dom, plan)
         rec = _running_record(state, dom)
+        rt = rt.of(rec)     # one SPDK application per domain: the one its steps were made through
         if not rt.dry_run:
             dom = _unplugged(guest, dom, say)
             req, plan = plan_of(dom)
@@ -228,6 +229,7 @@ def _detach(rt, state, dom, target, guest, timeout, persistent, progress) -> Pla
 def _release_disk(rt: Runtime, state: StateDir, dom: Domain, target: str, mine, progress) -> None:
     """Undo the recorded steps that only the disk stood on (`mine`, by identity)."""
     rec = _running_record(state, dom)
+    rt = rt.of(rec)
     steps = [actions.from_json(entry) for entry in rec.steps]
     for step in steps:
         why = executor.in_use(step, rt) if actions.identity(step) in mine and not rt.force else None

@@ -78,6 +78,8 @@ class Journal:
         groups = self._groups(steps)
         for n, group in enumerate(groups, 1):
             at = len(self.rec.steps)
+            if any(getattr(step, "rpc_methods", ()) for step in group):
+                self.rec.spdk_socket = self.rt.cfg.spdk_socket   # its undo asks the same SPDK
             self.rec.steps += [self.x.encode(step, DOING) for step in group]
             self.state.save(self.rec)
             for step in group:

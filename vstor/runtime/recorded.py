@@ -67,6 +67,7 @@ def release(rt: Runtime, state: StateDir, key: str,
         rec = seen if seen is not None else _load_own(state, key, domain, uuid)
         if rec is None:
             return None
+        rt = rt.of(rec)
         # An export the other host may read its disk through stays until gc
         # has asked it (libvirt before 10.5 gives no 'migrated' reason).
         exports = exported(rec)
@@ -158,6 +159,7 @@ def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
         rec = _load_own(state, key, domain, uuid)
         if rec is None:
             return ["vstor holds nothing for it"]
+        rt = rt.of(rec)
         for entry in rec.steps:
             step = actions.from_json(entry)
             problem = executor.check(step, rt) if entry["state"] == DONE else "interrupted before it finished"
@@ -176,6 +178,7 @@ def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
 
 def health(rt: Runtime, rec: Record) -> list[tuple[str, str, str | None]]:
     """(step, state, problem) for each step of a record."""
+    rt = rt.of(rec)
     out = []
     for entry in rec.steps:
         try:

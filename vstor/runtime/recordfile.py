@@ -64,6 +64,10 @@ def check_shape(rec) -> None:
         raise TypeError("holding is not an object")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in rec.migration.items()):
         raise TypeError("migration is not an object of strings")
+    if rec.spdk_socket is not None and not (isinstance(rec.spdk_socket, str)
+                                            and rec.spdk_socket.startswith("/")
+                                            and len(rec.spdk_socket) < 108 and "\0" not in rec.spdk_socket):
+        raise ValueError("spdk_socket is not the absolute path of a Unix socket")
     if rec.holding:
         holding_from_json(rec.holding)
 

@@ -56,11 +56,16 @@ class Record:
     # A migration under way: {"role": "incoming", "xml": ..., "from": ...} on
     # the destination, {"role": "outgoing", "to": ..., "xml_file": ...} on the source.
     migration: dict = field(default_factory=dict)
+    # The SPDK application its SPDK steps were made through (its JSON-RPC
+    # socket): their undo asks the same one, whatever vstor.conf says now.
+    spdk_socket: str | None = None
 
     def to_json(self) -> dict:
         out = {"format": RECORD_FORMAT, "key": self.key, "domain": self.domain, "uuid": self.uuid,
                "status": self.status, "holding": self.holding, "steps": self.steps,
                "updated": self.updated}
+        if self.spdk_socket:
+            out["spdk_socket"] = self.spdk_socket
         return {**out, "migration": self.migration} if self.migration else out
 
     @classmethod
@@ -68,7 +73,7 @@ class Record:
         return cls(key=data["key"], domain=data["domain"], uuid=data.get("uuid"),
                    status=data.get("status", PREPARING), holding=data.get("holding", {}),
                    steps=list(data.get("steps", [])), updated=data.get("updated", 0.0),
-                   migration=dict(data.get("migration") or {}))
+                   migration=dict(data.get("migration") or {}), spdk_socket=data.get("spdk_socket"))
 
 
 class StateDir:
