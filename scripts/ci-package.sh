@@ -1,6 +1,7 @@
 #!/bin/bash
 # CI's package step (run as root on Debian 12, before the test suite):
-#   1. build the Debian package from this tree (dpkg-buildpackage, in a copy),
+#   1. build the Debian package from this tree (scripts/build-deb.sh:
+#      dpkg-buildpackage, in a copy),
 #   2. install it, with the e2e session lock held (its libvirt hook is live
 #      for every libvirtd started meanwhile), and smoke every entry point of
 #      the INSTALLED package: /usr/bin/vstor, the libvirt hook, the Proxmox
@@ -16,44 +17,14 @@ set -euo pipefail
 t0=$(date +%s)
 cd "$(dirname "$0")/.."
 SRC=$PWD
-# Debian's tools with Debian's python3 (pybuild), never a pyenv or venv one.
-DEBPATH=/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin
 WORK=$(mktemp -d /tmp/vstor-package.XXXXXX)
 LOCK=/run/vstor-e2e.lock
 trap 'rm -rf "$WORK"' EXIT
 step() { printf '\n== [%ss] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
 fail() { echo "ci-package: FAILED: $*" >&2; exit 1; }
 
-step "build dependencies (Debian packages)"
-BUILD_DEPS="debhelper dh-python python3-all python3-setuptools python3-wheel pybuild-plugin-pyproject
-            bash-completion python3-lxml python3-build python3-installer lintian"
-missing=""
-for p in $BUILD_DEPS; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"
-done
-if [ -n "$missing" ]; then
-    apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
-fi
-
-step "the vendored wheels (debian/vendor.txt)"
-mkdir -p debian/vendor
-grep -v '^#' debian/vendor.txt | while read -r wheel sum; do
-    if [ ! -f "debian/vendor/$wheel" ] \
-            || ! echo "$sum  debian/vendor/$wheel" | sha256sum -c --quiet - >/dev/null 2>&1; then
-        name=${wheel%%-*}; rest=${wheel#*-}; version=${rest%%-*}
-        python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary :all: \
-            -d debian/vendor "${name//_/.}==$version"
-    fi
-done
-
-step "dpkg-buildpackage -us -uc -b (in a copy of the tree)"
-mkdir "$WORK/src"
-tar -C "$SRC" --exclude=./.git --exclude=./.venv --exclude=./.nova-venv --exclude='*/__pycache__' \
-    --exclude=./build --exclude=./dist --exclude='*.egg-info' -cf - . | tar -C "$WORK/src" -xf -
-(cd "$WORK/src" && env PATH=$DEBPATH dpkg-buildpackage -us -uc -b >"$WORK/build.log" 2>&1) \
-    || { tail -40 "$WORK/build.log"; fail "dpkg-buildpackage (log above)"; }
-DEB=$(ls "$WORK"/vstor_*_all.deb)
+step "dpkg-buildpackage -us -uc -b, in a copy of the tree (scripts/build-deb.sh)"
+DEB=$(bash scripts/build-deb.sh "$WORK") || fail "the package build (output above)"
 echo "built $(basename "$DEB") ($(stat -c %s "$DEB") bytes) in $(( $(date +%s) - t0 ))s"
 dpkg-deb -f "$DEB" Package Version Depends Recommends
 if command -v lintian >/dev/null; then
@@ -100,6 +71,10 @@ flock -w 1800 9 || fail "another e2e session held $LOCK for 30 minutes"
 # undone first: such a hook at the package's conffile path made dpkg ask
 # whether to keep it, and fail without a terminal.
 "$(sh scripts/python.sh)" tests/e2e/libvirtd.py || fail "could not undo what a dead e2e session left"
+# So is a container of tests/systemd whose session died: its libvirtd would
+# pass for the machine's.
+VSTOR_E2E_LOCK_HELD=1 "$(sh scripts/python.sh)" tests/systemd/harness.py --reap \
+    || fail "could not undo what a dead systemd test session left"
 if pgrep -x libvirtd >/dev/null && [ -e /run/libvirtd.pid ]; then
     fail "a libvirtd runs already (pid $(cat /run/libvirtd.pid)): it would not see the package's hook; stop it first"
 fi
