@@ -342,10 +342,10 @@ def test_purge_after_the_domain_stops_leaves_nothing(running):
     lab.purged = True
 
 
-@pytest.mark.xfail(raises=UnitsLeft, strict=True, reason=(
-    "vstor.slice, started by the first daemon's scope, stays loaded and active (empty, its unit "
-    "file gone) after the purge: no maintainer script stops it (issue 30, item 6)"))
 def test_purge_leaves_no_unit_of_vstor_loaded(lab):
+    """vstor.slice, started by the first daemon's scope, stays loaded and
+    active after its unit file is gone unless the postrm stops it (it does,
+    when the slice holds no process)."""
     if not lab.purged:
         pytest.skip("the purge test did not get through")
     units = lab.box.run("systemctl", "list-units", "--all", "--no-legend", "--plain", "vstor*").stdout
