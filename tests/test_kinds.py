@@ -67,7 +67,7 @@ def test_the_interface_is_the_thirteen_methods_and_four_attributes():
 def test_the_journal_reads_parallel_and_private_from_the_classes():
     """As before the classes said it: one daemon per disk side by side; the
     domain's own daemons and vhost controllers without the host lock."""
-    assert executor.PARALLEL == {"qsd-export"}
+    assert executor.PARALLEL == {"qsd-export", "gate"}
     assert executor.PRIVATE == {"qsd-export", "spdk-vhost", "gate"}
 
 

@@ -17,6 +17,10 @@ class Gate(Kind):
     group: str = "kvm"
     kind = "gate"
     private = True      # the domain's own file: no other domain's plan depends on it
+    # Written beside the domain's last daemons (one journal write fewer per
+    # start and stop): QEMU reads it only once the whole prepare has returned,
+    # and a failure of any step of the group removes it with the rest.
+    parallel = True
 
     def describe(self) -> str:
         return f"mark {self.domain} prepared for QEMU ({self.path})"
