@@ -123,6 +123,74 @@ def test_define_renders_and_defines_and_the_ledger_keeps_cores_apart(host_layout
         libvirt.open(URI).lookupByName(name).undefine()
 
 
+def test_the_ledger_is_the_same_from_the_plans_cache_as_from_each_domains_plan(host_layout, cfg, tmp_path,
+                                                                               capsys, testconn):
+    """plans.json keeps each domain's holding by its XML's SHA-256: what a
+    plan reads warm is what it reads cold (whether a domain runs asked of
+    libvirt each time), a damaged entry is read again from the domain, a
+    domain gone leaves, a damaged plan record is skipped with a warning;
+    only save_pending (after a define or apply) writes the file."""
+    import re
+    from vstor.meta.document import Domain
+    from vstor.meta.holding import Holding, holding_to_json
+    from vstor.runtime import inventory
+    root = host_layout("two-socket")
+    for name in ("vhost-local-nvme.xml", "qsd-file.xml", "vhost-two-nodes.xml"):
+        assert main(["-c", URI, "--config", cfg, "--host-root", root, "define",
+                     os.path.join(TEMPLATES, name)]) == 0
+    broken = re.sub(r"<uuid>.*</uuid>", "", _domain_xml("demo1")).replace("demo1", "broken1")
+    testconn.defineXML(broken.replace('mode="vhost"', 'mode="sideways"', 1))
+    testconn.lookupByName("web1").create()          # running: its hugepages already taken
+    cache = str(tmp_path / "state" / "plans.json")
+    os.remove(cache)                                # as the defines left it: cold
+    capsys.readouterr()
+
+    def expected() -> dict:
+        """Each planned domain's holding as its recorded plan gives it."""
+        return {n: Holding.from_plan(Domain.parse(_domain_xml(n)).recorded_plan(),
+                                     bool(testconn.lookupByName(n).isActive()))
+                for n in ("web1", "demo1", "db1") if n in [d.name() for d in testconn.listAllDomains(0)]}
+
+    def read() -> dict:
+        return {h.domain: h for h in inventory.load_ledger(testconn, (), cache).holdings}
+    try:
+        want = expected()
+        assert want["web1"].active and not want["db1"].active and want["db1"].cells
+        assert read() == want and "ledger skips domain 'broken1'" in capsys.readouterr().err
+        assert not os.path.exists(cache)                # read, not written
+        inventory.save_pending()
+        with open(cache) as f:
+            kept = json.load(f)
+        # The driver's own domain 'test' holds nothing; broken1 has no entry.
+        assert sorted(kept.values(), key=json.dumps) == sorted(
+            [None, *(holding_to_json(h) for h in want.values())], key=json.dumps)
+        inode = os.stat(cache).st_ino
+        assert read() == want
+        inventory.save_pending()
+        assert os.stat(cache).st_ino == inode               # warm: nothing to write again
+        testconn.lookupByName("web1").destroy()
+        assert read() == expected() != want                  # whether it runs: libvirt's, now
+        key = next(k for k, v in kept.items() if v and v["domain"] == "demo1")
+        with open(cache, "w") as f:
+            json.dump({**kept, key: {"domain": "demo1", "cpus": "all"}}, f)
+        assert read() == expected()                          # the damaged entry read again
+        inventory.save_pending()
+        with open(cache) as f:
+            assert json.load(f) == kept
+        testconn.lookupByName("db1").undefine()
+        assert read() == expected() and len(expected()) == 2
+        inventory.save_pending()
+        with open(cache) as f:
+            assert json.load(f) == {k: v for k, v in kept.items() if not v or v["domain"] != "db1"}
+    finally:
+        inventory.save_pending()
+        for dom in testconn.listAllDomains(0):
+            if dom.name() in ("web1", "demo1", "db1", "broken1"):
+                if dom.isActive():
+                    dom.destroy()
+                dom.undefine()
+
+
 def test_apply_replans_a_domain_defined_with_virsh(host_layout, cfg, capsys, testconn):
     conn = libvirt.open(URI)
     annotated = open(os.path.join(TEMPLATES, "qsd-file.xml")).read()

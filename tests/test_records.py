@@ -66,6 +66,7 @@ def test_build_print_compare_and_refuse_as_dataclasses_do(frozen):
         if a[0] == "ok":
             assert repr(a[1]).replace("C(", "X(") == repr(b[1]).replace("C(", "X(")
             assert dataclasses.asdict(a[1]) == records.asdict(b[1])
+            assert list(vars(a[1]).items()) == list(vars(b[1]).items())   # in field order (fit._show)
             built.append((a[1], b[1]))
     for x1, y1 in built:
         for x2, y2 in built:

@@ -23,9 +23,11 @@ def parse_cpulist(text: str, below: int = MAX_CPU + 1) -> tuple[int, ...]:
         if not part.strip():
             continue
         m = _SPAN.fullmatch(part)
-        if not m or max(int(n) for n in m.groups("0")) >= below:
+        lo = int(m[1]) if m else below
+        hi = int(m[2]) if m and m[2] else lo
+        if lo >= below or hi >= below:
             raise ValueError(f"'{part.strip()[:20]}' is not a CPU or a range of CPUs below {below}")
-        spans.append((int(m.group(1)), int(m.group(2) or m.group(1))))
+        spans.append((lo, hi))
     cpus: list[int] = []
     for lo, hi in sorted(spans):
         cpus.extend(range(max(lo, cpus[-1] + 1 if cpus else 0), hi + 1))

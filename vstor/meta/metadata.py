@@ -16,7 +16,7 @@ from vstor.errors import BadInput
 from vstor.meta.intent import DiskIntent, Intent, VmIntent
 from vstor.meta.plan import PLAN_VERSION, Plan
 from vstor.meta.xmlmodel import Q, build, canonical, child, children, element, parse
-from vstor.records import record, replace
+from vstor.records import record
 
 SCHEMA_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "schema", "vstor.rng")
 
@@ -73,11 +73,10 @@ def load_plan(elem: etree._Element, domain: str, uuid: str | None) -> Plan | Non
         raise BadInput(f"domain '{domain}': vstor plan record version {version!r} "
                        f"is not {PLAN_VERSION}", hint=f"re-plan it with: vstor apply {domain}")
     try:
-        plan = parse(Plan, found[0])
+        return parse(Plan, found[0], domain=domain, uuid=uuid)
     except BadInput as e:
         raise BadInput(f"domain '{domain}': vstor plan record is damaged ({e.message})",
                        hint=f"re-plan it with: vstor apply {domain}") from None
-    return replace(plan, domain=domain, uuid=uuid)
 
 
 def store(root: etree._Element, plan: Plan) -> None:

@@ -3,6 +3,7 @@ value, and says its RelaxNG (through `rng`, vstor.meta.xmlmodel's helper)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 from lxml import etree
@@ -16,6 +17,15 @@ XSD = "http://www.w3.org/2001/XMLSchema-datatypes"
 def rng(parent, tag, **attrs):
     """A RelaxNG element."""
     return etree.SubElement(parent, f"{{{RNG}}}{tag}", **attrs)
+
+
+_DIGITS = re.compile(r"[0-9]{1,20}", re.ASCII)
+
+
+@functools.cache
+def _pattern(pattern: str) -> re.Pattern:
+    """A Text's pattern, compiled once (a plan record holds a dozen)."""
+    return re.compile(pattern, re.ASCII)
 
 
 class Invalid(Exception):
@@ -63,7 +73,7 @@ class Int:
     def parse(self, text, name):
         # Digits only: no sign, no spaces (libxml2 checks the pattern on the
         # value as written), leading zeros allowed as XSD allows them.
-        if not re.fullmatch(r"[0-9]{1,20}", text, re.ASCII) or not self.lo <= int(text) <= self.hi:
+        if not _DIGITS.fullmatch(text) or not self.lo <= int(text) <= self.hi:
             raise Invalid("is out of range", f"a whole number from {self.lo} to {self.hi}")
         return int(text)
 
@@ -88,7 +98,7 @@ class Text:
     normalise: object = None        # text -> canonical text, after the check
 
     def parse(self, text, name):
-        if len(text) > self.max_length or not re.fullmatch(self.pattern, text, re.ASCII):
+        if len(text) > self.max_length or not _pattern(self.pattern).fullmatch(text):
             raise Invalid(self.problem, self.hint)
         return self.normalise(text) if self.normalise else text
 

@@ -125,52 +125,90 @@ def _child_tags(cls) -> tuple[str, ...]:
 
 # -- parsing --------------------------------------------------------------------------------
 
-def parse(cls, e: etree._Element, where: str = ""):
-    """An element -> an instance of its declared class, or BadInput."""
+class _Reader:
+    """What parse needs of a declared class, derived once per class (every
+    parse of every element asks it)."""
+
+    def __init__(self, cls):
+        self.attrs: dict[str, tuple[str, object]] = {}   # XML name -> (field, value type)
+        self.required = frozenset(attr_name(f, s) for f, s in element_fields(cls)
+                                  if isinstance(s, Attr) and s.required)
+        self.tags: dict[str, tuple[str, int]] = {}       # Clark tag -> (local name, rank of its field)
+        self.kids: list[tuple[str, object]] = []         # (field, spec) read from child elements
+        for rank, (f, spec) in enumerate(element_fields(cls)):
+            if isinstance(spec, Attr):
+                self.attrs[attr_name(f, spec)] = (f.name, spec.type)
+                continue
+            if isinstance(spec, _Child):
+                local = (spec.cls.xml_tag,)
+            elif isinstance(spec, Choice):
+                local = tuple(c.xml_tag for c in spec.classes)
+            else:
+                local = (spec.tag,)
+            self.tags.update((_CLARK + t, (t, rank)) for t in local)
+            self.kids.append((f.name, spec))
+
+
+_reader = functools.cache(_Reader)
+
+
+def parse(cls, e: etree._Element, where: str = "", **known):
+    """An element -> an instance of its declared class, or BadInput.
+    `known`: the fields the element does not hold (a plan's domain, which
+    the document around it says).  Of several problems, the one said is
+    the first of: an unknown attribute, a child element (text, an entity,
+    an undeclared element, the order), an attribute (in declaration
+    order), then each child's own."""
+    reader = _reader(cls)
     tag = cls.xml_tag
     pre = f"{where}: " if where else ""
-    specs = element_fields(cls)
-    names = _attrs(cls)
-    for name in e.attrib:
-        if name not in names:
+    values = known
+    wrong = False
+    for name, text in e.items():
+        found = reader.attrs.get(name)
+        if found is None:
             raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_shown(_local(name))}'",
-                           hint="allowed: " + (", ".join(sorted(names)) or "none"))
-    allowed = _child_tags(cls)
-    kids = _element_children(e, tag, allowed, pre)
-    if cls.xml_ordered:
-        _in_order(cls, kids, pre)
-    values = {}
-    for name, (f, spec) in names.items():
-        text = e.get(name)
-        if text is None:
-            if spec.required:
-                raise BadInput(f"{pre}<vstor:{tag}> has no {name} attribute", hint=f"add {name}='...'")
-            continue
+                           hint="allowed: " + (", ".join(sorted(reader.attrs)) or "none"))
         try:
-            values[f.name] = spec.type.parse(text, name)
-        except Invalid as bad:
-            raise BadInput(f"{pre}<vstor:{tag} {name}='{_shown(text)}'> {bad.problem}",
-                           hint=bad.hint) from None
+            values[found[0]] = found[1].parse(text, name)
+        except Invalid:
+            wrong = True        # said after the child elements' problems, as below
+    kids = _element_children(cls, e, reader.tags, pre)
+    if wrong or not reader.required.issubset(e.keys()):
+        _refuse_attributes(cls, e, pre)
     if cls.xml_where and e.get(cls.xml_where) is not None:
         where = f"<vstor:{tag} {cls.xml_where}='{e.get(cls.xml_where)}'>"
-    for f, spec in specs:
+    for fname, spec in reader.kids:
         if isinstance(spec, _Child):
-            values[f.name] = _parse_children(cls, spec, kids, where)
+            values[fname] = _parse_children(cls, spec, kids.get(spec.cls.xml_tag, ()), where)
         elif isinstance(spec, Choice):
-            found = [k for k in kids if _local(k.tag) in {c.xml_tag for c in spec.classes}]
+            found = [(c, k) for c in spec.classes for k in kids.get(c.xml_tag, ())]
             if len(found) != 1:
                 raise BadInput(f"{where or tag} needs exactly one {spec.label} element",
                                hint="one of " + ", ".join(f"<vstor:{c.xml_tag}>" for c in spec.classes))
-            sub = next(c for c in spec.classes if c.xml_tag == _local(found[0].tag))
-            values[f.name] = parse(sub, found[0], where)
-        elif isinstance(spec, Texts):
-            values[f.name] = tuple(_text_of(k, spec.tag, pre) for k in kids if _local(k.tag) == spec.tag)
+            values[fname] = parse(*found[0], where)
+        else:
+            values[fname] = tuple(_text_of(k, spec.tag, pre) for k in kids.get(spec.tag, ()))
     return cls(**values)
 
 
-def _parse_children(cls, spec: _Child, kids, where):
+def _refuse_attributes(cls, e, pre) -> None:
+    """The first attribute, in declaration order, that is missing or wrong."""
+    for name, (f, spec) in _attrs(cls).items():
+        text = e.get(name)
+        if text is None:
+            if spec.required:
+                raise BadInput(f"{pre}<vstor:{cls.xml_tag}> has no {name} attribute", hint=f"add {name}='...'")
+            continue
+        try:
+            spec.type.parse(text, name)
+        except Invalid as bad:
+            raise BadInput(f"{pre}<vstor:{cls.xml_tag} {name}='{_shown(text)}'> {bad.problem}",
+                           hint=bad.hint) from None
+
+
+def _parse_children(cls, spec: _Child, found, where):
     tag = spec.cls.xml_tag
-    found = [k for k in kids if _local(k.tag) == tag]
     if not spec.many:
         if len(found) > 1:
             raise BadInput(f"vstor metadata has more than one <vstor:{tag}> element in "
@@ -191,46 +229,35 @@ def _parse_children(cls, spec: _Child, kids, where):
     return items
 
 
-def _element_children(e, tag, allowed, pre) -> list:
+def _element_children(cls, e, tags: dict, pre) -> dict[str, list]:
+    """The child elements by local name, each list in document order; text,
+    entities, elements the class does not declare and (in a record vstor
+    writes) elements out of declaration order are refused, comments and
+    processing instructions skipped."""
+    tag = cls.xml_tag
     _no_text(e.text, tag, pre)
-    kids = []
+    kids: dict[str, list] = {}
+    last, disorder = None, None
     for k in e:
         _no_text(k.tail, tag, pre)
-        if isinstance(k, etree._Entity):
-            raise BadInput(f"{pre}<vstor:{tag}> holds an entity reference &{_shown(k.name)};",
-                           hint="vstor metadata takes no entities; write the value itself")
-        if not isinstance(k.tag, str):
-            continue            # comments, processing instructions
-        local = _local(k.tag)
-        if not k.tag.startswith(_CLARK) or local not in allowed:
-            raise BadInput(f"{pre}<vstor:{tag}> has unexpected element <{_shown(local)}>",
+        found = tags.get(k.tag)
+        if found is None:
+            if isinstance(k, etree._Entity):
+                raise BadInput(f"{pre}<vstor:{tag}> holds an entity reference &{_shown(k.name)};",
+                               hint="vstor metadata takes no entities; write the value itself")
+            if not isinstance(k.tag, str):
+                continue            # comments, processing instructions
+            allowed = _child_tags(cls)
+            raise BadInput(f"{pre}<vstor:{tag}> has unexpected element <{_shown(_local(k.tag))}>",
                            hint="allowed: " + (", ".join(f"<vstor:{a}>" for a in allowed) or "none"))
-        kids.append(k)
+        if last is not None and found[1] < last[1] and disorder is None:
+            disorder = (last[0], found[0])
+        last = found
+        kids.setdefault(found[0], []).append(k)
+    if disorder and cls.xml_ordered:
+        raise BadInput(f"{pre}<vstor:{tag}> has <vstor:{disorder[1]}> after <vstor:{disorder[0]}>",
+                       hint="vstor writes this record in a fixed order: re-plan instead of editing it")
     return kids
-
-
-@functools.cache
-def _ranks(cls) -> dict[str, int]:
-    """Each child element's tag -> its place in the declaration."""
-    rank = {}
-    for i, (_f, spec) in enumerate(element_fields(cls)):
-        if isinstance(spec, _Child):
-            rank[spec.cls.xml_tag] = i
-        elif isinstance(spec, Choice):
-            rank.update({c.xml_tag: i for c in spec.classes})
-        elif isinstance(spec, Texts):
-            rank[spec.tag] = i
-    return rank
-
-
-def _in_order(cls, kids, pre) -> None:
-    rank = _ranks(cls)
-    ranks = [rank[_local(k.tag)] for k in kids]
-    for a, b, ka, kb in zip(ranks, ranks[1:], kids, kids[1:]):
-        if b < a:
-            raise BadInput(f"{pre}<vstor:{cls.xml_tag}> has <vstor:{_local(kb.tag)}> after "
-                           f"<vstor:{_local(ka.tag)}>", hint="vstor writes this record in a fixed order: "
-                           "re-plan instead of editing it")
 
 
 def _no_text(text, tag, pre) -> None:
@@ -239,6 +266,8 @@ def _no_text(text, tag, pre) -> None:
 
 
 def _text_of(k, tag, pre) -> str:
+    if not len(k) and not k.keys():
+        return k.text or ""         # the common case: text alone
     if k.attrib:
         raise BadInput(f"{pre}<vstor:{tag}> has unknown attribute '{_local(next(iter(k.attrib)))}'",
                        hint="allowed: none")

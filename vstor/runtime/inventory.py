@@ -25,25 +25,32 @@ def holdings_from_libvirt(conn, cache: str | None = None) -> list[Holding]:
     save_pending(), after a define or apply that went well."""
     import hashlib
     known = _load_cache(cache)
-    used: dict[str, dict | None] = {}
+    # What the cache holds after this run: each listed domain's entry, the
+    # JSON read from the cache or, parsed now, the Holding (or None).
+    used: dict[str, dict | Holding | None] = {}
+    parsed = False
     active, persistent = virt.uuids_of(conn, "ACTIVE"), virt.uuids_of(conn, "PERSISTENT")
+    # Every definition first, then each read: parsing between libvirt's
+    # answers ran a third slower (the CPU's caches cold after each wait).
+    listed = [(vdom.name(), uuid, virt.inactive_xml(vdom, uuid in persistent))
+              for vdom in virt.all_domains(conn) for uuid in (vdom.UUIDString(),)]
     out = []
-    for vdom in virt.all_domains(conn):
+    for name, uuid, xml in listed:
         try:
-            uuid = vdom.UUIDString()
-            xml = virt.inactive_xml(vdom, uuid in persistent)
             key = hashlib.sha256(xml.encode("utf-8", "surrogateescape")).hexdigest()
-            if key in known and (known[key] is None or _cached(known[key], True) is not None):
-                used[key] = known[key]
-            else:
-                used[key] = _held(Domain.parse(xml, f"domain '{vdom.name()}'"))
+            entry = known.get(key)
+            held = _cached(entry, uuid in active)
+            if key not in known or (entry is not None and held is None):     # not kept, or damaged
+                held = entry = _held(Domain.parse(xml, f"domain '{name}'"), uuid in active)
+                parsed = True
+            used[key] = entry
         except VstorError as e:
             # One damaged neighbour must not block planning for everybody.
             print(f"vstor: warning: ledger skips {e}", file=sys.stderr)
             continue
-        if used[key] is not None:
-            out.append(_cached(used[key], uuid in active))
-    if cache and used != known:
+        if held is not None:
+            out.append(held)
+    if cache and (parsed or len(used) != len(known)):
         _PENDING[cache] = used      # written by save_pending(), once the run went well
     return out
 
@@ -56,17 +63,16 @@ def save_pending() -> None:
     changes the host anyway and went well (define, apply); `vstor plan`,
     a dry run and a refused run write nothing, not even this."""
     while _PENDING:
-        path, data = _PENDING.popitem()
-        _save_cache(path, data)
+        path, used = _PENDING.popitem()
+        _save_cache(path, {key: holding_to_json(entry) if isinstance(entry, Holding) else entry
+                           for key, entry in used.items()})
 
 
-def _held(dom: Domain) -> dict | None:
-    """The holding of a domain's recorded plan, as JSON; None when it has
-    no vstor metadata or was never planned."""
-    if not dom.has_vstor():
-        return None
+def _held(dom: Domain, active: bool) -> Holding | None:
+    """The holding of a domain's recorded plan; None when it has no vstor
+    metadata or was never planned."""
     plan = dom.recorded_plan()
-    return None if plan is None else holding_to_json(Holding.from_plan(plan))
+    return None if plan is None else Holding.from_plan(plan, active)
 
 
 def _cached(data, active: bool) -> Holding | None:
