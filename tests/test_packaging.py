@@ -297,6 +297,9 @@ def test_prerm_refuses_a_remove_when_the_config_naming_the_state_dir_cannot_be_r
     done = prerm()
     assert done.returncode == 1, done
     assert "unknown key 'state_dr'" in done.stderr and "VSTOR_REMOVE_KEEP_BACKENDS=1" in done.stderr
+    conf.write_text(f"[PATHS]\nstate_dir = {state}\n")     # no match by name: still not the default
+    done = prerm()
+    assert done.returncode == 1 and "unknown section [PATHS]" in done.stderr, done
     conf.write_text(f"[paths]\nstate_dir = {state}\n[cpu]\nreactors = 2-\n")
     done = prerm()
     assert done.returncode == 1 and "holds backends for: web1" in done.stderr, done
