@@ -476,3 +476,30 @@ def test_a_refused_prepare_prints_nothing_before_its_refusal(work, capsys):
         assert (code, out) == (2, ""), (args, code, out, err)
         assert f"{work.dir}/d0.raw" in err and err.count("\n") == 1, err
     assert not os.listdir(f"{work.dir}/state/domains")
+
+
+def test_gc_takes_the_prepared_mark_of_a_record_for_its_own_and_removes_one_no_record_owns(work, capsys):
+    """(review i30) Every prepared domain's mark (<vhost_dir>/<key>.vstor-prepared)
+    is its record's: gc, which names what is not provably vstor's, no longer
+    names it 'not named like a vstor socket' at every run.  A mark no record
+    owns (its record removed by hand) would let a start without vstor's hook
+    wait for its sockets for ever again: gc removes it, and leaves a file of
+    that name vstor did not write."""
+    from vstor import config
+    from vstor.runtime import gc
+    from vstor.runtime.state import StateDir
+    rendered = os.path.join(work.dir, "r.xml")
+    vstor(work, "render", work.xml, "-o", rendered)
+    assert vstor(work, "prepare", rendered) == 0
+    vhost = f"{work.dir}/vhost"
+    with open(f"{vhost}/ghost.vstor-prepared", "w") as f:
+        f.write("prepared by vstor\n")
+    with open(f"{vhost}/other.vstor-prepared", "w") as f:
+        f.write("operator's")
+    cfg = config.load(work.conf)
+    orphans, foreign = gc.orphan_files(cfg, StateDir(cfg.state_dir))
+    assert orphans == [f"{vhost}/ghost.vstor-prepared"]
+    assert [p for p, _ in foreign] == [f"{vhost}/other.vstor-prepared"]
+    capsys.readouterr()
+    assert vstor(work, "gc") == 0       # cli1 does not run in test:///default
+    assert sorted(os.listdir(vhost)) == ["other.vstor-prepared"]
