@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.guest import Guest, build_guest, loop_expected, loop_job, parse_loop, stop_loop
-from tests.e2e.test_hook import annotated
+from tests.e2e.helpers import annotated
 
 from .harness import Container, ensure_image
 
