@@ -326,7 +326,8 @@ def test_config_line_numbers_count_newlines_only(tmp_path):
 
 @pytest.mark.parametrize("text, unread", [
     ("[paths]\nstate_dir = /srv/st\n[spdk]\nrpc_socket = /x/spdk.sock\n", frozenset()),
-    ("[paths]\nstate_dir = /srv/st\nbogus = 1\n[spdk]\nrpc_socket = /x/spdk.sock\n", frozenset()),
+    ("[paths]\nstate_dir = /srv/st\nbogus = 1\n[spdk]\nrpc_socket = /x/spdk.sock\n",
+     {"vhost_dir", "qsd_dir", "images"}),
     ("[paths]\nstate_dir = /srv/st\n[spdk]\nrpc_sockt = /x/spdk.sock\n", {"spdk_socket"}),
     ("[paths]\nstate_dir = /srv/st\n[cpu]\nreactors = x\n", {"reactors"}),
     ("[paths]\nstate_dr = /srv/st\n", {"state_dir"}),
@@ -355,3 +356,30 @@ def test_for_undo_warns_and_goes_on_unless_the_records_place_is_unknown(tmp_path
     with pytest.raises(BadInput, match="comes before any"):
         config.for_undo(write(tmp_path, "x\n[paths]\nstate_dir = /srv/st\n"), said.append)
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("text", [
+    "[PATHS]\nstate_dir = /srv/st\n",                   # a section's case: difflib finds no match
+    "[DEFAULT]\nstate_dir = /srv/st\n",                 # not configparser's DEFAULT here: unknown
+    "[storage]\nstate_dir = /srv/st\n",                 # a section name nothing like [paths]
+    "[spdk]\nstate_dir = /srv/st\n",                    # the key under another section
+    "[paths]\nrecords = /srv/st\n",                     # a key in [paths] named like none of its keys
+])
+def test_salvage_never_takes_the_default_state_dir_for_one_the_file_meant(tmp_path, text):
+    """Where the file sets a state_dir that does not read (an unknown
+    section, a key under another section or named like nothing), the
+    default is not the one the operator meant: salvaging by it, gc found no
+    record there and swept every qemu-storage-daemon of vstor's directories
+    as an orphan, and prerm let a removal leave backends nobody releases."""
+    got = config.salvage(write(tmp_path, text))
+    assert got.problem is not None and not got.knows("state_dir"), got
+    with pytest.raises(BadInput):
+        config.for_undo(write(tmp_path, text), lambda m: None)
+
+
+def test_salvage_still_knows_a_state_dir_the_file_sets_or_never_meant(tmp_path):
+    """A problem that cannot be about state_dir leaves it known."""
+    for text in ("[paths]\nstate_dir = /srv/st\nbogus = 1\n", "[spdk]\nrpc_sockt = /x\n",
+                 "[cpu]\nreactor = 2\n", "[STORAGE]\nfoo = 1\n"):
+        got = config.salvage(write(tmp_path, text))
+        assert got.problem is not None and got.knows("state_dir"), text

@@ -1552,3 +1552,35 @@ def test_define_refuses_a_link_out_of_the_image_root_as_the_start_does(w):
     for args in (["define", "--dry-run"], ["define"], ["plan"], ["render"]):
         code, _, err = cli(w, *args, w.write("escape.xml", xml))
         assert (code, err) == (BAD, start), args
+
+
+def test_the_prepared_mark_is_written_only_at_vstors_own_name_and_never_through_a_link(bare):
+    """(review i30) The fw_cfg entry's file is chosen by whoever wrote the
+    domain's XML: anything but <vhost_dir>/<domain>.vstor-prepared is
+    refused, and nothing is written there.  At vstor's own name a symbolic
+    or a hard link (one a writer of a vhost directory shared with an
+    unprivileged SPDK may plant; protected_hardlinks only guards files the
+    planter cannot write) is refused: the file it names keeps its content,
+    owner and mode."""
+    w = bare
+    xml = _domain_in(w)
+    with open(xml) as f:
+        text = f.read()
+    mark = f"{w.vhost}/hx1.vstor-prepared"
+    assert mark in text
+    other = f"{w.outside}/root-file"
+    with open(other, "w") as f:
+        f.write("root's own\n")
+    os.chmod(other, 0o600)
+    code, _, err = cli(w, "prepare", w.write("hx1-other.xml", text.replace(mark, other)))
+    assert code == BAD and _one_line(err) and f"vstor writes it only at {mark}" in err, (code, err)
+    os.makedirs(w.vhost, exist_ok=True)
+    for plant in (os.symlink, os.link):
+        plant(other, mark)
+        code, _, err = cli(w, "prepare", xml)
+        assert code != 0 and _one_line(err) and mark in err, (plant, code, err)
+        with open(other) as f:
+            assert f.read() == "root's own\n", plant
+        assert os.stat(other).st_mode & 0o777 == 0o600 and os.stat(other).st_gid == 0, plant
+        os.unlink(mark)
+    assert not os.path.exists(f"{w.state}/domains/hx1.json")       # rolled back

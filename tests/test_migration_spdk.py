@@ -169,3 +169,25 @@ def test_an_export_subsystem_that_admits_another_host_is_refused_and_left(two, c
     assert t.a_spdk.subsystems[EXPORT].serial_number == "OPERATOR1"     # left as it was
     assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "gate"])
     assert kinds(t, "b") == (None, [])
+
+
+def test_the_export_and_its_abort_go_through_the_spdk_the_record_names(two, capsys):
+    """(review i30) [spdk] rpc_socket changed since the domain started: its
+    export is made in, and its abort undone through, the SPDK application
+    its record names (where its bdev is), as a hot-plug does, and the
+    record keeps naming that one: its release asks it for the controllers."""
+    t = two
+    xml_path = running_on_a(t)
+    with open(t.a_conf) as f:
+        text = f.read().replace(t.a_spdk.socket_path, f"{t.work}/moved-spdk.sock")
+    with open(t.a_conf, "w") as f:
+        f.write(text)
+    capsys.readouterr()
+    assert on(t, "a", "migrate", "prepare", xml_path, "--to", "hostb", "-o", f"{t.work}/o.xml") == 0, \
+        capsys.readouterr().err
+    assert t.a_spdk.subsystems[EXPORT].hosts == [migration_nqn(t)]
+    with open(f"{t.work}/a/state/domains/vm.json") as f:
+        assert json.load(f)["spdk_socket"] == t.a_spdk.socket_path
+    assert on(t, "a", "migrate", "abort", "vm") == 0, capsys.readouterr().err
+    assert kinds(t, "a") == ("prepared", ["vfio-bind", "spdk-attach", "spdk-vhost", "gate"])
+    assert EXPORT not in t.a_spdk.subsystems

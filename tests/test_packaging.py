@@ -297,6 +297,9 @@ def test_prerm_refuses_a_remove_when_the_config_naming_the_state_dir_cannot_be_r
     done = prerm()
     assert done.returncode == 1, done
     assert "unknown key 'state_dr'" in done.stderr and "VSTOR_REMOVE_KEEP_BACKENDS=1" in done.stderr
+    conf.write_text(f"[PATHS]\nstate_dir = {state}\n")     # no match by name: still not the default
+    done = prerm()
+    assert done.returncode == 1 and "unknown section [PATHS]" in done.stderr, done
     conf.write_text(f"[paths]\nstate_dir = {state}\n[cpu]\nreactors = 2-\n")
     done = prerm()
     assert done.returncode == 1 and "holds backends for: web1" in done.stderr, done
@@ -363,3 +366,33 @@ def test_the_pth_of_a_half_removed_vstor_never_troubles_an_interpreters_start(tm
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30,
                           cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert (done.returncode, done.stdout, done.stderr) == (0, "VstorNovaFinder\n", "")
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("tasks, stopped", [("0", True), ("2", False), ("[not set]", False), ("", False)])
+def test_postrm_stops_vstor_slice_only_when_systemd_counts_no_task_in_it(tmp_path, tasks, stopped):
+    """`apt remove` stops vstor.slice only when systemd says it holds no
+    task: where it cannot count them (TasksAccounting=no in a drop-in or
+    system.conf, no pids controller in a container: TasksCurrent is
+    '[not set]'), daemons left running unmanaged (records elsewhere, no
+    /run/vstor for prerm's kept-backends) would be stopped with it.  A fake
+    systemctl, in a private mount namespace with its own /run."""
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (a private /run)")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "systemctl").write_text(
+        f"#!/bin/sh\necho \"$*\" >> {calls}\n"
+        f"case \"$*\" in show*TasksCurrent*) printf '%s\\n' '{tasks}';; is-active*) exit 0;; esac\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    script = (f"mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/system && "
+              f"sh {ROOT}/debian/vstor.postrm remove")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done
+    said = calls.read_text() if calls.exists() else ""
+    assert ("stop vstor.slice" in said) == stopped, (said, done.stderr)

@@ -476,3 +476,45 @@ def test_a_refused_prepare_prints_nothing_before_its_refusal(work, capsys):
         assert (code, out) == (2, ""), (args, code, out, err)
         assert f"{work.dir}/d0.raw" in err and err.count("\n") == 1, err
     assert not os.listdir(f"{work.dir}/state/domains")
+
+
+def test_gc_takes_the_prepared_mark_of_a_record_for_its_own_and_removes_one_no_record_owns(work, capsys):
+    """(review i30) Every prepared domain's mark (<vhost_dir>/<key>.vstor-prepared)
+    is its record's: gc, which names what is not provably vstor's, no longer
+    names it 'not named like a vstor socket' at every run.  A mark no record
+    owns (its record removed by hand) would let a start without vstor's hook
+    wait for its sockets for ever again: gc removes it, and leaves a file of
+    that name vstor did not write."""
+    from vstor import config
+    from vstor.runtime import gc
+    from vstor.runtime.state import StateDir
+    rendered = os.path.join(work.dir, "r.xml")
+    vstor(work, "render", work.xml, "-o", rendered)
+    assert vstor(work, "prepare", rendered) == 0
+    vhost = f"{work.dir}/vhost"
+    with open(f"{vhost}/ghost.vstor-prepared", "w") as f:
+        f.write("prepared by vstor\n")
+    with open(f"{vhost}/other.vstor-prepared", "w") as f:
+        f.write("operator's")
+    cfg = config.load(work.conf)
+    orphans, foreign = gc.orphan_files(cfg, StateDir(cfg.state_dir))
+    assert orphans == [f"{vhost}/ghost.vstor-prepared"]
+    assert [p for p, _ in foreign] == [f"{vhost}/other.vstor-prepared"]
+    capsys.readouterr()
+    assert vstor(work, "gc") == 0       # cli1 does not run in test:///default
+    assert sorted(os.listdir(vhost)) == ["other.vstor-prepared"]
+
+
+def test_status_does_not_flag_a_crashed_domain_whose_qemu_libvirt_preserved(work, capsys, monkeypatch):
+    """(review i30) libvirt's state 'crashed' is a guest that panicked with
+    on_crash='preserve': its QEMU still runs, on the backends vstor holds
+    (a QEMU that died is 'shut off', reason crashed).  Its stop's release has
+    nothing to do yet, and the fix status gave is refused (release: it is
+    running; gc leaves it).  libvirt's test driver cannot panic a guest:
+    its answer is replaced."""
+    from vstor.cli import runtime as cli_runtime
+    _prepared(work, capsys)
+    monkeypatch.setattr(cli_runtime, "STARTING", 0.0)
+    monkeypatch.setattr(cli_runtime.virt, "state", lambda conn, name: "crashed")
+    assert vstor(work, "status") == 0
+    assert "PROBLEM" not in capsys.readouterr().out

@@ -44,7 +44,7 @@ def ensure_dir(path: str, group: str, enforce: bool = True) -> None:
 def mark(path: str, group: str, text: str = GATE_TEXT) -> None:
     """vstor's prepared mark at `path` (vstor.meta.names.gate_path), which
     QEMU reads: root:<group> 0640 in a directory made as for sockets; never
-    written through a link; one already there is written again."""
+    written through a symbolic or hard link; one already there is written again."""
     ensure_dir(os.path.dirname(path), group, enforce=False)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o640)
@@ -52,8 +52,11 @@ def mark(path: str, group: str, text: str = GATE_TEXT) -> None:
         raise ActionFailed(f"cannot write {path}: {e.strerror}",
                            hint="move away what is there; vstor writes its mark there") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise ActionFailed(f"{path} is not a regular file", hint="move it away")
+        if st.st_nlink != 1:    # a hard link planted there names another file too
+            raise ActionFailed(f"{path} is a hard link ({st.st_nlink} names)", hint="move it away")
         os.ftruncate(fd, 0)
         os.write(fd, text.encode())
         os.fchown(fd, 0, qemu_gid(group))

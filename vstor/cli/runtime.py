@@ -135,8 +135,10 @@ STARTING = 60.0
 
 def _left_behind(rec, libvirt: str | None) -> str | None:
     """A domain libvirt has stopped whose backends vstor still holds: its
-    stop's release did not run or failed (the hook then logs why)."""
-    if (rec.status != PREPARED or libvirt not in ("shut off", "crashed") or not rec.steps
+    stop's release did not run or failed (the hook then logs why).  Not
+    'crashed': a guest that panicked with on_crash='preserve', whose QEMU
+    libvirt keeps running on those backends (a QEMU that died is 'shut off')."""
+    if (rec.status != PREPARED or libvirt != "shut off" or not rec.steps
             or time.time() - rec.updated < STARTING):
         return None
     return (f"libvirt says {libvirt} but vstor still holds its backends (its stop's release "

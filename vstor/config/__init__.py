@@ -185,7 +185,7 @@ def parse(text: str, path: str, problems: list | None = None) -> Config:
         if known is None:
             _refuse(problems, BadInput(f"{path}:{lines.section(section)}: unknown section [{section}]",
                                        hint="fix: " + _suggest(section, SECTIONS, "known sections")),
-                    *BY_SECTION.get(_closest(section, SECTIONS), {}).values())
+                    *_meant_by_section(section, parser.options(section)))
             continue
         for name, raw in parser.items(section):
             key = known.get(name)
@@ -193,7 +193,7 @@ def parse(text: str, path: str, problems: list | None = None) -> Config:
             if key is None:
                 _refuse(problems, BadInput(f"{where}: unknown key '{name}' in [{section}]",
                                            hint="fix: " + _suggest(name, known, "known keys")),
-                        *[known[k] for k in [_closest(name, known)] if k])
+                        *_meant_by_key(name, known, parser.options(section)))
                 continue
             if "\n" in raw.strip():     # an indented line: configparser's continuation
                 more = next(i for i, part in enumerate(raw.split("\n")) if i and part.strip())
@@ -223,6 +223,29 @@ def _refuse(problems: list | None, e: BadInput, *keys: Key) -> None:
         raise e
     e.attrs = frozenset(k.attr for k in keys)
     problems.append(e)
+
+
+def _meant_by_section(section: str, options) -> list[Key]:
+    """The keys an unknown [section] may have meant to set: those of the
+    section its name is closest to (in any case), and each of its keys
+    taken as the closest key of any section (a key under the wrong one)."""
+    near = _closest(section, SECTIONS) or _closest(section.strip().lower(), SECTIONS)
+    return [*BY_SECTION.get(near, {}).values(), *(k for o in options for k in _named_like(o))]
+
+
+def _meant_by_key(name: str, known: dict, options) -> list[Key]:
+    """The keys an unknown key of a known section may have meant: the
+    closest one there, else the closest of another section and any key of
+    its section the file does not set."""
+    near = _closest(name, known)
+    if near:
+        return [known[near]]
+    return _named_like(name) + [k for n, k in known.items() if n not in options]
+
+
+def _named_like(name: str) -> list[Key]:
+    near = _closest(name, {k.name for k in KEYS})
+    return [k for k in KEYS if k.name == near]
 
 
 def fix(key: Key, hint: str | None = None) -> str:

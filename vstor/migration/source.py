@@ -230,6 +230,7 @@ def _export(state, dom: Domain, rt, steps) -> list[str]:
                              hint="start it here first, or migrate it cold")
         have = {e["data"].get("nqn") for e in rec.steps if e.get("kind") == "nvmf-export"}
         new = [s for s in steps if s.nqn not in have]
+        rt = rt.of(rec)     # one SPDK application per domain: the one its bdevs are in
         if new:
             rt.spdk.require({m for s in new for m in s.rpc_methods})
             Journal(state, rec, rt, lambda m: print(f"  {m}")).extend(new)
@@ -259,7 +260,7 @@ def _unexport(state, key: str, rt, nqns: list[str]) -> None:
         if rec is None:
             return
         status = rec.status
-        Journal(state, rec, rt).rollback(
+        Journal(state, rec, rt.of(rec)).rollback(
             keep=lambda _i, e: not (e.get("kind") == "nvmf-export" and e["data"].get("nqn") in nqns))
         if rec.steps:
             rec.status = status

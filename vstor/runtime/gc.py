@@ -13,7 +13,7 @@ from typing import Callable
 
 from vstor.config import Config
 from vstor.errors import InUse, Unavailable, VstorError
-from vstor.meta.names import is_disk_name
+from vstor.meta.names import gate_path, is_disk_name, is_safe_name
 from vstor.runtime import actions
 from vstor.runtime.executor import Runtime
 from vstor.runtime.index import reindex
@@ -172,6 +172,8 @@ def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[st
             if entry.get("kind") == actions.QsdExport.kind:
                 name = entry["data"].get("name", "")
                 owned.update(os.path.join(cfg.qsd_dir, name + ext) for ext in (".pid", ".qmp"))
+            elif entry.get("kind") == actions.Gate.kind:
+                owned.add(entry["data"].get("path"))
     orphans, foreign = [], []
     for directory, judge, names in listed:
         for n in names:
@@ -186,6 +188,8 @@ def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[st
 def _owner_key(path: str) -> str:
     """The record key a vstor file's name says it is of (<key>-vdX[.pid|.qmp])."""
     stem = os.path.basename(path)
+    if stem.endswith(MARK):
+        return stem[:-len(MARK)]
     stem = stem[:-4] if stem.endswith((".pid", ".qmp")) else stem
     return stem.rsplit("-vd", 1)[0]
 
@@ -236,8 +240,15 @@ def spdk_leftovers(cfg: Config, state: StateDir) -> list[str]:
     return out
 
 
+MARK = os.path.basename(gate_path("/", "k"))[1:]     # ".vstor-prepared"
+
+
 def _vhost_entry(name: str, path: str) -> str | None:
-    """None when `path` is a stale vstor socket; else why it stays."""
+    """None when `path` is a stale vstor socket or a prepared mark vstor
+    wrote (vstor.runtime.kinds.gate); else why it stays."""
+    if name.endswith(MARK) and is_safe_name(name[:-len(MARK)]):
+        from vstor.backends import ownership
+        return None if ownership.marked(path) else "not a prepared mark vstor wrote"
     if not is_disk_name(name):
         return "not named like a vstor socket"
     if not stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -264,6 +275,10 @@ def _qsd_entry(name: str, path: str) -> str | None:
 
 
 def remove_orphan(path: str) -> None:
+    if path.endswith(MARK):
+        from vstor.backends import ownership
+        ownership.unmark(path)      # only what vstor wrote
+        return
     if path.endswith(".pid"):
         from vstor.backends.qsd import daemon
         daemon.stop_orphan(path)
