@@ -383,3 +383,18 @@ def test_salvage_still_knows_a_state_dir_the_file_sets_or_never_meant(tmp_path):
                  "[cpu]\nreactor = 2\n", "[STORAGE]\nfoo = 1\n"):
         got = config.salvage(write(tmp_path, text))
         assert got.problem is not None and got.knows("state_dir"), text
+
+
+@pytest.mark.parametrize("text", [
+    "[paths]\nstate_dir = /srv/st\nqsd_dir = relative\n",
+    "[paths]\nstate_dir = /srv/st\nvhost_dr = /srv/v\n",
+    "[paths]\nstate_dir = /srv/st\n[pve]\nrun_dir = x\n",
+])
+def test_for_undo_refuses_when_the_sockets_daemons_or_proxmox_paths_do_not_read(tmp_path, text):
+    """gc removes what is stale in vhost_dir and qsd_dir and releases the
+    Proxmox VMs qemu-server says do not run: a default taken for a path the
+    file meant otherwise would sweep or release the wrong things."""
+    said = []
+    with pytest.raises(BadInput):
+        config.for_undo(write(tmp_path, text), said.append)
+    assert said == []

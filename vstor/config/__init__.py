@@ -92,15 +92,23 @@ def salvage(path: str | None = None) -> Salvaged:
                     frozenset().union(*(getattr(p, "attrs", ()) for p in problems)))
 
 
+# What an undo must read as the operator meant it: where the records are,
+# where the daemons' sockets and files are (gc removes what is stale there),
+# and where Proxmox says what runs (gc releases what does not).
+UNDO_NEEDS = ("state_dir", "vhost_dir", "qsd_dir", "pve_etc", "pve_run_dir", "pve_lock_dir")
+
+
 def for_undo(path: str | None, warn) -> Config:
     """The config a release, a stop or gc reads: `load`'s, else what
     `salvage` reads, with `warn` told the problem; but when the file does
-    not say where the records are ([paths] state_dir), the problem itself:
-    undoing by another state directory would find nothing and say so."""
+    not say what an undo must know (UNDO_NEEDS: where the records, the
+    sockets and daemons' files are, what runs on Proxmox), the problem
+    itself: another state directory would hold nothing and a release would
+    say so, another socket directory gc would sweep as stale."""
     got = salvage(path)
     if got.problem is None:
         return got.config
-    if not got.knows("state_dir"):
+    if not all(got.knows(attr) for attr in UNDO_NEEDS):
         raise got.problem
     warn(f"{got.problem}; undoing by the records, with the keys that read")
     return got.config
