@@ -219,6 +219,18 @@ class StateDir:
                                 hint=FIX)
         return rec
 
+    def unchanged(self, rec: Record) -> bool:
+        """The record's file says just what `rec` (read by load(), and so
+        checked) says, compared as read, without making and checking a
+        Record again (gc asks it of every record it releases).  False also
+        when the file cannot be read, or is of an older format: load() then
+        says why, or reads it."""
+        self.trusted()
+        try:
+            return read_json(self._file(rec.key)) == rec.to_json()
+        except (OSError, ValueError):
+            return False
+
     def records(self, damaged: list[str] | None = None) -> list[Record]:
         """Every record.  A damaged one (or a file whose name cannot be a
         record's) holds what nobody can tell, so by default it refuses
@@ -282,10 +294,11 @@ class StateDir:
 
     def _change(self, key: str, rec: Record | None, write) -> None:
         new = plain(summary(rec))
-        self.index.forget_key(key)      # as the index says now, not as this process read it
-        if self.index.indexed(key) == new:
-            write()     # holds what it held: its own record lock is enough
-            return
+        if new is not None:     # a removal changes the index (unless it lacked the key)
+            self.index.forget_key(key)      # as the index says now, not as this process read it
+            if self.index.indexed(key) == new:
+                write()     # holds what it held: its own record lock is enough
+                return
         with self.lock():
             self.index.change(key, new, write)
 

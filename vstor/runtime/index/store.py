@@ -184,14 +184,16 @@ class Index:
         try:
             create_empty(mark, key)
             write()
-            self._apply(self.path, sums, key, old, new)
-            self._write_sums(self.path, sums)
+            if self._apply(self.path, sums, key, old, new):
+                self._write_sums(self.path, sums)
             os.unlink(mark)
         except BaseException:
             self.forget()       # the mark stays (when it was made): the next read rebuilds
             raise
 
-    def _apply(self, root: str, sums: dict, key: str, old: dict | None, new: dict | None) -> None:
+    def _apply(self, root: str, sums: dict, key: str, old: dict | None, new: dict | None) -> bool:
+        """`key`'s entries from `old` to `new`; True when the sums changed
+        (sums.json is then to be written)."""
         before = set(items(old)) if old else set()
         after = set(items(new)) if new else set()
         for table, item in sorted(after - before):
@@ -204,10 +206,11 @@ class Index:
                 os.unlink(os.path.join(d, key))
             with contextlib.suppress(OSError):      # another key holds it too
                 os.rmdir(d)
+        moved = False
         if old:
-            add_sums(sums, key, old, -1)
+            moved = add_sums(sums, key, old, -1)
         if new:
-            add_sums(sums, key, new, +1)
+            moved = add_sums(sums, key, new, +1) or moved
         path = os.path.join(root, "keys", key + ".json")
         if new is None:
             with contextlib.suppress(FileNotFoundError):
@@ -216,6 +219,7 @@ class Index:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             _write_json(path, new)
         self._summaries[key] = new
+        return moved
 
     def _write_sums(self, root: str, sums: dict) -> None:
         _write_json(os.path.join(root, "sums.json"), sums)
