@@ -4,6 +4,8 @@ and the file name of any item.  Pure functions of a record."""
 
 from __future__ import annotations
 
+import functools
+
 from vstor.meta.holding import node_amounts
 from vstor.runtime.recordfile import INCOMING
 
@@ -91,6 +93,7 @@ def empty_sums() -> dict:
             "memory": {}, "damaged": []}
 
 
+@functools.cache        # one boot per process: asked at every change of the index
 def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

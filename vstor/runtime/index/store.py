@@ -265,7 +265,8 @@ class Index:
         want["damaged"] = list(damaged)
         want["unread"] = sorted(self._record_names() - {r.key for r in records})
         entries = set()
-        summaries = {rec.key: plain(summary(rec)) for rec in records}
+        # Read from their files, so plain JSON already (StateDir.save makes its own plain).
+        summaries = {rec.key: summary(rec) for rec in records}
         for key, s in summaries.items():
             add_sums(want, key, s, +1)
             entries.update((table, file_name(item), key) for table, item in items(s))
