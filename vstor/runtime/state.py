@@ -75,6 +75,7 @@ class StateDir:
     def __init__(self, path: str):
         self.path = path
         self.domains = os.path.join(path, "domains")
+        self.lock_file = os.path.join(path, "lock")       # the host lock and the record locks
         self._index = None
 
     def trusted(self) -> "StateDir":
@@ -108,7 +109,7 @@ class StateDir:
         """Exclusive host-wide lock: two vstor processes never allocate at once.
         A dry run creates nothing: without a state directory there is nothing
         to lock against.  Re-entrant within a process."""
-        path = os.path.join(self.path, "lock")
+        path = self.lock_file
         if (dry_run and not os.path.isdir(self.path)) or _HELD.get(path):
             yield self
             return
@@ -142,7 +143,7 @@ class StateDir:
             yield self
             return
         self._ensure()
-        with range_locked(os.path.join(self.path, "lock"), key,
+        with range_locked(self.lock_file, key,
                           f"the state record of '{key}' (a vstor run for it is under way):",
                           timeout), _holding(held):
             if not dry_run:     # what a killed save of this record left (its record is whole)
@@ -152,12 +153,12 @@ class StateDir:
 
     def holds_lock(self) -> bool:
         """This process holds the host lock."""
-        return bool(_HELD.get(os.path.join(self.path, "lock")))
+        return bool(_HELD.get(self.lock_file))
 
     def lock_taken(self) -> int:
         """How many times this process has taken the host lock: what it read
         of shared state under an earlier one may have changed since."""
-        return _TAKEN.get(os.path.join(self.path, "lock"), 0)
+        return _TAKEN.get(self.lock_file, 0)
 
     def busy(self, key: str) -> bool:
         """A run holds the domain's record lock right now (in another process)."""
@@ -165,7 +166,7 @@ class StateDir:
             return False
         self.trusted()
         try:
-            fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return False
         try:
