@@ -193,7 +193,7 @@ class StateDir:
     def _file(self, key: str) -> str:
         if not is_safe_name(key):
             raise BadInput(f"'{key}' cannot name a state record")
-        return os.path.join(self.domains, key + ".json")
+        return f"{self.domains}/{key}.json"     # a safe name: no slash in it
 
     def load(self, key: str) -> Record | None:
         """The record, None when there is none; a damaged one blocks its
