@@ -124,6 +124,8 @@ def read_records(state: StateDir, dry_run: bool = False) -> tuple[list[Record], 
 def _changed(state: StateDir, seen: Record) -> str | None:
     """Why a record is not the one gc read before it asked what runs (its
     record lock held): a start, stop or release of it happened since."""
+    if state.unchanged(seen):
+        return None
     try:
         now = state.load(seen.key)
     except VstorError as e:

@@ -157,12 +157,14 @@ class Journal:
             raise errors[0]
         return out
 
-    def rollback(self, keep=None) -> list[str]:
+    def rollback(self, keep=None, steps: list | None = None) -> list[str]:
         """Undo every recorded step (but those `keep(index, entry)` names),
         newest first; the record goes when empty.  The first undo that fails
         stops the rollback: the steps before it are what it stands on (an
         NVMe controller under a vhost controller QEMU still uses), so they
-        stay, recorded, for a later release or gc."""
+        stay, recorded, for a later release or gc.  `steps`: the record's
+        entries as the caller decoded them (recorded.check_releasable), one
+        each, None for one it could not: not decoded again."""
         self.rec.status = RELEASING
         self.state.save(self.rec)
         # What every other domain holds: a shared controller stays while one
@@ -172,21 +174,24 @@ class Journal:
         errors: list[str] = []
         self.failures = []
         pending = list(self.rec.steps)
+        if steps is None or len(steps) != len(pending):
+            steps = [None] * len(pending)
         kept: list[dict] = []
-        while pending:
+        while pending:      # the entry popped is pending[len(pending)] of the record as it began
             entry = pending.pop()
             if keep is not None and keep(len(pending), entry):
                 kept.insert(0, entry)
                 self.rec.steps = pending + kept
                 continue
             # This entry and the ones before it of a parallel kind, not kept: undone side by side.
-            group = [entry]
+            group, decoded = [entry], [steps[len(pending)]]
             while (pending and self._parallel(entry.get("kind"))
                    and self._parallel(pending[-1].get("kind"))
                    and not (keep is not None and keep(len(pending) - 1, pending[-1]))):
                 group.append(pending.pop())
+                decoded.append(steps[len(pending)])
             failed = []
-            for item, (what, error) in zip(group, self._undo_all(group, others)):
+            for item, (what, error) in zip(group, self._undo_all(group, others, decoded)):
                 log.change(self.rec.domain, what, log.UNDONE if error is None else log.UNDO_FAILED,
                            None if error is None else _one_line(error))
                 if error is not None:
@@ -204,16 +209,19 @@ class Journal:
             self.state.remove(self.rec.key)
         return errors
 
-    def _undo_all(self, group: list[dict], others) -> list[tuple[str, BaseException | None]]:
-        """Undo each entry (side by side when several): (what, error) each."""
+    def _undo_all(self, group: list[dict], others,
+                  decoded: list | None = None) -> list[tuple[str, BaseException | None]]:
+        """Undo each entry (side by side when several): (what, error) each.
+        `decoded`: the entries' steps where the caller has them (else None)."""
         steps, out = [], []
-        for entry in group:
-            try:
-                step = self.x.decode(entry)
-            except Exception as e:      # noqa: BLE001 (an unreadable step stays recorded)
-                steps.append(None)
-                out.append((entry.get("kind", "step"), e))
-                continue
+        for entry, step in zip(group, decoded or [None] * len(group)):
+            if step is None:
+                try:
+                    step = self.x.decode(entry)
+                except Exception as e:      # noqa: BLE001 (an unreadable step stays recorded)
+                    steps.append(None)
+                    out.append((entry.get("kind", "step"), e))
+                    continue
             if step.kind not in getattr(self.x, "PRIVATE", ()) and others.damaged:
                 from vstor.runtime.state import DamagedRecord
                 steps.append(None)

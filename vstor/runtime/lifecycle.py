@@ -90,8 +90,7 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
             # A run that never released (crash, or an interrupted prepare):
             # undo what it left, then start clean; but never what a running
             # QEMU of this name still uses.
-            check_releasable(rt, leftover)
-            roll_back(rt, state, leftover, progress)
+            roll_back(rt, state, leftover, progress, steps=check_releasable(rt, leftover))
             host = read_host(rt.sysfs)      # the undo moved things: look again
         problems = fit.problems(host, rt.cfg, req, plan, ledger_of(state, {key}, rt.dry_run))
         if problems:

@@ -83,10 +83,10 @@ def release(rt: Runtime, state: StateDir, key: str,
                 if not (keep and keep(i, entry)):
                     (progress or print)(f"would undo: {_describe(entry)}")
             return rec
-        check_releasable(rt, rec)
+        steps = check_releasable(rt, rec)
         if private_only(entry.get("kind") for entry in rec.steps):
             host_lock.close()
-        roll_back(rt, state, rec, progress, keep)
+        roll_back(rt, state, rec, progress, keep, steps)
         if keep is not None and rec.steps:
             # What the export stands on is all it holds now: no cores,
             # reactor, socket or memory of a domain that runs elsewhere.
@@ -113,26 +113,29 @@ def exported(rec: Record):
                           or (e.get("kind") == "vfio-bind" and e["data"].get("address") in addresses))
 
 
-def check_releasable(rt: Runtime, rec: Record) -> None:
+def check_releasable(rt: Runtime, rec: Record) -> list:
     """Before any undo: SPDK reachable when the record needs it (exit 4), and,
     unless forced, nothing the record made still in use by QEMU (exit 3): a
-    release never takes half of a running domain's storage away."""
-    recorded = []
+    release never takes half of a running domain's storage away.  The
+    record's steps, decoded (None for one that cannot be: undo reports it),
+    for roll_back."""
+    decoded = []
     for entry in rec.steps:
         try:
-            recorded.append(actions.from_json(entry))
+            decoded.append(actions.from_json(entry))
         except ActionFailed:
-            continue        # undo reports it
+            decoded.append(None)
+    recorded = [step for step in decoded if step is not None]
     if any(getattr(step, "rpc_methods", ()) for step in recorded):
         rt.spdk.get_version()
-    if rt.force:
-        return
-    for step in recorded:
-        why = executor.in_use(step, rt)
-        if why:
-            raise InUse(f"domain '{rec.domain}' is still using its storage: {why}",
-                             hint="stop the domain first (or vstor release --force, which leaves "
-                                  "SPDK to finish when QEMU lets go)")
+    if not rt.force:
+        for step in recorded:
+            why = executor.in_use(step, rt)
+            if why:
+                raise InUse(f"domain '{rec.domain}' is still using its storage: {why}",
+                            hint="stop the domain first (or vstor release --force, which leaves "
+                                 "SPDK to finish when QEMU lets go)")
+    return decoded
 
 
 def _describe(entry: dict) -> str:
@@ -142,9 +145,11 @@ def _describe(entry: dict) -> str:
         return e.message
 
 
-def roll_back(rt: Runtime, state: StateDir, rec: Record, progress, keep=None) -> None:
+def roll_back(rt: Runtime, state: StateDir, rec: Record, progress, keep=None,
+              steps: list | None = None) -> None:
+    """Journal.rollback of the record (`steps`: as check_releasable decoded them)."""
     journal = Journal(state, rec, rt, progress)
-    errors = journal.rollback(keep)
+    errors = journal.rollback(keep, steps)
     if errors:
         raise undo_failed(journal, f"domain '{rec.domain}': could not undo everything: "
                                    f"{'; '.join(errors)}", f"fix the cause, then: vstor release {rec.domain}")

@@ -207,12 +207,18 @@ def read_text(path: str) -> str:
             raise NotAFile(e.errno, f"it is {_NOT_FILES[e.errno]}, not a file vstor wrote") from None
         raise
     try:
-        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        st = os.fstat(fd)
+        kind = stat.S_IFMT(st.st_mode)
         if kind != stat.S_IFREG:
             raise NotAFile(errno.EINVAL, f"it is {_KINDS.get(kind, 'not a regular file')}, "
                                          "not a file vstor wrote")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read().decode()
+        # os.read, not a file object around the descriptor: half the cost,
+        # and gc reads several of these files per record.  Read to the end:
+        # the size fstat gave is only the first read's.
+        chunks = []
+        while chunk := os.read(fd, max(st.st_size + 1, 4096)):
+            chunks.append(chunk)
+        return b"".join(chunks).decode()
     finally:
         os.close(fd)
 
@@ -242,16 +248,27 @@ def write_text(path: str, text: str, sync: bool = False, shared: bool = False) -
     except FileNotFoundError:
         pass
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    try:
+        _write_all(fd, text)
         if sync:
-            f.flush()
             os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
 def create_empty(path: str, content: str = "") -> None:
     """A marker file at `path`, made or truncated, never through a link."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(content)
+    try:
+        _write_all(fd, content)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, text: str) -> None:
+    """os.write until all of `text` is written (a file object around the
+    descriptor costs more than the write of a small file itself)."""
+    data = memoryview(text.encode())
+    while data:
+        data = data[os.write(fd, data):]

@@ -80,6 +80,7 @@ class StateDir:
     def __init__(self, path: str):
         self.path = path
         self.domains = os.path.join(path, "domains")
+        self.lock_file = os.path.join(path, "lock")       # the host lock and the record locks
         self._index = None
 
     def trusted(self) -> "StateDir":
@@ -113,7 +114,7 @@ class StateDir:
         """Exclusive host-wide lock: two vstor processes never allocate at once.
         A dry run creates nothing: without a state directory there is nothing
         to lock against.  Re-entrant within a process."""
-        path = os.path.join(self.path, "lock")
+        path = self.lock_file
         if (dry_run and not os.path.isdir(self.path)) or _HELD.get(path):
             yield self
             return
@@ -147,7 +148,7 @@ class StateDir:
             yield self
             return
         self._ensure()
-        with range_locked(os.path.join(self.path, "lock"), key,
+        with range_locked(self.lock_file, key,
                           f"the state record of '{key}' (a vstor run for it is under way):",
                           timeout), _holding(held):
             if not dry_run:     # what a killed save of this record left (its record is whole)
@@ -157,12 +158,12 @@ class StateDir:
 
     def holds_lock(self) -> bool:
         """This process holds the host lock."""
-        return bool(_HELD.get(os.path.join(self.path, "lock")))
+        return bool(_HELD.get(self.lock_file))
 
     def lock_taken(self) -> int:
         """How many times this process has taken the host lock: what it read
         of shared state under an earlier one may have changed since."""
-        return _TAKEN.get(os.path.join(self.path, "lock"), 0)
+        return _TAKEN.get(self.lock_file, 0)
 
     def busy(self, key: str) -> bool:
         """A run holds the domain's record lock right now (in another process)."""
@@ -170,7 +171,7 @@ class StateDir:
             return False
         self.trusted()
         try:
-            fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return False
         try:
@@ -197,7 +198,7 @@ class StateDir:
     def _file(self, key: str) -> str:
         if not is_safe_name(key):
             raise BadInput(f"'{key}' cannot name a state record")
-        return os.path.join(self.domains, key + ".json")
+        return f"{self.domains}/{key}.json"     # a safe name: no slash in it
 
     def load(self, key: str) -> Record | None:
         """The record, None when there is none; a damaged one blocks its
@@ -223,6 +224,18 @@ class StateDir:
             raise DamagedRecord(f"state record {path} is damaged (it says key {rec.key!r})",
                                 hint=FIX)
         return rec
+
+    def unchanged(self, rec: Record) -> bool:
+        """The record's file says just what `rec` (read by load(), and so
+        checked) says, compared as read, without making and checking a
+        Record again (gc asks it of every record it releases).  False also
+        when the file cannot be read, or is of an older format: load() then
+        says why, or reads it."""
+        self.trusted()
+        try:
+            return read_json(self._file(rec.key)) == rec.to_json()
+        except (OSError, ValueError):
+            return False
 
     def records(self, damaged: list[str] | None = None) -> list[Record]:
         """Every record.  A damaged one (or a file whose name cannot be a
@@ -287,10 +300,11 @@ class StateDir:
 
     def _change(self, key: str, rec: Record | None, write) -> None:
         new = plain(summary(rec))
-        self.index.forget_key(key)      # as the index says now, not as this process read it
-        if self.index.indexed(key) == new:
-            write()     # holds what it held: its own record lock is enough
-            return
+        if new is not None:     # a removal changes the index (unless it lacked the key)
+            self.index.forget_key(key)      # as the index says now, not as this process read it
+            if self.index.indexed(key) == new:
+                write()     # holds what it held: its own record lock is enough
+                return
         with self.lock():
             self.index.change(key, new, write)
 

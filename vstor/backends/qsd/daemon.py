@@ -36,8 +36,32 @@ def pid(export: QsdExport, among: list[int] | None = None, since: float | None =
     found = proc.read_pid(export.pidfile)
     if found is not None and _is_ours(export, found):
         return found
-    pids = proc.pids_of(export.binary, since=since) if among is None else among
+    if among is None and since is not None:
+        return _by_pidfile(export.binary, since).get(export.pidfile)
+    pids = proc.pids_of(export.binary) if among is None else among
     return next((p for p in pids if _is_ours(export, p)), None)
+
+
+def _by_pidfile(binary: str, since: float) -> dict[str, int]:
+    """The daemons of a look through /proc made after `since`, by their own
+    --pidfile, each one's command line read once for the look: gc stops
+    thousands of daemons on one look, with every daemon of the running
+    domains in it.  A pid that ended and was reused since the look is
+    checked again, under its pidfd, before it is signalled (_terminate)."""
+    began, pids = proc.look(binary, since)
+    last = _PIDFILES[0]
+    if last is not None and last[0] == (binary, began):
+        return last[1]
+    found: dict[str, int] = {}
+    for p in pids:
+        argv = proc.cmdline(p)
+        if argv and os.path.basename(argv[0]) == os.path.basename(binary):
+            found.setdefault(option_value(argv, "--pidfile"), p)
+    _PIDFILES[0] = ((binary, began), found)
+    return found
+
+
+_PIDFILES: list = [None]    # ((binary, when its look began), its daemons by --pidfile)
 
 
 def alive(export: QsdExport) -> bool:
@@ -304,8 +328,9 @@ def _terminate(export: QsdExport, p: int, timeout: float) -> None:
 def _remove_files(export: QsdExport, keep_socket: bool = False) -> None:
     """Its pidfile, monitor and socket; `keep_socket`: not the socket (the
     one a start bound and hands the next try)."""
-    for path in (export.pidfile, export.qmp_path) + (() if keep_socket else (export.socket_path,)):
-        if path == export.pidfile or files.is_socket(path):
+    pidfile = export.pidfile
+    for path in (pidfile, export.qmp_path) + (() if keep_socket else (export.socket_path,)):
+        if path == pidfile or files.is_socket(path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

@@ -120,16 +120,17 @@ class QsdExport:
         if rec.get("version", RECORD_VERSION) != RECORD_VERSION:
             raise ActionFailed(f"qemu-storage-daemon record version {rec.get('version')!r} "
                                "is not one this vstor reads", hint="use the vstor that wrote it")
-        names = {f.name for f in records.fields(cls)}
-        required = {f.name for f in records.fields(cls)
-                    if f.default is records.MISSING}
-        missing = sorted(required - rec.keys())
+        missing = sorted(_REQUIRED - rec.keys())
         if missing:
             raise BadInput(f"qemu-storage-daemon record lacks {', '.join(missing)}")
-        fields = {k: v for k, v in rec.items() if k in names}
+        fields = {k: v for k, v in rec.items() if k in _FIELDS}
         if isinstance(fields.get("cpus"), list):
             fields["cpus"] = tuple(fields["cpus"])
         return cls(**fields)
+
+
+_FIELDS = frozenset(f.name for f in records.fields(QsdExport))
+_REQUIRED = frozenset(f.name for f in records.fields(QsdExport) if f.default is records.MISSING)
 
 
 def _validate(e: QsdExport) -> None:

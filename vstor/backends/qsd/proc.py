@@ -22,9 +22,14 @@ def pids() -> Iterator[int]:
 
 
 def pids_of(binary: str, since: float | None = None) -> list[int]:
-    """The pids that may run `binary` (by its file name): those whose
-    /proc/PID/exe names it, one readlink each instead of reading every
-    process's cmdline.  A process whose exe cannot be read for any reason
+    """look(binary, since)'s pids."""
+    return list(look(binary, since)[1])
+
+
+def look(binary: str, since: float | None = None) -> tuple[float, tuple[int, ...]]:
+    """(when the look began, the pids that may run `binary`): those whose
+    /proc/PID/exe names it (by its file name), one readlink each instead of
+    reading every process's cmdline.  A process whose exe cannot be read for any reason
     but its absence (kernel threads, zombies, the gone) is included: the
     caller reads its cmdline, as for the others.
 
@@ -36,7 +41,7 @@ def pids_of(binary: str, since: float | None = None) -> list[int]:
     with _LOOK_LOCK:
         last = _LOOKS.get(name)
         if since is not None and last is not None and last[0] >= since:
-            return list(last[1])
+            return last
         began = time.monotonic()
         found = []
         for pid in pids():
@@ -49,11 +54,11 @@ def pids_of(binary: str, since: float | None = None) -> list[int]:
                 continue
             if os.path.basename(exe.removesuffix(" (deleted)")) == name:
                 found.append(pid)
-        _LOOKS[name] = (began, found)
-        return list(found)
+        _LOOKS[name] = (began, tuple(found))
+        return _LOOKS[name]
 
 
-_LOOKS: dict[str, tuple[float, list[int]]] = {}
+_LOOKS: dict[str, tuple[float, tuple[int, ...]]] = {}
 _LOOK_LOCK = threading.Lock()
 
 

@@ -4,6 +4,8 @@ and the file name of any item.  Pure functions of a record."""
 
 from __future__ import annotations
 
+import functools
+
 from vstor.meta.holding import node_amounts
 from vstor.runtime.recordfile import INCOMING
 
@@ -51,19 +53,23 @@ def items(s: dict) -> list[tuple[str, str]]:
     return sorted(set(out))
 
 
-def add_sums(sums: dict, key: str, s: dict, sign: int) -> None:
+def add_sums(sums: dict, key: str, s: dict, sign: int) -> bool:
+    """Add (sign +1) or take away (-1) what a summary holds to the bounded
+    sums; True when that changed a table (most domains hold no dedicated
+    core, passed-through controller, reactor, promise or bound memory)."""
     h = s["holding"] or {}
-    for cpu in h.get("cpus", ()):
-        _holders(sums["cpus"], str(cpu), key, s["domain"], sign)
-    for addr in h.get("passthrough", ()):
-        _holders(sums["pass"], addr, key, s["domain"], sign)
-    for cpu in h.get("reactors", ()):
-        _count(sums["reactors"], str(cpu), sign)
+    holders = [("cpus", str(cpu)) for cpu in h.get("cpus", ())]
+    holders += [("pass", addr) for addr in h.get("passthrough", ())]
+    counts = [("reactors", str(cpu), sign) for cpu in h.get("reactors", ())]
     if not s["active"]:
-        for node, size, count in node_amounts(h.get("hugepages")):
-            _count(sums["pages"], f"{node}/{size}", sign * count)
-    for node, kib in node_amounts(h.get("memory")):
-        _count(sums["memory"], str(node), sign * kib)
+        counts += [("pages", f"{node}/{size}", sign * count)
+                   for node, size, count in node_amounts(h.get("hugepages"))]
+    counts += [("memory", str(node), sign * kib) for node, kib in node_amounts(h.get("memory"))]
+    for table, item in holders:
+        _holders(sums[table], item, key, s["domain"], sign)
+    for table, item, n in counts:
+        _count(sums[table], item, n)
+    return bool(holders or counts)
 
 
 def _holders(table: dict, item: str, key: str, domain: str, sign: int) -> None:
@@ -87,6 +93,7 @@ def empty_sums() -> dict:
             "memory": {}, "damaged": []}
 
 
+@functools.cache        # one boot per process: asked at every change of the index
 def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:

@@ -46,7 +46,11 @@ from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, 
 from vstor.runtime.recordfile import FIX, DamagedRecord, create_empty, read_json, write_text
 
 class Index:
-    """The index of one state directory (see the module's docstring)."""
+    """The index of one state directory (see the module's docstring).
+    Its paths are put together with f-strings, not os.path.join: every
+    part is a fixed name, a record key (vstor.meta.names.is_safe_name) or
+    an item's file_name, none with a slash, and gc joins tens of
+    thousands of them."""
 
     def __init__(self, state):
         self.state = state
@@ -135,9 +139,9 @@ class Index:
         self._fresh()
         if key not in self._summaries:
             try:
-                self._summaries[key] = read_json(os.path.join(self.path, "keys", key + ".json"))
+                self._summaries[key] = read_json(f"{self.path}/keys/{key}.json")
             except FileNotFoundError:
-                if not os.path.lexists(os.path.join(self.state.domains, key + ".json")):
+                if not os.path.lexists(f"{self.state.domains}/{key}.json"):
                     self._summaries[key] = None
                     return None
                 return self._damaged_key(key, rebuild)
@@ -154,7 +158,7 @@ class Index:
     def holders(self, table: str, item: str) -> list[str]:
         """The keys holding `item` in `table`."""
         try:
-            return sorted(os.listdir(os.path.join(self.path, "by", table, file_name(item))))
+            return sorted(os.listdir(f"{self.path}/by/{table}/{file_name(item)}"))
         except FileNotFoundError:
             return []
 
@@ -184,31 +188,34 @@ class Index:
         try:
             create_empty(mark, key)
             write()
-            self._apply(self.path, sums, key, old, new)
-            self._write_sums(self.path, sums)
+            if self._apply(self.path, sums, key, old, new):
+                self._write_sums(self.path, sums)
             os.unlink(mark)
         except BaseException:
             self.forget()       # the mark stays (when it was made): the next read rebuilds
             raise
 
-    def _apply(self, root: str, sums: dict, key: str, old: dict | None, new: dict | None) -> None:
+    def _apply(self, root: str, sums: dict, key: str, old: dict | None, new: dict | None) -> bool:
+        """`key`'s entries from `old` to `new`; True when the sums changed
+        (sums.json is then to be written)."""
         before = set(items(old)) if old else set()
         after = set(items(new)) if new else set()
         for table, item in sorted(after - before):
-            d = os.path.join(root, "by", table, file_name(item))
+            d = f"{root}/by/{table}/{file_name(item)}"
             os.makedirs(d, mode=0o700, exist_ok=True)
-            create_empty(os.path.join(d, key))
+            create_empty(f"{d}/{key}")
         for table, item in sorted(before - after):
-            d = os.path.join(root, "by", table, file_name(item))
+            d = f"{root}/by/{table}/{file_name(item)}"
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(d, key))
+                os.unlink(f"{d}/{key}")
             with contextlib.suppress(OSError):      # another key holds it too
                 os.rmdir(d)
+        moved = False
         if old:
-            add_sums(sums, key, old, -1)
+            moved = add_sums(sums, key, old, -1)
         if new:
-            add_sums(sums, key, new, +1)
-        path = os.path.join(root, "keys", key + ".json")
+            moved = add_sums(sums, key, new, +1) or moved
+        path = f"{root}/keys/{key}.json"
         if new is None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -216,6 +223,7 @@ class Index:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             _write_json(path, new)
         self._summaries[key] = new
+        return moved
 
     def _write_sums(self, root: str, sums: dict) -> None:
         _write_json(os.path.join(root, "sums.json"), sums)
@@ -260,7 +268,8 @@ class Index:
         want["damaged"] = list(damaged)
         want["unread"] = sorted(self._record_names() - {r.key for r in records})
         entries = set()
-        summaries = {rec.key: plain(summary(rec)) for rec in records}
+        # Read from their files, so plain JSON already (StateDir.save makes its own plain).
+        summaries = {rec.key: summary(rec) for rec in records}
         for key, s in summaries.items():
             add_sums(want, key, s, +1)
             entries.update((table, file_name(item), key) for table, item in items(s))
@@ -274,10 +283,10 @@ class Index:
 
     def _tables(self) -> set[tuple[str, str, str]]:
         out = set()
-        by = os.path.join(self.path, "by")
+        by = f"{self.path}/by"
         for table in _listdir(by):
-            for item in _listdir(os.path.join(by, table)):
-                out.update((table, item, key) for key in _listdir(os.path.join(by, table, item)))
+            for item in _listdir(f"{by}/{table}"):
+                out.update((table, item, key) for key in _listdir(f"{by}/{table}/{item}"))
         return out
 
 
