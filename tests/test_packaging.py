@@ -346,3 +346,11 @@ def test_the_pth_of_a_half_removed_vstor_never_troubles_an_interpreters_start(tm
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=30,
                           cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert (done.returncode, done.stdout, done.stderr) == (0, "VstorNovaFinder\n", "")
+
+
+def test_what_the_debian_build_leaves_in_the_tree_is_ignored():
+    """(issue 28) dh-python's pybuild leaves .pybuild/ in the checkout: git
+    must not offer it for a commit."""
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        ignored = f.read().split()
+    assert ".pybuild/" in ignored
