@@ -117,7 +117,14 @@ def test_the_lock_serialises_two_processes(tmp_path):
                                            ("volumes", '[["k", 1]]'), ("cells", "[[0]]"), ("node", '"0"'),
                                            ("sockets", "[1]"), ("connections", '[["p"]]'),
                                            ("cpus", "null"), ("cpus", "0"), ("sockets", "null"),
-                                           ("sockets", "0")))])
+                                           ("sockets", "0"))),
+                                     # ... strings no domain's XML holds, whose escapes reached
+                                     # libvirt's lookup and print() (a second fresh pass, issue 28)
+                                     '{"key": "vm2", "domain": "\\ud800", "status": "prepared"}',
+                                     '{"key": "vm2", "domain": "a\\u0000b", "status": "prepared"}',
+                                     '{"key": "vm2", "domain": "vm2", "status": "\\udfff"}',
+                                     '{"key": "vm2", "domain": "vm2", "steps": [{"kind": "qsd-export", '
+                                     '"state": "done", "data": {"source": "/x\\u0000y"}}]}'])
 def test_a_damaged_record_is_named_and_refuses_what_needs_every_record(tmp_path, content):
     """What a damaged record holds cannot be known: a reader of every record
     (a ledger, the others of a start) is refused; one that only reports
