@@ -42,7 +42,8 @@ import contextlib
 import json
 import os
 
-from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, items, summary
+from vstor.runtime.index.shape import (add_sums, boot_id, empty_sums, file_name, is_sums, is_summary,
+                                       items, summary)
 from vstor.runtime.recordfile import FIX, DamagedRecord, create_empty, read_json, write_text
 
 class Index:
@@ -110,15 +111,15 @@ class Index:
             sums = read_json(os.path.join(self.path, "sums.json"))
         except (OSError, ValueError):
             return None
-        if not isinstance(sums, dict) or sums.get("boot") != boot_id() or \
-                not all(isinstance(sums.get(k), dict) for k in ("cpus", "pass", "reactors", "pages", "memory")):
+        if not is_sums(sums) or sums["boot"] != boot_id():
             return None
         return sums
 
     def _same_names(self, sums: dict) -> bool:
         """The records' directory holds the records indexed (and those
         unread at the last rebuild): none put there or removed by hand."""
-        return set(self.keys()) | set(sums.get("unread") or ()) == self._record_names()
+        keys = self.keys()
+        return keys is not None and set(keys) | set(sums.get("unread") or ()) == self._record_names()
 
     def _record_names(self) -> set[str]:
         try:
@@ -135,7 +136,10 @@ class Index:
         self._fresh()
         if key not in self._summaries:
             try:
-                self._summaries[key] = read_json(os.path.join(self.path, "keys", key + ".json"))
+                s = read_json(os.path.join(self.path, "keys", key + ".json"))
+                if not is_summary(s):
+                    raise ValueError("not a summary as vstor writes it")
+                self._summaries[key] = s
             except FileNotFoundError:
                 if not os.path.lexists(os.path.join(self.state.domains, key + ".json")):
                     self._summaries[key] = None
@@ -158,11 +162,15 @@ class Index:
         except FileNotFoundError:
             return []
 
-    def keys(self) -> list[str]:
+    def keys(self) -> list[str] | None:
+        """The keys indexed; None when keys/ is there but cannot be listed
+        (not a directory, a link in a loop): the index is then damaged."""
         try:
             return sorted(n[:-5] for n in os.listdir(os.path.join(self.path, "keys")) if n.endswith(".json"))
         except FileNotFoundError:
             return []
+        except OSError:
+            return None
 
     def check_damaged(self) -> None:
         """Refuse (DamagedRecord) when a record could not be read when the
@@ -265,8 +273,9 @@ class Index:
         for key, s in summaries.items():
             add_sums(want, key, s, +1)
             entries.update((table, file_name(item), key) for table, item in items(s))
+        keys = self.keys()
         right = (sums is not None and {**sums, "boot": ""} == {**want, "boot": ""}
-                 and set(self.keys()) == set(summaries)
+                 and keys is not None and set(keys) == set(summaries)
                  and all(self.indexed(key) == s for key, s in summaries.items())
                  and self._tables() == entries)
         if not right:
