@@ -390,7 +390,18 @@ MISSHAPEN = {
     "keys-a-file": lambda i: _keys_made(i, lambda p: open(p, "w").close()),
     "keys-a-fifo": lambda i: _keys_made(i, os.mkfifo),
     "keys-a-link-in-a-loop": lambda i: _keys_made(i, lambda p: os.symlink(p, p)),
+    # by/ and its tables: listed one item at a time (NotADirectoryError, ELOOP at prepare and release)
+    "by-a-file": lambda i: _by_made(i, "", lambda p: open(p, "w").close()),
+    "by-name-a-fifo": lambda i: _by_made(i, "name", os.mkfifo),
+    "by-name-a-link-in-a-loop": lambda i: _by_made(i, "name", lambda p: os.symlink(p, p)),
 }
+
+
+def _by_made(index: str, table: str, make) -> None:
+    import shutil
+    path = os.path.join(index, "by", table) if table else os.path.join(index, "by")
+    shutil.rmtree(path)
+    make(path)
 
 
 @pytest.mark.parametrize("harm", MISSHAPEN)
@@ -409,7 +420,9 @@ def test_an_index_file_not_shaped_as_vstor_writes_it_is_rebuilt_not_an_internal_
     _INDEXES.clear()
     fresh = StateDir(state.path)
     with fresh.lock():                  # a start's ledger, and what it asks of another's entry
-        assert dict(holders.ledger_of(fresh, {"vm2"}).cpu_owner) == dict(_oracle(fresh, ("vm2",)).cpu_owner)
+        ledger = holders.ledger_of(fresh, {"vm2"})
+        assert dict(ledger.cpu_owner) == dict(_oracle(fresh, ("vm2",)).cpu_owner)
+        assert ledger.without("vm0").running("vm1") == _oracle(fresh, ("vm2",)).without("vm0").running("vm1")
         others = FromRecords([r for r in fresh.records() if r.key != "vm2"])
         for addr in CTRLS:
             assert (holders.holders_of(fresh, "vm2").step("vfio-bind", addr, False) is None) == \

@@ -42,6 +42,7 @@ import contextlib
 import json
 import os
 
+from vstor.errors import Unavailable
 from vstor.runtime.index.shape import (add_sums, boot_id, empty_sums, file_name, is_sums, is_summary,
                                        items, summary)
 from vstor.runtime.recordfile import FIX, DamagedRecord, create_empty, read_json, write_text
@@ -156,11 +157,22 @@ class Index:
         return self._summaries.get(key)
 
     def holders(self, table: str, item: str) -> list[str]:
-        """The keys holding `item` in `table`."""
-        try:
-            return sorted(os.listdir(os.path.join(self.path, "by", table, file_name(item))))
-        except FileNotFoundError:
-            return []
+        """The keys holding `item` in `table`.  A part of by/ that is not a
+        directory (a file, a FIFO, a link in a loop) is damage: under the
+        host lock the index is rebuilt and asked again."""
+        path = os.path.join(self.path, "by", table, file_name(item))
+        for again in (True, False):
+            try:
+                return sorted(os.listdir(path))
+            except FileNotFoundError:
+                return []
+            except OSError as e:
+                if not (again and self._held()):
+                    raise Unavailable(f"cannot read the index {path}: {e.strerror}",
+                                      hint="see what is at that name (vstor makes only directories in "
+                                           "index/by); vstor gc builds the index again") from None
+                self.rebuild()
+        return []
 
     def keys(self) -> list[str] | None:
         """The keys indexed; None when keys/ is there but cannot be listed
@@ -192,8 +204,12 @@ class Index:
         try:
             create_empty(mark, key)
             write()
-            self._apply(self.path, sums, key, old, new)
-            self._write_sums(self.path, sums)
+            try:
+                self._apply(self.path, sums, key, old, new)
+                self._write_sums(self.path, sums)
+            except OSError:     # by/ or a name in it not as vstor made it: the records say it all
+                self.rebuild()
+                return
             os.unlink(mark)
         except BaseException:
             self.forget()       # the mark stays (when it was made): the next read rebuilds
