@@ -1343,6 +1343,7 @@ def test_an_index_its_owner_forged_frees_no_cores_for_a_second_domain(bare):
     finally:
         for p in owned:
             os.lchown(p, 0, -1)
+        cli(w, "release", "--force", "hx2")     # had it started (the bug), its daemon goes
     assert os.path.exists(f"{w.vhost}/hx1-vdb")
 
 
