@@ -44,6 +44,7 @@ import dataclasses
 import hashlib
 import io
 import itertools
+import json
 import os
 import random
 import re
@@ -1334,6 +1335,43 @@ def _not_written_through(planted: dict[str, str]) -> None:
             target = f"{target}/kept"
         with open(target) as f:
             assert f.read() == "root's own\n", f"{link} was written through"
+
+
+def test_an_index_its_owner_forged_frees_no_cores_for_a_second_domain(bare):
+    """Issue 28's input: the owner of a state directory that is not root's
+    forged the index so that it held nothing, and a second domain planned
+    onto the first one's dedicated cores started too (both exit 0).  The
+    second start is refused before the index is read (exit 4), and the
+    first keeps its cores and daemon."""
+    w = bare
+    dedicated = "<vstor:vm cpus='dedicated'/>"
+    first = w.write("hx1.xml", render_in(w, domain_xml(w, vm=dedicated).encode(), "first"))
+    second = w.write("hx2.xml", render_in(w, domain_xml(w, name="hx2", vm=dedicated,
+                                                        disks=file_disk(f"{w.images}/data.raw")).encode(), "second"))
+    pins = [re.search(r'pins="([0-9,]+)"', open(p).read()).group(1) for p in (first, second)]
+    assert pins[0] == pins[1], pins         # planned alone, both ask for the same cores
+    code, _, err = cli(w, "prepare", first)
+    assert code == 0, err
+    index = f"{w.state}/index"
+    with open(f"{index}/sums.json") as f:
+        sums = json.load(f)
+    assert sums["cpus"], sums
+    sums["cpus"] = {}                       # the forgery: nobody holds a core
+    with open(f"{index}/sums.json", "w") as f:
+        json.dump(sums, f)
+    owned = [w.state] + [os.path.join(top, n) for top, dirs, files in os.walk(w.state) for n in dirs + files]
+    for p in owned:
+        os.lchown(p, NOBODY, -1)
+    try:        # a process of its own, as every start is (one vstor process trusts what it checked)
+        with open(second, "rb") as f:
+            code, _, err = hook(w, "hx2", f.read())
+        assert code == 4 and err.count("\n") == 1 and "not root's alone" in err, (code, err)
+        assert not os.path.exists(f"{w.vhost}/hx2-vdb")
+    finally:
+        for p in owned:
+            os.lchown(p, 0, -1)
+        cli(w, "release", "--force", "hx2")     # had it started (the bug), its daemon goes
+    assert os.path.exists(f"{w.vhost}/hx1-vdb")
 
 
 def test_links_planted_at_the_names_vstor_writes_are_never_written_through(bare):

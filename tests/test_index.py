@@ -340,3 +340,93 @@ def test_an_index_file_that_is_not_utf8_is_rebuilt_not_an_internal_error(tmp_pat
     again.save(Record("vm2", "vm2", None, status=PREPARED))
     assert sorted(r.key for r in again.records()) == ["vm1", "vm2"]
     assert again.index.indexed("vm1") is not None
+
+
+# -- an index file not shaped as vstor writes it (issue 28's fresh pass over record files) ---------
+
+def _summary_of(index: str, key: str, change) -> None:
+    path = os.path.join(index, "keys", key + ".json")
+    with open(path) as f:
+        s = json.load(f)
+    change(s)
+    with open(path, "w") as f:
+        json.dump(s, f)
+
+
+def _sums_of(index: str, change) -> None:
+    path = os.path.join(index, "sums.json")
+    with open(path) as f:
+        s = json.load(f)
+    change(s)
+    with open(path, "w") as f:
+        json.dump(s, f)
+
+
+def _keys_made(index: str, make) -> None:
+    import shutil
+    shutil.rmtree(os.path.join(index, "keys"))
+    make(os.path.join(index, "keys"))
+
+
+MISSHAPEN = {
+    # a summary: its fields were read without a look (KeyError, TypeError at plan and release)
+    "summary-without-active": lambda i: _summary_of(i, "vm0", lambda s: s.pop("active")),
+    "summary-without-shared": lambda i: _summary_of(i, "vm0", lambda s: s.pop("shared")),
+    "summary-holding-a-number": lambda i: _summary_of(i, "vm0", lambda s: s.update(holding=1.5)),
+    "summary-holding-misshapen": lambda i: _summary_of(i, "vm0", lambda s: s.update(holding={"domain": "vm0",
+                                                                                          "cpus": "x"})),
+    "summary-domain-a-list": lambda i: _summary_of(i, "vm0", lambda s: s.update(domain=[])),
+    "summary-shared-a-number": lambda i: _summary_of(i, "vm0", lambda s: s.update(shared=[5])),
+    "summary-is-a-record": lambda i: _summary_of(i, "vm0", lambda s: s.clear() or s.update(
+        key="vm0", domain="vm0", status="prepared", steps=[])),
+    # the sums: only their tables' types were looked at
+    "sums-cpu-holders-a-number": lambda i: _sums_of(i, lambda s: s["cpus"].update({"1": 5})),
+    "sums-reactor-not-a-cpu": lambda i: _sums_of(i, lambda s: s["reactors"].update({"x": 1})),
+    "sums-memory-a-string": lambda i: _sums_of(i, lambda s: s["memory"].update({"0": "x"})),
+    "sums-pages-a-float": lambda i: _sums_of(i, lambda s: s["pages"].update({"0/2048": 1.5})),
+    "sums-unread-a-number": lambda i: _sums_of(i, lambda s: s.update(unread=5)),
+    "sums-damaged-a-number": lambda i: _sums_of(i, lambda s: s.update(damaged=5)),
+    # keys/ itself: os.listdir raised NotADirectoryError or ELOOP at every start
+    "keys-a-file": lambda i: _keys_made(i, lambda p: open(p, "w").close()),
+    "keys-a-fifo": lambda i: _keys_made(i, os.mkfifo),
+    "keys-a-link-in-a-loop": lambda i: _keys_made(i, lambda p: os.symlink(p, p)),
+    # by/ and its tables: listed one item at a time (NotADirectoryError, ELOOP at prepare and release)
+    "by-a-file": lambda i: _by_made(i, "", lambda p: open(p, "w").close()),
+    "by-name-a-fifo": lambda i: _by_made(i, "name", os.mkfifo),
+    "by-name-a-link-in-a-loop": lambda i: _by_made(i, "name", lambda p: os.symlink(p, p)),
+}
+
+
+def _by_made(index: str, table: str, make) -> None:
+    import shutil
+    path = os.path.join(index, "by", table) if table else os.path.join(index, "by")
+    shutil.rmtree(path)
+    make(path)
+
+
+@pytest.mark.parametrize("harm", MISSHAPEN)
+def test_an_index_file_not_shaped_as_vstor_writes_it_is_rebuilt_not_an_internal_error(tmp_path, harm):
+    """Each file of the index is trusted only in the shape vstor writes;
+    anything else is damage, which the index is rebuilt from the records
+    for, as for any other: planning, a start's ledger, a save and a
+    removal all go on and say what the records say."""
+    from vstor.runtime.state import _INDEXES
+    state = StateDir(str(tmp_path / "state"))
+    names = _fill(state, 28, count=3)
+    MISSHAPEN[harm](os.path.join(state.path, "index"))
+    _INDEXES.clear()
+    fresh = StateDir(state.path)        # a new run
+    assert sorted(r.key for r in holders.recorded(fresh)) == names      # what planning reads
+    _INDEXES.clear()
+    fresh = StateDir(state.path)
+    with fresh.lock():                  # a start's ledger, and what it asks of another's entry
+        ledger = holders.ledger_of(fresh, {"vm2"})
+        assert dict(ledger.cpu_owner) == dict(_oracle(fresh, ("vm2",)).cpu_owner)
+        assert ledger.without("vm0").running("vm1") == _oracle(fresh, ("vm2",)).without("vm0").running("vm1")
+        others = FromRecords([r for r in fresh.records() if r.key != "vm2"])
+        for addr in CTRLS:
+            assert (holders.holders_of(fresh, "vm2").step("vfio-bind", addr, False) is None) == \
+                (others.step("vfio-bind", addr, False) is None)
+    fresh.save(_record(random.Random(29), "vm0"))
+    fresh.remove("vm1")
+    assert _right(fresh)

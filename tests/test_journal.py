@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from tests.helpers import Executor, J, TouchFile, steps
-from vstor.errors import ActionFailed
+from vstor.errors import EXIT_UNAVAILABLE, ActionFailed, Unavailable
 from vstor.runtime.journal import DONE, DOING, Journal
 from vstor.runtime.state import PREPARED, Record, StateDir
 
@@ -117,7 +117,14 @@ def test_the_lock_serialises_two_processes(tmp_path):
                                            ("volumes", '[["k", 1]]'), ("cells", "[[0]]"), ("node", '"0"'),
                                            ("sockets", "[1]"), ("connections", '[["p"]]'),
                                            ("cpus", "null"), ("cpus", "0"), ("sockets", "null"),
-                                           ("sockets", "0")))])
+                                           ("sockets", "0"))),
+                                     # ... strings no domain's XML holds, whose escapes reached
+                                     # libvirt's lookup and print() (a second fresh pass, issue 28)
+                                     '{"key": "vm2", "domain": "\\ud800", "status": "prepared"}',
+                                     '{"key": "vm2", "domain": "a\\u0000b", "status": "prepared"}',
+                                     '{"key": "vm2", "domain": "vm2", "status": "\\udfff"}',
+                                     '{"key": "vm2", "domain": "vm2", "steps": [{"kind": "qsd-export", '
+                                     '"state": "done", "data": {"source": "/x\\u0000y"}}]}'])
 def test_a_damaged_record_is_named_and_refuses_what_needs_every_record(tmp_path, content):
     """What a damaged record holds cannot be known: a reader of every record
     (a ledger, the others of a start) is refused; one that only reports
@@ -262,3 +269,24 @@ def test_a_directory_someone_else_makes_while_vstor_makes_the_state_directory_is
         with state.lock():
             pass
     assert os.listdir(sticky / "vstor" / "state") == ["domains"]
+
+
+def test_a_directory_at_a_records_temporary_name_is_one_refusal(tmp_path):
+    """A record's temporary name (domains/KEY.json.tmp) taken by a
+    directory: the record lock's clean-up raised IsADirectoryError at
+    release and gc (issue 28's fresh pass over record files).  No save of
+    the record could be made: refused, exit 4, the directory left."""
+    state = StateDir(str(tmp_path / "state"))
+    state.save(Record("vm1", "vm1", None))
+    tmp = tmp_path / "state" / "domains" / "vm1.json.tmp"
+    tmp.mkdir()
+    (tmp / "x").write_text("")
+    with pytest.raises(Unavailable) as e:
+        with state.record_lock("vm1"):
+            pass
+    assert e.value.exit_code == EXIT_UNAVAILABLE and "vm1.json.tmp: Is a directory" in str(e.value)
+    assert "\n" not in str(e.value) and (tmp / "x").exists()
+    tmp.joinpath("x").unlink()
+    tmp.rmdir()
+    with state.record_lock("vm1"):
+        state.save(state.load("vm1"))

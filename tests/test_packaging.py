@@ -396,3 +396,11 @@ def test_postrm_stops_vstor_slice_only_when_systemd_counts_no_task_in_it(tmp_pat
     assert done.returncode == 0, done
     said = calls.read_text() if calls.exists() else ""
     assert ("stop vstor.slice" in said) == stopped, (said, done.stderr)
+
+
+def test_what_the_debian_build_leaves_in_the_tree_is_ignored():
+    """(issue 28) dh-python's pybuild leaves .pybuild/ in the checkout: git
+    must not offer it for a commit."""
+    with open(os.path.join(ROOT, ".gitignore")) as f:
+        ignored = f.read().split()
+    assert ".pybuild/" in ignored

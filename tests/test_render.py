@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import unavailable
+from tests.helpers import qsd_file, request_xml, unavailable
 from vstor.config import Config
 from vstor.meta.document import Domain
 from vstor.planner.ledger import Ledger
@@ -153,3 +153,23 @@ def test_the_expander_arithmetic_is_one_for_libvirt_and_proxmox():
     assert (e.value.cell, e.value.devices, e.value.slots) == (0, 32, 31)
     with pytest.raises(Full):
         expanders([(0, ["d"] * 32)], True, spares=1)
+
+
+@pytest.mark.parametrize("index", ["9" * 4400, "²", "٣", "0x01", "-1", ""],
+                         ids=["4400-digits", "superscript", "arabic-indic", "hex", "negative", "empty"])
+def test_a_controller_of_vstors_with_an_index_libvirt_would_not_read_is_replaced_as_any(host_model, index):
+    """Rendering again replaces vstor's own controllers and frees the devices
+    libvirt put on them.  An index of 4,400 digits or '²' passed isdigit()
+    into int(): an internal error at plan and render (issue 28's fresh
+    pass).  It is read as libvirt reads it (PCI_CONTROLLER): a number it
+    would not read frees nothing, and the render is the same."""
+    host = host_model("two-socket")
+    dom = Domain.parse(request_xml(qsd_file(), vm="<vstor:vm cpus='dedicated' cells='2'/>", vcpus=4,
+                                   memory_mib=1024))
+    plan = plan_domain(host, CFG, Request.from_domain(dom), Ledger())
+    once = render(dom, plan)
+    first = next(c for c in once.root.iterfind("devices/controller") if c.get("model") == "pcie-expander-bus")
+    assert first.get("index") == "1"
+    want = render(once, plan, once.recorded_plan()).to_string()
+    first.set("index", index)
+    assert render(once, plan, once.recorded_plan()).to_string() == want

@@ -235,6 +235,24 @@ def test_a_damaged_record_refuses_starts_and_gc_leaves_what_it_may_own(work, cap
     assert vstor(work, "gc") == 0 and os.listdir(f"{work.dir}/vhost") == []
 
 
+@pytest.mark.parametrize("domain", ["\\ud800", "a\\u0000b"], ids=["half-a-surrogate-pair", "nul"])
+def test_a_record_naming_a_domain_no_xml_can_name_is_damaged_at_status(work, capsys, domain):
+    """A record's domain of half a surrogate pair reached print(), and one
+    with a NUL libvirt's lookup: `vstor status` was an internal error
+    (issue 28's fresh pass over record files).  It is a damaged record:
+    named, everything else printed, exit 1 as for any other."""
+    os.makedirs(f"{work.dir}/state/domains", mode=0o700, exist_ok=True)
+    with open(f"{work.dir}/state/domains/other.json", "w") as f:
+        f.write(f'{{"format": 1, "key": "other", "domain": "{domain}", "uuid": null, "status": "prepared", '
+                '"holding": {}, "steps": [], "updated": 0}')
+    for args in (("status",), ("status", "--json")):
+        capsys.readouterr()
+        assert vstor(work, *args) == 1
+        out, err = capsys.readouterr()
+        assert "other.json is damaged (ValueError: it holds a NUL or half a surrogate pair" in err, err
+        assert "internal error" not in err
+
+
 @pytest.mark.parametrize("version", ["v24.01", "v26.09"])
 def test_in_use_is_exit_3_on_every_path(work, capsys, host_layout, version):
     """One cause, one code: a release while libvirt says the domain runs,

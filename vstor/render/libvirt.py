@@ -17,7 +17,7 @@ from vstor.meta.document import Domain
 from vstor.meta import metadata
 from vstor.meta.plan import Plan
 from vstor.render import buses, elements
-from vstor.meta.topology import hostdev_address, is_q35   # hostdev_address: its readers import it from here
+from vstor.meta.topology import PCI_CONTROLLER, hostdev_address, is_q35   # hostdev_address: its readers import it from here
 
 # libvirt's own order of <domain> children; new elements go where libvirt
 # would put them, so the output is stable and reads like `virsh dumpxml`.
@@ -104,7 +104,11 @@ def _drop_owned(root, plan: Plan, previous: Plan | None) -> None:
     gone = set()
     for c in devices.findall("controller"):
         if buses.own(c):
-            gone.add(int(c.get("index", "-1")) if (c.get("index") or "").isdigit() else -1)
+            # read as libvirt reads it (its declaration): '²' and 4,400
+            # digits pass isdigit() and then fail int()
+            index = PCI_CONTROLLER.read(c, lenient=True)["index"]
+            if index is not None:
+                gone.add(index)
             devices.remove(c)
     buses.orphans(devices, gone)
     if previous is not None and previous.viommu or plan.viommu:

@@ -83,7 +83,7 @@ def recorded(state: StateDir) -> list[Record]:
             return state.records()      # read, never written here: the next start rebuilds it
         state.index.check_damaged()
         out = []
-        for key in state.index.keys():
+        for key in state.index.keys() or ():
             s = state.index.indexed(key, rebuild=False)
             if s is UNREADABLE:
                 return state.records()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 
 from vstor.errors import Unavailable
@@ -225,12 +226,36 @@ def read_text(path: str) -> str:
 
 def read_json(path: str):
     """read_text, parsed.  JSON nested too deep for Python's parser is
-    ValueError, as any other that is not what vstor writes."""
+    ValueError, as any other that is not what vstor writes; so is a string
+    with a NUL or half a surrogate pair, which no domain's XML can hold
+    (its escapes passed them to libvirt's lookup and to print(), both
+    internal errors at `vstor status`)."""
     text = read_text(path)
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except RecursionError:
         raise ValueError("nested too deep to be what vstor writes") from None
+    if "\\u" in text and any(_NOT_WRITTEN.search(s) for s in _strings(data)):    # only an escape makes one
+        raise ValueError("it holds a NUL or half a surrogate pair, which vstor never writes")
+    return data
+
+
+_NOT_WRITTEN = re.compile("[\0\ud800-\udfff]")     # json.loads joins whole pairs: what is left is half
+
+
+def _strings(data):
+    """Every key and string in parsed JSON (not recursing: it may nest as
+    deep as the parser went)."""
+    todo = [data]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            yield x
+        elif isinstance(x, dict):
+            todo += x.keys()
+            todo += x.values()
+        elif isinstance(x, list):
+            todo += x
 
 
 _NOT_FILES = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}

@@ -152,8 +152,7 @@ class StateDir:
                           f"the state record of '{key}' (a vstor run for it is under way):",
                           timeout), _holding(held):
             if not dry_run:     # what a killed save of this record left (its record is whole)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._file(key) + ".tmp")
+                _drop(self._file(key) + ".tmp")
             yield self
 
     def holds_lock(self) -> bool:
@@ -323,6 +322,18 @@ def _holding(path: str):
         _HELD[path] -= 1
         if not _HELD[path]:
             del _HELD[path]
+
+
+def _drop(tmp: str) -> None:
+    """A record's temporary file, gone; anything else at its name (a
+    directory) is not save()'s to remove, and no save could be made."""
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise Unavailable(f"cannot write state records: {tmp}: {e.strerror}",
+                          hint="see what is at that name; vstor writes only regular files there") from None
 
 
 def _fsync_dir(path: str) -> None:

@@ -5,8 +5,9 @@ and the file name of any item.  Pure functions of a record."""
 from __future__ import annotations
 
 import functools
+import re
 
-from vstor.meta.holding import node_amounts
+from vstor.meta.holding import holding_from_json, node_amounts
 from vstor.runtime.recordfile import INCOMING
 
 # Step kinds two domains may share (a controller's vfio binding, an SPDK
@@ -86,6 +87,51 @@ def _count(table: dict, item: str, n: int) -> None:
     table[item] = table.get(item, 0) + n
     if not table[item]:
         del table[item]
+
+
+# -- what the index trusts of its files (root's, but a hand or a crash may have
+# left anything there): the shape the functions above make, or a rebuild ------
+
+def is_summary(s) -> bool:
+    """Shaped as summary() makes it, as JSON gives it back."""
+    if not (isinstance(s, dict) and isinstance(s.get("domain"), str) and type(s.get("active")) is bool
+            and "uuid" in s and (s["uuid"] is None or isinstance(s["uuid"], str))
+            and isinstance(s.get("holding"), dict) and isinstance(s.get("shared"), list)):
+        return False
+    if not all(isinstance(e, dict) and isinstance(e.get("kind"), str) and isinstance(e.get("ident"), str)
+               and e.get("state") in ("doing", "done") and isinstance(e.get("data"), dict)
+               for e in s["shared"]):
+        return False
+    try:
+        if s["holding"]:
+            holding_from_json(s["holding"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return True
+
+
+def is_sums(s) -> bool:
+    """Shaped as empty_sums() and add_sums make it (and the index's rebuild:
+    `unread`), as JSON gives it back."""
+    if not isinstance(s, dict) or not isinstance(s.get("boot"), str):
+        return False
+    holders, counts = ("cpus", "pass"), ("reactors", "pages", "memory")
+    if not all(isinstance(s.get(t), dict) for t in holders + counts):
+        return False
+    pair = lambda x: isinstance(x, list) and len(x) == 2 and all(isinstance(y, str) for y in x)  # noqa: E731
+    if not all(isinstance(lst, list) and lst and all(map(pair, lst)) for t in holders for lst in s[t].values()):
+        return False
+    if not all(type(n) is int for t in counts for n in s[t].values()):
+        return False
+    keys = {"cpus": _NUMBER, "reactors": _NUMBER, "memory": _NUMBER, "pages": _PAGES}
+    if not all(form.fullmatch(k) for t, form in keys.items() for k in s[t]):
+        return False
+    return all(isinstance(s.get(t, []), list) and all(isinstance(x, str) for x in s.get(t, []))
+               for t in ("damaged", "unread"))
+
+
+_NUMBER = re.compile(r"[0-9]{1,12}", re.ASCII)
+_PAGES = re.compile(r"[0-9]{1,12}/[0-9]{1,12}", re.ASCII)
 
 
 def empty_sums() -> dict:

@@ -42,7 +42,9 @@ import contextlib
 import json
 import os
 
-from vstor.runtime.index.shape import add_sums, boot_id, empty_sums, file_name, items, summary
+from vstor.errors import Unavailable
+from vstor.runtime.index.shape import (add_sums, boot_id, empty_sums, file_name, is_sums, is_summary,
+                                       items, summary)
 from vstor.runtime.recordfile import FIX, DamagedRecord, create_empty, read_json, write_text
 
 class Index:
@@ -114,15 +116,15 @@ class Index:
             sums = read_json(os.path.join(self.path, "sums.json"))
         except (OSError, ValueError):
             return None
-        if not isinstance(sums, dict) or sums.get("boot") != boot_id() or \
-                not all(isinstance(sums.get(k), dict) for k in ("cpus", "pass", "reactors", "pages", "memory")):
+        if not is_sums(sums) or sums["boot"] != boot_id():
             return None
         return sums
 
     def _same_names(self, sums: dict) -> bool:
         """The records' directory holds the records indexed (and those
         unread at the last rebuild): none put there or removed by hand."""
-        return set(self.keys()) | set(sums.get("unread") or ()) == self._record_names()
+        keys = self.keys()
+        return keys is not None and set(keys) | set(sums.get("unread") or ()) == self._record_names()
 
     def _record_names(self) -> set[str]:
         try:
@@ -139,7 +141,10 @@ class Index:
         self._fresh()
         if key not in self._summaries:
             try:
-                self._summaries[key] = read_json(f"{self.path}/keys/{key}.json")
+                s = read_json(f"{self.path}/keys/{key}.json")
+                if not is_summary(s):
+                    raise ValueError("not a summary as vstor writes it")
+                self._summaries[key] = s
             except FileNotFoundError:
                 if not os.path.lexists(f"{self.state.domains}/{key}.json"):
                     self._summaries[key] = None
@@ -156,17 +161,32 @@ class Index:
         return self._summaries.get(key)
 
     def holders(self, table: str, item: str) -> list[str]:
-        """The keys holding `item` in `table`."""
-        try:
-            return sorted(os.listdir(f"{self.path}/by/{table}/{file_name(item)}"))
-        except FileNotFoundError:
-            return []
+        """The keys holding `item` in `table`.  A part of by/ that is not a
+        directory (a file, a FIFO, a link in a loop) is damage: under the
+        host lock the index is rebuilt and asked again."""
+        path = f"{self.path}/by/{table}/{file_name(item)}"
+        for again in (True, False):
+            try:
+                return sorted(os.listdir(path))
+            except FileNotFoundError:
+                return []
+            except OSError as e:
+                if not (again and self._held()):
+                    raise Unavailable(f"cannot read the index {path}: {e.strerror}",
+                                      hint="see what is at that name (vstor makes only directories in "
+                                           "index/by); vstor gc builds the index again") from None
+                self.rebuild()
+        return []
 
-    def keys(self) -> list[str]:
+    def keys(self) -> list[str] | None:
+        """The keys indexed; None when keys/ is there but cannot be listed
+        (not a directory, a link in a loop): the index is then damaged."""
         try:
             return sorted(n[:-5] for n in os.listdir(os.path.join(self.path, "keys")) if n.endswith(".json"))
         except FileNotFoundError:
             return []
+        except OSError:
+            return None
 
     def check_damaged(self) -> None:
         """Refuse (DamagedRecord) when a record could not be read when the
@@ -188,8 +208,12 @@ class Index:
         try:
             create_empty(mark, key)
             write()
-            if self._apply(self.path, sums, key, old, new):
-                self._write_sums(self.path, sums)
+            try:
+                if self._apply(self.path, sums, key, old, new):
+                    self._write_sums(self.path, sums)
+            except OSError:     # by/ or a name in it not as vstor made it: the records say it all
+                self.rebuild()
+                return
             os.unlink(mark)
         except BaseException:
             self.forget()       # the mark stays (when it was made): the next read rebuilds
@@ -273,8 +297,9 @@ class Index:
         for key, s in summaries.items():
             add_sums(want, key, s, +1)
             entries.update((table, file_name(item), key) for table, item in items(s))
+        keys = self.keys()
         right = (sums is not None and {**sums, "boot": ""} == {**want, "boot": ""}
-                 and set(self.keys()) == set(summaries)
+                 and keys is not None and set(keys) == set(summaries)
                  and all(self.indexed(key) == s for key, s in summaries.items())
                  and self._tables() == entries)
         if not right:

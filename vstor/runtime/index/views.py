@@ -59,7 +59,7 @@ class IndexLedger:
         """Every holding: reads every key (a planner's whole-host view only)."""
         from vstor.meta.holding import holding_from_json
         out = []
-        for key in self.index.keys():
+        for key in self.index.keys() or ():
             s = self.index.indexed(key)
             if key not in self.exclude and s and s["holding"]:
                 out.append(holding_from_json(s["holding"], active=s["active"]))
