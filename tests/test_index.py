@@ -344,22 +344,20 @@ def test_an_index_file_that_is_not_utf8_is_rebuilt_not_an_internal_error(tmp_pat
 
 # -- an index file not shaped as vstor writes it (issue 28's fresh pass over record files) ---------
 
-def _summary_of(index: str, key: str, change) -> None:
-    path = os.path.join(index, "keys", key + ".json")
+def _edit_json(path: str, change) -> None:
     with open(path) as f:
         s = json.load(f)
     change(s)
     with open(path, "w") as f:
         json.dump(s, f)
+
+
+def _summary_of(index: str, key: str, change) -> None:
+    _edit_json(os.path.join(index, "keys", key + ".json"), change)
 
 
 def _sums_of(index: str, change) -> None:
-    path = os.path.join(index, "sums.json")
-    with open(path) as f:
-        s = json.load(f)
-    change(s)
-    with open(path, "w") as f:
-        json.dump(s, f)
+    _edit_json(os.path.join(index, "sums.json"), change)
 
 
 def _keys_made(index: str, make) -> None:

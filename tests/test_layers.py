@@ -52,9 +52,11 @@ FORBIDDEN = ("subprocess", "socket", "signal", "select", "fcntl", "pwd", "grp", 
 MAX_LINES = 800     # modules sized by what they hold (issue 29)
 
 
-def _modules() -> dict[str, str]:
+def _modules(top: str = PKG) -> dict[str, str]:
+    """Every Python module under `top` (the package, or tests/), by its dotted name."""
     out = {}
-    for dirpath, _dirs, files in os.walk(PKG):
+    for dirpath, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(dirpath, name)
@@ -336,16 +338,7 @@ TESTS = os.path.join(ROOT, "tests")
 
 
 def _test_tree() -> dict[str, str]:
-    """Every Python module under tests/, by its dotted name."""
-    out = {}
-    for dirpath, dirs, files in os.walk(TESTS):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                out[mod.removesuffix(".__init__")] = path
-    return out
+    return _modules(TESTS)
 
 
 def _test_module_imports(modules: dict) -> list[str]:
