@@ -164,13 +164,14 @@ def test_cli_prepare_and_release_log_each_change(site, journal, capsys):
     assert vstor(site, "prepare", str(site / "r.xml")) == 0
     entries = journal.entries()
     assert [(e["VSTOR_DOMAIN"], e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in entries] == \
-        [("log1", "done", "prepare")] * 2
+        [("log1", "done", "prepare")] * 3
     assert sorted(e["VSTOR_STEP"] for e in entries) == [
+        f"mark log1 prepared for QEMU ({site}/vhost/log1.vstor-prepared)"] + [
         f"start qemu-storage-daemon for {site}/d{i}.raw on {site}/vhost/log1-vd{'bc'[i]}" for i in (0, 1)]
     assert vstor(site, "release", "log1", "--dry-run") == 0
     assert journal.entries() == []          # a dry run changes nothing and logs nothing
     assert vstor(site, "release", "log1") == 0
-    assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in journal.entries()] == [("undone", "release")] * 2
+    assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in journal.entries()] == [("undone", "release")] * 3
     assert "vstor:" not in capsys.readouterr().err
 
 
@@ -180,10 +181,13 @@ def test_a_failed_start_logs_the_failure_each_undo_and_the_refusal(tmp_path, jou
     assert vstor(site, "prepare", str(site / "r.xml")) == 5
     entries = journal.entries()
     *changes, refusal = entries
-    # both daemons (started side by side) failed, and each was undone (a half-done step is undone too)
-    assert [(e["VSTOR_DOMAIN"], e["VSTOR_RESULT"]) for e in changes] == \
-        [("log1", "failed")] * 2 + [("log1", "undone")] * 2
-    assert {e["VSTOR_STEP"] for e in changes[:2]} == {e["VSTOR_STEP"] for e in changes[2:]}
+    # both daemons (started side by side with the prepared mark) failed; the mark was made; each
+    # of the three was undone (a half-done step is undone too)
+    assert sorted((e["VSTOR_DOMAIN"], e["VSTOR_RESULT"]) for e in changes[:3]) == \
+        [("log1", "done")] + [("log1", "failed")] * 2
+    assert [(e["VSTOR_DOMAIN"], e["VSTOR_RESULT"]) for e in changes[3:]] == [("log1", "undone")] * 3
+    assert {e["VSTOR_STEP"] for e in changes[:3]} == {e["VSTOR_STEP"] for e in changes[3:]}
+    changes = [e for e in changes if e["VSTOR_RESULT"] == "failed"]
     assert "Permission denied" in changes[0]["MESSAGE"] and changes[0]["PRIORITY"] == "3"
     assert (refusal["VSTOR_RESULT"], refusal["VSTOR_EXIT"]) == ("refused", "5")
     assert capsys.readouterr().err.count("vstor: error:") == 1
@@ -206,8 +210,8 @@ def test_the_hook_logs_its_changes_and_a_refused_start(site, journal):
     entries = journal.entries()
     changes = [e for e in entries if "VSTOR_RESULT" in e]
     assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"], e["VSTOR_DOMAIN"]) for e in changes] == \
-        [("done", "hook prepare", "log1")] * 2
-    assert entries[-1]["MESSAGE"] == "log1: prepared: 2 host changes recorded"
+        [("done", "hook prepare", "log1")] * 3
+    assert entries[-1]["MESSAGE"] == "log1: prepared: 3 host changes recorded"
     assert run("started", "begin", "-").returncode == 0 and journal.entries() == []
     # a domain never rendered (no plan): refused before any change, one line
     unplanned = (site / "vm.xml").read_bytes().replace(b"<name>log1</name>", b"<name>log2</name>")
@@ -219,7 +223,7 @@ def test_the_hook_logs_its_changes_and_a_refused_start(site, journal):
     assert entry["MESSAGE"].startswith("refused (exit 2): log2: prepare failed: domain 'log2' has vstor")
     assert run("release", "end", "-").returncode == 0
     assert [(e["VSTOR_RESULT"], e["VSTOR_COMMAND"]) for e in journal.entries()
-            if "VSTOR_RESULT" in e] == [("undone", "hook release")] * 2
+            if "VSTOR_RESULT" in e] == [("undone", "hook release")] * 3
 
 
 def test_the_hook_imports_no_logging_when_it_has_nothing_to_log():
