@@ -57,14 +57,6 @@ def vstor(*args: str) -> None:
     subprocess.run([*VSTOR, *args], check=True, cwd="/" if INSTALLED else ROOT)
 
 
-class LockedDaemons(Daemons):
-    """The package step holds the e2e session lock around install, demo and
-    purge (the packaged hook is live all that time): not taken twice."""
-
-    def _take_session_lock(self, wait: float) -> None:
-        pass
-
-
 def show_disk(domain_xml: str) -> None:
     from lxml import etree
     for disk in etree.fromstring(domain_xml).iterfind("devices/disk[@type='vhostuser']"):
@@ -116,8 +108,7 @@ def main() -> int:
             print(f"demo: {PACKAGED_HOOK} is missing or not executable: is vstor installed?",
                   file=sys.stderr)
             return 1
-        held = os.environ.get("VSTOR_E2E_LOCK_HELD") == "1"
-        daemons = (LockedDaemons() if held else Daemons()).start()
+        daemons = Daemons().start()     # under ci-package.sh, on its session lock (VSTOR_E2E_LOCK_HELD)
         if not daemons.owns_libvirtd():
             print("demo: libvirtd ran before the package's hook was installed and only sees hooks "
                   "present at its start: stop it first", file=sys.stderr)

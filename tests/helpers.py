@@ -406,12 +406,13 @@ def addressed(dom: Domain) -> Domain:
 LOCAL = "0000:5f:00.0"
 
 
-def rendered_domain(e, disks: str, name="vm1", vm="", vcpus=2, memory_mib=1024, ledger=None) -> Domain:
+def rendered_domain(e, disks: str, name="vm1", vm="", vcpus=2, memory_mib=1024, ledger=None,
+                    gate: str | None = None) -> Domain:
     dom = Domain.parse(f"""<domain type='kvm'><name>{name}</name><memory unit='MiB'>{memory_mib}</memory>
       <vcpu>{vcpus}</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'>{vm}{disks}</vstor:vstor></metadata>
       <os><type arch='x86_64' machine='q35'>hvm</type></os><devices/></domain>""")
     plan = plan_domain(e.host(), e.cfg, Request.from_domain(dom), ledger or Ledger())
-    return render(dom, plan)
+    return render(dom, plan, gate=gate)
 
 
 def local_spdk(addr=LOCAL, target="vdb"):

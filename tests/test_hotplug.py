@@ -10,12 +10,14 @@ import time
 
 import pytest
 
-from tests.helpers import LOCAL, GuestDouble, disk, file_disk, file_disks, flock_free, live, local_spdk, running
+from tests.helpers import (LOCAL, GuestDouble, disk, file_disk, file_disks, flock_free, live, local_spdk,
+                           rendered_domain, running)
 from tests.helpers import spdk_nvmf as nvmf
 from vstor.errors import ActionFailed, BadInput, DoesNotFit
 from vstor.meta.document import Domain, load_disk
 from vstor.runtime.hotplug import attach, detach
-from vstor.runtime.lifecycle import release
+from vstor.meta.names import gate_path
+from vstor.runtime.lifecycle import prepare, release
 
 NS = "https://vstor.dev/xmlns/domain/1"
 OTHER = "0000:60:00.0"
@@ -88,6 +90,22 @@ def test_qsd_disks_are_added_and_removed_with_real_daemons(env, tmp_path):
     detach(env.rt(), env.state, live(dom, guest), "vdc", guest, 5.0)
     assert sorted(f for f in os.listdir(env.cfg.vhost_dir) if f.startswith("vm1")) == ["vm1-vdb"]
     assert sorted(f for f in os.listdir(env.cfg.qsd_dir) if f.startswith("vm1-vdc")) == []
+
+
+def test_the_prepared_mark_outlives_an_attach_and_a_detach(env, tmp_path):
+    """The mark is the whole domain's, no disk's: an attach (which undoes
+    the steps of a disk the guest never got) and a detach leave it."""
+    _, paths = file_disks(env, "bc", size=8 << 20)
+    mark = gate_path(env.cfg.vhost_dir, "vm1")
+    dom = rendered_domain(env, file_disk(paths[0]), vm="<vstor:vm cpus='shared'/>", gate=mark)
+    prepare(env.rt(), env.state, env.host(), dom)
+    guest = GuestDouble(dom)
+    attach(env.rt(), env.state, env.host(), dom, disk(file_disk(paths[1], "vdc"), tmp_path), guest)
+    assert os.path.exists(mark) and "gate" in [s["kind"] for s in env.state.load("vm1").steps]
+    detach(env.rt(), env.state, live(dom, guest), "vdc", guest, 5.0)
+    assert os.path.exists(mark) and "gate" in [s["kind"] for s in env.state.load("vm1").steps]
+    release(env.rt(), env.state, "vm1")
+    assert not os.path.exists(mark)
 
 
 def _killed_attach(env, dom, guest, new) -> int:

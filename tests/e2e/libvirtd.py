@@ -103,7 +103,7 @@ class Daemons:
         self._lock = None
 
     def start(self, timeout: float = 30, wait_for_others: float = 900) -> Daemons:
-        self._take_session_lock(wait_for_others)
+        self._lock = take_session_lock(wait_for_others)
         reap_dead_session()
         if not hugetlbfs_mounted() and not running_pid("libvirtd"):
             HUGEPAGES.mkdir(exist_ok=True)
@@ -175,10 +175,6 @@ class Daemons:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
-
-    def _take_session_lock(self, wait: float) -> None:
-        """Overridden where the caller holds it already (scripts/demo.py)."""
-        self._lock = take_session_lock(wait)
 
     def _ensure(self, name: str, timeout: float) -> None:
         if running_pid(name):
@@ -306,8 +302,45 @@ def wait_for_pidfile(pidfile: Path, name: str, timeout: float, where: str = "") 
         time.sleep(0.1)
 
 
-def take_session_lock(wait: float):
-    """SESSION_LOCK held (the open file); RuntimeError after `wait` seconds."""
+class SessionLock:
+    """A hold on SESSION_LOCK: one e2e session on the machine at a time.
+
+    Taken again in the same process (the e2e daemons, then a systemd test's
+    container, in one pytest run) it is the same hold, counted; a child
+    started with HELD_BY_PARENT in its environment rides on its parent's.
+    flock() alone would make a process wait for itself: its locks belong to
+    each open(), not to the process."""
+    _file = None
+    _count = 0
+
+    def __init__(self, wait: float) -> None:
+        self._open = True
+        if os.environ.get("VSTOR_E2E_LOCK_HELD") == "1" and SessionLock._count == 0:
+            self._open = False          # the parent holds it for this process
+            return
+        if SessionLock._count == 0:
+            SessionLock._file = _flock(wait)
+        SessionLock._count += 1
+
+    def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        SessionLock._count -= 1
+        if SessionLock._count == 0:
+            SessionLock._file.close()
+            SessionLock._file = None
+
+
+HELD_BY_PARENT = {"VSTOR_E2E_LOCK_HELD": "1"}    # a child's environment: the caller holds the lock
+
+
+def take_session_lock(wait: float) -> SessionLock:
+    """SESSION_LOCK held; RuntimeError after `wait` seconds of another session."""
+    return SessionLock(wait)
+
+
+def _flock(wait: float):
     lock = open(SESSION_LOCK, "w")
     deadline = time.monotonic() + wait
     while True:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from . import harness
+from tests.e2e.libvirtd import HELD_BY_PARENT, take_session_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +20,14 @@ def _alive(pid: int) -> bool:
     return harness._comm(pid) is not None
 
 
-def test_a_killed_session_is_undone_by_the_next():
+@pytest.fixture
+def session_lock():
+    lock = take_session_lock(1800)      # the child's session rides on it (HELD_BY_PARENT)
+    yield
+    lock.close()
+
+
+def test_a_killed_session_is_undone_by_the_next(session_lock):
     image = harness.ensure_image()
     name = f"vstor-sd-killed-{os.getpid()}"
     # A session in a child process boots a container, then dies by SIGKILL.
@@ -31,7 +39,7 @@ def test_a_killed_session_is_undone_by_the_next():
         box = Container(Path({str(image)!r}), name={name!r}, log=lambda line: None).start()
         print(box.leader, box._nspawn.pid, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-        """)], stdout=subprocess.PIPE, text=True)
+        """)], stdout=subprocess.PIPE, text=True, env={**os.environ, **HELD_BY_PARENT})
     leader, nspawn = map(int, child.stdout.readline().split())
     assert child.wait() == -9
     directory = harness.BASE / "run" / name

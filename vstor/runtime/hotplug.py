@@ -269,7 +269,8 @@ def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan
     got it) left its share in the record's holding and its backend steps
     in the record: undone first, as prepare
     undoes an interrupted prepare, so that this attach makes them again.  A
-    domain's outgoing NVMe-oF export is no disk's step and stays."""
+    step made for the whole domain (its prepared mark, its outgoing NVMe-oF
+    export) is no disk's and stays."""
     planned = {actions.identity(s) for s in actions.build(plan, rt.cfg)}
 
     def kept(_i, entry) -> bool:
@@ -277,7 +278,7 @@ def _undo_interrupted(rt: Runtime, state: StateDir, dom: Domain, rec, plan: Plan
             step = actions.from_json(entry)
         except ActionFailed:
             return True         # not this vstor's to judge: release reports it
-        return step.kind == "nvmf-export" or actions.identity(step) in planned
+        return step.whole_domain or actions.identity(step) in planned
     holding = holding_to_json(Holding.from_plan(plan, active=True))
     if all(kept(i, e) for i, e in enumerate(rec.steps)):
         if rec.holding != holding:      # killed after it recorded the disk's share, before a step

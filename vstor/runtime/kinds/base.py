@@ -17,6 +17,7 @@ class StepKind(Protocol):
     kind: ClassVar[str]
     parallel: ClassVar[bool]
     private: ClassVar[bool]
+    whole_domain: ClassVar[bool]
     rpc_methods: ClassVar[tuple[str, ...]]
 
     def describe(self) -> str: ...
@@ -41,9 +42,12 @@ class Kind:
     nothing; nothing to open before the start is decided, nothing to read
     before the record is written; an undo that waits on nothing (done in
     turn, not on a thread each), nothing QEMU can still be connected to;
-    repaired by doing it again (every `do` looks before it creates)."""
+    repaired by doing it again (every `do` looks before it creates); made
+    for a disk (an attach makes it, a detach undoes it), not for the whole
+    domain (its prepared mark, its outgoing export)."""
     parallel = False
     private = False
+    whole_domain = False
     rpc_methods: ClassVar[tuple[str, ...]] = ()
 
     def preflight(self, rt) -> Writes | None:

@@ -21,6 +21,7 @@ class Gate(Kind):
     # start and stop): QEMU reads it only once the whole prepare has returned,
     # and a failure of any step of the group removes it with the rest.
     parallel = True
+    whole_domain = True
 
     def describe(self) -> str:
         return f"mark {self.domain} prepared for QEMU ({self.path})"

@@ -23,6 +23,7 @@ class NvmfExport(Kind):
     trsvcid: int
     host: str
     kind = "nvmf-export"
+    whole_domain = True     # made by a migration's preparation, for the domain: no attach undoes it
     # Under the host lock: SPDK's NVMe-oF target is the host's, shared by every domain's exports.
     rpc_methods = ("nvmf_create_transport", "nvmf_create_subsystem", "nvmf_subsystem_add_ns",
                    "nvmf_subsystem_add_listener", "nvmf_subsystem_add_host",
