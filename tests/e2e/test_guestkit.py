@@ -98,13 +98,14 @@ def annotated(guest) -> str:
 
 def bootable(defined: str, bus: str) -> str:
     """The domain as libvirt defined it (controllers and addresses kept),
-    bootable here: no vstor metadata (the hook must not take it), no pinning
+    bootable here: no vstor metadata (the hook must not take it) and so no
+    prepared mark for QEMU to read (vstor's fw_cfg entry), no pinning
     or numatune for a host that is not this one, and QEMU's NVMe controller
     on root port `bus` (libvirt's alias of the controller) where the hostdev was."""
     old = etree.fromstring(defined)
     root = etree.Element("domain", old.attrib, nsmap={"qemu": QEMU_NS})
     root.extend(list(old))
-    for tag in ("metadata", "cputune", "numatune", "devices/hostdev"):
+    for tag in ("metadata", "sysinfo[@type='fwcfg']", "cputune", "numatune", "devices/hostdev"):
         for e in root.findall(tag):
             e.getparent().remove(e)
     nvme = WORK / "nvme.img"
