@@ -184,6 +184,13 @@ class Host:
         return out
 
     def sockets(self) -> list[str]:
+        return [n for n in self._vhost() if not n.endswith(".vstor-prepared")]
+
+    def marks(self) -> list[str]:
+        """The prepared marks QEMU reads first (vstor.runtime.kinds.gate)."""
+        return [n for n in self._vhost() if n.endswith(".vstor-prepared")]
+
+    def _vhost(self) -> list[str]:
         return sorted(p.name for p in self.vhost_dir.iterdir()) if self.vhost_dir.is_dir() else []
 
     def qsd_pids(self) -> list[int]:

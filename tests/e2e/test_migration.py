@@ -174,6 +174,7 @@ def stop_and_verify(lab: Lab, h: Host, name: str, dom: libvirt.virDomain, seed: 
 def holds_nothing(h: Host, name: str) -> None:
     assert name not in h.records()
     assert not [s for s in h.sockets() if s.startswith(f"{name}-")]
+    assert f"{name}.vstor-prepared" not in h.marks()
     assert not [p for p in h.qsd_pids()], f"qemu-storage-daemon still runs on {h.key}"
 
 
@@ -209,6 +210,7 @@ def test_live_migration_under_guest_writes(migration_lab, guest_image):
         assert "virsh" in prep.stdout and "migrate --live" in prep.stdout
         assert lab.b.records() == {name: "incoming"}
         assert lab.b.sockets() == [f"{name}-vdb"] and len(lab.b.qsd_pids()) == 1
+        assert lab.b.marks() == [f"{name}.vstor-prepared"]      # the arriving QEMU reads it first
         arriving = out_xml.read_text()
         assert str(lab.b.vhost_dir) in arriving and str(lab.a.vhost_dir) not in arriving
         on_a = parse_loop(read_console(lab.a.console(name)))["progress"][-1][0]
