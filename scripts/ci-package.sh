@@ -37,7 +37,7 @@ step "the maintainer scripts never stop, restart or reload what a running domain
 # restarting the slice stops them all (docs/install.md, debian/rules).  No
 # dh_installsystemd snippet acts on the slice or the gc service, and what
 # runs at an upgrade (preinst, prerm) never names the slice; postrm's own
-# stop at a removal acts only on a slice systemd counts empty.
+# stop at a removal acts only on a slice that runs no process.
 mkdir "$WORK/control"
 dpkg-deb -e "$DEB" "$WORK/control"
 if { grep -n "deb-systemd-invoke.*\(vstor\.slice\|vstor-gc\.service\)" "$WORK"/control/*inst \

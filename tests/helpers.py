@@ -599,7 +599,10 @@ def cli_work():
     os.chmod(d, 0o755)
     conf = os.path.join(d, "vstor.conf")
     with open(conf, "w") as f:
-        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d}\n")
+        # No supervisor: these tests kill a daemon to see how a dead one is
+        # reported (tests/test_supervise.py: the supervisor's own tests).
+        f.write(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\nimages = {d}\n"
+                "[vhost]\nsupervise = no\n")
     for i in (0, 1):
         with open(os.path.join(d, f"d{i}.raw"), "wb") as f:
             f.truncate(16 << 20)
@@ -847,3 +850,27 @@ def agent_domain(path="/x/a.raw") -> str:
             f"<os><type arch='x86_64' machine='q35'>hvm</type></os><metadata><vstor:vstor xmlns:vstor='{NS}'>"
             f"<vstor:vm cpus='shared'/><vstor:disk target='vdb'><vstor:file path='{path}'/></vstor:disk>"
             "</vstor:vstor></metadata><devices/></domain>")
+
+
+# -- a site of a config file, two images and a domain (test_logging, test_supervise) -----------------------
+
+def make_site(d):
+    """A config (from a file, as the CLI reads it), two image files and a
+    domain log1 on them, rendered to r.xml, in directory `d`."""
+    conf = d / "vstor.conf"
+    conf.write_text(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\n"
+                    f"images = {d}\n")
+    for i in (0, 1):
+        with open(d / f"d{i}.raw", "wb") as f:
+            f.truncate(16 << 20)
+    (d / "vm.xml").write_text(f"""<domain type='kvm'><name>log1</name><memory unit='MiB'>256</memory>
+      <vcpu>1</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
+      <vstor:disk target='vdb'><vstor:file path='{d}/d0.raw'/></vstor:disk>
+      <vstor:disk target='vdc' readonly='yes'><vstor:file path='{d}/d1.raw'/></vstor:disk>
+      </vstor:vstor></metadata><devices/></domain>""")
+    assert site_vstor(d, "render", str(d / "vm.xml"), "-o", str(d / "r.xml")) == 0
+    return d
+
+
+def site_vstor(d, *args):
+    return main(["-c", "test:///default", "--config", str(d / "vstor.conf"), *args])

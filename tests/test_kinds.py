@@ -58,10 +58,10 @@ def test_each_kind_is_a_step_kind_saying_itself_what_has_no_default(name):
         assert params[m] == ["self", "rt"], m
 
 
-def test_the_interface_is_the_thirteen_methods_and_four_attributes():
+def test_the_interface_is_the_thirteen_methods_and_five_attributes():
     assert sorted(METHODS) == sorted(["describe", "dry_run", "to_data", "from_data", "makes", "preflight",
                                       "observe", "do", "undo", "undo_waits", "in_use", "check", "repair"])
-    assert sorted(ATTRIBUTES) == ["kind", "parallel", "private", "rpc_methods"]
+    assert sorted(ATTRIBUTES) == ["kind", "parallel", "private", "rpc_methods", "whole_domain"]
 
 
 def test_the_journal_reads_parallel_and_private_from_the_classes():

@@ -15,7 +15,8 @@ import tempfile
 
 import pytest
 
-from tests.helpers import FakeJournal, J, Pve, parse, pve_applied, steps
+from tests.helpers import FakeJournal, J, Pve, make_site, parse, pve_applied, steps
+from tests.helpers import site_vstor as vstor
 from vstor import log
 from vstor.cli.main import main
 from vstor.errors import ActionFailed
@@ -125,29 +126,6 @@ def test_verbose_prints_the_changes_on_stderr_and_a_refusal_once(journal, tmp_pa
 
 
 # -- the CLI and the hook, changing the host for real ---------------------------------------
-
-NS = "https://vstor.dev/xmlns/domain/1"
-
-
-def make_site(d):
-    conf = d / "vstor.conf"
-    conf.write_text(f"[paths]\nstate_dir = {d}/state\nvhost_dir = {d}/vhost\nqsd_dir = {d}/qsd\n"
-                    f"images = {d}\n")
-    for i in (0, 1):
-        with open(d / f"d{i}.raw", "wb") as f:
-            f.truncate(16 << 20)
-    (d / "vm.xml").write_text(f"""<domain type='kvm'><name>log1</name><memory unit='MiB'>256</memory>
-      <vcpu>1</vcpu><metadata><vstor:vstor xmlns:vstor='{NS}'><vstor:vm cpus='shared'/>
-      <vstor:disk target='vdb'><vstor:file path='{d}/d0.raw'/></vstor:disk>
-      <vstor:disk target='vdc' readonly='yes'><vstor:file path='{d}/d1.raw'/></vstor:disk>
-      </vstor:vstor></metadata><devices/></domain>""")
-    assert vstor(d, "render", str(d / "vm.xml"), "-o", str(d / "r.xml")) == 0
-    return d
-
-
-def vstor(d, *args):
-    return main(["-c", "test:///default", "--config", str(d / "vstor.conf"), *args])
-
 
 @pytest.fixture
 def site():

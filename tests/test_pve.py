@@ -60,7 +60,7 @@ def test_apply_writes_only_vstors_lines_and_twice_is_once(pve, capsys):
     assert [line for line in new if line in old] == [line for line in old if line not in gone]
     conf = PveConfig.parse(after)
     assert conf.get("args").startswith("-msg timestamp=on -set 'device.x.y=a b' -chardev socket,id=vstor-vdb,")
-    assert "reconnect-ms=10000" in conf.get("args")
+    assert "reconnect-ms=1000" in conf.get("args")
     assert conf.get("hostpci0") == "0000:17:00.0"               # the user's device, untouched
     judge(pve, after, user_vfio=["0000:17:00.0"])
 
@@ -79,7 +79,7 @@ def test_dry_run_prints_the_diff_and_writes_nothing(pve, capsys):
     before, before_intent = pve.config(), open(intent).read()
     assert pve.vstor("pve", "apply", "100", "--dry-run", "--qemu-version", "7.2") == 0
     out = capsys.readouterr().out
-    assert "+numa: 1" in out and "+hugepages: 2" in out and "reconnect=10 " in out
+    assert "+numa: 1" in out and "+hugepages: 2" in out and "reconnect=1 " in out
     assert "-args: -msg" in out and "would record the plan" in out
     assert pve.config() == before and open(intent).read() == before_intent
 
@@ -132,7 +132,7 @@ def test_every_template_shape_gives_a_config_qemu_server_starts_as_planned(pve_n
     for disk in plan.findall(f"{{{NS}}}disk"):
         t = disk.get("target")
         if disk.get("mode") == "vhost":
-            assert f"socket,id=vstor-{t},path={disk.get('socket')},reconnect-ms=10000" in argv
+            assert f"socket,id=vstor-{t},path={disk.get('socket')},reconnect-ms=1000" in argv
             want = f"vhost-user-blk-pci,id=vstor-{t},chardev=vstor-{t},num-queues={disk.get('queues', '1')}"
             # several cells: on its cell's expander bus (tests/test_pve_cells.py follows the chain)
             assert any(a == want or a.startswith(want + ",bus=vstor-cell") for a in argv)
@@ -166,7 +166,7 @@ def _cpus(text) -> set:
     ("-set chardev.vstor-vdb.path=/tmp/x", "changes vstor's vhost-user devices"),
     ("-global vhost-user-blk-pci.num-queues=1", "changes vstor's vhost-user devices"),
     ("-readconfig /tmp/q.cfg", "vstor cannot check it"),
-    ("-msg timestamp=on -chardev socket,id=vstor-vdb,path=/x,reconnect=10 -usb",
+    ("-msg timestamp=on -chardev socket,id=vstor-vdb,path=/x,reconnect=1 -usb",
      "which vstor did not write"),
 ])
 def test_conflicting_args_are_refused_and_nothing_changes(pve, capsys, args, why):
@@ -186,13 +186,13 @@ def test_vstors_args_are_replaced_and_removed_with_its_disks(pve, capsys):
     pve.intent(disk + second)
     assert pve.vstor("pve", "apply", "100", "--qemu-version", "7.2") == 0
     args = PveConfig.parse(pve.config()).get("args")
-    assert args.count("-chardev") == 2 and args.count("reconnect=10 ") == 2
+    assert args.count("-chardev") == 2 and args.count("reconnect=1 ") == 2
     judge(pve, pve.config(), user_vfio=["0000:17:00.0"], qemu="7.2")
     pve.intent(disk)
     assert pve.vstor("pve", "apply", "100", "--qemu-version", "9.2") == 0
     args = PveConfig.parse(pve.config()).get("args")
     assert args == ("-msg timestamp=on -set 'device.x.y=a b' -chardev socket,id=vstor-vdb,"
-                    f"path={pve.root}/vhost/pve-100-vdb,reconnect-ms=10000 -device vhost-user-blk-pci,"
+                    f"path={pve.root}/vhost/pve-100-vdb,reconnect-ms=1000 -device vhost-user-blk-pci,"
                     "id=vstor-vdb,chardev=vstor-vdb,num-queues=2")
     judge(pve, pve.config(), user_vfio=["0000:17:00.0"])
 

@@ -176,7 +176,7 @@ def check_command_line(start, plan: Plan, q35: bool, policy: str = "bind") -> No
     # vstor's part of the command line is args' suffix: every -chardev,
     # then the buses, then the devices.
     tail = start.argv[start.argv.index(f"socket,id=vstor-{vhost[0].target},path={vhost[0].socket},"
-                                       "reconnect-ms=10000") - 1:] if vhost else []
+                                       "reconnect-ms=1000") - 1:] if vhost else []
     group = {"socket": 0, "pxb": 1, "pxb-pcie": 1, "pcie-root-port": 1, "vhost-user-blk-pci": 2}
     kinds = [group[options(v)[0]] for v in tail[1::2]]
     assert kinds == sorted(kinds) and tail[::2] == ["-chardev"] * kinds.count(0) + ["-device"] * (

@@ -422,7 +422,9 @@ def test_release_and_gc_with_a_broken_config_warn_and_undo(work, capsys):
     assert vstor(work, "release", "cli1") == 0
     out, err = capsys.readouterr()
     assert "Domain 'cli1' released" in out and _held(work) == []
-    assert f"vstor: warning: {work.conf}:7: unknown key 'reactor' in [cpu]" in err
+    with open(work.conf) as f:
+        line = f.read().splitlines().index("reactor = 2") + 1
+    assert f"vstor: warning: {work.conf}:{line}: unknown key 'reactor' in [cpu]" in err
     assert "undoing by the records, with the keys that read" in err
     with open(work.conf) as f:
         good = f.read().replace("[cpu]\nreactor = 2\n", "")

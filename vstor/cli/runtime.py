@@ -18,7 +18,7 @@ from vstor.formats.pve.vm import vmid_of
 from vstor.meta.names import is_safe_name
 from vstor.migration import peer
 from vstor.pve.node import Node, RunGuard
-from vstor.runtime import actions, gc, virt
+from vstor.runtime import actions, gc, supervise, virt
 from vstor.runtime.lifecycle import health, prepare, release
 from vstor.runtime.state import PREPARED, DamagedRecord
 
@@ -45,6 +45,16 @@ def register(sub) -> None:
     p = sub.add_parser("gc", help="release what vstor holds for domains that no longer run")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("supervise", help="start a qemu-storage-daemon again when it dies while its "
+                                         "domain runs (one per host; each start starts one if need be)")
+    p.add_argument("--idle", type=float, default=supervise.IDLE, metavar="SECONDS",
+                   help=f"exit after SECONDS with nothing to watch (default {supervise.IDLE:g}; 0: never)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--start", action="store_true",
+                     help="start one in the background unless one runs (what each start does), and return")
+    how.add_argument("--stop", action="store_true", help="stop the one that runs (a package's removal)")
+    p.set_defaults(func=cmd_supervise)
 
     hooks_register(sub)
 
@@ -81,9 +91,10 @@ def cmd_status(ctx, args) -> int:
     spare = spare_ports_of(ctx, records, said)
     spdk_pid = _spdk_pid(rt) if any(e.get("kind", "").startswith("spdk")
                                     for r in records for e in r.steps) else None
+    state = ctx.state()
     rows = [{"domain": r.domain, "status": r.status, "libvirt": said.get(r.domain),
              "holding": r.holding, "elsewhere": elsewhere.get(r.domain),
-             "problem": _left_behind(r, said.get(r.domain)),
+             "problem": _left_behind(r, said.get(r.domain)) or "; ".join(supervise.failures(state, r)) or None,
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
              "spare_ports": spare.get(r.domain),
              "steps": [{"step": s, "state": st, "problem": p, **labelled(entry, spdk_pid)}
@@ -99,6 +110,10 @@ def cmd_status(ctx, args) -> int:
         return code
     if not rows:
         print("vstor holds nothing on this host")
+    elif (ctx.config.supervise and not supervise.running(ctx.config.state_dir)
+          and any(e.get("kind") == "qsd-export" for r in records for e in r.steps)):
+        print("no supervisor runs: a qemu-storage-daemon that dies stays dead until one does "
+              "(the next start, vstor gc, or: vstor supervise)")
     for row in rows:
         h = row["holding"]
         cpus = ",".join(map(str, h.get("cpus", []))) or "none dedicated"
@@ -310,6 +325,25 @@ def cmd_gc(ctx, args) -> int:
                       guard=lambda rec: RunGuard(node, rec.domain), damaged=damaged,
                       ask=partial(peer.status, ctx.config)):
         print("Nothing to collect")
+    if not args.dry_run:
+        supervise.ensure(ctx.config, ctx.host_root)     # the timer's run starts one that died
+    return 0
+
+
+def cmd_supervise(ctx, args) -> int:
+    from vstor.backends.qsd import monitor, proc  # noqa: F401 (loaded now: an upgrade may replace them)
+    state = ctx.state()
+    if args.stop:
+        if supervise.stop(state.path):
+            print(f"stopped the supervisor of {state.path}")
+        return 0
+    if not os.path.isdir(state.domains):
+        return 0        # nothing prepared here
+    if args.start:
+        supervise.ensure(ctx.config, ctx.host_root)
+        return 0
+    if not supervise.run(ctx.runtime(), state, args.idle or None):
+        print(f"a supervisor already runs for {state.path}")
     return 0
 
 

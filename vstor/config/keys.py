@@ -92,6 +92,10 @@ KEYS: tuple[Key, ...] = (
         "The backend tried first for a vhost-user disk whose intent says backend='auto' "
         "(qemu-storage-daemon or SPDK); the other is tried when it does not fit."),
 
+    Key("vhost", "supervise", Bool(), True,
+        "Start a qemu-storage-daemon again when it dies while its domain runs (a supervisor "
+        "per host, at most 5 restarts in 10 s; docs/operations.md).", attr="supervise"),
+
     Key("memory", "reserved", Int("MiB"), 1024,
         "MiB of each NUMA node's memory outside its hugepage pools that no VM is planned "
         "into: the host's own (kernel, libvirtd, QEMU's overhead, SPDK).",

@@ -131,3 +131,10 @@ def bdev_name(controller: str, namespace: int) -> str:
 def inside(path: str, roots) -> bool:
     """Is `path` (clean and absolute) strictly below one of `roots`?"""
     return any(path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+# How often QEMU tries a vhost-user socket again once its backend has gone
+# (libvirt's <reconnect timeout>, QEMU's reconnect=): a daemon the
+# supervisor starts again (in about 0.1 s) serves the guest again within a
+# second or so (tests/e2e/test_supervise.py).
+RECONNECT_SECONDS = 1

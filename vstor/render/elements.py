@@ -18,9 +18,8 @@ from lxml import etree
 
 from vstor.host.model import format_cpulist
 from vstor.meta import topology
-from vstor.meta.names import GATE_FWCFG
+from vstor.meta.names import GATE_FWCFG, RECONNECT_SECONDS
 from vstor.meta.plan import DiskPlan, Plan
-
 
 # -- devices ------------------------------------------------------------------------
 
@@ -41,7 +40,7 @@ def vhost_source(disk: DiskPlan):
     """The host side of a vhost-user disk: its socket; what a migration moves."""
     src = etree.Element("source", type="unix", path=disk.socket)
     # QEMU reconnects when the backend restarts instead of failing the disk.
-    etree.SubElement(src, "reconnect", enabled="yes", timeout="10")
+    etree.SubElement(src, "reconnect", enabled="yes", timeout=str(RECONNECT_SECONDS))
     return src
 
 

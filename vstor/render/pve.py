@@ -32,6 +32,7 @@ from vstor.formats.pve.config import PveConfig
 from vstor.formats.pve.vm import HUGEPAGE_NODES, machine_of, viommu_of, vmid_of
 from vstor.formats.pve.words import shellwords
 from vstor.host.model import format_cpulist
+from vstor.meta.names import RECONNECT_SECONDS
 from vstor.meta.plan import Plan
 from vstor.meta.topology import is_q35
 from vstor.records import field, record
@@ -42,7 +43,6 @@ PAGES = {2048: "2", 1048576: "1024"}
 NUMA_KEYS = ("numa",) + tuple(f"numa{i}" for i in range(8))
 HOSTPCI_KEYS = tuple(f"hostpci{i}" for i in range(16))
 PLACEMENT_KEYS = NUMA_KEYS + ("hugepages", "affinity")
-RECONNECT_SECONDS = 10
 # QEMU options that decide guest memory, NUMA or vCPUs: vstor's numa0 and
 # hugepages say those, and a second say in args would override or break them.
 _CONFLICTS = ("-m", "-numa", "-smp", "-mem-path", "-mem-prealloc")

@@ -31,7 +31,7 @@ from vstor.planner.ledger import Holding, holding_to_json
 from vstor.records import replace
 from vstor.render import buses
 from vstor.render.libvirt import device_xml
-from vstor.runtime import actions
+from vstor.runtime import actions, supervise
 from vstor.runtime import executor
 from vstor.runtime.executor import Runtime
 from vstor.runtime.holders import holders_of, ledger_of
@@ -111,7 +111,9 @@ def _attach(rt, state, host, dom, disk, guest, persistent, say, progress, planni
                                    "slots of pci.0 (32 in all) or of a pci-bridge controller: free a slot, "
                                    "or add a pci-bridge while it is stopped") from None
             raise
-        return new
+    if any(step.kind == "qsd-export" for step in steps):
+        supervise.ensure(rt.cfg, rt.sysfs.root)
+    return new
 
 
 def _port(dom: Domain, plan: Plan, disk):

@@ -23,7 +23,7 @@ from vstor.meta.plan import Plan
 from vstor.planner import Request, fit
 from vstor.planner.ledger import Holding, holding_to_json
 from vstor.runtime import actions
-from vstor.runtime import executor
+from vstor.runtime import executor, supervise
 from vstor.runtime.holders import holders_of, ledger_of
 from vstor.runtime.journal import Journal
 # Release, reconnect and health work from the record alone (vstor.runtime.recorded);
@@ -118,7 +118,9 @@ def carry_out(rt: Runtime, state: StateDir, host: Host, req: Request, plan: Plan
         if private_only(step.kind for step in steps):
             host_lock.close()       # decided and recorded; the daemons start under the record lock
         Journal(state, rec, rt, progress).run(steps, final=INCOMING if incoming else PREPARED)
-        return rec
+    if any(step.kind == "qsd-export" for step in steps):
+        supervise.ensure(rt.cfg, rt.sysfs.root)
+    return rec
 
 
 def _claim(rec: Record, plan: Plan) -> None:

@@ -178,6 +178,9 @@ def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
         if rec.status != PREPARED and all(e["state"] == DONE for e in rec.steps):
             rec.status = PREPARED
             state.save(rec)
+    if any(e.get("kind") == "qsd-export" for e in rec.steps):
+        from vstor.runtime import supervise     # libvirtd restarted: so may have the host
+        supervise.ensure(rt.cfg, rt.sysfs.root)
     return findings
 
 

@@ -240,7 +240,7 @@ def _pin(cpus: tuple[int, ...]) -> list[str]:
     return [proc.which("taskset") or "/usr/bin/taskset", "--cpu-list", ",".join(map(str, cpus))]
 
 
-def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:
+def scope(name: str, booted: str = "/run/systemd/system", what: str = "qemu-storage-daemon") -> list[str]:
     """Under systemd (sd_booted: /run/systemd/system exists), the daemon
     starts in a transient scope of its own in vstor.slice: it must outlive
     whoever started it, whose cgroup a restart kills (on Proxmox the
@@ -251,7 +251,7 @@ def scope(name: str, booted: str = "/run/systemd/system") -> list[str]:
     if not tool:
         return []
     return [tool, "--scope", "--quiet", "--collect", "--slice=vstor.slice",
-            f"--description=vstor qemu-storage-daemon {name}", "--"]
+            f"--description=vstor {what} {name}", "--"]
 
 
 def _settle(export: QsdExport, timeout: float) -> int:
