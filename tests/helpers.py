@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import shlex
+import pathlib
 import shutil
 import socket
 import struct
@@ -870,6 +871,15 @@ def make_site(d):
       </vstor:vstor></metadata><devices/></domain>""")
     assert site_vstor(d, "render", str(d / "vm.xml"), "-o", str(d / "r.xml")) == 0
     return d
+
+
+@pytest.fixture(name="site")
+def site_fixture():
+    d = tempfile.mkdtemp(prefix="vs-site-", dir="/tmp")     # QEMU's group must reach the sockets
+    os.chmod(d, 0o755)
+    yield make_site(pathlib.Path(d))
+    site_vstor(pathlib.Path(d), "release", "--force", "log1")
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def site_vstor(d, *args):

@@ -5,17 +5,16 @@ qemu-storage-daemons for the CLI's changes, the real installed hook for
 the hook's."""
 
 import os
-import pathlib
 import shutil
 import socket
 import struct
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 from tests.helpers import FakeJournal, J, Pve, make_site, parse, pve_applied, steps
+from tests.helpers import site_fixture  # noqa: F401 (the fixture site)
 from tests.helpers import site_vstor as vstor
 from vstor import log
 from vstor.cli.main import main
@@ -126,15 +125,6 @@ def test_verbose_prints_the_changes_on_stderr_and_a_refusal_once(journal, tmp_pa
 
 
 # -- the CLI and the hook, changing the host for real ---------------------------------------
-
-@pytest.fixture
-def site():
-    d = tempfile.mkdtemp(prefix="vs-log-", dir="/tmp")     # QEMU's group must reach the sockets
-    os.chmod(d, 0o755)
-    yield make_site(pathlib.Path(d))
-    vstor(pathlib.Path(d), "release", "--force", "log1")
-    shutil.rmtree(d, ignore_errors=True)
-
 
 @needs_root
 def test_cli_prepare_and_release_log_each_change(site, journal, capsys):

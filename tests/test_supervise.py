@@ -12,24 +12,13 @@ import shutil
 import tempfile
 import time
 
-import pytest
-
 from tests import qsd_fds
-from tests.helpers import make_site, needs_root
+from tests.helpers import needs_root, site_fixture  # noqa: F401 (the fixture site)
 from tests.helpers import site_vstor as vstor
 from vstor.runtime import supervise
 from vstor.runtime.state import StateDir
 
 pytestmark = needs_root
-
-
-@pytest.fixture
-def site():
-    d = tempfile.mkdtemp(prefix="vs-sup-", dir="/tmp")     # QEMU's group must reach the sockets
-    os.chmod(d, 0o755)
-    yield make_site(pathlib.Path(d))
-    vstor(pathlib.Path(d), "release", "--force", "log1")
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def pid_of(site, disk="vdb") -> int | None:

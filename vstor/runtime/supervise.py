@@ -43,7 +43,7 @@ FAILED = "supervise.json"
 LIMIT = 5           # restarts of one daemon within WINDOW; one more death and it stays dead
 WINDOW = 10.0       # (systemd's default StartLimitBurst and StartLimitIntervalSec)
 IDLE = 10.0
-RESCAN = 5.0        # the records looked at again this often even when unchanged
+RESCAN = 60.0       # the records read again this often even when their directory did not change
 BACKOFF = (0.0, 0.2, 1.0, 2.0, 5.0)     # before each retry of a restart that failed
 
 
@@ -338,8 +338,13 @@ def ensure(cfg, host_root: str = "/") -> None:
         argv += ["--host-root", host_root]
     argv += ["supervise"]
     setsid = proc.which("setsid") or "/usr/bin/setsid"
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    # The vstor this one is, and the site directories this Python was given
+    # (the hook runs with -S and names them itself); not the caller's
+    # script directory (sys.path[0]) or working directory.
+    import vstor
+    here = os.path.dirname(os.path.dirname(os.path.abspath(vstor.__file__)))
+    paths = [here] + [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     with contextlib.suppress(OSError):      # the next start asks again; status names dead daemons
         subprocess.run([setsid, "--fork", *daemon.scope(cfg.state_dir, what="supervisor for"), *argv],
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
