@@ -113,7 +113,7 @@ def cmd_status(ctx, args) -> int:
     elif (ctx.config.supervise and not supervise.running(ctx.config.state_dir)
           and any(e.get("kind") == "qsd-export" for r in records for e in r.steps)):
         print("no supervisor runs: a qemu-storage-daemon that dies stays dead until one does "
-              "(the next start, vstor gc, or: vstor supervise)")
+              "(the next start, vstor gc, or: vstor supervise --start)")
     for row in rows:
         h = row["holding"]
         cpus = ",".join(map(str, h.get("cpus", []))) or "none dedicated"
