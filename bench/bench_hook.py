@@ -39,7 +39,7 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-from bench.sanity import Sanity, holders  # noqa: E402
+from bench.sanity import NO_SUPERVISOR, Sanity, holders  # noqa: E402
 
 PLAIN_DOMAIN = b"""<domain type='kvm'><name>plain</name><memory unit='GiB'>4</memory><vcpu>2</vcpu>
 <devices><disk type='file' device='disk'><source file='/var/lib/libvirt/images/plain.qcow2'/>
@@ -181,7 +181,7 @@ def through_hook(pairs: int, work: str, run: str, dom, cfg, sanity: Sanity) -> N
     conf = os.path.join(work, "vstor.conf")
     with open(conf, "w") as f:
         f.write(f"[paths]\nstate_dir = {cfg.state_dir}\nvhost_dir = {cfg.vhost_dir}\n"
-                f"qsd_dir = {cfg.qsd_dir}\nimages = {work}\n")
+                f"qsd_dir = {cfg.qsd_dir}\nimages = {work}\n{NO_SUPERVISOR}")
     hook = installed_hook(work, conf)
     xml = dom.to_string().encode()
     stick = os.path.join(work, "yardstick")

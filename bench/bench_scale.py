@@ -57,7 +57,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
 from bench.bench_hook import FOUR_DISKS, _disks, _serving, installed_hook  # noqa: E402
-from bench.sanity import Sanity  # noqa: E402
+from bench.sanity import NO_SUPERVISOR, Sanity  # noqa: E402
 from bench import scale_fill  # noqa: E402
 
 OPS = (["prepare", "begin", "-"], ["release", "end", "-"])
@@ -106,7 +106,7 @@ class Site:
             conf = f"{run}/{which}-hook/vstor.conf"
             with open(conf, "w") as f:
                 f.write(f"[paths]\nstate_dir = {cfg.state_dir}\nvhost_dir = {cfg.vhost_dir}\n"
-                        f"qsd_dir = {cfg.qsd_dir}\nimages = {work}\n")
+                        f"qsd_dir = {cfg.qsd_dir}\nimages = {work}\n{NO_SUPERVISOR}")
             self.hooks[which] = installed_hook(f"{run}/{which}-hook", conf)
         self.dom = self._domain()
         self.xml = self.dom.to_string().encode()
@@ -261,7 +261,7 @@ def gc_cost(site: Site, snapshots: dict, runs: int, sanity: Sanity) -> None:
         conf = os.path.join(site.run, f"gc{n}.conf")
         with open(conf, "w") as f:
             f.write(f"[paths]\nstate_dir = {state_dir}\nvhost_dir = {cfg.vhost_dir}\n"
-                    f"qsd_dir = {cfg.qsd_dir}\nimages = {site.work}\n")
+                    f"qsd_dir = {cfg.qsd_dir}\nimages = {site.work}\n{NO_SUPERVISOR}")
         cpus, walls, left = [], [], []
         for _ in range(runs):
             shutil.copytree(snapshot, state_dir, symlinks=True)

@@ -19,6 +19,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+from bench.sanity import NO_SUPERVISOR  # noqa: E402
 
 # (module, class or None, function): what gc calls, outermost first.
 TIMED = [("vstor.runtime.gc", None, "collect"), ("vstor.runtime.journal", "Journal", "rollback"),
@@ -68,7 +69,7 @@ def main() -> None:
         conf = os.path.join(run, "vstor.conf")
         with open(conf, "w") as f:
             f.write(f"[paths]\nstate_dir = {cfg.state_dir}\nvhost_dir = {cfg.vhost_dir}\n"
-                    f"qsd_dir = {cfg.qsd_dir}\nimages = {run}\n")
+                    f"qsd_dir = {cfg.qsd_dir}\nimages = {run}\n{NO_SUPERVISOR}")
         spent: dict = {}
         missing = timed(spent)
         from vstor.cli.main import main as vstor

@@ -25,6 +25,7 @@ import uuid as uuidlib
 
 # What one qemu-storage-daemon with aio=native takes of the host's AIO
 # budget (fs.aio-max-nr, shared by every process): vstor's own figure.
+from bench.sanity import NO_SUPERVISOR
 from vstor.backends.qsd.aio import EVENTS as QSD_AIO_EVENTS
 
 NS = "https://vstor.dev/xmlns/domain/1"
@@ -58,7 +59,7 @@ class World:
         self.conf = os.path.join(self.work, "vstor.conf")
         with open(self.conf, "w") as f:
             f.write(f"[paths]\nstate_dir = {self.work}/state\nvhost_dir = {self.work}/vhost\n"
-                    f"qsd_dir = {self.work}/qsd\nimages = {self.images}\n")
+                    f"qsd_dir = {self.work}/qsd\nimages = {self.images}\n{NO_SUPERVISOR}")
         self.cfg = self.config()
         self.disks = disks
         self.names = [f"storm{i:02d}" for i in range(domains)]

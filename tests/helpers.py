@@ -140,6 +140,8 @@ class Pve:
         with open(self.conf, "w") as f:
             f.write(f"[paths]\nstate_dir = {r}/state\nvhost_dir = {r}/vhost\nqsd_dir = {r}/qsd\n"
                     f"images = {r}\n[qemu]\nuser = root\ngroup = root\n[cpu]\nreactors = 2,18\n"
+                    # No supervisor outliving a test (tests/test_supervise.py is its own).
+                    f"[vhost]\nsupervise = no\n"
                     f"[pve]\netc = {self.etc}\nrun_dir = {r}/run\nlock_dir = {r}/lock\n{extra}")
 
     def vm(self, text: str = CONF, vmid: int = 100) -> str:

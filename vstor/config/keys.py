@@ -94,7 +94,14 @@ KEYS: tuple[Key, ...] = (
 
     Key("vhost", "supervise", Bool(), True,
         "Start a qemu-storage-daemon again when it dies while its domain runs (a supervisor "
-        "per host, at most 5 restarts in 10 s; docs/operations.md).", attr="supervise"),
+        "per host; docs/operations.md).", attr="supervise"),
+    Key("vhost", "restart_limit", Int("", 1, 1000, noun="restart count"), 5,
+        "How many times the supervisor starts one daemon again within restart_window; at the "
+        "next death it stays dead and vstor status names it (systemd's StartLimitBurst).",
+        attr="restart_limit"),
+    Key("vhost", "restart_window", Seconds(), 10.0,
+        "The window of restart_limit, in seconds (systemd's StartLimitIntervalSec).",
+        attr="restart_window"),
 
     Key("memory", "reserved", Int("MiB"), 1024,
         "MiB of each NUMA node's memory outside its hugepage pools that no VM is planned "

@@ -15,9 +15,10 @@ so do reconnect and gc.  It watches each daemon through a pidfd, so a death
 is seen at once, and looks at the records again when they change.  With
 nothing to watch for IDLE seconds it exits.
 
-Restarts are bounded: a daemon that died more than LIMIT times within
-WINDOW seconds stays dead, logged, and named by `vstor status` (exit 1)
-from FAILED, until its domain is prepared again.
+Restarts are bounded: a daemon that died more than `[vhost] restart_limit`
+times within `restart_window` seconds (5 in 10 s by default, systemd's
+start limit) stays dead, logged, and named by `vstor status` (exit 1) from
+FAILED, until its domain is prepared again.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ from vstor.runtime.state import INCOMING, PREPARED, StateDir
 
 LOCK = "supervise.lock"
 FAILED = "supervise.json"
-LIMIT = 5           # restarts of one daemon within WINDOW; one more death and it stays dead
-WINDOW = 10.0       # (systemd's default StartLimitBurst and StartLimitIntervalSec)
 IDLE = 10.0
 RESCAN = 60.0       # the records read again this often even when their directory did not change
 BACKOFF = (0.0, 0.2, 1.0, 2.0, 5.0)     # before each retry of a restart that failed
@@ -141,9 +140,10 @@ class Supervisor:
     def died(self, w: Watch) -> None:
         w.close()
         now = time.monotonic()
-        w.restarts = [t for t in w.restarts if now - t < WINDOW]
-        if len(w.restarts) >= LIMIT:
-            self._give_up(w, f"it died {LIMIT + 1} times within {WINDOW:g}s")
+        limit, window = self.rt.cfg.restart_limit, self.rt.cfg.restart_window
+        w.restarts = [t for t in w.restarts if now - t < window]
+        if len(w.restarts) >= limit:
+            self._give_up(w, f"it died {limit + 1} times within {window:g}s")
             return
         w.restarts.append(now)
         self._restart(w)
@@ -168,14 +168,14 @@ class Supervisor:
             why = e.strerror if isinstance(e, OSError) else str(e)
             log.note(w.domain, f"qemu-storage-daemon {w.name} died and could not be started "
                      f"again: {why}", log.ERR)
-            if w.failures > LIMIT:
+            if w.failures > self.rt.cfg.restart_limit:
                 self._give_up(w, f"it could not be started again: {why}")
             return
         w.retry_at, w.failures = None, 0
         from vstor.backends.qsd import daemon
         log.note(w.domain, f"qemu-storage-daemon {w.name} died; started again (pid "
-                 f"{daemon.pid(w.step.export)}; restart {len(w.restarts)} of {LIMIT} within "
-                 f"{WINDOW:g}s)", log.WARNING)
+                 f"{daemon.pid(w.step.export)}; restart {len(w.restarts)} of "
+                 f"{self.rt.cfg.restart_limit} within {self.rt.cfg.restart_window:g}s)", log.WARNING)
         self._follow(w)
 
     def _give_up(self, w: Watch, why: str) -> None:
