@@ -101,6 +101,9 @@ class Area:
         for d in (self.run_dir, self.vhost):
             if os.path.isdir(d):
                 found += [os.path.join(d, n) for n in os.listdir(d) if n != ".lock"]
+        users = os.path.join(self.run_dir, "users")     # the uid leases' (empty) directory
+        if users in found and not os.listdir(users):
+            found.remove(users)
         return found
 
 
@@ -296,27 +299,27 @@ def _pure(**kw) -> QsdExport:
 
 def test_argv_is_the_documented_command_line():
     # No path of the source and none of the socket: the daemon inherits both.
-    assert _pure(direct=True).argv(7, 9) == [
+    assert _pure(direct=True).argv(7, 9, 11) == [
         QSD,
         "--blockdev", "driver=file,node-name=file0,filename=/proc/self/fd/7,"
                       "cache.direct=on,aio=native,discard=unmap",
         "--blockdev", "driver=raw,node-name=disk0,file=file0,discard=unmap",
         "--export", "type=vhost-user-blk,id=exp0,node-name=disk0,addr.type=fd,"
                     "addr.str=9,writable=on,num-queues=1",
-        "--chardev", "socket,id=qmp0,path=/run/vstor/qsd/vm1-vdb.qmp,server=on,wait=off",
+        "--chardev", "socket,id=qmp0,fd=11,server=on,wait=off",
         "--monitor", "chardev=qmp0",
         "--pidfile", "/run/vstor/qsd/vm1-vdb.pid",
         "--daemonize"]
 
 
 def test_argv_readonly_block_and_unresolved_file():
-    ro = _pure(kind="block", source="/dev/vg0/data", readonly=True, queues=4).argv(3, 4)
+    ro = _pure(kind="block", source="/dev/vg0/data", readonly=True, queues=4).argv(3, 4, 5)
     assert ro[2] == ("driver=host_device,node-name=file0,filename=/proc/self/fd/3,"
                      "cache.direct=on,aio=native,read-only=on")
     assert ro[4] == "driver=raw,node-name=disk0,file=file0,read-only=on"
     assert ro[6].endswith("writable=off,num-queues=4")
     # A file whose filesystem was not probed gets the mode that works everywhere.
-    assert "cache.direct=off,aio=threads" in _pure().argv(3, 4)[2]
+    assert "cache.direct=off,aio=threads" in _pure().argv(3, 4, 5)[2]
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -362,10 +365,11 @@ def test_dry_run_lists_the_open_the_socket_and_the_command():
     assert lines[0] == "install -d -o root -g kvm -m 0750 /run/vstor/qsd"
     assert lines[1].startswith("# vstor opens source=/var/lib/vstor/a,b.raw itself as SRC_FD")
     assert lines[2].startswith("# vstor binds /run/vstor/vhost/vm1-vdb itself, root:kvm 0660")
-    assert lines[3].startswith(QSD + " --blockdev ") and "--daemonize" in lines[3]
-    assert "filename=/proc/self/fd/SRC_FD,cache.direct=off,aio=threads," in lines[3]
-    assert "addr.type=fd,addr.str=SOCK_FD," in lines[3]
-    assert lines[4].startswith("# at start: cache.direct=on,aio=native instead")
+    assert lines[3] == "# vstor binds /run/vstor/qsd/vm1-vdb.qmp itself, root 0600, as QMP_FD"
+    assert lines[4].startswith(QSD + " --blockdev ") and "--daemonize" in lines[4]
+    assert "filename=/proc/self/fd/SRC_FD,cache.direct=off,aio=threads," in lines[4]
+    assert "addr.type=fd,addr.str=SOCK_FD," in lines[4] and "qmp0,fd=QMP_FD," in lines[4]
+    assert lines[5].startswith("# at start: cache.direct=on,aio=native instead")
     # Nothing to probe: the daemon's dry run shows the same.
     assert daemon.dry_run(_pure()) == lines
 
@@ -376,8 +380,8 @@ def test_daemon_dry_run_probes_o_direct_and_changes_nothing(tmp_path):
     e = _pure(run_dir=str(tmp_path / "run"), source=str(disk))
     lines = daemon.dry_run(e, roots=[str(tmp_path)])
     # tmp_path is on ext4 here, which takes O_DIRECT; the pure lines cannot know.
-    assert "cache.direct=on,aio=native" in lines[3]
-    assert "cache.direct=off,aio=threads" in e.dry_run_lines()[3]
+    assert "cache.direct=on,aio=native" in lines[4]
+    assert "cache.direct=off,aio=threads" in e.dry_run_lines()[4]
     assert os.listdir(tmp_path) == ["disk.raw"]
 
 
@@ -772,8 +776,8 @@ def test_wrong_kind_of_source_is_bad_input(area):
 class BadOption(QsdExport):
     """An export whose command line qsd itself refuses at startup."""
 
-    def argv(self, source_fd, socket_fd, native_aio=True):
-        argv = super().argv(source_fd, socket_fd, native_aio)
+    def argv(self, source_fd, socket_fd, qmp_fd, native_aio=True):
+        argv = super().argv(source_fd, socket_fd, qmp_fd, native_aio)
         argv[argv.index("--export") + 1] += ",logical-block-size=3"
         return argv
 
@@ -986,7 +990,7 @@ def test_the_aio_fallback_keeps_the_vhost_socket_it_hands_the_daemon(tmp_path, m
     listening.listen()
     seen = []
 
-    def spawn(exp, source_fd, socket_fd, timeout, native_aio=True):
+    def spawn(exp, source_fd, socket_fd, timeout, jail, native_aio=True):
         seen.append((native_aio, os.path.exists(sock_path)))
         if native_aio:
             raise ActionFailed(f"qemu-storage-daemon vm1-vdb failed to start: {aio.FULL}: "
@@ -995,7 +999,7 @@ def test_the_aio_fallback_keeps_the_vhost_socket_it_hands_the_daemon(tmp_path, m
     monkeypatch.setattr(daemon, "_spawn", spawn)
     monkeypatch.setattr("vstor.log.note", lambda *a, **k: None)
     try:
-        daemon._spawn_any_aio(export, 0, listening.fileno(), 5.0)
+        daemon._spawn_any_aio(export, 0, listening.fileno(), 5.0, daemon._Jail(None, ()))
     finally:
         listening.close()
     assert seen == [(True, True), (False, True)], "the fallback daemon got a socket with no path"

@@ -8,8 +8,8 @@ regenerates the files after a change here.
 
 from __future__ import annotations
 
-from vstor.config.kinds import (Address, Bool, Choice, CpuList, Int, Kind, Path, Paths, PciList,
-                                Seconds, StorageId, Text)
+from vstor.config.kinds import (Address, Bool, Choice, CpuList, IdRange, Int, Kind, Path, Paths,
+                                PciList, Seconds, StorageId, Text)
 
 
 class Key:
@@ -102,6 +102,14 @@ KEYS: tuple[Key, ...] = (
     Key("vhost", "restart_window", Seconds(), 10.0,
         "The window of restart_limit, in seconds (systemd's StartLimitIntervalSec).",
         attr="restart_window"),
+
+    Key("vhost", "confine", Bool(), True,
+        "Run each qemu-storage-daemon as a uid of its own from daemon_users: no capabilities, "
+        "no_new_privs, a seccomp filter, no network, a read-only view of the filesystem "
+        "(docs/security.md).", attr="confine"),
+    Key("vhost", "daemon_users", IdRange(), (1879048192, 1879052287),
+        "The uids (and gids of the same numbers) confined qemu-storage-daemons run as, one "
+        "per daemon; no account or other program may use them.", attr="daemon_users"),
 
     Key("memory", "reserved", Int("MiB"), 1024,
         "MiB of each NUMA node's memory outside its hugepage pools that no VM is planned "

@@ -122,6 +122,26 @@ class Int(Kind):
         return n
 
 
+class IdRange(Kind):
+    """FIRST-LAST, a range of user and group ids (neither 0 nor above 2^31-1:
+    many programs take uid_t for signed)."""
+    annotation = "tuple[int, int]"
+    what = "range of uids, FIRST-LAST"
+
+    def parse(self, raw: str) -> tuple[int, int]:
+        lo, dash, hi = (p.strip() for p in raw.partition("-"))
+        if not (dash and _whole(lo) and _whole(hi)) or max(len(lo), len(hi)) > 10:
+            raise Bad(f"must be a range of uids FIRST-LAST, not '{raw}'")
+        first, last = int(lo), int(hi)
+        if not 1000 <= first <= last <= 2**31 - 2:
+            raise Bad(f"'{raw}' is not a range of unprivileged uids",
+                      "FIRST-LAST, from 1000 up to 2147483646, FIRST not above LAST")
+        return first, last
+
+    def format(self, value) -> str:
+        return "" if value is None else f"{value[0]}-{value[1]}"
+
+
 class Seconds(Int):
     """Whole seconds, held as a float (the SPDK client's timeout)."""
     annotation = "float"

@@ -52,7 +52,8 @@ def build(plan: Plan, cfg: Config, gate: str | None = None) -> list[Step]:
                 run_dir=cfg.qsd_dir, name=disk.vhost_name, source=path, kind=kind,
                 socket_path=disk.socket, readonly=disk.readonly, queues=disk.queues,
                 qemu_user=cfg.qemu_user, qemu_group=cfg.qemu_group,
-                cpus=tuple(plan.disk_cell(disk).emulator))))   # its cell's node's
+                cpus=tuple(plan.disk_cell(disk).emulator),     # its cell's node's
+                users=cfg.daemon_users if cfg.confine else None)))
     if gate:
         out.append(Gate(gate, plan.domain, cfg.qemu_group))
     return out

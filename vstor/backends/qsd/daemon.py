@@ -16,7 +16,7 @@ import time
 
 from vstor import records
 from vstor.backends import ownership
-from vstor.backends.qsd import aio, files, proc, served
+from vstor.backends.qsd import aio, files, grant, proc, served
 from vstor.backends.qsd.export import EXPORT_ID, QsdExport, option_value, export_opts
 from vstor.backends.qsd.proc import connect_as
 from vstor.errors import ActionFailed, BadInput, Unavailable
@@ -74,9 +74,9 @@ def dry_run(export: QsdExport, roots=(), kernel_name=None) -> list[str]:
     would open it; the runtime's preflight refuses one that does not)."""
     try:
         with _open(export, roots, kernel_name) as src:
-            return _resolved(export, src).dry_run_lines()
+            return _resolved(export, src).dry_run_lines(roots)
     except BadInput:
-        return export.dry_run_lines()
+        return export.dry_run_lines(roots)
 
 
 def _is_ours(export: QsdExport, p: int) -> bool:
@@ -133,8 +133,9 @@ def start(export: QsdExport, roots=(), kernel_name=None, timeout: float = 10.0,
         ownership.ensure_dir(os.path.dirname(export.socket_path), export.qemu_group, enforce=False)
         resolved = _resolved(export, src)
         try:
+            uid = _let_in(export, src) if export.users else None
             with ownership.listening_socket(export.socket_path, export.qemu_group) as sock:
-                _spawn_any_aio(resolved, src.fd, sock.fileno(), timeout)
+                _spawn_any_aio(resolved, src.fd, sock.fileno(), timeout, _Jail(uid, tuple(roots)))
             return _settle(resolved, timeout)
         except BaseException:
             _kill_and_clean(export)
@@ -178,7 +179,8 @@ def _reuse(export: QsdExport, src: sources.Source, daemons: list[int]) -> int | 
     return found
 
 
-def _spawn_any_aio(export: QsdExport, source_fd: int, socket_fd: int, timeout: float) -> None:
+def _spawn_any_aio(export: QsdExport, source_fd: int, socket_fd: int, timeout: float,
+                   jail: "_Jail") -> None:
     """Start it with aio=native where it uses O_DIRECT, unless the host's AIO
     events are used up (fs.aio-max-nr, 65536 by default: about 64 such
     daemons, vstor's and anyone else's): then, or when io_setup(2) fails at
@@ -188,7 +190,7 @@ def _spawn_any_aio(export: QsdExport, source_fd: int, socket_fd: int, timeout: f
     native = export.kind == "block" or bool(export.direct)
     if native and aio.room():
         try:
-            return _spawn(export, source_fd, socket_fd, timeout)
+            return _spawn(export, source_fd, socket_fd, timeout, jail)
         except ActionFailed as e:
             if aio.FULL not in e.message:
                 raise
@@ -198,10 +200,10 @@ def _spawn_any_aio(export: QsdExport, source_fd: int, socket_fd: int, timeout: f
         log.note(export.name, "the host's AIO events are used up (fs.aio-max-nr): "
                  "qemu-storage-daemon uses its thread pool (aio=threads) instead of aio=native; "
                  f"raise the limit: {aio.FIX}", log.WARNING)
-    _spawn(export, source_fd, socket_fd, timeout, native_aio=False)
+    _spawn(export, source_fd, socket_fd, timeout, jail, native_aio=False)
 
 
-def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float,
+def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float, jail: "_Jail",
            native_aio: bool = True) -> None:
     # subprocess, not os.posix_spawn (whose import is cheaper): Popen closes
     # every other fd in the child, and a daemon that outlives the hook must
@@ -210,12 +212,18 @@ def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float,
     # qsd reports startup errors on stderr before its parent exits; a file
     # (in memory), not a pipe, so a daemon that kept stderr open could never
     # hang us.
-    with open(os.memfd_create("qsd-stderr", os.MFD_CLOEXEC), "w+b") as err:
+    if jail.uid is not None:
+        _pidfile_for(export, jail.uid)
+        prefix = export.jail(jail.uid, jail.hide)
+    else:
+        prefix = _pin(export.cpus)
+    with open(os.memfd_create("qsd-stderr", os.MFD_CLOEXEC), "w+b") as err, \
+            _monitor_socket(export) as qmp:
         try:
-            done = subprocess.Popen(scope(export.name) + _pin(export.cpus)
-                                    + export.argv(source_fd, socket_fd, native_aio),
+            done = subprocess.Popen(scope(export.name) + prefix
+                                    + export.argv(source_fd, socket_fd, qmp.fileno(), native_aio),
                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                    pass_fds=(source_fd, socket_fd))
+                                    pass_fds=(source_fd, socket_fd, qmp.fileno()))
             if not proc.exits_within(done.pid, timeout):    # its parent returns once it serves
                 done.kill()
                 done.wait()
@@ -229,6 +237,54 @@ def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float,
             why = _last_line(err.read(), done.returncode)
             raise ActionFailed(f"qemu-storage-daemon {export.name} failed to start: {why}",
                                hint=_hint(why))
+
+
+@records.record
+class _Jail:
+    uid: int | None         # None: not confined
+    hide: tuple[str, ...]   # the image roots, covered in its view
+
+
+def _let_in(export: QsdExport, src: sources.Source) -> int:
+    """The uid leased to the daemon, given its ACL entry on the source."""
+    uid = grant.lease(export.run_dir, export.name, export.users)
+    grant.grant(export.run_dir, uid, src.fd, not export.readonly, export.source)
+    return uid
+
+
+def _pidfile_for(export: QsdExport, uid: int) -> None:
+    """The confined daemon's pidfile, made here and owned by its uid: the
+    one file it may write (its directory is root's)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(export.pidfile)
+    fd = os.open(export.pidfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.fchown(fd, uid, uid)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _monitor_socket(export: QsdExport):
+    """The daemon's QMP socket, bound here (root's, 0600) and handed over
+    listening: a confined daemon cannot make a file, and only root talks
+    to the monitor."""
+    import socket
+    with contextlib.suppress(FileNotFoundError):
+        if files.is_socket(export.qmp_path):
+            os.unlink(export.qmp_path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind(export.qmp_path)
+            os.chmod(export.qmp_path, 0o600)    # before listen(): until then a connect is refused
+            sock.listen(8)
+        except OSError as e:
+            raise ActionFailed(f"cannot make socket {export.qmp_path}: {e.strerror}",
+                               hint="move what is there away; vstor only replaces sockets") from None
+        yield sock
+    finally:
+        sock.close()
 
 
 def _pin(cpus: tuple[int, ...]) -> list[str]:
@@ -301,6 +357,7 @@ def stop_orphan(pidfile: str, timeout: float = 5.0) -> bool:
                 and option_value(argv, "--pidfile") == pidfile)
         if ours:
             proc.signal_until_gone(fd, [(signal.SIGTERM, timeout), (signal.SIGKILL, timeout)])
+    _give_back(os.path.dirname(pidfile), os.path.basename(pidfile).removesuffix(".pid"))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(pidfile)      # stopped, or stale: its daemon is long gone
     return ours
@@ -310,7 +367,17 @@ def _kill_and_clean(export: QsdExport, timeout: float = 5.0, since: float | None
     found = pid(export, since=since)
     if found is not None:
         _terminate(export, found, timeout)
+    _give_back(export.run_dir, export.name)
     _remove_files(export)
+
+
+def _give_back(run_dir: str, name: str) -> None:
+    """The uid a confined daemon held, and its ACL entry on the source
+    (kept by a lease whatever the record says: one from an older vstor
+    may not know it was confined)."""
+    held = grant.leased(run_dir, name)
+    if held is not None:
+        grant.revoke(run_dir, held[0])
 
 
 def _terminate(export: QsdExport, p: int, timeout: float) -> None:

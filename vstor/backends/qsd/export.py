@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os.path
 import shlex
+import sys
 
 from vstor import records
 from vstor.errors import ActionFailed, BadInput
@@ -21,6 +22,7 @@ from vstor.records import record
 
 RECORD_VERSION = 1
 EXPORT_ID = "exp0"
+JAIL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jail.py")
 SOCKET_MAX = 107            # sizeof(sun_path) - 1
 NAME_MAX = 96
 # '+' is allowed because vstor's disk names are "<domain safe name>-<target>"
@@ -48,6 +50,10 @@ class QsdExport:
     # cores, never a dedicated vCPU core or a reactor; () = not pinned
     # (the platform places the VM, as Nova does).
     cpus: tuple[int, ...] = ()
+    # Confined (vstor.backends.qsd.jail): the range of uids one of which the
+    # daemon runs as, leased by name (vstor.backends.qsd.grant); None: it
+    # runs as root, as records of a vstor before confinement say.
+    users: tuple[int, int] | None = None
 
     def __post_init__(self):
         _validate(self)
@@ -62,12 +68,14 @@ class QsdExport:
 
     # -- the command line ----------------------------------------------------------------
 
-    def argv(self, source_fd: int | str, socket_fd: int | str, native_aio: bool = True) -> list[str]:
+    def argv(self, source_fd: int | str, socket_fd: int | str, qmp_fd: int | str,
+             native_aio: bool = True) -> list[str]:
         """The daemon's command line.  It names no path of the source and
-        none of the socket: vstor opened the source and made the listening
-        socket, and the daemon inherits both descriptors under these
-        numbers (`/proc/self/fd/N` reopens that very inode; addr.type=fd
-        listens on the socket as it is).  `native_aio=False`: the thread
+        none of the sockets: vstor opened the source and made the listening
+        sockets (the vhost-user one and the monitor's), and the daemon
+        inherits the descriptors under these numbers (`/proc/self/fd/N`
+        reopens that very inode; addr.type=fd and the chardev's fd= listen
+        on the socket as it is).  `native_aio=False`: the thread
         pool even with O_DIRECT (the host's AIO events are used up)."""
         direct = self.kind == "block" or bool(self.direct)
         # aio=native needs O_DIRECT (QEMU refuses it otherwise); without it the
@@ -86,27 +94,49 @@ class QsdExport:
                 "--blockdev", ",".join(node + extra),
                 "--blockdev", ",".join(fmt + extra),
                 "--export", ",".join(export),
-                "--chardev", f"socket,id=qmp0,path={_q(self.qmp_path)},server=on,wait=off",
+                "--chardev", f"socket,id=qmp0,fd={qmp_fd},server=on,wait=off",
                 "--monitor", "chardev=qmp0",
                 "--pidfile", self.pidfile,
                 "--daemonize"]
 
-    def dry_run_lines(self) -> list[str]:
-        """What starting this export does, as shell-like lines; SRC_FD and
-        SOCK_FD stand for the descriptor numbers the daemon inherits.  An
-        unresolved `direct` shows as argv() renders it (off for files);
-        daemon.dry_run probes the filesystem first."""
+    def jail(self, uid: int | str, hide=()) -> list[str]:
+        """The confined daemon's command line comes after this: vstor's
+        jail (vstor.backends.qsd.jail), which pins it to its CPUs, runs it
+        as `uid` in a read-only view of the filesystem with `hide` (the
+        image roots) covered, and drops everything else it could use."""
+        cpus = ["--cpus", ",".join(map(str, self.cpus))] if self.cpus else []
+        return [sys.executable or "/usr/bin/python3", "-I", "-S", JAIL, "--uid", str(uid), *cpus,
+                "--pidfile", self.pidfile, *(x for root in hide for x in ("--hide", root)), "--"]
+
+    def dry_run_lines(self, hide=()) -> list[str]:
+        """What starting this export does, as shell-like lines; SRC_FD,
+        SOCK_FD and QMP_FD stand for the descriptor numbers the daemon
+        inherits, UID for the uid leased to it.  An unresolved `direct`
+        shows as argv() renders it (off for files); daemon.dry_run probes
+        the filesystem first."""
         g = self.qemu_group
         what = ("a regular file below an image root, no symlink followed out of it"
                 if self.kind == "file" else "the kernel's block device, checked against sysfs")
         note = ([f"# at start: cache.direct=on,aio=native instead, if {self.source}'s filesystem "
                  "takes O_DIRECT"] if self.direct is None and self.kind == "file" else [])
-        pin = ["taskset", "--cpu-list", ",".join(map(str, self.cpus))] if self.cpus else []
+        src = shlex.quote(self.source)
+        if self.users is None:
+            prefix = ["taskset", "--cpu-list", ",".join(map(str, self.cpus))] if self.cpus else []
+            confine = []
+        else:
+            prefix = self.jail("UID", hide)
+            confine = [f"# UID: the lowest uid of {self.users[0]}-{self.users[1]} no other daemon "
+                       f"holds, leased in {os.path.join(self.run_dir, 'users')}",
+                       f"# vstor gives UID the ACL entry user:UID:{'r' if self.readonly else 'rw'} "
+                       f"on {src}, and creates {self.pidfile} owned by UID",
+                       "# the jail hides every image root ([paths] images) with --hide ROOT"]
         return [f"install -d -o root -g {g} -m 0750 {shlex.quote(self.run_dir)}",
-                f"# vstor opens source={shlex.quote(self.source)} itself as SRC_FD ({what})",
+                f"# vstor opens source={src} itself as SRC_FD ({what})",
                 f"# vstor binds {shlex.quote(self.socket_path)} itself, root:{g} 0660, and passes "
                 "it listening as SOCK_FD",
-                shlex.join(pin + self.argv("SRC_FD", "SOCK_FD")), *note]
+                f"# vstor binds {shlex.quote(self.qmp_path)} itself, root 0600, as QMP_FD",
+                *confine,
+                shlex.join(prefix + self.argv("SRC_FD", "SOCK_FD", "QMP_FD")), *note]
 
     # -- the record ----------------------------------------------------------------------
 
@@ -124,8 +154,9 @@ class QsdExport:
         if missing:
             raise BadInput(f"qemu-storage-daemon record lacks {', '.join(missing)}")
         fields = {k: v for k, v in rec.items() if k in _FIELDS}
-        if isinstance(fields.get("cpus"), list):
-            fields["cpus"] = tuple(fields["cpus"])
+        for name in ("cpus", "users"):
+            if isinstance(fields.get(name), list):
+                fields[name] = tuple(fields[name])
         return cls(**fields)
 
 
@@ -163,16 +194,16 @@ def _validate(e: QsdExport) -> None:
     if not isinstance(e.cpus, tuple) or not all(
             isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 65536 for c in e.cpus):
         bad(f"cpus {e.cpus!r} must be a list of CPU numbers")
+    if e.users is not None and not (
+            isinstance(e.users, tuple) and len(e.users) == 2
+            and all(isinstance(u, int) and not isinstance(u, bool) for u in e.users)
+            and 1000 <= e.users[0] <= e.users[1] < 2**31 - 1):
+        bad(f"users {e.users!r} must be a range of unprivileged uids")
     if e.socket_path in (e.pidfile, e.qmp_path):
         bad(f"socket path {e.socket_path} collides with the daemon's own files")
 
 
 # -- QEMU option strings ---------------------------------------------------------------------
-
-def _q(value: str) -> str:
-    """A value inside a QEMU option string: commas are doubled."""
-    return value.replace(",", ",,")
-
 
 def _on(flag: bool) -> str:
     return "on" if flag else "off"
