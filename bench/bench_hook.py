@@ -102,53 +102,63 @@ FOUR_DISKS = """<domain type='kvm'><name>bench4</name><memory unit='MiB'>512</me
 YARDSTICK = """#!{python} -S
 # The yardstick: a minimal libvirt hook, on the hook's own Python and flags,
 # that starts the same four qemu-storage-daemons vstor starts (its command
-# lines and pinning; the source opened and the socket bound and listening,
-# handed over as descriptors), side by side, and waits until each serves: a
+# lines, confinement and pinning; the source opened and the sockets bound
+# and listening, handed over as descriptors, the pidfile made for the
+# daemon's uid), side by side, and waits until each serves: a
 # daemonized qsd's parent exits once every --export exists, and the socket
 # accepted from the moment it was bound, which is what QEMU needs.  At
 # release it stops them (SIGTERM) and waits, woken by pidfds, until each has
-# exited.  No checks, no records, no lock, no log; it imports only what
-# each of the two needs.
+# exited.  No checks, no records, no lock, no log, no ACL (its sources are
+# open to all); it imports only what each of the two needs.
 import os, sys
 sys.stdin.buffer.read()
-DAEMONS = {daemons!r}     # (argv, pidfile, source, socket)
+DAEMONS = {daemons!r}     # (argv, pidfile, source, socket, uid)
 if sys.argv[2] == "prepare":
     import socket, subprocess
     held, started = [], []
-    for argv, _, source, path in DAEMONS:
+    for argv, pidfile, source, path, uid in DAEMONS:
         fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
-        sock = socket.socket(socket.AF_UNIX)
-        if os.path.exists(path):
-            os.unlink(path)
-        sock.bind(path)
-        sock.listen()
+        socks = []
+        for where in (path, pidfile[:-4] + ".qmp"):
+            sock = socket.socket(socket.AF_UNIX)
+            if os.path.exists(where):
+                os.unlink(where)
+            sock.bind(where)
+            sock.listen()
+            socks.append(sock)
+        pid = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.fchown(pid, uid, uid)
+        os.close(pid)
         started.append(subprocess.Popen(
-            [a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(sock.fileno())) for a in argv],
-            pass_fds=(fd, sock.fileno())))
-        held += [fd, sock]
+            [a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(socks[0].fileno()))
+              .replace("QMP_FD", str(socks[1].fileno())) for a in argv],
+            pass_fds=(fd, socks[0].fileno(), socks[1].fileno())))
+        held += [fd, *socks]
     if any([p.wait() for p in started]):
         sys.exit(1)
 elif sys.argv[2] == "release":
     import select, signal
-    fds = [os.pidfd_open(int(open(p).read())) for _, p, _, _ in DAEMONS]
+    fds = [os.pidfd_open(int(open(p).read())) for _, p, _, _, _ in DAEMONS]
     for fd in fds:
         signal.pidfd_send_signal(fd, signal.SIGTERM)
     for fd in fds:     # readable once the daemon has exited
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         poller.poll()
-    for _, _, _, path in DAEMONS:
-        if os.path.exists(path):
-            os.unlink(path)
+    for _, pidfile, _, path, _ in DAEMONS:
+        for where in (path, pidfile[:-4] + ".qmp", pidfile):
+            if os.path.exists(where):
+                os.unlink(where)
 """
 
 
 def same_daemons(work: str, dom, cfg) -> list:
     """The four daemons exactly as vstor starts them for `dom` (its plan's
     command lines: the source and the listening socket handed over as
-    descriptors, aio=native where O_DIRECT works, the plan's pinning, a QMP
-    monitor; under systemd in a scope of their own, as vstor's are), on
-    sockets and pidfiles of the yardstick's own."""
+    descriptors, aio=native where O_DIRECT works, the plan's pinning and
+    confinement, a QMP monitor; under systemd in a scope of their own, as
+    vstor's are), on sockets and pidfiles of the yardstick's own, and uids
+    above vstor's."""
     from vstor.backends.qsd.daemon import _pin, _resolved, scope
     from vstor.host import sources
     from vstor.runtime.actions import build
@@ -157,11 +167,12 @@ def same_daemons(work: str, dom, cfg) -> list:
     for i, step in enumerate(build(plan_of(dom)[1], cfg)):
         with sources.open_file(step.export.source, cfg.images) as src:
             spec = _resolved(step.export, src)
-        argv = spec.argv("SRC_FD", "SOCK_FD")
-        for mine, theirs in ((spec.qmp_path, f"{work}/y{i}.qmp"), (spec.pidfile, f"{work}/y{i}.pid")):
-            argv = [a.replace(mine, theirs) for a in argv]
-        out.append((scope(f"yardstick-{i}") + _pin(spec.cpus) + argv, f"{work}/y{i}.pid", spec.source,
-                    f"{work}/y{i}.sock"))
+        uid = cfg.daemon_users[1] - i
+        prefix = spec.jail(uid, cfg.images) if spec.users else _pin(spec.cpus)
+        argv = prefix + spec.argv("SRC_FD", "SOCK_FD", "QMP_FD")
+        argv = [a.replace(spec.pidfile, f"{work}/y{i}.pid") for a in argv]
+        out.append((scope(f"yardstick-{i}") + argv, f"{work}/y{i}.pid", spec.source,
+                    f"{work}/y{i}.sock", uid))
     return out
 
 
@@ -274,6 +285,7 @@ def _prepare_release(runs: int, pairs: int, work: str, run: str, sanity: Sanity)
     for path, t in zip(_disks(work), "bcde"):
         with open(path, "wb") as f:
             f.truncate(64 << 20)
+        os.chmod(path, 0o666)   # the yardstick's confined daemons need no ACL entry
         disks += f"<vstor:disk target='vd{t}'><vstor:file path='{path}'/></vstor:disk>"
     cfg = _config(work, run)
     host = read_host(SysFS("/"))

@@ -101,7 +101,8 @@ def env(request):
 # marked @pytest.mark.process.  The rest are pure: `pytest -m "not process"` runs them
 # alone, the fast loop (docs/testing.md).  tests/e2e is all processes.
 PROCESS_FILES = {
-    "test_agent_hostile", "test_bench", "test_checkout", "test_cli", "test_contract", "test_crash",
+    "test_agent_hostile", "test_bench", "test_checkout", "test_cli", "test_confine", "test_contract",
+    "test_crash",
     "test_generated", "test_hook_script", "test_hooks_uninstall", "test_hostile", "test_hotplug",
     "test_json", "test_libvirt_accepts", "test_lifecycle", "test_logging", "test_migrate_json",
     "test_migration", "test_migration_agent", "test_migration_spdk", "test_nova", "test_nova_driver",
@@ -119,7 +120,8 @@ _watching = [False]
 def _audit(event: str, args: tuple) -> None:
     # The test's own thread: a double's server thread, left by another test, is not the test's.
     if _watching[0] and event in STARTS and threading.current_thread() is threading.main_thread():
-        _started.append(f"{event} {args[0]!r}"[:120] if event != "socket.__new__" else event)
+        what = f"{event} {args[0]!r}" if args and event != "socket.__new__" else event
+        _started.append(what[:120])
 
 
 sys.addaudithook(_audit)

@@ -1,0 +1,316 @@
+"""Confined qemu-storage-daemons (vstor.backends.qsd.jail and .grant),
+judged by the kernel and by others' tools: /proc/PID/status and the
+namespaces' links, the daemon's own monitor asked what a guest that took
+the daemon over could ask, and the source's ACL as getfacl (acl) reads it.
+
+Each escape is tried on an unconfined daemon too, where it must work: a
+test that cannot tell the two apart proves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from vstor.backends.qsd import daemon, grant
+from vstor.backends.qsd.export import JAIL, QsdExport
+from vstor.backends.qsd.monitor import Monitor, QmpError
+from vstor.errors import ActionFailed
+
+QSD = "/usr/bin/qemu-storage-daemon"
+USERS = (1879100000, 1879100009)
+CI = os.environ.get("CI") == "true"
+
+
+def _need(ok: bool, why: str) -> None:
+    if not ok:
+        if CI:
+            pytest.fail(f"CI=true and {why}")
+        pytest.skip(why)
+
+
+class Site:
+    """base/images (the one image root: mine.raw 0600, other.raw 0644),
+    base/secret (root's, outside the roots), base/run, base/vhost."""
+
+    def __init__(self, base: str):
+        self.base = base
+        self.images = os.path.join(base, "images")
+        self.run_dir = os.path.join(base, "run")
+        self.vhost = os.path.join(base, "vhost")
+        self.secret = os.path.join(base, "secret")
+        self.made: list[QsdExport] = []
+        self.loop: str | None = None
+        os.makedirs(self.images)
+        for name, mode in (("mine.raw", 0o600), ("other.raw", 0o644), ("third.raw", 0o600)):
+            self.image(name, mode)
+        with open(self.secret, "wb") as f:
+            f.write(b"root's alone\n" * 64)
+        os.chmod(self.secret, 0o600)
+
+    def disk(self) -> str:
+        """A host block device (a loop device on a scratch file: this
+        machine's own disks are closed even to root)."""
+        if self.loop is None:
+            backing = os.path.join(self.base, "hostdisk")
+            with open(backing, "wb") as f:
+                f.truncate(4 << 20)
+            self.loop = subprocess.run(["losetup", "--find", "--show", backing], check=True,
+                                       capture_output=True, text=True).stdout.strip()
+        return self.loop
+
+    def image(self, name: str, mode: int) -> str:
+        path = os.path.join(self.images, name)
+        with open(path, "wb") as f:
+            f.truncate(4 << 20)
+        os.chmod(path, mode)
+        return path
+
+    def export(self, name: str, image: str = "mine.raw", users=USERS, **kw) -> QsdExport:
+        e = QsdExport(run_dir=self.run_dir, name=name, source=os.path.join(self.images, image),
+                      kind="file", socket_path=os.path.join(self.vhost, name), users=users, **kw)
+        self.made.append(e)
+        return e
+
+    def start(self, e: QsdExport) -> int:
+        return daemon.start(e, roots=[self.images])
+
+
+@pytest.fixture
+def site():
+    _need(os.geteuid() == 0, "needs root")
+    _need(os.access(QSD, os.X_OK), f"{QSD} is not installed")
+    base = tempfile.mkdtemp(prefix="vc-", dir="/var/tmp")     # ext4 here: ACLs and O_DIRECT
+    os.chmod(base, 0o711)
+    s = Site(base)
+    yield s
+    for e in s.made:
+        with contextlib.suppress(Exception):
+            daemon.stop(e)
+    if s.loop:
+        subprocess.run(["losetup", "--detach", s.loop], check=False)
+    shutil.rmtree(base)
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
+
+
+def _acl(path: str) -> list[str]:
+    """getfacl's entries (numeric ids, no comments): the ACL as the acl package reads it."""
+    _need(shutil.which("getfacl") is not None, "getfacl (package acl) is not installed")
+    out = subprocess.run(["getfacl", "--numeric", "--omit-header", "--absolute-names", path],
+                         capture_output=True, text=True, check=True).stdout
+    return [line.split("\t")[0] for line in out.splitlines() if line]
+
+
+def test_a_confined_daemon_holds_no_privilege(site):
+    e = site.export("vm1-vdb")
+    pid = site.start(e)
+    uid, _ = grant.leased(site.run_dir, e.name)
+    st = _status(pid)
+    assert USERS[0] <= uid <= USERS[1]
+    assert st["Uid"].split() == [str(uid)] * 4 and st["Gid"].split() == [str(uid)] * 4
+    assert st["Groups"] == ""
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(st[caps], 16) == 0, caps
+    assert st["NoNewPrivs"] == "1" and st["Seccomp"] == "2"
+    for ns in ("net", "mnt", "ipc", "uts"):
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
+    # It serves: its monitor answers with the export, and it holds the image read-write.
+    assert daemon.alive(e)
+    image = os.path.join(site.images, "mine.raw")
+    modes = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        if os.readlink(f"/proc/{pid}/fd/{fd}") == image:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = int(next(ln for ln in f if ln.startswith("flags:")).split()[1], 8)
+            modes.append("path" if flags & os.O_PATH else flags & os.O_ACCMODE)
+    # vstor's descriptor (O_PATH) and the daemon's reopening of it, read-write
+    assert sorted(modes, key=str) == [os.O_RDWR, "path"]
+    # Its view of the filesystem is read-only.
+    with open(f"/proc/{pid}/mountinfo") as f:
+        assert all(" ro," in line or " ro " in line for line in f if line.split()[4] != e.pidfile)
+
+
+def _tries(site, qmp: Monitor, other_pid: int) -> dict[str, str | None]:
+    """What a taken-over daemon would try through its monitor; the error
+    of each, None where it worked."""
+    other_fd = next(fd for fd in os.listdir(f"/proc/{other_pid}/fd")
+                    if os.readlink(f"/proc/{other_pid}/fd/{fd}").endswith("other.raw"))
+    tries = {
+        "root-only host file": {"driver": "file", "filename": site.secret},
+        "another domain's image by name": {"driver": "file",
+                                           "filename": os.path.join(site.images, "other.raw")},
+        "another domain's image by its daemon's fd": {
+            "driver": "file", "filename": f"/proc/{other_pid}/fd/{other_fd}"},
+        "a host disk": {"driver": "host_device", "filename": site.disk()},
+    }
+    out: dict[str, str | None] = {}
+    for i, (what, args) in enumerate(tries.items()):
+        try:
+            # Read-only and without QEMU's image locks: the unconfined
+            # control must not fail on a lock the other daemon holds.
+            qmp.execute("blockdev-add", {"node-name": f"escape{i}", "read-only": True,
+                                         "locking": "off", **args})
+            out[what] = None
+        except QmpError as err:
+            out[what] = str(err)
+    # nbd-server-start takes QEMU's legacy SocketAddress: {type, data}.
+    for what, addr in (("an inet socket",
+                        {"type": "inet", "data": {"host": "127.0.0.1", "port": "0"}}),
+                       ("a unix socket on the filesystem",
+                        {"type": "unix", "data": {"path": os.path.join(site.base, "nbd.sock")}})):
+        try:
+            qmp.execute("nbd-server-start", {"addr": addr})
+            out[what] = None
+            qmp.execute("nbd-server-stop")
+        except QmpError as err:
+            out[what] = str(err)
+    return out
+
+
+def test_escapes_through_the_daemons_own_monitor_fail(site):
+    mine = site.export("vm1-vdb")
+    other = site.export("vm2-vdb", image="other.raw")
+    site.start(mine)
+    other_pid = site.start(other)
+    with Monitor(mine.qmp_path) as qmp:
+        confined = _tries(site, qmp, other_pid)
+    assert all(why is not None for why in confined.values()), confined
+    assert "Permission denied" in confined["root-only host file"]
+    assert "No such file or directory" in confined["another domain's image by name"]
+    assert "Permission denied" in confined["another domain's image by its daemon's fd"]
+    assert "Permission denied" in confined["a host disk"]
+    assert not os.path.exists(os.path.join(site.base, "nbd.sock"))
+    # The control: the same tries through an unconfined daemon's monitor work.
+    free = site.export("vm3-vdb", image="third.raw", users=None)
+    site.start(free)
+    with Monitor(free.qmp_path) as qmp:
+        unconfined = _tries(site, qmp, other_pid)
+    assert all(why is None for why in unconfined.values()), unconfined
+
+
+def test_the_acl_entry_is_the_daemons_and_goes_with_it(site):
+    image = os.path.join(site.images, "mine.raw")
+    before = os.stat(image)
+    assert _acl(image) == ["user::rw-", "group::---", "other::---"]
+    e = site.export("vm1-vdb")
+    site.start(e)
+    uid, lease = grant.leased(site.run_dir, e.name)
+    assert _acl(image) == ["user::rw-", f"user:{uid}:rw-", "group::---", "mask::rw-", "other::---"]
+    assert (lease["dev"], lease["ino"]) == (before.st_dev, before.st_ino)
+    daemon.stop(e)
+    after = os.stat(image)
+    assert _acl(image) == ["user::rw-", "group::---", "other::---"]
+    assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid)
+    with pytest.raises(OSError):
+        os.getxattr(image, grant.XATTR)     # the mode alone again, no ACL left behind
+    assert not os.path.exists(grant.users_dir(site.run_dir))
+
+
+def test_a_readonly_disk_gets_read_and_others_entries_stay(site):
+    image = os.path.join(site.images, "mine.raw")
+    subprocess.run(["setfacl", "-m", "g:4242:r--", image], check=True)
+    before = _acl(image)
+    a = site.export("vm1-vdb", readonly=True)
+    b = site.export("vm2-vdb", readonly=True)     # another domain's read-only disk, same file
+    site.start(a)
+    site.start(b)
+    ua, ub = grant.leased(site.run_dir, a.name)[0], grant.leased(site.run_dir, b.name)[0]
+    assert ua != ub
+    assert f"user:{ua}:r--" in _acl(image) and f"user:{ub}:r--" in _acl(image)
+    daemon.stop(a)
+    assert f"user:{ua}:r--" not in _acl(image) and f"user:{ub}:r--" in _acl(image)
+    assert daemon.alive(b)
+    daemon.stop(b)
+    assert _acl(image) == before
+
+
+def test_an_acl_whose_mask_limits_its_entries_is_refused_and_left_as_it_was(site):
+    image = os.path.join(site.images, "mine.raw")
+    subprocess.run(["setfacl", "-m", "g:4242:rw-,m::r--", image], check=True)
+    before = _acl(image)
+    e = site.export("vm1-vdb")
+    with pytest.raises(ActionFailed, match="mask limits what its entries grant") as err:
+        site.start(e)
+    assert "setfacl -m u:" in err.value.hint
+    assert _acl(image) == before
+    assert daemon.pid(e) is None and not os.path.exists(grant.users_dir(site.run_dir))
+
+
+def test_each_daemon_its_own_uid_kept_across_a_restart_and_given_back(site):
+    a, b = site.export("vm1-vdb"), site.export("vm2-vdb", image="other.raw")
+    pa = site.start(a)
+    site.start(b)
+    ua, ub = grant.leased(site.run_dir, a.name)[0], grant.leased(site.run_dir, b.name)[0]
+    assert ua != ub
+    os.kill(pa, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while daemon.pid(a) is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert daemon.restart_if_dead(a, roots=[site.images])
+    assert grant.leased(site.run_dir, a.name)[0] == ua
+    assert _status(daemon.pid(a))["Uid"].split()[0] == str(ua)
+    daemon.stop(a)
+    daemon.stop(b)
+    assert not os.path.exists(grant.users_dir(site.run_dir))
+
+
+def test_an_orphan_daemon_gives_its_uid_and_entry_back(site):
+    image = os.path.join(site.images, "mine.raw")
+    e = site.export("vm1-vdb")
+    site.start(e)
+    assert daemon.stop_orphan(e.pidfile)
+    assert _acl(image) == ["user::rw-", "group::---", "other::---"]
+    assert not os.path.exists(grant.users_dir(site.run_dir))
+
+
+def test_starts_side_by_side_take_different_uids(site):
+    import concurrent.futures
+    names = [f"vm{i}-vdb" for i in range(4)]
+    for n in names:
+        site.image(f"{n}.raw", 0o600)
+    exports = [site.export(n, image=f"{n}.raw") for n in names]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(site.start, exports))
+    uids = [grant.leased(site.run_dir, n)[0] for n in names]
+    assert len(set(uids)) == 4 and all(USERS[0] <= u <= USERS[1] for u in uids)
+
+
+def test_the_jail_refuses_what_it_cannot_do_in_one_line():
+    for argv in (["--uid", "0", "--", "/bin/true"], ["--uid", "x", "--", "/bin/true"],
+                 ["--uid", "1879100000"]):
+        done = subprocess.run([sys.executable, "-I", "-S", JAIL, *argv], capture_output=True,
+                              text=True)
+        assert done.returncode == 125
+        assert done.stderr.startswith("vstor confinement: ") and done.stderr.count("\n") == 1
+
+
+def test_a_filesystem_without_acls_is_refused_with_the_fix(site, tmp_path):
+    _need(os.geteuid() == 0, "needs root")
+    mnt = os.path.join(site.base, "noacl")
+    os.mkdir(mnt)
+    # ramfs keeps no POSIX ACL (nor any xattr): the refusal operators on such storage see.
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", mnt], check=True)
+    try:
+        with open(os.path.join(mnt, "disk.raw"), "wb") as f:
+            f.truncate(1 << 20)
+        e = QsdExport(run_dir=site.run_dir, name="vm9-vdb", source=os.path.join(mnt, "disk.raw"),
+                      kind="file", socket_path=os.path.join(site.vhost, "vm9-vdb"), users=USERS)
+        site.made.append(e)
+        with pytest.raises(ActionFailed, match="keeps no POSIX ACL") as err:
+            daemon.start(e, roots=[mnt])
+        assert "confine = no" in err.value.hint
+        assert daemon.pid(e) is None
+    finally:
+        subprocess.run(["umount", mnt], check=True)
