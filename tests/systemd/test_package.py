@@ -268,6 +268,13 @@ def test_install_and_start_a_domain(lab):
     assert state["daemons"], "no qemu-storage-daemon runs"
     for daemon in state["daemons"].values():                # each in a scope of vstor.slice
         assert "/vstor.slice/" in daemon["cgroup"][0], daemon
+    for pid in state["daemons"]:                            # confined as without systemd
+        status = dict(line.split(":", 1) for line in
+                      lab.box.run("cat", f"/proc/{pid}/status").stdout.splitlines())
+        uid = status["Uid"].split()
+        assert uid[0] != "0" and len(set(uid)) == 1, status["Uid"]
+        assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0
+        assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2"
 
 
 def test_an_upgrade_keeps_every_daemon(running):

@@ -112,31 +112,34 @@ def unix_peers(path: str, since: float | None = None) -> int:
 _PEERS: list = [None]       # the last read of /proc/net/unix: (when it began, peers by path)
 
 
-def socket_path_of(pid: int, fd: str) -> str | None:
+def socket_path_of(pid: int, fd: str, here_only: bool = False) -> str | None:
     """The name the Unix socket held as descriptor `fd` by process `pid` was
-    bound to (its network namespace's /proc/net/unix, matched by inode), or
-    None: how a daemon given its listening socket (addr.type=fd) is matched
-    to the name QEMU connects to."""
+    bound to, matched by inode in /proc/net/unix: this network namespace's
+    first (vstor binds every socket it hands a daemon here, and a confined
+    daemon runs in a namespace of its own), then the process's own (a
+    daemon of another namespace, unless `here_only`); or None.  How a
+    daemon given its listening socket (addr.type=fd) is matched to the
+    name QEMU connects to."""
     from vstor.errors import Unavailable
     try:
-        inode = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+        inode = str(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return None
     except OSError as e:
         raise Unavailable(f"cannot look at descriptor {fd} of pid {pid}: {e.strerror}",
                           hint="run vstor as root") from None
-    try:
-        with open(f"/proc/{pid}/net/unix", encoding="utf-8", errors="replace") as f:
-            next(f, None)
-            for line in f:
-                fields = line.split(None, 7)
-                if len(fields) == 8 and fields[6] == str(inode):
-                    return fields[7].rstrip("\n")
-    except FileNotFoundError:
-        return None         # it exited
-    except OSError as e:
-        raise Unavailable(f"cannot read /proc/{pid}/net/unix: {e.strerror}",
-                          hint="run vstor as root") from None
+    for table in ("/proc/self/net/unix",) + (() if here_only else (f"/proc/{pid}/net/unix",)):
+        try:
+            with open(table, encoding="utf-8", errors="replace") as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split(None, 7)
+                    if len(fields) == 8 and fields[6] == inode:
+                        return fields[7].rstrip("\n")
+        except FileNotFoundError:
+            return None         # it exited
+        except OSError as e:
+            raise Unavailable(f"cannot read {table}: {e.strerror}", hint="run vstor as root") from None
     return None
 
 

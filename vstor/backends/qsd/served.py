@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from vstor.backends.qsd import files, proc
-from vstor.backends.qsd.export import QsdExport, export_opts
+from vstor.backends.qsd.export import QsdExport, export_opts, option_value
 from vstor.errors import DoesNotFit
 from vstor.meta.names import is_disk_name
 
@@ -51,10 +51,10 @@ def check_no_other_writer(export: QsdExport, mine: os.stat_result, handover: boo
     """qsd's exports share every permission on their node, so QEMU's image
     locking lets two daemons write one source: refuse it here.  One exception,
     with `handover` (the destination of a live migration): the source host's
-    daemon for the same disk, which is another host's (another mount
-    namespace) and serves a socket of the same name; the source's QEMU drains
-    and stops before the destination's runs."""
-    here = _mount_ns("self")
+    daemon for the same disk, which is another host's (its socket is not in
+    this host's network namespace: two hosts on one machine, as the e2e
+    migration lab runs them) and has a pidfile of the same name; the
+    source's QEMU drains and stops before the destination's runs."""
     if daemons is None or os.path.basename(export.binary) != "qemu-storage-daemon":
         daemons = proc.pids_of("qemu-storage-daemon")
     for p in daemons:
@@ -67,11 +67,17 @@ def check_no_other_writer(export: QsdExport, mine: os.stat_result, handover: boo
             continue
         if export.readonly and opts.get("writable") == "off":
             continue        # readers share
-        sock = _socket_of(p, opts)
-        if (handover and os.path.basename(sock or "") == export.name
-                and None not in (here, _mount_ns(p)) and _mount_ns(p) != here):
+        if handover and _another_hosts(export, p, argv, opts):
             continue
-        raise _second_writer(export, p, sock)
+        raise _second_writer(export, p, _socket_of(p, opts))
+
+
+def _another_hosts(export: QsdExport, p: int, argv: list[str], opts: dict) -> bool:
+    """Daemon `p` serves the disk of export's name for another host."""
+    pidfile = option_value(argv, "--pidfile") or ""
+    return (os.path.basename(pidfile) == os.path.basename(export.pidfile)
+            and opts.get("addr.type") == "fd"
+            and proc.socket_path_of(p, opts.get("addr.str", ""), here_only=True) is None)
 
 
 def _second_writer(export: QsdExport, pid: int, sock: str | None) -> DoesNotFit:
@@ -89,9 +95,3 @@ def _second_writer(export: QsdExport, pid: int, sock: str | None) -> DoesNotFit:
                       hint=f"two writers would corrupt it: if domain {domain} does not run, vstor release "
                            f"{domain} stops it; otherwise make both readonly or stop the other")
 
-
-def _mount_ns(pid) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/mnt")
-    except OSError:
-        return None
