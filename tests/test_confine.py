@@ -314,3 +314,28 @@ def test_a_filesystem_without_acls_is_refused_with_the_fix(site, tmp_path):
         assert daemon.pid(e) is None
     finally:
         subprocess.run(["umount", mnt], check=True)
+
+
+def test_gc_gives_back_the_uid_of_a_daemon_no_record_owns(site):
+    from vstor.config import Config
+    from vstor.runtime import gc
+    from vstor.runtime.state import StateDir
+    image = os.path.join(site.images, "mine.raw")
+    e = site.export("vm1-vdb")
+    pid = site.start(e)
+    os.kill(pid, signal.SIGKILL)            # a daemon gone, its pidfile with it: the lease stays
+    while daemon.pid(e) is not None:
+        time.sleep(0.02)
+    os.unlink(e.pidfile)
+    uid = grant.leased(site.run_dir, e.name)[0]
+    assert f"user:{uid}:rw-" in _acl(image)
+    cfg = Config(qsd_dir=site.run_dir, vhost_dir=site.vhost, state_dir=os.path.join(site.base, "st"))
+    state = StateDir(cfg.state_dir)
+    orphans, foreign = gc.orphan_files(cfg, state)
+    lease = os.path.join(grant.users_dir(site.run_dir), str(uid))
+    assert lease in orphans and not any(p.startswith(grant.users_dir(site.run_dir)) for p, _ in foreign)
+    assert gc._owner_key(lease) == "vm1"
+    for path in orphans:
+        gc.remove_orphan(path)
+    assert _acl(image) == ["user::rw-", "group::---", "other::---"]
+    assert not os.path.exists(grant.users_dir(site.run_dir))

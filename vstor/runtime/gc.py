@@ -180,6 +180,9 @@ def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[st
     for directory, judge, names in listed:
         for n in names:
             path = os.path.join(directory, n)
+            if directory == cfg.qsd_dir and n == LEASES:
+                orphans += _orphan_leases(cfg.qsd_dir, owned)
+                continue
             if path in owned or n.startswith(".") or not os.path.lexists(path):
                 continue
             why = judge(n, path)
@@ -187,9 +190,29 @@ def orphan_files(cfg: Config, state: StateDir) -> tuple[list[str], list[tuple[st
     return orphans, foreign
 
 
+LEASES = "users"        # vstor.backends.qsd.grant.users_dir's
+
+
+def _orphan_leases(qsd_dir: str, owned: set[str]) -> list[str]:
+    """The uid leases (vstor.backends.qsd.grant) of daemons no record owns:
+    a start interrupted before its record, or a record removed by hand."""
+    from vstor.backends.qsd import grant
+    where = grant.users_dir(qsd_dir)
+    out = []
+    for uid in sorted(os.listdir(where)) if os.path.isdir(where) else ():
+        name = grant.lease_name(qsd_dir, uid)
+        if uid.isdigit() and os.path.join(qsd_dir, f"{name}.pid") not in owned:
+            out.append(os.path.join(where, uid))
+    return out
+
+
 def _owner_key(path: str) -> str:
-    """The record key a vstor file's name says it is of (<key>-vdX[.pid|.qmp])."""
+    """The record key a vstor file's name says it is of (<key>-vdX[.pid|.qmp]);
+    of a uid lease, its daemon's name's."""
     stem = os.path.basename(path)
+    if os.path.dirname(path).endswith("/" + LEASES):
+        from vstor.backends.qsd import grant
+        stem = grant.lease_name(os.path.dirname(os.path.dirname(path)), stem)
     if stem.endswith(MARK):
         return stem[:-len(MARK)]
     stem = stem[:-4] if stem.endswith((".pid", ".qmp")) else stem
@@ -277,6 +300,10 @@ def _qsd_entry(name: str, path: str) -> str | None:
 
 
 def remove_orphan(path: str) -> None:
+    if os.path.dirname(path).endswith("/" + LEASES):
+        from vstor.backends.qsd import grant
+        grant.revoke(os.path.dirname(os.path.dirname(path)), int(os.path.basename(path)))
+        return
     if path.endswith(MARK):
         from vstor.backends import ownership
         ownership.unmark(path)      # only what vstor wrote

@@ -95,6 +95,12 @@ def leased(run_dir: str, name: str) -> tuple[int, dict] | None:
     return None
 
 
+def lease_name(run_dir: str, uid: str) -> str:
+    """The daemon's name lease `uid` holds ("" if unreadable)."""
+    name = _read_lease(os.path.join(users_dir(run_dir), uid)).get("name")
+    return name if isinstance(name, str) else ""
+
+
 def _read_lease(path: str) -> dict:
     try:
         with open(path) as f:
