@@ -40,24 +40,34 @@ from bench.storm import Run, World, aio_room, daemons_under  # noqa: E402
 
 YARDSTICK = """#!{python} -S
 # The yardstick for one domain: start its daemons at prepare, as vstor's
-# command lines have them (the source opened and the socket listening,
-# handed over as descriptors), and stop them at release; nothing checked.
+# command lines have them (the source opened and the sockets listening,
+# handed over as descriptors; confined, the pidfile made for its uid), and
+# stop them at release; nothing checked, no ACL (the images are open to all).
 import os, signal, socket, subprocess, sys, time
 sys.stdin.buffer.read()
-DAEMONS = {daemons!r}     # (argv, pidfile, source, socket)
+DAEMONS = {daemons!r}     # (argv, pidfile, source, socket, uid)
 if sys.argv[2] == "prepare":
-    for argv, _, source, path in DAEMONS:
+    for argv, pidfile, source, path, uid in DAEMONS:
         fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
-        with socket.socket(socket.AF_UNIX) as sock:
-            if os.path.exists(path):
-                os.unlink(path)
-            sock.bind(path)
+        socks = []
+        for where in (path, pidfile[:-4] + ".qmp"):
+            sock = socket.socket(socket.AF_UNIX)
+            if os.path.exists(where):
+                os.unlink(where)
+            sock.bind(where)
             sock.listen()
-            subprocess.run([a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(sock.fileno()))
-                            for a in argv], check=True, pass_fds=(fd, sock.fileno()))
+            socks.append(sock)
+        pid = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.fchown(pid, uid, uid)
+        os.close(pid)
+        subprocess.run([a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(socks[0].fileno()))
+                        .replace("QMP_FD", str(socks[1].fileno())) for a in argv],
+                       check=True, pass_fds=(fd, socks[0].fileno(), socks[1].fileno()))
+        for sock in socks:
+            sock.close()
         os.close(fd)
 elif sys.argv[2] == "release":
-    pids = [int(open(p).read()) for _, p, _, _ in DAEMONS]
+    pids = [int(open(p).read()) for _, p, _, _, _ in DAEMONS]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     for pid in pids:     # gone, or a zombie its new parent has not reaped yet
@@ -69,8 +79,8 @@ elif sys.argv[2] == "release":
             except FileNotFoundError:
                 break
             time.sleep(0.002)
-    for _, pidfile, _, path in DAEMONS:     # qsd removes them itself as it exits
-        for left in (path, pidfile):
+    for _, pidfile, _, path, _ in DAEMONS:     # what a confined qsd cannot remove itself
+        for left in (path, pidfile, pidfile[:-4] + ".qmp"):
             if os.path.exists(left):
                 os.unlink(left)
 """
@@ -90,6 +100,7 @@ class Yardstick:
         self.dir = os.path.join(world.work, "yard")
         os.mkdir(self.dir)
         self.scripts = {}
+        uid = world.cfg.daemon_users[1]
         for name in world.names:
             daemons = []
             for step in build(world.plans[name], world.cfg):
@@ -97,8 +108,10 @@ class Yardstick:
                                          socket_path=os.path.join(self.dir, step.export.name + ".sock"))
                 with sources.open_file(export.source, world.cfg.images) as src:
                     spec = _resolved(export, src)
-                daemons.append((spec.argv("SRC_FD", "SOCK_FD"), spec.pidfile, spec.source,
-                                spec.socket_path))
+                prefix = spec.jail(uid, world.cfg.images) if spec.users else []
+                daemons.append((prefix + spec.argv("SRC_FD", "SOCK_FD", "QMP_FD"), spec.pidfile,
+                                spec.source, spec.socket_path, uid))
+                uid -= 1
             path = os.path.join(self.dir, name)
             with open(path, "w") as f:
                 f.write(YARDSTICK.format(python=sys.executable, daemons=daemons))

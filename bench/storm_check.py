@@ -26,12 +26,20 @@ def prepared(world: World, names: list[str]) -> list[str]:
 
 
 def files_of_others(world: World, names: list[str]) -> list[str]:
-    """Sockets, pid files and monitors of domains not in `names` (the
-    directories' lock files, .lock, stay as the directories do)."""
+    """Sockets, pid files, monitors and uid leases of domains not in
+    `names` (the directories' lock files, .lock, stay as the directories
+    do; the leases' directory goes with its last lease)."""
+    from vstor.backends.qsd import grant
     out = []
     for where in (world.cfg.vhost_dir, world.cfg.qsd_dir):
         for f in sorted(os.listdir(where)) if os.path.isdir(where) else ():
-            if not f.startswith(".") and not any(f.startswith(n + "-") for n in names):
+            if where == world.cfg.qsd_dir and f == os.path.basename(grant.users_dir(where)):
+                leases = [(u, grant.lease_name(where, u)) for u in sorted(os.listdir(grant.users_dir(where)))]
+                out += [f"uid lease {u} of {name or '?'} left" for u, name in leases
+                        if not any(name.startswith(n + "-") for n in names)]
+                if not leases and not names:
+                    out.append(f"{where}/{f} left")
+            elif not f.startswith(".") and not any(f.startswith(n + "-") for n in names):
                 out.append(f"{where}/{f} left")
     return out
 

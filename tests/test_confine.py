@@ -105,6 +105,16 @@ def _status(pid: int) -> dict[str, str]:
         return {k: v.strip() for k, _, v in (line.partition(":") for line in f)}
 
 
+def _fds(pid: int) -> dict[str, str]:
+    """The daemon's descriptors and what each is (one that closes as we
+    look is left out: QEMU opens and closes a few as it runs)."""
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out[fd] = os.readlink(f"/proc/{pid}/fd/{fd}")
+    return out
+
+
 def _acl(path: str) -> list[str]:
     """getfacl's entries (numeric ids, no comments): the ACL as the acl package reads it."""
     _need(shutil.which("getfacl") is not None, "getfacl (package acl) is not installed")
@@ -130,13 +140,20 @@ def test_a_confined_daemon_holds_no_privilege(site):
     assert daemon.alive(e)
     image = os.path.join(site.images, "mine.raw")
     modes = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        if os.readlink(f"/proc/{pid}/fd/{fd}") == image:
+    for fd, what in _fds(pid).items():
+        if what == image:
             with open(f"/proc/{pid}/fdinfo/{fd}") as f:
                 flags = int(next(ln for ln in f if ln.startswith("flags:")).split()[1], 8)
             modes.append("path" if flags & os.O_PATH else flags & os.O_ACCMODE)
     # vstor's descriptor (O_PATH) and the daemon's reopening of it, read-write
     assert sorted(modes, key=str) == [os.O_RDWR, "path"]
+    # Nothing else with a name: /dev/null, its source and its pidfile; its
+    # sockets are the two vstor bound (the vhost-user one and the monitor).
+    held = _fds(pid)
+    assert {h for h in held.values() if h.startswith("/")} == {"/dev/null", image, e.pidfile}
+    from vstor.backends.qsd import proc
+    sockets = {proc.socket_path_of(pid, fd) for fd, what in held.items() if what.startswith("socket:")}
+    assert sockets == {e.socket_path, e.qmp_path}
     # Its view of the filesystem is read-only.
     with open(f"/proc/{pid}/mountinfo") as f:
         assert all(" ro," in line or " ro " in line for line in f if line.split()[4] != e.pidfile)
@@ -145,8 +162,7 @@ def test_a_confined_daemon_holds_no_privilege(site):
 def _tries(site, qmp: Monitor, other_pid: int) -> dict[str, str | None]:
     """What a taken-over daemon would try through its monitor; the error
     of each, None where it worked."""
-    other_fd = next(fd for fd in os.listdir(f"/proc/{other_pid}/fd")
-                    if os.readlink(f"/proc/{other_pid}/fd/{fd}").endswith("other.raw"))
+    other_fd = next(fd for fd, what in _fds(other_pid).items() if what.endswith("other.raw"))
     tries = {
         "root-only host file": {"driver": "file", "filename": site.secret},
         "another domain's image by name": {"driver": "file",

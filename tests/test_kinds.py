@@ -206,7 +206,9 @@ def test_prepare_dry_run_prints_each_steps_own_description_and_dry_run(site):
     for step in built:
         expected += [f"  would {step.describe()}", *(f"      {line}" for line in step.dry_run())]
     assert out.splitlines() == expected
-    text = out.replace(site.dir, "@WORK@")
+    from vstor.backends.qsd.export import JAIL
+    text = (out.replace(site.dir, "@WORK@")
+            .replace(f"{sys.executable} -I -S {JAIL}", "@PYTHON@ -I -S @JAIL@"))
     if os.environ.get("VSTOR_REGENERATE_GOLDEN"):
         with open(GOLDEN, "w") as f:
             f.write(text)

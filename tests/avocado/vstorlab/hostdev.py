@@ -116,8 +116,9 @@ def namespace_holds(test, lab: Lab, address: str, nsid: int, before: str, expect
 def storage_daemon(socket_path: str) -> int:
     """The qemu-storage-daemon serving this vhost-user socket: vstor hands
     the daemon its listening socket as a descriptor, so the name is read
-    from the kernel (the daemon's /proc/PID/net/unix, matched by the inode
-    of each descriptor it holds), not from its command line."""
+    from the kernel (/proc/net/unix of the namespace vstor bound it in, this
+    one, matched by the inode of each descriptor the daemon holds; a
+    confined daemon's own namespace has none), not from its command line."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -125,12 +126,13 @@ def storage_daemon(socket_path: str) -> int:
             if not (proc / "comm").read_text().startswith("qemu-storage-d"):
                 continue
             bound = {}
-            with open(proc / "net" / "unix") as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split(None, 7)
-                    if len(fields) == 8:
-                        bound[fields[6]] = fields[7].rstrip("\n")
+            for table in (Path("/proc/self/net/unix"), proc / "net" / "unix"):
+                with open(table) as f:
+                    next(f, None)
+                    for line in f:
+                        fields = line.split(None, 7)
+                        if len(fields) == 8:
+                            bound[fields[6]] = fields[7].rstrip("\n")
             inodes = set()
             for fd in (proc / "fd").iterdir():
                 try:

@@ -11,8 +11,8 @@ nothing a guest's QEMU would not have.  So, in this order:
   covered by empty directories, so that no other domain's image can even
   be named;
 - its pidfile (--pidfile): the one file it writes, vstor's file bound
-  writable where the daemon names it (its directory is root's alone, and
-  in this view only the pidfile is in it);
+  writable where the daemon names it (in this view its directory holds the
+  pidfile alone, and every directory above it may be searched);
 - the uid and gid of its own (--uid), no supplementary groups, every
   capability dropped from the bounding set (and so none effective, none
   permitted), no_new_privs;
@@ -111,17 +111,31 @@ def view(hide: list[str], pidfile: str | None) -> None:
             _mount("vstor-hidden", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
                    "mode=0755,size=64k,nr_inodes=64")
     if pidfile:
-        # Its directory, as the daemon sees it: the pidfile alone.
+        # Its directory as the daemon sees it: the pidfile alone, below the
+        # first directory of the path it could not search (root's 0700, say)
+        # or its own directory, replaced in its view.
         where = os.path.dirname(pidfile)
-        os.makedirs(where, mode=0o755, exist_ok=True)    # in a hiding tmpfs, when a root holds it
-        _mount("vstor-run", where, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-               "mode=0755,size=4k,nr_inodes=4")
+        os.makedirs(where, mode=0o755, exist_ok=True)   # in a hiding tmpfs, when a root holds it
+        _mount("vstor-run", _cover(where), "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               "mode=0755,size=64k,nr_inodes=64")
+        os.makedirs(where, mode=0o755, exist_ok=True)
         os.close(os.open(pidfile, os.O_CREAT | os.O_WRONLY, 0o600))
     _setattr("/", AT_RECURSIVE, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
     if pidfile:
         _mount(f"/proc/self/fd/{real}", pidfile, None, MS_BIND)
         _setattr(pidfile, 0, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY)
         os.close(real)
+
+
+def _cover(where: str) -> str:
+    """The directory to replace so that the daemon reaches `where`: the
+    first one on its path that others may not search, else `where`."""
+    path = "/"
+    for part in where.strip("/").split("/"):
+        path = os.path.join(path, part)
+        if not os.stat(path).st_mode & 0o001:
+            return path
+    return where
 
 
 def identity(uid: int) -> None:

@@ -51,10 +51,10 @@ def check_no_other_writer(export: QsdExport, mine: os.stat_result, handover: boo
     """qsd's exports share every permission on their node, so QEMU's image
     locking lets two daemons write one source: refuse it here.  One exception,
     with `handover` (the destination of a live migration): the source host's
-    daemon for the same disk, which is another host's (its socket is not in
-    this host's network namespace: two hosts on one machine, as the e2e
-    migration lab runs them) and has a pidfile of the same name; the
-    source's QEMU drains and stops before the destination's runs."""
+    daemon for the same disk, which is another host's (two hosts on one
+    machine, as the tests run them: _another_hosts) and has a pidfile of
+    the same name; the source's QEMU drains and stops before the
+    destination's runs."""
     if daemons is None or os.path.basename(export.binary) != "qemu-storage-daemon":
         daemons = proc.pids_of("qemu-storage-daemon")
     for p in daemons:
@@ -73,11 +73,16 @@ def check_no_other_writer(export: QsdExport, mine: os.stat_result, handover: boo
 
 
 def _another_hosts(export: QsdExport, p: int, argv: list[str], opts: dict) -> bool:
-    """Daemon `p` serves the disk of export's name for another host."""
+    """Daemon `p` serves the disk of export's name for another host: its
+    pidfile has the name of export's, and it is another host's pidfile (two
+    hosts' configurations on one machine) or the same path in another
+    host's mount namespace (its socket not in this host's network one)."""
     pidfile = option_value(argv, "--pidfile") or ""
-    return (os.path.basename(pidfile) == os.path.basename(export.pidfile)
-            and opts.get("addr.type") == "fd"
-            and proc.socket_path_of(p, opts.get("addr.str", ""), here_only=True) is None)
+    if os.path.basename(pidfile) != os.path.basename(export.pidfile):
+        return False
+    return pidfile != export.pidfile or (
+        opts.get("addr.type") == "fd"
+        and proc.socket_path_of(p, opts.get("addr.str", ""), here_only=True) is None)
 
 
 def _second_writer(export: QsdExport, pid: int, sock: str | None) -> DoesNotFit:
