@@ -355,3 +355,16 @@ def test_gc_gives_back_the_uid_of_a_daemon_no_record_owns(site):
         gc.remove_orphan(path)
     assert _acl(image) == ["user::rw-", "group::---", "other::---"]
     assert not os.path.exists(grant.users_dir(site.run_dir))
+
+
+def test_the_entry_is_taken_back_from_the_file_even_renamed_and_never_from_its_stand_in(site):
+    image = os.path.join(site.images, "mine.raw")
+    e = site.export("vm1-vdb")
+    site.start(e)
+    moved = os.path.join(site.images, "moved.raw")
+    os.rename(image, moved)                 # the image renamed under the running daemon,
+    site.image("mine.raw", 0o600)           # and another file put where it was
+    stand_in = _acl(image)
+    daemon.stop(e)
+    assert _acl(moved) == ["user::rw-", "group::---", "other::---"]
+    assert _acl(image) == stand_in

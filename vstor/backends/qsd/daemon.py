@@ -365,19 +365,38 @@ def stop_orphan(pidfile: str, timeout: float = 5.0) -> bool:
 
 def _kill_and_clean(export: QsdExport, timeout: float = 5.0, since: float | None = None) -> None:
     found = pid(export, since=since)
+    held_at = _source_fd(found) if found is not None else None
     if found is not None:
         _terminate(export, found, timeout)
-    _give_back(export.run_dir, export.name)
+    _give_back(export.run_dir, export.name, held_at)
     _remove_files(export)
 
 
-def _give_back(run_dir: str, name: str) -> None:
+def _source_fd(p: int) -> str | None:
+    """/proc/PID/fd/N of the source the daemon holds, opened now (O_PATH)
+    so that it outlives the daemon: the file, even renamed since."""
+    name = export_opts(proc.cmdline(p)).get("filename", "")
+    if not name.startswith("/proc/self/fd/"):
+        return None
+    try:
+        fd = os.open(f"/proc/{p}/fd/{name[len('/proc/self/fd/'):]}", os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    return f"/proc/self/fd/{fd}"
+
+
+def _give_back(run_dir: str, name: str, held_at: str | None = None) -> None:
     """The uid a confined daemon held, and its ACL entry on the source
     (kept by a lease whatever the record says: one from an older vstor
-    may not know it was confined)."""
-    held = grant.leased(run_dir, name)
-    if held is not None:
-        grant.revoke(run_dir, held[0])
+    may not know it was confined).  `held_at`: where the source is held
+    open (_source_fd), closed here."""
+    try:
+        held = grant.leased(run_dir, name)
+        if held is not None:
+            grant.revoke(run_dir, held[0], held_at)
+    finally:
+        if held_at is not None:
+            os.close(int(held_at.rsplit("/", 1)[1]))
 
 
 def _terminate(export: QsdExport, p: int, timeout: float) -> None:

@@ -144,13 +144,15 @@ def grant(run_dir: str, uid: int, fd: int, writable: bool, shown: str) -> None:
     _set(fd, entries, shown)
 
 
-def revoke(run_dir: str, uid: int) -> None:
+def revoke(run_dir: str, uid: int, held_at: str | None = None) -> None:
     """Take back `uid`'s entry from the source its lease names (only from
-    that very file: its device and inode), then give the uid back."""
+    that very file: its device and inode), then give the uid back.
+    `held_at`: /proc/PID/fd/N of the daemon still holding it, which
+    reaches the file even if it was renamed since."""
     lease_path = os.path.join(users_dir(run_dir), str(uid))
     info = _read_lease(lease_path)
     if isinstance(info.get("path"), str):
-        with _reopened(info) as fd:
+        with _reopened(info, held_at) as fd:
             if fd is not None:
                 st = os.fstat(fd)
                 entries = _acl(fd, st, info["path"])
@@ -166,12 +168,20 @@ def revoke(run_dir: str, uid: int) -> None:
 
 
 @contextlib.contextmanager
-def _reopened(info: dict):
+def _reopened(info: dict, held_at: str | None):
     """The file the lease names, if it is still that file (a regular file
-    or a block device, of the recorded device and inode)."""
-    try:
-        fd = os.open(info["path"], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    or a block device, of the recorded device and inode), held O_PATH: a
+    name an image root's writer re-pointed is looked at, never opened (a
+    tape or a terminal would notice an open)."""
+    fd = None
+    for path, flags in ((held_at, 0), (info["path"], os.O_NOFOLLOW)):
+        if path is None or fd is not None:
+            continue
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC | flags)
+        except OSError:
+            continue
+    if fd is None:
         yield None          # gone (a deleted image): nothing holds the entry any more
         return
     try:
