@@ -138,3 +138,35 @@ def test_vstor_nova_migrate_takes_only_nova_instances_and_host_names(tmp_path, c
         got, out, err = e.code, *capsys.readouterr()
     assert got == code and message in (err if code else out), (out, err)
     assert err.count("\n") == (1 if code else 0)
+
+
+def test_nothing_read_from_the_host_becomes_a_line_of_nova_conf_or_a_shell_word():
+    """A host name, a refusal (a domain's name) or a PCI id with a newline
+    or shell syntax in it: oslo.config, as nova-compute reads the file,
+    sees only vstor's lines, and the shell (shlex) only vstor's words."""
+    import shlex
+    from vstor.errors import BadInput
+    from vstor.nova import config as nova
+    evil = '\n[pci]\ndevice_spec = {"address": "0000:99:00.0"}\n'
+    offer = nova.Offer("0000:5e:00.0", "8086", "0a54", 0, "type-PCI", "m")
+    s = nova.NovaSetup((offer,), (("0000:5f:00.0", f"vstor passes it through to domain 'x{evil}'"),),
+                       (1, 2), (0,), ())
+    text = nova.nova_conf(s, f"host{evil}")
+    got = ask({"conf": text})
+    addresses = {"{domain}:{bus}:{slot}.{func}".format(**eval(sp["address"])) for sp in got["whitelist"]}
+    assert addresses == {"0000:5e:00.0"}
+    assert [line for line in text.splitlines() if line.startswith("[")] == ["[pci]", "[compute]"]
+    with pytest.raises(BadInput, match="control character"):
+        nova.nova_conf(s, "host", "/etc/nova/provider\n[DEFAULT]")
+    # The shell's words, whatever a capture's ids say (Nova refuses such ids
+    # in device_spec, so they never reach a real nova.conf).
+    offer = nova.Offer("0000:5e:00.0", "8086;rm -rf /", "0a54 $(id)", 0, "type-PCI", "m")
+    s = nova.NovaSetup((offer,), (), (1, 2), (0,), ())
+    for line in nova.flavor_commands(s, None):
+        if line.startswith("openstack"):
+            words = shlex.split(line)
+            assert words[:3] == ["openstack", "flavor", "set"] and words[3] == offer.alias
+            assert f"pci_passthrough:alias={offer.alias}:1" in words
+            assert all(w == "--property" or "=" in w for w in words[4:])
+        else:
+            assert line.startswith("# ") and "\n" not in line

@@ -29,8 +29,10 @@ them and work either way (the PCI filter ignores both tags).
 from __future__ import annotations
 
 import json
+import shlex
 
 from vstor.config import Config
+from vstor.errors import BadInput
 from vstor.host.model import Host, NvmeController, format_cpulist
 from vstor.planner.ledger import Ledger
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
@@ -155,16 +157,28 @@ def flavor_specs(alias: str, count: int = 1, page_kib: int | None = None,
     return out
 
 
+def _flat(text: str) -> str:
+    """`text` on one line: a control character (a newline in a host name, a
+    mount point or a domain's name) written as its escape, so that nothing
+    read from the host becomes a line of nova.conf of its own."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def nova_conf(s: NovaSetup, source: str, provider_dir: str | None = None) -> str:
     """A nova.conf fragment (oslo.config: repeated keys make a list);
     provider_dir: where the provider config file is (vstor.nova.placement)."""
+    if provider_dir is not None and _flat(provider_dir) != provider_dir:
+        raise BadInput(f"the provider config's directory {_flat(provider_dir)!r} cannot be "
+                       "written into nova.conf (a control character)",
+                       hint="--provider-config in a directory with a plain name")
+    source = _flat(source)
     lines = [f"# Written by `vstor nova config` from {source} (Nova 2025.1 or later: aliases",
              "# with live_migratable).  Merge into nova.conf on this compute host; restart",
              "# nova-compute.  The [pci] alias lines must also be in nova.conf on every",
              "# nova-api and scheduler host, the same everywhere (the union of all hosts').",
              "", "[pci]"]
     for address, why in s.excluded:
-        lines.append(f"# not offered: {address}: {why}")
+        lines.append(f"# not offered: {_flat(address)}: {_flat(why)}")
     lines += ["# Each controller below becomes a Placement resource provider with its",
               f"# resource_class and trait {PASSTHROUGH_TRAIT}; Nova cannot turn this off again.",
               "# Once every compute host reports, set [filter_scheduler] pci_in_placement = True",
@@ -191,10 +205,10 @@ def flavor_commands(s: NovaSetup, flavor: str | None, page_kib: int | None = Non
     for a in aliases(s):
         name = flavor or a["name"]
         specs = flavor_specs(a["name"], 1, page_kib, local=a["numa_policy"] == "required")
-        props = " ".join(f"--property {k}={v}" for k, v in specs.items())
+        props = " ".join(f"--property {shlex.quote(f'{k}={v}')}" for k, v in specs.items())
         nodes = sorted({o.node for o in s.offers if o.alias == a["name"] and o.node is not None})
-        out.append(f"# {a['name']}: {sum(o.alias == a['name'] for o in s.offers)} controller(s)"
+        out.append(f"# {_flat(a['name'])}: {sum(o.alias == a['name'] for o in s.offers)} controller(s)"
                    + (f" on node(s) {','.join(map(str, nodes))}" if nodes else "")
                    + f"; Placement: {a['resource_class']} through the alias")
-        out.append(f"openstack flavor set {name} {props}")
+        out.append(f"openstack flavor set {shlex.quote(name)} {props}")
     return out
