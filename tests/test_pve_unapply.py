@@ -190,8 +190,8 @@ def test_refusals_are_one_line_and_change_nothing(pve, capsys, case, code, messa
 # -- a hookscript of the VM's own ----------------------------------------------------------
 
 def test_apply_refuses_a_hookscript_of_the_vms_own_that_does_not_call_vstors(pve, capsys):
-    with open(f"{pve.snippets}/mine.sh", "w") as f:
-        f.write("#!/bin/sh\nlogger \"VM $1 $2\"\n")
+    with open(f"{pve.snippets}/mine.sh", "w") as f:     # naming vstor's in comments is no call
+        f.write(f"#!/bin/sh\n# TODO: call {pve.snippets}/vstor\nlogger \"VM $1 $2\"  # {pve.snippets}/vstor\n")
     pve.vm(CONF.replace("boot:", "hookscript: local:snippets/mine.sh\nboot:", 1))
     pve.intent(pve.file_disk())
     before = _tree(pve)

@@ -18,6 +18,7 @@ arguments; `chains_vstor` looks for that call in the script.
 from __future__ import annotations
 
 import os
+import re
 
 from vstor.errors import BadInput
 from vstor.formats.pve import storage as storage_mod
@@ -93,7 +94,18 @@ def chains_vstor(etc: str, value: str, vstor_script: str) -> bool:
             text = f.read(MAX_BYTES).decode(errors="replace")
     except OSError:
         return False
-    return vstor_script in text
+    return _calls(text, vstor_script)
+
+
+def _calls(text: str, path: str) -> bool:
+    """`path` in the script's code, not only in a comment: shell, Perl and
+    Python comments begin with '#' at the start of a line or after a
+    blank (a path that itself holds ' #' is not one vstor writes)."""
+    for line in text.splitlines():
+        code = re.sub(r"(^|\s)#.*", "", line)
+        if path in code:
+            return True
+    return False
 
 
 def own_hookscript(vm: int, value: str, vstor_script: str) -> BadInput:
