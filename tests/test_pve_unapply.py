@@ -383,3 +383,23 @@ def test_keys_left_by_an_unapply_killed_before_their_removal_are_not_taken_by_th
     assert pve.vstor("pve", "apply", "100", *QEMU) == 0, capsys.readouterr().err
     assert pve.vstor("pve", "unapply", "100") == 0, capsys.readouterr().err
     assert pve.config() == before
+
+
+@pytest.mark.process
+def test_apply_refuses_a_users_pcie_passthrough_line_qemu_server_refuses_on_i440fx(pve, capsys):
+    """The judge is qemu-server itself: it dies on hostpciN's pcie=1 unless
+    the machine is q35; vstor's apply must not write its plan into a config
+    that can never start."""
+    from tests.pve.oracle import require, showcmd
+    require()
+    conf = CONF.replace("boot:", "hostpci3: 0000:61:00.0,pcie=1\nboot:", 1)
+    refused = showcmd(conf, PCI)
+    assert refused.code == 2 and "q35 machine model is not enabled" in refused.err
+    assert showcmd(conf.replace("boot:", "machine: q35\nboot:", 1), PCI).code in (0, 3)
+    pve.vm(conf)
+    pve.intent(pve.file_disk())
+    before = _tree(pve)
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 2
+    err = capsys.readouterr().err
+    assert "hostpci3 asks for pcie=1, which qemu-server refuses on machine" in err
+    assert err.count("\n") == 1 and _tree(pve) == before

@@ -251,6 +251,11 @@ def _hostpci(conf: PveConfig, plan: Plan, previous: tuple[Plan, ...], vm: int,
             if host in wanted:
                 placed[host] = key
             continue
+        if not is_q35(machine) and _flag(value, "pcie"):
+            # qemu-server dies on it at every start (PVE::QemuServer::PCI).
+            raise BadInput(f"VM {vm}: {key} asks for pcie=1, which qemu-server refuses on "
+                           f"machine '{machine or 'pc'}' (q35 machine model is not enabled)",
+                           hint=f"qm set {vm} --machine q35, or drop pcie=1 from {key}")
         ids = grammar.handed(key, value, guard.mappings, f"VM {vm}: {key}")
         for ctrl, why in {**served, **held}.items():
             if grammar.names(ids, ctrl):
@@ -268,6 +273,16 @@ def _hostpci(conf: PveConfig, plan: Plan, previous: tuple[Plan, ...], vm: int,
             placed[bdf] = key
         out[key] = f"{bdf}{pcie}"
     return out
+
+
+def _flag(value: str, name: str) -> bool:
+    """A boolean option of a property string set (qemu-server's booleans:
+    1, on, yes, true)."""
+    for part in value.split(",")[1:]:
+        key, _, flag = part.partition("=")
+        if key.strip() == name:
+            return flag.strip().lower() in ("1", "on", "yes", "true")
+    return False
 
 
 def vstors_line(value: str, controllers: set[str]) -> str | None:
