@@ -309,6 +309,12 @@ def _two_cells(pve) -> Plan:
 @pytest.mark.parametrize("user, words", [
     ("-device virtio-net-pci,bus=vstor-cell0,netdev=n", "which is vstor's"),
     ("-device '{\"driver\":\"e1000\",\"bus\":\"vstor-cell1-vdc\"}'", "which is vstor's"),
+    # A user's own expander bus, in each form QEMU takes a -device in.
+    ("-device pxb-pcie,id=mine,bus_nr=200,bus=pcie.0", "a PCI expander bus"),
+    ("-device driver=pxb-pcie,id=mine,bus_nr=200,bus=pcie.0", "a PCI expander bus"),
+    ("-device id=mine,driver=pxb,bus_nr=200", "a PCI expander bus"),
+    ("-device '{\"driver\": \"pxb-pcie\", \"id\": \"mine\", \"bus_nr\": 200, \"bus\": \"pcie.0\"}'",
+     "a PCI expander bus"),
 ])
 def test_a_users_device_on_vstors_buses_is_refused(pve2, user, words):
     plan = _two_cells(pve2)

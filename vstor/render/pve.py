@@ -210,11 +210,30 @@ def _check_expanders(tokens: list[str], vm: int) -> None:
     slot and the bus numbers from 255 down; a user's own would collide."""
     for i, word in enumerate(tokens[:-1]):
         value = tokens[i + 1]
-        if word.lstrip("-") == "device" and re.match(r"pxb(-pcie)?(,|$)", value):
+        if word.lstrip("-") == "device" and _driver_of(value) in ("pxb", "pxb-pcie"):
             raise BadInput(f"VM {vm}: args has '{word} {value[:40]}', a PCI expander bus; vstor's "
                            "guest cells bring their own, in the slot and bus numbers it would take",
                            hint=f"remove it from args (qm set {vm} --args '...'), or plan the VM "
                                 "with cells='one'")
+
+
+def _driver_of(value: str) -> str | None:
+    """A -device's driver in each form QEMU takes: JSON (`{"driver": ...}`),
+    the implied first word, or `driver=` anywhere in the list."""
+    if value.lstrip().startswith("{"):
+        try:
+            found = json.loads(value).get("driver")
+        except (ValueError, AttributeError):
+            return None
+        return found if isinstance(found, str) else None
+    parts = value.replace(",,", "\0").split(",")
+    if "=" not in parts[0]:
+        return parts[0]
+    for part in parts:
+        key, _, driver = part.partition("=")
+        if key.strip() == "driver":
+            return driver
+    return None
 
 
 def _memory_backend(value: str) -> bool:
