@@ -403,3 +403,24 @@ def test_apply_refuses_a_users_pcie_passthrough_line_qemu_server_refuses_on_i440
     err = capsys.readouterr().err
     assert "hostpci3 asks for pcie=1, which qemu-server refuses on machine" in err
     assert err.count("\n") == 1 and _tree(pve) == before
+
+
+def test_unapply_takes_vstors_lines_out_of_pending_too(pve, capsys):
+    """A change made while the VM ran waits in [PENDING] and comes back at
+    the next start: vstor's lines there go with the main section's, and the
+    user's pending change stays."""
+    from vstor.formats.pve.config import PveConfig
+    pve.vm()
+    pve.intent(pve.file_disk())
+    before = pve.config()
+    assert pve.vstor("pve", "apply", "100", *QEMU) == 0
+    applied = PveConfig.parse(pve.config())
+    ours = [ln.raw for ln in applied.main.lines if ln.key in ("numa0", "hugepages", "affinity")]
+    assert ours
+    pending = "\n".join(ours + ["hookscript: local:snippets/vstor"])
+    pve.vm(pve.config().replace("[PENDING]\n", f"[PENDING]\n{pending}\n", 1))
+    capsys.readouterr()
+    assert pve.vstor("pve", "unapply", "100") == 0
+    out = capsys.readouterr().out
+    assert pve.config() == before, out
+    assert "pending numa0" in out and "pending hookscript" in out

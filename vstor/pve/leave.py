@@ -22,24 +22,37 @@ import re
 
 from vstor.errors import BadInput
 from vstor.formats.pve import storage as storage_mod
-from vstor.formats.pve.config import MAX_BYTES, PveConfig
+from vstor.formats.pve.config import MAX_BYTES, PveConfig, Section
 from vstor.meta.plan import Plan
 from vstor.render import pve as render
 
 
 def strip(conf: PveConfig, plans: tuple[Plan, ...], hook: str, vm: int,
           written: set[str] | None = None) -> list[str]:
-    """Remove vstor's lines from the config's main section; the keys removed
-    or changed, in config order.  `written`: the placement keys apply
-    recorded writing (None: not recorded, every one equal to a plan's).  Refused (nothing changed) when the args
-    line holds vstor's id prefix in a shape vstor does not write."""
+    """Remove vstor's lines from the config's main section and from its
+    [PENDING] section (a change Proxmox holds until the next start, which
+    would bring them back); the keys removed or changed, in config order
+    (a pending one as `pending KEY`).  `written`: the placement keys apply
+    recorded writing (None: not recorded, every one equal to a plan's).
+    Refused (nothing changed) when an args line holds vstor's id prefix in
+    a shape vstor does not write."""
+    changed: list[str] = []
+    for section in conf.sections:
+        if section.name is None or section.name.lower() == "pending":
+            prefix = "" if section.name is None else "pending "
+            changed += [prefix + key for key in _strip(section, plans, hook, vm, written)]
+    return changed
+
+
+def _strip(section: Section, plans: tuple[Plan, ...], hook: str, vm: int,
+           written: set[str] | None) -> list[str]:
     ours = [render.placement(p) for p in plans]
     changed: list[str] = []
-    args = _user_args(conf.get("args"), vm)
+    args = _user_args(section.get("args"), vm)
     controllers = {d.controller for p in plans for d in p.disks if d.mode == "passthrough"}
     seen: set[str] = set()
-    for key in conf.keys():
-        value = conf.get(key)
+    for key in section.keys():
+        value = section.get(key)
         if key in render.PLACEMENT_KEYS:
             mine = (written is None or key in written) and any(o.get(key) == value for o in ours)
         elif key in render.HOSTPCI_KEYS:
@@ -54,9 +67,10 @@ def strip(conf: PveConfig, plans: tuple[Plan, ...], hook: str, vm: int,
             changed.append(key)
     for key in changed:
         if key == "args" and args:
-            conf.set(key, args)
-        else:
-            conf.delete(key)
+            line = next(ln for ln in reversed(section.lines) if ln.key == key)
+            line.raw, line.value = f"{key}: {args}", args
+        section.lines = [ln for ln in section.lines
+                         if ln.key != key or (key == "args" and args and ln.value == args)]
     return changed
 
 
