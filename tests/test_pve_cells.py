@@ -518,3 +518,21 @@ def _numbered(dev) -> bool:
     """Found by the firmware: on a bus it numbered, its memory BARs placed."""
     return bool(dev and dev["bus"] and all(r["address"] != 2**64 - 1 for r in dev["regions"]
                                            if r["type"] == "memory"))
+
+
+def test_unapply_recognises_the_lines_an_older_vstor_wrote_for_a_plan_refused_today(pve2):
+    """An older vstor wrote numaN with hugepages on host node 11 and
+    `affinity: 0`; today's renderer refuses the first and writes `0-0` for
+    the second.  unapply still takes every one of them out."""
+    from vstor.formats.pve.config import PveConfig
+    from vstor.pve import leave
+    plan = _two_cells(pve2)
+    far = replace(plan, cells=(plan.cells[0], replace(plan.cells[1], node=11)),
+                  vcpu_pins=(0,) * len(plan.vcpu_pins), emulator=(0,), cpus="dedicated")
+    old = render.placement(far, check=False)
+    assert old["affinity"] == "0" and "hostnodes=11" in old["numa1"]
+    text = "cores: 4\nmemory: 4096\n" + "".join(f"{k}: {v}\n" for k, v in old.items() if v)
+    conf = PveConfig.parse(text)
+    removed = leave.strip(conf, (far,), "local:snippets/vstor", 100)
+    assert set(removed) == {k for k, v in old.items() if v}
+    assert conf.to_text() == "cores: 4\nmemory: 4096\n"

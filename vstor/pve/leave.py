@@ -46,7 +46,10 @@ def strip(conf: PveConfig, plans: tuple[Plan, ...], hook: str, vm: int,
 
 def _strip(section: Section, plans: tuple[Plan, ...], hook: str, vm: int,
            written: set[str] | None) -> list[str]:
-    ours = [render.placement(p) for p in plans]
+    # As each plan renders now, and as an older vstor wrote it (no refusal
+    # of a plan today's renderer would not write; `affinity: 0`).
+    ours = [render.placement(p, check) for p in plans for check in (True, False)
+            if check is False or _renders(p)]
     changed: list[str] = []
     args = _user_args(section.get("args"), vm)
     controllers = {d.controller for p in plans for d in p.disks if d.mode == "passthrough"}
@@ -72,6 +75,14 @@ def _strip(section: Section, plans: tuple[Plan, ...], hook: str, vm: int,
         section.lines = [ln for ln in section.lines
                          if ln.key != key or (key == "args" and args and ln.value == args)]
     return changed
+
+
+def _renders(plan: Plan) -> bool:
+    try:
+        render.placement(plan)
+    except BadInput:
+        return False
+    return True
 
 
 def _user_args(text: str | None, vm: int) -> str | None:

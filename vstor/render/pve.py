@@ -84,33 +84,35 @@ def drift(conf: PveConfig, plan: Plan, qemu: tuple[int, int], vm: int,
     return [k for k, v in want.items() if conf.get(k) != v]
 
 
-def placement(plan: Plan) -> dict[str, str | None]:
+def placement(plan: Plan, check: bool = True) -> dict[str, str | None]:
+    """The placement keys of the plan.  check=False: as an older vstor may
+    have written them (to recognise them, never to write): nothing refused."""
     out: dict[str, str | None] = dict.fromkeys(NUMA_KEYS)
     if plan.cells or (plan.node is not None and (plan.hugepage_kib or plan.numa != "none")):
         policy = "bind" if plan.numa == "strict" else "preferred"
         out["numa"] = "1"
         for cell in plan.guest_cells():
-            out[f"numa{cell.id}"] = _numa_line(plan, cell, policy)
+            out[f"numa{cell.id}"] = _numa_line(plan, cell, policy, check)
     out["hugepages"] = PAGES.get(plan.hugepage_kib) if plan.hugepage_kib else None
     cores = set(plan.vcpu_pins) | set(plan.emulator) if plan.cpus == "dedicated" else \
         set(plan.shared_cpus) | set(plan.emulator)
     # qemu-server tests `if ($conf->{affinity})`: Perl takes "0" as false and
     # would run the VM unpinned; "0-0" is the same set, and true.
     affinity = format_cpulist(sorted(cores)) if cores else None
-    out["affinity"] = "0-0" if affinity == "0" else affinity
+    out["affinity"] = "0-0" if affinity == "0" and check else affinity
     return out
 
 
-def _numa_line(plan: Plan, cell, policy: str) -> str:
+def _numa_line(plan: Plan, cell, policy: str, check: bool = True) -> str:
     """numaK of one guest cell; refused (naming the cell) where qemu-server
     would refuse it or start the VM otherwise than planned."""
     which = f"{plan.domain}: guest cell {cell.id}: " if plan.cells else f"{plan.domain}: "
-    if plan.hugepage_kib and cell.node >= HUGEPAGE_NODES:
+    if check and plan.hugepage_kib and cell.node >= HUGEPAGE_NODES:
         raise BadInput(f"{which}hugepages on host node {cell.node}, which Proxmox cannot "
                        "bind (qemu-server's hugepages_topology takes nodes 0-9 only)",
                        hint=f"plan it again ({plan.domain} then lands on nodes 0-9)")
     unit = plan.hugepage_kib or 1024
-    if plan.cells and cell.memory_kib % max(unit, 1024):
+    if check and plan.cells and cell.memory_kib % max(unit, 1024):
         size = f"{unit // 1024} MiB pages" if plan.hugepage_kib else "MiB"
         raise BadInput(f"{which}{cell.memory_kib} KiB of memory is not a whole number of {size}, "
                        "which a numaN line of Proxmox needs",
