@@ -536,3 +536,26 @@ def test_unapply_recognises_the_lines_an_older_vstor_wrote_for_a_plan_refused_to
     removed = leave.strip(conf, (far,), "local:snippets/vstor", 100)
     assert set(removed) == {k for k, v in old.items() if v}
     assert conf.to_text() == "cores: 4\nmemory: 4096\n"
+
+
+@pytest.mark.process
+def test_a_guest_cell_across_two_sockets_is_refused_and_aligned_cells_are_applied(pve3, capsys):
+    """sockets: 2, cores: 3 and three cells: cell 1 would hold vCPU 2
+    (socket 0) and vCPU 3 (socket 1).  Refused, nothing written; with
+    sockets: 3, cores: 2 each cell is one socket, and qemu-server's own
+    command line says so (-smp and the numa cpus ranges)."""
+    from tests.pve.oracle import require, showcmd
+    pve3.vm("sockets: 2\ncores: 3\nmemory: 3072\nmachine: q35\nname: db\n")
+    pve3.intent(THREE, vm="<vstor:vm hugepages='2M'/>")
+    before = pve3.config()
+    assert pve3.vstor("pve", "apply", "100", "--qemu-version", QEMU) == 2
+    err = capsys.readouterr().err
+    assert "guest cell 1 would hold vCPUs of sockets 0, 1 (sockets: 2, cores: 3)" in err, err
+    assert err.count("\n") == 1 and pve3.config() == before
+    pve3.vm("sockets: 3\ncores: 2\nmemory: 3072\nmachine: q35\nname: db\n")
+    assert pve3.vstor("pve", "apply", "100", "--qemu-version", QEMU) == 0, capsys.readouterr().err
+    require()
+    start = showcmd(pve3.config(), qemu=QEMU)
+    assert start.after("-smp")[0].startswith("6,sockets=3,cores=2")
+    cpus = [p.split("cpus=")[1].split(",")[0] for p in start.after("-numa") if "cpus=" in p]
+    assert cpus == ["0-1", "2-3", "4-5"]

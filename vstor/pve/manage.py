@@ -13,7 +13,7 @@ from vstor.config import Config
 from vstor.errors import BadInput, VstorError
 from vstor.formats.pve import grammar
 from vstor.formats.pve.config import PveConfig
-from vstor.formats.pve.vm import name_of
+from vstor.formats.pve.vm import count_of, name_of
 from vstor.host.model import Host
 from vstor.meta.plan import Plan
 from vstor.planner import Request, fit, plan_domain
@@ -85,12 +85,33 @@ def make_plan(host: Host, cfg: Config, vm: Vm, ledger: Ledger) -> Plan:
     plan = plan_domain(host, cfg, vm.req, ledger)
     if not plan.cells:
         return plan
+    _check_sockets(vm, plan)
     # What a guest with cells cannot get on Proxmox: a hostpciN line has no bus option.
     disks = tuple(replace(d, reasons=d.reasons + (
         f"in guest cell {plan.disk_cell(d).id} (host node {plan.disk_cell(d).node}), but on "
         "qemu-server's own PCI buses (a hostpciN line has no bus option): the guest sees the "
         "controller on no NUMA node",)) if d.mode == "passthrough" else d for d in plan.disks)
     return replace(plan, disks=disks)
+
+
+def _check_sockets(vm: Vm, plan: Plan) -> None:
+    """A guest cell's vCPUs within one of the VM's sockets: QEMU numbers
+    vCPUs socket by socket (cores per socket each), and a guest node
+    holding vCPUs of two sockets is a topology no real machine has (Linux
+    then warns of a broken topology and schedules across it)."""
+    where = f"VM {vm.vmid}"
+    sockets, cores = count_of(vm.conf, "sockets", where), count_of(vm.conf, "cores", where)
+    if sockets < 2:
+        return
+    for cell in plan.cells:
+        held = sorted({v // cores for v in cell.vcpus})
+        if len(held) > 1:
+            raise BadInput(f"{where}: guest cell {cell.id} would hold vCPUs of sockets "
+                           f"{', '.join(map(str, held))} (sockets: {sockets}, cores: {cores}); "
+                           "a guest cell's vCPUs must be within one socket",
+                           hint=f"give the VM as many cells as sockets (or a multiple that divides "
+                                f"its cores), or one socket: qm set {vm.vmid} --sockets 1 "
+                                f"--cores {sockets * cores}")
 
 
 def recorded_plan(vm: Vm) -> Plan:
