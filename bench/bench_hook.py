@@ -39,7 +39,7 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-from bench.sanity import NO_SUPERVISOR, Sanity, holders  # noqa: E402
+from bench.sanity import NO_SUPERVISOR, YARDSTICK_START, Sanity, holders  # noqa: E402
 
 PLAIN_DOMAIN = b"""<domain type='kvm'><name>plain</name><memory unit='GiB'>4</memory><vcpu>2</vcpu>
 <devices><disk type='file' device='disk'><source file='/var/lib/libvirt/images/plain.qcow2'/>
@@ -113,27 +113,13 @@ YARDSTICK = """#!{python} -S
 import os, sys
 sys.stdin.buffer.read()
 DAEMONS = {daemons!r}     # (argv, pidfile, source, socket, uid)
+{start}
 if sys.argv[2] == "prepare":
-    import socket, subprocess
     held, started = [], []
-    for argv, pidfile, source, path, uid in DAEMONS:
-        fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
-        socks = []
-        for where in (path, pidfile[:-4] + ".qmp"):
-            sock = socket.socket(socket.AF_UNIX)
-            if os.path.exists(where):
-                os.unlink(where)
-            sock.bind(where)
-            sock.listen()
-            socks.append(sock)
-        pid = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.fchown(pid, uid, uid)
-        os.close(pid)
-        started.append(subprocess.Popen(
-            [a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(socks[0].fileno()))
-              .replace("QMP_FD", str(socks[1].fileno())) for a in argv],
-            pass_fds=(fd, socks[0].fileno(), socks[1].fileno())))
-        held += [fd, *socks]
+    for daemon in DAEMONS:
+        proc, keep = start(*daemon)
+        started.append(proc)
+        held += keep
     if any([p.wait() for p in started]):
         sys.exit(1)
 elif sys.argv[2] == "release":
@@ -197,7 +183,8 @@ def through_hook(pairs: int, work: str, run: str, dom, cfg, sanity: Sanity) -> N
     xml = dom.to_string().encode()
     stick = os.path.join(work, "yardstick")
     with open(stick, "w") as f:
-        f.write(YARDSTICK.format(python=sys.executable, daemons=same_daemons(run, dom, cfg)))
+        f.write(YARDSTICK.format(python=sys.executable, daemons=same_daemons(run, dom, cfg),
+                                 start=YARDSTICK_START))
     os.chmod(stick, 0o755)
     disks = _disks(work)
 

@@ -35,7 +35,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
 from bench import storm_check as check  # noqa: E402
-from bench.sanity import Sanity  # noqa: E402
+from bench.sanity import YARDSTICK_START, Sanity  # noqa: E402
 from bench.storm import Run, World, aio_room, daemons_under  # noqa: E402
 
 YARDSTICK = """#!{python} -S
@@ -43,29 +43,17 @@ YARDSTICK = """#!{python} -S
 # command lines have them (the source opened and the sockets listening,
 # handed over as descriptors; confined, the pidfile made for its uid), and
 # stop them at release; nothing checked, no ACL (the images are open to all).
-import os, signal, socket, subprocess, sys, time
+import os, signal, sys, time
 sys.stdin.buffer.read()
 DAEMONS = {daemons!r}     # (argv, pidfile, source, socket, uid)
+{start}
 if sys.argv[2] == "prepare":
-    for argv, pidfile, source, path, uid in DAEMONS:
-        fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
-        socks = []
-        for where in (path, pidfile[:-4] + ".qmp"):
-            sock = socket.socket(socket.AF_UNIX)
-            if os.path.exists(where):
-                os.unlink(where)
-            sock.bind(where)
-            sock.listen()
-            socks.append(sock)
-        pid = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.fchown(pid, uid, uid)
-        os.close(pid)
-        subprocess.run([a.replace("SRC_FD", str(fd)).replace("SOCK_FD", str(socks[0].fileno()))
-                        .replace("QMP_FD", str(socks[1].fileno())) for a in argv],
-                       check=True, pass_fds=(fd, socks[0].fileno(), socks[1].fileno()))
-        for sock in socks:
-            sock.close()
-        os.close(fd)
+    for daemon in DAEMONS:
+        proc, keep = start(*daemon)
+        if proc.wait():
+            sys.exit(1)
+        for held in keep:
+            held.close() if hasattr(held, "close") else os.close(held)
 elif sys.argv[2] == "release":
     pids = [int(open(p).read()) for _, p, _, _, _ in DAEMONS]
     for pid in pids:
@@ -114,7 +102,8 @@ class Yardstick:
                 uid -= 1
             path = os.path.join(self.dir, name)
             with open(path, "w") as f:
-                f.write(YARDSTICK.format(python=sys.executable, daemons=daemons))
+                f.write(YARDSTICK.format(python=sys.executable, daemons=daemons,
+                                         start=YARDSTICK_START))
             os.chmod(path, 0o755)
             self.scripts[name] = path
 

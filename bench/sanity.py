@@ -123,3 +123,31 @@ def _fds(pid: int) -> list[str]:
 
 def _below(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+# A yardstick's start of one daemon as vstor starts it (bench_hook's and
+# bench_storm's scripts include it): the source opened and the vhost-user
+# and QMP sockets bound and listening, handed over as descriptors; the
+# pidfile made for the confined daemon's uid.  The process and what the
+# caller must keep open until it has started.
+YARDSTICK_START = """
+def start(argv, pidfile, source, path, uid):
+    import socket, subprocess
+    fd = os.open(source, os.O_PATH | os.O_CLOEXEC)
+    socks = []
+    for where in (path, pidfile[:-4] + ".qmp"):
+        sock = socket.socket(socket.AF_UNIX)
+        if os.path.exists(where):
+            os.unlink(where)
+        sock.bind(where)
+        sock.listen()
+        socks.append(sock)
+    pid = os.open(pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.fchown(pid, uid, uid)
+    os.close(pid)
+    fds = {"SRC_FD": fd, "SOCK_FD": socks[0].fileno(), "QMP_FD": socks[1].fileno()}
+    for name, n in fds.items():
+        argv = [a.replace(name, str(n)) for a in argv]
+    return subprocess.Popen(argv, pass_fds=tuple(fds.values())), [fd, *socks]
+"""
+
