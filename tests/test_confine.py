@@ -305,7 +305,8 @@ def test_starts_side_by_side_take_different_uids(site):
 
 def test_the_jail_refuses_what_it_cannot_do_in_one_line():
     for argv in (["--uid", "0", "--", "/bin/true"], ["--uid", "x", "--", "/bin/true"],
-                 ["--uid", "1879100000"]):
+                 ["--uid", "1879100000"],
+                 ["--uid", "1879100000", "--hide", "/usr", "--", "/usr/bin/true"]):
         done = subprocess.run([sys.executable, "-I", "-S", JAIL, *argv], capture_output=True,
                               text=True)
         assert done.returncode == 125

@@ -101,8 +101,12 @@ def _setattr(path: str, flags: int, attr_set: int, attr_clr: int) -> None:
         ctypes.c_uint(flags), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr))))
 
 
-def view(hide: list[str], pidfile: str | None) -> None:
+def view(hide: list[str], pidfile: str | None, binary: str = "/") -> None:
     """The namespaces and the read-only view of the filesystem."""
+    for path in hide:
+        if os.path.commonpath([path, binary]) == path:
+            raise Failed(f"image root {path} holds {binary}, which cannot be hidden from the "
+                         "daemon: narrow [paths] images")
     _call("unshare", _libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS))
     _mount(None, "/", None, MS_REC | MS_PRIVATE)       # nothing done here reaches the host
     real = os.open(pidfile, os.O_PATH | os.O_NOFOLLOW) if pidfile else -1
@@ -207,7 +211,7 @@ def main(argv: list[str]) -> int:
         uid, cpus, pidfile, hide, command = _parse(argv)
         if cpus:
             os.sched_setaffinity(0, cpus)
-        view(hide, pidfile)
+        view(hide, pidfile, command[0])
         identity(uid)
         seccomp()
         os.execv(command[0], command)
