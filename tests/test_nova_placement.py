@@ -223,3 +223,42 @@ def test_the_pure_view_refuses_an_empty_inventory(host_model):
     from vstor.nova import placement
     with pytest.raises(VstorError, match="1 or more"):
         placement.view(host_model("two-socket"), Config(), 1, qsd_installed=True, vhost_disks=0)
+
+
+def test_an_sriov_host_starts_nova_compute_and_each_alias_gets_whole_controllers(
+        tmp_path, capsys, host_layout, host_model):
+    """Node 1's PF has 2 VFs enabled.  Nova's PCI tracker holds every NVMe
+    function as the kernel shows it (the PF type-PF, its VFs type-VF with
+    the PF as parent); a device_spec matching a PF and one of its VFs makes
+    Nova's placement translator raise, which stops nova-compute.  vstor
+    offers neither: the PF with enabled VFs nor any VF; node 0's PF (no VFs)
+    and the Intel controller are offered, and the flavor comments count
+    exactly those."""
+    from vstor.nova import config as nova
+    from vstor.planner.ledger import Ledger
+    host = host_model("sriov")
+    pf = next(c for c in host.controllers if c.address == "0000:61:00.0")
+    assert pf.virtfns == ("0000:61:00.1", "0000:61:00.2")
+    assert {c.physfn for c in host.controllers if c.physfn} == {"0000:61:00.0"}
+    conf, _ = _write(tmp_path, capsys, host_layout("sriov"))
+    s = nova.setup(host, Config(), Ledger())
+    assert {o.address for o in s.offers} == {"0000:3b:00.0", "0000:5e:00.0"}
+    excluded = dict(s.excluded)
+    assert "2 SR-IOV virtual functions enabled" in excluded["0000:61:00.0"]
+    assert all(excluded[f"0000:61:00.{k}"].startswith("an SR-IOV virtual function of 0000:61:00.0")
+               for k in (1, 2))
+    devices = [{"address": c.address, "vendor_id": nova._id(c.vendor), "product_id": nova._id(c.device),
+                "dev_type": "type-VF" if c.physfn else "type-PF" if c.sriov_vfs else "type-PCI",
+                "numa_node": c.numa_node, "parent_addr": c.physfn} for c in host.controllers]
+    aliases = [f"{a['name']}:1" for a in nova.aliases(s)]
+    got = ask({"conf": conf, "placement": {"devices": devices, "aliases": aliases}})["placement"]
+    assert "pci_error" not in got, got["pci_error"]
+    assert set(got["pci_providers"]) == {"compute-7_0000:3B:00.0", "compute-7_0000:5E:00.0"}
+    # What vstor offered before: every NVMe function, the VFs as type-PCI.
+    before = conf.replace("\n[compute]", "".join(
+        f'device_spec = {{"address": "{a}", "live_migratable": "no"}}\n'
+        for a in ("0000:61:00.0", "0000:61:00.1")) + "\n[compute]", 1)
+    bad = ask({"conf": before, "placement": {"devices": devices}})["placement"]
+    assert "PlacementPciDependentDeviceException" in bad["pci_error"]
+    comments = [line for line in nova.flavor_commands(s, None) if line.startswith("# ")]
+    assert sorted(int(line.split(": ")[1].split()[0]) for line in comments) == [1, 1]

@@ -38,6 +38,7 @@ only `node.cores` and `nvme.address` are required:
     irqs = 9                     # MSI-X vectors (default: 1 admin + min(CPUs, 32))
     multipath = false            # true: nvme0c0n1 path devices under head nvme0n1
     sriov = 0                    # sriov_totalvfs (> 0: SR-IOV capable, a PF to libvirt and Nova)
+    vfs = 0                      # enabled VFs (sriov_numvfs): unbound NVMe functions .1-.N, physfn/virtfnN links
     [[nvme.namespace]]           # default: one namespace of 1TB
     size = "4TB"                 # KB/MB/GB/TB decimal; K/M/G/T and KiB/MiB/GiB/TiB binary
     scheduler = "none"

@@ -25,7 +25,7 @@ KEYS = {
     "pci": {"address", "class", "vendor", "device", "driver", "node", "iommu_group", "port",
             "irqs", "netdevs"},
     "nvme": {"address", "vendor", "device", "driver", "node", "iommu_group", "port", "irqs",
-             "name", "model", "serial", "multipath", "namespace", "sriov"},
+             "name", "model", "serial", "multipath", "namespace", "sriov", "vfs"},
     "rdma": {"name", "address", "class", "vendor", "device", "driver", "node", "iommu_group",
              "port", "netdevs"},
     "namespace": {"size", "nsid", "scheduler", "partitions"} | USE_KEYS,
@@ -98,6 +98,8 @@ class Pci:
     netdevs: dict = field(default_factory=dict)
     path: str = ""
     sriov: int = 0              # sriov_totalvfs: an SR-IOV capable function
+    vfs: list = field(default_factory=list)     # its enabled virtual functions' addresses
+    pf: str | None = None       # a virtual function's physical function
 
     @property
     def is_bridge(self) -> bool:

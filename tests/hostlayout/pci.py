@@ -22,6 +22,7 @@ def collect_pci(b: Build) -> None:
         dev = _add_pci(b, spec, "nvme", (NVME_CLASS, "0x8086", "0x0a54", "nvme"))
         if dev.driver == "nvme" and "irqs" not in spec:
             dev.irqs = 1 + min(len(b.cpus), 32)
+        _virtual_functions(b, dev, spec.get("vfs", 0))
     for spec in b.layout.get("rdma", []):
         _add_pci(b, spec, "rdma", ("0x020000", "0x15b3", "0x1017", "mlx5_core"))
     if any(d.get("name", "").startswith("sd") and "pci" not in d for d in b.layout.get("disk", [])):
@@ -53,6 +54,21 @@ def _add_pci(b: Build, spec: dict, kind: str, defaults: tuple[str, str, str, str
               spec.get("irqs", 0), spec.get("netdevs", {}), sriov=spec.get("sriov", 0))
     b.pci[address] = dev
     return dev
+
+
+def _virtual_functions(b: Build, pf: Pci, count: int) -> None:
+    """`count` enabled VFs of an SR-IOV PF (sriov_numvfs), as the kernel
+    makes them: NVMe functions after the PF on its bus (unbound here),
+    each with `physfn`, the PF with `virtfnN`."""
+    if count and not 0 < count <= pf.sriov:
+        raise BadInput(f"nvme {pf.address}: vfs = {count} needs sriov (totalvfs) of at least that")
+    for k in range(1, count + 1):
+        address = f"{pf.address[:-1]}{k}"
+        if address in b.pci:
+            raise BadInput(f"PCI address {address} is described twice")
+        b.pci[address] = Pci(address, pf.pci_class, pf.vendor, pf.device, None, pf.node,
+                             port=pf.port, pf=pf.address)
+        pf.vfs.append(address)
 
 
 def _runs(numbers: list[int]) -> list[list[int]]:
@@ -124,7 +140,11 @@ def _write_function(b: Build, dev: Pci) -> None:
     t.link(f"/sys/bus/pci/devices/{dev.address}", p)
     if dev.sriov:
         t.write(f"{p}/sriov_totalvfs", dev.sriov)
-        t.write(f"{p}/sriov_numvfs", 0)
+        t.write(f"{p}/sriov_numvfs", len(dev.vfs))
+    for k, vf in enumerate(dev.vfs):
+        t.link(f"{p}/virtfn{k}", b.pci[vf].path)
+    if dev.pf:
+        t.link(f"{p}/physfn", b.pci[dev.pf].path)
     if dev.driver:
         driver = write_driver(b, dev.driver)
         t.link(f"{p}/driver", driver)

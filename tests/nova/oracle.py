@@ -88,9 +88,11 @@ def placement(req: dict) -> dict:
       (named req "node", with the COMPUTE_NODE trait and a VCPU inventory):
       {"provider_config_location", "compute_node": {inventory, traits}} or
       {"provider_error"};
-    - devices ([{address, vendor_id, product_id, dev_type, numa_node}], as
-      nova-compute's PCI tracker holds them): the providers Nova's PCI
-      placement translator makes of them under [pci] device_spec;
+    - devices ([{address, vendor_id, product_id, dev_type, numa_node,
+      parent_addr}], as nova-compute's PCI tracker holds them): the
+      providers Nova's PCI placement translator makes of the ones [pci]
+      device_spec matches, or the exception that stops nova-compute
+      ("pci_error");
     - aliases ([alias:count]): the request groups the scheduler asks
       Placement for with [filter_scheduler] pci_in_placement;
     - flavor_specs: the unsuffixed group the scheduler asks for a flavor
@@ -123,11 +125,17 @@ def placement(req: dict) -> dict:
     if "devices" in req:
         wl = whitelist.Whitelist(CONF.pci.device_spec)
         view = pci_placement_translator.PlacementView(node, [])
-        for d in req["devices"]:
-            dev = objects.PciDevice(status="available", parent_addr=None, instance_uuid=None,
-                                    extra_info={}, compute_node_id=1, **d)
-            view.process_dev(dev, wl.get_devspec(dev))
-        view.update_provider_tree(tree, {})
+        try:
+            for d in req["devices"]:
+                # Nova's PCI tracker keeps only what device_spec matches.
+                dev = objects.PciDevice(status="available", instance_uuid=None, extra_info={},
+                                        compute_node_id=1, **{"parent_addr": None, **d})
+                spec = wl.get_devspec(dev)
+                if spec is not None:
+                    view.process_dev(dev, spec)
+            view.update_provider_tree(tree, {})
+        except exception.NovaException as e:    # what stops nova-compute at its start
+            out["pci_error"] = f"{type(e).__name__}: {e}"
         out["pci_providers"] = {tree.data(u).name: {"inventory": tree.data(u).inventory,
                                                     "traits": sorted(tree.data(u).traits)}
                                 for u in tree.get_provider_uuids() if u != root}

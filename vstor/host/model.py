@@ -95,6 +95,8 @@ class NvmeController:
     irqs: tuple[tuple[int, tuple[int, ...]], ...] = ()
     backs_root: bool = False    # the root filesystem lives on it
     sriov_vfs: int = 0          # sriov_totalvfs: SR-IOV capable (libvirt, and Nova, call it a PF)
+    virtfns: tuple[str, ...] = ()   # its enabled virtual functions (virtfnN), by address
+    physfn: str | None = None   # a virtual function's physical function (physfn), by address
 
     @property
     def in_use(self) -> tuple[str, ...]:

@@ -176,6 +176,9 @@ def read_controller(sysfs: SysFS, address: str, usage: BlockUsage) -> NvmeContro
         irqs=read_msi_irqs(sysfs, dev),
         backs_root=any(backs_root for _, backs_root in namespaces),
         sriov_vfs=sysfs.read_int(f"{dev}/sriov_totalvfs", 0, optional=True) or 0,
+        virtfns=tuple(sorted(filter(None, (sysfs.link_name(f"{dev}/{n}") for n in sysfs.listdir(dev)
+                                          if re.fullmatch(r"virtfn\d+", n))))),
+        physfn=sysfs.link_name(f"{dev}/physfn"),
     )
 
 

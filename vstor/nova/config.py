@@ -112,6 +112,12 @@ def _refusals(host: Host, cfg: Config, ledger: Ledger, ctrl: NvmeController) -> 
     owner = ledger.passthrough.get(ctrl.address)
     if owner:
         why += (f"vstor passes it through to domain '{owner}'",)
+    if ctrl.physfn:
+        # Nova types it type-VF and never lets a PF and its VFs be offered
+        # together (PlacementPciDependentDeviceException stops nova-compute);
+        # vstor offers whole controllers (docs/nova.md).
+        why = (f"an SR-IOV virtual function of {ctrl.physfn}: vstor offers whole controllers, "
+               "not virtual functions",) + why
     return why
 
 

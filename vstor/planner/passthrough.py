@@ -29,6 +29,11 @@ def check_passthrough(ctrl: NvmeController, *, iommu_enabled: bool, vfio_availab
                        "lose its root disk; choose another controller")
     reasons += _pci_list_reasons(ctrl.address, pci_allowed, pci_blocked)
     reasons += [_usage_reason(ns.name, why) for ns in ctrl.namespaces for why in ns.in_use]
+    if ctrl.virtfns:
+        reasons.append(f"{ctrl.address} has {len(ctrl.virtfns)} SR-IOV virtual functions enabled "
+                       f"({', '.join(ctrl.virtfns)}): taking the physical function from its "
+                       f"driver takes them away; echo 0 > /sys/bus/pci/devices/{ctrl.address}/"
+                       "sriov_numvfs first")
     if not iommu_enabled:
         reasons.append("the IOMMU is off: add intel_iommu=on iommu=pt (or amd_iommu=on) "
                        "to the kernel command line and reboot")
