@@ -262,3 +262,26 @@ def test_an_sriov_host_starts_nova_compute_and_each_alias_gets_whole_controllers
     assert "PlacementPciDependentDeviceException" in bad["pci_error"]
     comments = [line for line in nova.flavor_commands(s, None) if line.startswith("# ")]
     assert sorted(int(line.split(": ")[1].split()[0]) for line in comments) == [1, 1]
+
+
+def test_doctor_catches_vfs_enabled_after_nova_config_ran(tmp_path, capsys):
+    """The fragment was written while 0000:61:00.0 had no VFs; they are
+    enabled now: doctor fails it, naming the file and the fix.  Written
+    again by `vstor nova config`, it passes."""
+    from tests.hostlayout.build import build_tree
+    root = build_tree(os.path.join(os.path.dirname(__file__), "hosts", "sriov.toml"), tmp_path / "host")
+    frag = tmp_path / "host" / "etc" / "nova" / "nova.conf.d" / "vstor-pci.conf"
+    frag.parent.mkdir(parents=True)
+    frag.write_text("# Written by `vstor nova config` from compute-sriov (earlier)\n[pci]\n"
+                    'device_spec = {"address": "0000:5e:00.0", "live_migratable": "no"}\n'
+                    'device_spec = {"address": "0000:61:00.0", "live_migratable": "no"}\n')
+    cfg = conf_file(tmp_path)
+    _, out, _ = run_cli(capsys, "--config", cfg, "--host-root", root, "doctor")
+    line, = [ln for ln in out.splitlines() if "nova offers" in ln]
+    assert line.startswith("FAIL") and "offers 0000:61:00.0, which now has 2 SR-IOV virtual functions" in line
+    assert f"vstor nova config -o {frag}" in line
+    code, _, err = run_cli(capsys, "--config", cfg, "--host-root", root, "nova", "config", "-o", str(frag))
+    assert code == 0, err
+    _, out, _ = run_cli(capsys, "--config", cfg, "--host-root", root, "doctor")
+    line, = [ln for ln in out.splitlines() if "nova offers" in ln]
+    assert line.startswith("OK"), line

@@ -38,7 +38,9 @@ def register(sub) -> None:
 def cmd_doctor(ctx, args) -> int:
     host, cfg = ctx.host, ctx.config
     checks = doctor.run(host, cfg, [doctor.check_qsd(), *doctor.check_sources(cfg),
-                                    _spdk_check(cfg), _libvirt_check(ctx), _hook_check(ctx)])
+                                    _spdk_check(cfg), _libvirt_check(ctx), _hook_check(ctx),
+                                    *doctor.check_nova_offers(host, os.path.join(ctx.host_root,
+                                                                                  "etc/nova"))])
     if args.json:
         json.dump([records.asdict(c) for c in checks], sys.stdout, indent=2)
         print()

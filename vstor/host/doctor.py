@@ -330,6 +330,47 @@ def check_hook(path: str, expected: str, daemons: list[tuple[int, str, float]],
     return _read_by(name, path, daemons, "installed")
 
 
+NOVA_MARK = "# Written by `vstor nova config`"
+
+
+def check_nova_offers(host: Host, etc: str = "/etc/nova") -> list[Check]:
+    """A nova.conf fragment `vstor nova config` wrote that offers a
+    controller which is now an SR-IOV PF with VFs enabled, or a VF: Nova's
+    placement translator then stops nova-compute at its start.  No
+    fragment: no check."""
+    import glob
+    import json
+    by_address = {c.address: c for c in host.controllers}
+    out = []
+    for path in sorted(glob.glob(os.path.join(etc, "nova.conf")) +
+                       glob.glob(os.path.join(etc, "nova.conf.d", "*.conf"))):
+        text = open_text(path)
+        if not text or NOVA_MARK not in text:
+            continue
+        offered = []
+        for line in text.splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "device_spec":
+                try:
+                    offered.append(json.loads(value).get("address"))
+                except (ValueError, AttributeError):
+                    continue
+        bad = [(a, by_address[a]) for a in offered if a in by_address
+               and (by_address[a].virtfns or by_address[a].physfn)]
+        if not bad:
+            out.append(Check("nova offers", OK, f"{path}: {len(offered)} controllers, none an "
+                                                "SR-IOV PF with VFs enabled or a VF"))
+            continue
+        address, ctrl = bad[0]
+        what = (f"now has {len(ctrl.virtfns)} SR-IOV virtual functions enabled" if ctrl.virtfns
+                else f"is now a virtual function of {ctrl.physfn}")
+        out.append(Check("nova offers", FAIL,
+                         f"{path} offers {address}, which {what}: Nova's placement translator "
+                         "stops nova-compute at its start (PlacementPciDependentDeviceException)",
+                         f"vstor nova config -o {path}, then restart nova-compute"))
+    return out
+
+
 def open_text(path: str) -> str | None:
     try:
         with open(path, errors="replace") as f:
