@@ -369,3 +369,70 @@ def test_the_entry_is_taken_back_from_the_file_even_renamed_and_never_from_its_s
     daemon.stop(e)
     assert _acl(moved) == ["user::rw-", "group::---", "other::---"]
     assert _acl(image) == stand_in
+
+
+def _processes_of(uid: int) -> list[int]:
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{p}/status") as f:
+                    st = {k: v.split() for k, _, v in (ln.partition(":") for ln in f)}
+                if st["Uid"][0] == str(uid) and st["State"][0] != "Z":
+                    out.append(int(p))
+    return out
+
+
+def test_what_a_taken_over_daemon_leaves_cannot_outlive_its_uid_or_break_the_stop(site):
+    """A child forked by the daemon (no pid namespace), a pidfile written
+    with garbage: the stop kills every process of the uid before the uid
+    can go to another daemon, and reads no pid where there is none."""
+    e = site.export("vm1-vdb")
+    pid = site.start(e)
+    uid = grant.leased(site.run_dir, e.name)[0]
+    lurker = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                               "--", "sleep", "300"], start_new_session=True)
+    assert until_true(lambda: lurker.pid in _processes_of(uid))
+    with open(e.pidfile, "wb") as f:        # the daemon's one writable file
+        f.write(b"\xff\xfe" + b"9" * 40)
+    assert daemon.pid(e) == pid             # found by its command line instead
+    daemon.stop(e)
+    lurker.wait(5)
+    assert _processes_of(uid) == [] and not os.path.exists(grant.users_dir(site.run_dir))
+
+
+def until_true(what, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_taking_the_entry_back_never_widens_a_mask_the_owner_narrowed(site):
+    image = os.path.join(site.images, "mine.raw")
+    subprocess.run(["setfacl", "-m", "g:4242:rw-", image], check=True)
+    e = site.export("vm1-vdb")
+    site.start(e)
+    subprocess.run(["chmod", "g-w", image], check=True)     # the owner narrows the mask meanwhile
+    daemon.stop(e)
+    assert "mask::r--" in _acl(image) and "group:4242:rw-" in _acl(image)
+
+
+def test_a_confined_process_opens_no_socket_at_all():
+    """Not even a Unix socket to a host service (libvirt's, D-Bus)."""
+    base = tempfile.mkdtemp(prefix="vc-sock-", dir="/var/tmp")
+    try:
+        os.makedirs(f"{base}/run")
+        pidfile = f"{base}/run/p.pid"
+        open(pidfile, "w").close()
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", JAIL, "--uid", str(USERS[1]), "--pidfile", pidfile, "--",
+             "/usr/bin/python3", "-I", "-c",
+             "import socket\ntry:\n socket.socket(socket.AF_UNIX)\nexcept OSError as e:\n print(e.errno)"],
+            capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "97"      # EAFNOSUPPORT
+    finally:
+        shutil.rmtree(base)

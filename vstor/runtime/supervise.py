@@ -139,6 +139,13 @@ class Supervisor:
 
     def died(self, w: Watch) -> None:
         w.close()
+        self._attempt(w)
+
+    def _attempt(self, w: Watch) -> None:
+        """Start it again, unless it was started restart_limit times within
+        restart_window: every start counts, a retry after a failed one too
+        (as systemd counts starts), so a daemon that dies while it is being
+        started again, before it is watched, is not a death missed."""
         now = time.monotonic()
         limit, window = self.rt.cfg.restart_limit, self.rt.cfg.restart_window
         w.restarts = [t for t in w.restarts if now - t < window]
@@ -207,7 +214,7 @@ class Supervisor:
                 last_scan = now
             for w in list(self.watches.values()):
                 if w.retry_at is not None and w.retry_at <= now and not w.gave_up:
-                    self._restart(w)
+                    self._attempt(w)
             if any(not w.gave_up for w in self.watches.values()):
                 quiet_since = now
             elif idle is not None and now - quiet_since >= idle:

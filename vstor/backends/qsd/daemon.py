@@ -95,7 +95,10 @@ def _answers(export: QsdExport, timeout: float = 2.0) -> bool:
     while True:
         try:
             with Monitor(export.qmp_path, max(deadline - time.monotonic(), 0.1)) as qmp:
-                return any(e.get("id") == EXPORT_ID for e in qmp.execute("query-block-exports"))
+                exports = qmp.execute("query-block-exports")
+            # The daemon's own answer: a taken-over daemon may answer anything.
+            return isinstance(exports, list) and any(
+                isinstance(e, dict) and e.get("id") == EXPORT_ID for e in exports)
         except QmpError:
             return False
         except QmpConnectionError:
@@ -372,6 +375,21 @@ def _kill_and_clean(export: QsdExport, timeout: float = 5.0, since: float | None
     _remove_files(export)
 
 
+def _kill_all_of(uid: int) -> None:
+    """Every process of the daemon's uid, killed before the uid goes to
+    another daemon: a taken-over daemon may have forked children that
+    outlive it (no pid namespace), or changed its own command line so that
+    stop no longer knows it.  kill -1 as that uid (setpriv, util-linux)
+    reaches exactly the processes of that uid."""
+    import subprocess
+    tool = proc.which("setpriv") or "/usr/bin/setpriv"
+    for _ in range(3):      # one that forked as it was killed
+        subprocess.run([tool, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
+                        proc.which("kill") or "/bin/kill", "-KILL", "-1"],
+                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, check=False)
+
+
 def _source_fd(p: int) -> str | None:
     """/proc/PID/fd/N of the source the daemon holds, opened now (O_PATH)
     so that it outlives the daemon: the file, even renamed since."""
@@ -393,6 +411,7 @@ def _give_back(run_dir: str, name: str, held_at: str | None = None) -> None:
     try:
         held = grant.leased(run_dir, name)
         if held is not None:
+            _kill_all_of(held[0])
             grant.revoke(run_dir, held[0], held_at)
     finally:
         if held_at is not None:

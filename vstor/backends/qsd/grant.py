@@ -157,10 +157,22 @@ def revoke(run_dir: str, uid: int, held_at: str | None = None) -> None:
                 st = os.fstat(fd)
                 entries = _acl(fd, st, info["path"])
                 if any((t, i) == (USER, uid) for t, _, i in entries):
+                    mask = next((p for t, p, _ in entries if t == MASK), 7)
                     rest = [e for e in entries if (e[0], e[2]) != (USER, uid) and e[0] != MASK]
                     if any(t in (USER, GROUP) for t, _, _ in rest):
-                        rest.append((MASK, _granted(rest), NO_ID))
+                        # Never wider than it is now: the owner may have narrowed it since.
+                        rest.append((MASK, mask & _granted(rest), NO_ID))
                     _set(fd, rest, info["path"])
+            else:
+                # That file is not where the lease says (renamed while its
+                # daemon was dead, a descriptor the daemon swapped): its
+                # entry may still be on it, so the uid stays leased, out of
+                # reach of any other daemon, until a gc finds the file again.
+                from vstor import log
+                log.note(info.get("name", "?"), f"uid {uid} keeps its lease: its ACL entry "
+                         f"could not be taken back from {info['path']} (not that file any more)",
+                         log.WARNING)
+                return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(lease_path)
     with contextlib.suppress(OSError):
@@ -173,24 +185,22 @@ def _reopened(info: dict, held_at: str | None):
     or a block device, of the recorded device and inode), held O_PATH: a
     name an image root's writer re-pointed is looked at, never opened (a
     tape or a terminal would notice an open)."""
-    fd = None
     for path, flags in ((held_at, 0), (info["path"], os.O_NOFOLLOW)):
-        if path is None or fd is not None:
+        if path is None:
             continue
         try:
             fd = os.open(path, os.O_PATH | os.O_CLOEXEC | flags)
         except OSError:
             continue
-    if fd is None:
-        yield None          # gone (a deleted image): nothing holds the entry any more
-        return
-    try:
-        st = os.fstat(fd)
-        same = ((stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode))
-                and (st.st_dev, st.st_ino) == (info.get("dev"), info.get("ino")))
-        yield fd if same else None
-    finally:
-        os.close(fd)
+        try:
+            st = os.fstat(fd)
+            if ((stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode))
+                    and (st.st_dev, st.st_ino) == (info.get("dev"), info.get("ino"))):
+                yield fd
+                return
+        finally:
+            os.close(fd)
+    yield None
 
 
 def _by_fd(fd: int) -> str:

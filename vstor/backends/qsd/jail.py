@@ -17,7 +17,8 @@ nothing a guest's QEMU would not have.  So, in this order:
   capability dropped from the bounding set (and so none effective, none
   permitted), no_new_privs;
 - a seccomp filter (libseccomp, SCMP_ACT_ALLOW by default) that refuses
-  sockets other than AF_UNIX, and the calls no storage daemon makes and
+  every new socket and every new namespace, and the calls no storage
+  daemon makes and
   every escape needs: ptrace and other processes' memory, mounts and
   namespaces, modules, kexec, BPF, perf, keyrings, file handles.
 
@@ -45,8 +46,9 @@ MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 0x1, 0x2
 SYS_MOUNT_SETATTR = 442          # the same number on every architecture (since Linux 5.12)
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 38, 24
 SCMP_ACT_ALLOW = 0x7FFF0000
-SCMP_CMP_NE = 1
-AF_UNIX, EPERM, EAFNOSUPPORT = 1, 1, 97
+SCMP_CMP_MASKED_EQ = 7
+EPERM, ENOSYS, EAFNOSUPPORT = 1, 38, 97
+CLONE_NEW = (0x20000, 0x2000000, 0x4000000, 0x8000000, 0x10000000, 0x20000000, 0x40000000)
 FAILED = 125
 
 # Refused with EPERM: what a compromised daemon would need to reach past
@@ -177,8 +179,16 @@ def seccomp() -> None:
 
     for name in DENIED:
         rule(name, EPERM)
+    # qemu-storage-daemon makes no socket of its own (vstor hands it both):
+    # none at all, so not even a Unix socket to a host service.
     for name in ("socket", "socketpair"):
-        rule(name, EAFNOSUPPORT, _ArgCmp(0, SCMP_CMP_NE, AF_UNIX, 0))
+        rule(name, EAFNOSUPPORT)
+    # No new namespace through clone either (unshare is denied above);
+    # clone3 hides its flags in memory, so it answers ENOSYS and glibc
+    # falls back to clone, as container runtimes have it.
+    for flag in CLONE_NEW:
+        rule("clone", EPERM, _ArgCmp(0, SCMP_CMP_MASKED_EQ, flag, flag))
+    rule("clone3", ENOSYS)
     if lib.seccomp_load(ctx) < 0:
         raise Failed("seccomp_load failed")
 

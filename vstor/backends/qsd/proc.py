@@ -144,12 +144,18 @@ def socket_path_of(pid: int, fd: str, here_only: bool = False) -> str | None:
 
 
 def read_pid(path: str) -> int | None:
+    """The pid a pidfile holds, or None.  A confined daemon may write its
+    own pidfile: anything but a few ASCII digits naming a possible pid is
+    no pid (never a traceback, never a read of a file grown huge)."""
     try:
-        with open(path) as f:
-            text = f.read().strip()
+        with open(path, "rb") as f:
+            raw = f.read(32).strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() and int(text) > 0 else None
+    if not (raw.isdigit() and raw.isascii() and len(raw) <= 10):
+        return None
+    pid = int(raw)
+    return pid if 0 < pid <= 4194304 else None       # PID_MAX_LIMIT
 
 
 @contextlib.contextmanager
