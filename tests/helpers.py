@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import shlex
+import time
 import pathlib
 import shutil
 import socket
@@ -886,3 +887,14 @@ def site_fixture():
 
 def site_vstor(d, *args):
     return main(["-c", "test:///default", "--config", str(d / "vstor.conf"), *args])
+
+
+def until(what, timeout=10.0) -> bool:
+    """Whether `what()` came true within `timeout` seconds (asked every 20 ms)."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+

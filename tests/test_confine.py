@@ -25,6 +25,8 @@ from vstor.backends.qsd.export import JAIL, QsdExport
 from vstor.backends.qsd.monitor import Monitor, QmpError
 from vstor.errors import ActionFailed
 
+from tests.helpers import until
+
 QSD = "/usr/bin/qemu-storage-daemon"
 USERS = (1879100000, 1879100009)
 CI = os.environ.get("CI") == "true"
@@ -392,22 +394,13 @@ def test_what_a_taken_over_daemon_leaves_cannot_outlive_its_uid_or_break_the_sto
     uid = grant.leased(site.run_dir, e.name)[0]
     lurker = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                                "--", "sleep", "300"], start_new_session=True)
-    assert until_true(lambda: lurker.pid in _processes_of(uid))
+    assert until(lambda: lurker.pid in _processes_of(uid), 5)
     with open(e.pidfile, "wb") as f:        # the daemon's one writable file
         f.write(b"\xff\xfe" + b"9" * 40)
     assert daemon.pid(e) == pid             # found by its command line instead
     daemon.stop(e)
     lurker.wait(5)
     assert _processes_of(uid) == [] and not os.path.exists(grant.users_dir(site.run_dir))
-
-
-def until_true(what, timeout=5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_taking_the_entry_back_never_widens_a_mask_the_owner_narrowed(site):

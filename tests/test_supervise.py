@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from tests import qsd_fds
-from tests.helpers import needs_root, site_fixture  # noqa: F401 (the fixture site)
+from tests.helpers import needs_root, site_fixture, until  # noqa: F401 (the fixture site)
 from tests.helpers import site_vstor as vstor
 from vstor.runtime import supervise
 from vstor.runtime.state import StateDir
@@ -32,15 +32,6 @@ def pid_of(site, disk="vdb") -> int | None:
     except FileNotFoundError:
         alive = False
     return pid if alive else None
-
-
-def until(what, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def killed(site, disk="vdb") -> int:
