@@ -102,9 +102,10 @@ def _hand_over(path: str, group: str, is_kind, kind: str, mode: int) -> None:
         raise ActionFailed(f"cannot restrict {kind} {path}: {e.strerror}") from None
 
 
-def listening_socket(path: str, group: str):
+def listening_socket(path: str, group: str | None):
     """The vhost-user socket at `path`, made by vstor itself: bound,
-    root:<group> 0660, and only then listening (before listen() a connect is
+    root:<group> 0660 (group None: root's alone, 0600, as a daemon's QMP
+    monitor is), and only then listening (before listen() a connect is
     refused, so nobody reaches it with the wrong owner).  Its directory must
     be one only root can change (root's, not writable by group or others):
     between bind() and the chown nobody else can swap the name.  A stale
@@ -112,7 +113,7 @@ def listening_socket(path: str, group: str):
     there is refused.  The caller hands the listening socket to the daemon
     (qemu-storage-daemon's addr.type=fd) and closes its own copy."""
     import socket
-    gid = qemu_gid(group)
+    gid, mode = (qemu_gid(group), 0o660) if group is not None else (0, 0o600)
     where = os.path.dirname(path)
     st = os.lstat(where)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
@@ -134,7 +135,7 @@ def listening_socket(path: str, group: str):
         sock.bind(path)
         bound = True
         os.chown(path, 0, gid, follow_symlinks=False)
-        os.chmod(path, 0o660)
+        os.chmod(path, mode)
         sock.listen(16)
     except OSError as e:
         sock.close()

@@ -220,8 +220,10 @@ def _spawn(export: QsdExport, source_fd: int, socket_fd: int, timeout: float, ja
         prefix = export.jail(jail.uid, jail.hide)
     else:
         prefix = _pin(export.cpus)
+    # Its QMP monitor's socket too: a confined daemon cannot make a file,
+    # and only root talks to the monitor.
     with open(os.memfd_create("qsd-stderr", os.MFD_CLOEXEC), "w+b") as err, \
-            _monitor_socket(export) as qmp:
+            ownership.listening_socket(export.qmp_path, None) as qmp:
         try:
             done = subprocess.Popen(scope(export.name) + prefix
                                     + export.argv(source_fd, socket_fd, qmp.fileno(), native_aio),
@@ -265,29 +267,6 @@ def _pidfile_for(export: QsdExport, uid: int) -> None:
         os.fchown(fd, uid, uid)
     finally:
         os.close(fd)
-
-
-@contextlib.contextmanager
-def _monitor_socket(export: QsdExport):
-    """The daemon's QMP socket, bound here (root's, 0600) and handed over
-    listening: a confined daemon cannot make a file, and only root talks
-    to the monitor."""
-    import socket
-    with contextlib.suppress(FileNotFoundError):
-        if files.is_socket(export.qmp_path):
-            os.unlink(export.qmp_path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        try:
-            sock.bind(export.qmp_path)
-            os.chmod(export.qmp_path, 0o600)    # before listen(): until then a connect is refused
-            sock.listen(8)
-        except OSError as e:
-            raise ActionFailed(f"cannot make socket {export.qmp_path}: {e.strerror}",
-                               hint="move what is there away; vstor only replaces sockets") from None
-        yield sock
-    finally:
-        sock.close()
 
 
 def _pin(cpus: tuple[int, ...]) -> list[str]:
