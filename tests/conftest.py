@@ -106,7 +106,7 @@ PROCESS_FILES = {
     "test_generated", "test_hook_script", "test_hooks_uninstall", "test_hostile", "test_hotplug",
     "test_json", "test_libvirt_accepts", "test_lifecycle", "test_logging", "test_migrate_json",
     "test_migration", "test_migration_agent", "test_migration_spdk", "test_nova", "test_nova_driver",
-    "test_nova_hook", "test_nova_placement", "test_planning_lock", "test_pve", "test_pve_hostile",
+    "test_nova_hook", "test_nova_placement", "test_planning_lock", "test_pve", "test_pve_hostile", "test_pve_pinning",
     "test_pve_words", "test_qsd", "test_runtime_cli", "test_source_race", "test_supervise",
     "test_spdk_client", "test_spdk_double", "test_spdk_entry", "test_spdk_replay", "test_storm",
 }

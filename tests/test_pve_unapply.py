@@ -257,7 +257,8 @@ def test_plan_json_is_one_stable_object(pve, capsys):
     assert pve.vstor("pve", "plan", "100", "--json", *QEMU) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data) == {"version", "vmid", "domain", "config_path", "intent_path", "plan", "keys",
-                         "changed", "config"}
+                         "changed", "config", "post_start"}
+    assert data["post_start"][0].startswith("vCPU threads 1:1 (vCPU->core) 0->")
     assert (data["version"], data["vmid"], data["domain"]) == (1, 100, "pve-100")
     assert data["config_path"] == f"{pve.etc}/qemu-server/100.conf" and pve.config() == before
     assert data["plan"]["disks"][0]["target"] == "vdb"

@@ -21,7 +21,7 @@ from vstor.errors import BadInput, DoesNotFit, InUse
 from vstor.formats.pve.config import PveConfig
 from vstor.formats.pve.vm import name_of, uuid_of, vmid
 from vstor.host import sources
-from vstor.pve import leave, manage, snippet
+from vstor.pve import leave, manage, pinning, snippet
 from vstor.pve.doctor import checks
 from vstor.pve.leave import chains_vstor, hook_value
 from vstor.pve.node import Node
@@ -99,6 +99,10 @@ def cmd_plan(ctx, args) -> int:
         print()
         return 0
     print(format_plan(plan).replace(f"Domain {plan.domain}", f"VM {vmo.vmid} ({plan.domain})", 1))
+    print("  post-start (vstor's hookscript, once QEMU runs; until then every QEMU thread runs on "
+          "the affinity line's cores):")
+    for line in pinning.describe(plan):
+        print(f"    {line}")
     _diff(old, new, vmo.conf_path)
     return 0
 
@@ -109,6 +113,7 @@ def plan_json(vmo, plan, old: str, new: str, plan_data: dict) -> dict:
         {"version": 1, "vmid": int, "domain": "pve-VMID",
          "config_path": str, "intent_path": str,
          "plan": {...},                 # as `vstor plan --json` prints a plan
+         "post_start": [str],           # what the hookscript pins once QEMU runs
          "keys": {key: str | null},     # every config key vstor owns, as apply would
                                         # leave it (null: no such line)
          "changed": [key],              # the keys apply would write or remove
@@ -117,7 +122,7 @@ def plan_json(vmo, plan, old: str, new: str, plan_data: dict) -> dict:
     after, before = PveConfig.parse(new), PveConfig.parse(old)
     keys = sorted({k for k in after.keys() + before.keys() if _owned(k)} | set(_PLACEMENT))
     return {"version": 1, "vmid": vmo.vmid, "domain": plan.domain, "config_path": vmo.conf_path,
-            "intent_path": vmo.intent_path, "plan": plan_data,
+            "intent_path": vmo.intent_path, "plan": plan_data, "post_start": pinning.describe(plan),
             "keys": {k: after.get(k) for k in keys},
             "changed": [k for k in keys if after.get(k) != before.get(k)], "config": new}
 

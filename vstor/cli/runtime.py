@@ -87,6 +87,7 @@ def cmd_status(ctx, args) -> int:
                            hint="see: vstor status")
     rt = ctx.runtime()
     elsewhere = _pve_elsewhere(ctx, records)
+    pinned = _pve_pinning(ctx, records, elsewhere)
     said = _libvirt_says(ctx, [r.domain for r in records if r.domain not in elsewhere])
     spare = spare_ports_of(ctx, records, said)
     spdk_pid = _spdk_pid(rt) if any(e.get("kind", "").startswith("spdk")
@@ -94,7 +95,9 @@ def cmd_status(ctx, args) -> int:
     state = ctx.state()
     rows = [{"domain": r.domain, "status": r.status, "libvirt": said.get(r.domain),
              "holding": r.holding, "elsewhere": elsewhere.get(r.domain),
-             "problem": _left_behind(r, said.get(r.domain)) or "; ".join(supervise.failures(state, r)) or None,
+             "problem": (_left_behind(r, said.get(r.domain)) or "; ".join(supervise.failures(state, r))
+                         or pinned.get(r.domain, (None, None))[1] or None),
+             "pinning": pinned.get(r.domain, (None, None))[0],
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
              "spare_ports": spare.get(r.domain),
              "steps": [{"step": s, "state": st, "problem": p, **labelled(entry, spdk_pid)}
@@ -124,6 +127,8 @@ def cmd_status(ctx, args) -> int:
               f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
         if row["problem"]:
             print(f"  PROBLEM: {row['problem']}")
+        if row["pinning"]:
+            print(f"  pinned by vstor at post-start: {'; '.join(row['pinning'])}")
         if hotplug_text(row["spare_ports"]):
             print(f"  hot-plug: {hotplug_text(row['spare_ports'])}")
         m = row["migration"] or {}
@@ -218,6 +223,30 @@ def _pve_elsewhere(ctx, records) -> dict[str, str]:
         return {}
     return {r.domain: f"VM {vmid_of(r.domain)} does not run on this node (vstor gc releases it)"
             for r in records if vmid_of(r.domain) and not node.running(vmid_of(r.domain))}
+
+
+def _pve_pinning(ctx, records, elsewhere) -> dict[str, tuple[list[str] | None, str | None]]:
+    """Per Proxmox VM running here: (what its post-start pinned, as the
+    plan says it; a problem: a thread not where the plan pins it, or a
+    monitor or plan that cannot be read)."""
+    vms = [(r.domain, vmid_of(r.domain)) for r in records
+           if vmid_of(r.domain) and r.domain not in elsewhere and r.status == PREPARED]
+    if not vms:
+        return {}
+    from vstor.pve import manage, pinning
+    node, out = Node(ctx.config), {}
+    for name, vm in vms:
+        try:
+            plan = manage.recorded_plan(manage.load(node, vm))
+            lines = pinning.describe(plan)
+            wrong = pinning.check(plan, pinning.running(node, vm))
+        except (ActionFailed, Unavailable, BadInput) as e:
+            out[name] = (None, f"cannot check its threads' pinning: {e}")
+            continue
+        out[name] = (lines, f"{'; '.join(wrong)} (post-start did not pin it, or somebody moved it "
+                            f"since: see journalctl -t vstor; fix: stop and start VM {vm})"
+                     if wrong else None)
+    return out
 
 
 # -- prepare / release / gc -------------------------------------------------------------

@@ -55,6 +55,9 @@ class Request:
     # The platform binds hugepages only on host nodes below this (Proxmox's
     # qemu-server: 0-9); None: any node.
     hugepage_nodes: int | None = None
+    # Who pins each vCPU thread, and when, if not the platform as QEMU starts
+    # (Proxmox: vstor's hookscript at post-start); said in the plan's reasons.
+    pins_at: str = ""
     # The guest's cells as they are (a migration's arriving domain keeps
     # them: the guest's ABI) and the cell of each disk: (target, cell).
     fixed_cells: tuple = ()

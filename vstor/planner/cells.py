@@ -244,7 +244,7 @@ def place_node(host, cfg, req, node_id: int, vcpus: int, memory_kib: int, ledger
     node = host.node(node_id)
     if node is None:
         return NoFit(f"node {node_id} is not online on this host")
-    cpus = place_cpus(host, cfg, node, vcpus, req.intent.vm.cpus, ledger)
+    cpus = place_cpus(host, cfg, node, vcpus, req.intent.vm.cpus, ledger, pins_at=req.pins_at)
     if isinstance(cpus, NoFit):
         return cpus
     if page_kib and req.hugepage_nodes is not None and node_id >= req.hugepage_nodes:

@@ -64,9 +64,11 @@ def ranked_nodes(host: Host, cfg: Config, ledger: Ledger) -> list[NumaNode]:
 
 
 def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
-               ledger: Ledger, only: frozenset[int] | None = None) -> CpuPlacement | NoFit:
+               ledger: Ledger, only: frozenset[int] | None = None,
+               pins_at: str = "") -> CpuPlacement | NoFit:
     """`only`: take from these CPUs alone (the start check asks whether a
-    recorded placement is the one this function makes from its own CPUs)."""
+    recorded placement is the one this function makes from its own CPUs).
+    `pins_at`: who pins the vCPU threads, when not the platform at the start."""
     if policy == "external":
         return CpuPlacement((), (), (), (), ("the vCPUs are the platform's to place (Nova pins "
                                              "them, by the flavor's hw:cpu_policy): vstor places none",))
@@ -87,7 +89,9 @@ def place_cpus(host: Host, cfg: Config, node: NumaNode, vcpus: int, policy: str,
         who = holders(ledger, node.cpus)
         return NoFit(f"node {node.id}: {picked.reason}" + (f"; cores held by {who}" if who else ""))
     pins, reserved = picked
-    reasons = [f"{vcpus} vCPU{'s' if vcpus != 1 else ''} pinned 1:1 to dedicated cores {format_cpulist(pins)} on node {node.id}"]
+    pinned = f"to be pinned 1:1 {pins_at}" if pins_at else "pinned 1:1"
+    reasons = [f"{vcpus} vCPU{'s' if vcpus != 1 else ''} {pinned} to dedicated cores "
+               f"{format_cpulist(pins)} on node {node.id}"]
     if reserved:
         reasons.append(f"SMT siblings {format_cpulist(reserved)} kept idle so no other VM "
                        "shares those physical cores")

@@ -7,6 +7,11 @@
   backends.  A refusal is one line on stderr, which Proxmox shows in the
   task log, and a distinct exit code.  On a migration's target
   PVE_MIGRATED_FROM names the source node, whose directory holds the config.
+- post-start (a failure is a warning in the task log; the VM runs on):
+  pin each QEMU thread to its planned cores (vstor.pve.pinning), which
+  qemu-server's one `taskset --all-tasks` set cannot.  qemu-server runs it
+  after every start it makes: a cold start, a live migration's target (the
+  guest paused, its vCPU threads there), a resume from hibernation.
 - post-stop: release what pre-start made.  Proxmox does not call it on a
   migration's source, nor when QEMU failed to start: `vstor gc` releases
   the first, the next pre-start undoes the second.
@@ -22,7 +27,7 @@ from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, BadInput, DoesNotFit, Vstor
 from vstor.formats.pve.vm import name_of
 from vstor.hook import progress
 from vstor.meta.names import inside
-from vstor.pve import manage, snippet
+from vstor.pve import manage, pinning, snippet
 from vstor.pve.node import Node
 from vstor.runtime.context import HostContext, host_root
 from vstor.runtime.lifecycle import carry_out, release
@@ -41,7 +46,7 @@ def run(argv: list[str]) -> int:
               file=sys.stderr)
         return EXIT_BAD_INPUT
     vmid, phase = argv
-    if phase not in ("pre-start", "post-stop"):
+    if phase == "pre-stop":
         return 0
     vlog.setup(f"hookscript {phase}")
     try:
@@ -49,6 +54,8 @@ def run(argv: list[str]) -> int:
         vm = parse_vmid(vmid)
         if phase == "pre-start":
             pre_start(vm, os.environ.get("PVE_MIGRATED_FROM") or None)
+        elif phase == "post-start":
+            post_start(vm, os.environ.get("PVE_MIGRATED_FROM") or None)
         else:
             post_stop(vm)
         return 0
@@ -115,6 +122,18 @@ def _check_movable(cfg, vm: int, plan, source: str) -> None:
             raise DoesNotFit(f"VM {vm}'s disk {d.target} ({d.source.path}) is not on storage "
                              "declared shared between nodes: here it would be another disk",
                              hint="declare the shared mount in [migrate] shared on every node")
+
+
+def post_start(vm: int, migrated_from: str | None) -> None:
+    here = _here()
+    if here.state().load(name_of(vm)) is None:
+        return          # not a vstor VM, or pre-start refused it
+    node = Node(here.config)
+    path = node.config_path(vm, migrated_from)
+    vmo = manage.load(node, vm, conf_path=path, conf=node.read_config(vm, path)[0])
+    plan = manage.recorded_plan(vmo)
+    moved = pinning.apply(plan, pinning.running(node, vm))
+    log(str(vm), f"post-start: {moved} QEMU threads pinned: " + "; ".join(pinning.describe(plan)))
 
 
 def post_stop(vm: int) -> None:

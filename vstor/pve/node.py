@@ -102,29 +102,37 @@ class Node:
     def pidfile(self, vm: int) -> str:
         return os.path.join(self.cfg.pve_run_dir, f"{vm}.pid")
 
+    def qmp_path(self, vm: int) -> str:
+        """QEMU's monitor socket, as qemu-server makes it next to the pidfile."""
+        return os.path.join(self.cfg.pve_run_dir, f"{vm}.qmp")
+
     def running(self, vm: int) -> bool:
-        """qemu-server's own test: the pidfile names a live process started
-        with `-pidfile <that file>`."""
+        return self.qemu_pid(vm) is not None
+
+    def qemu_pid(self, vm: int) -> int | None:
+        """qemu-server's own test: the pid its pidfile names, if that is a
+        live process started with `-pidfile <that file>`; None when not."""
         path = self.pidfile(vm)
         try:
             with open(path) as f:
                 text = f.read(32).strip()
         except FileNotFoundError:
-            return False
+            return None
         except OSError as e:
             raise Unavailable(f"cannot read {path}: {e.strerror}") from None
-        if not (text.isascii() and text.isdigit()):
-            return False
+        if not (text.isascii() and text.isdigit() and len(text) <= 10):
+            return None
         try:
             with open(f"/proc/{int(text)}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
         except (FileNotFoundError, ProcessLookupError):
-            return False
+            return None
         except OSError as e:
             raise Unavailable(f"cannot read /proc/{text}/cmdline: {e.strerror}") from None
         want = os.path.realpath(path)
-        return any(a == b"-pidfile" and os.path.realpath(os.fsdecode(b)) == want
-                   for a, b in zip(argv, argv[1:]))
+        ok = any(a == b"-pidfile" and os.path.realpath(os.fsdecode(b)) == want
+                 for a, b in zip(argv, argv[1:]))
+        return int(text) if ok else None
 
     # -- storage, QEMU ----------------------------------------------------------------------
 

@@ -11,6 +11,10 @@ from vstor.meta.intent import Intent
 from vstor.planner import Request
 
 
+# qemu-server starts every QEMU thread on the VM's whole `affinity` set.
+PINS_AT = "by vstor's hookscript at post-start (until then on the VM's whole affinity set)"
+
+
 def request_of(vm: int, conf: PveConfig, intent: Intent) -> Request:
     where = f"VM {vm}"
     vcpus = count_of(conf, "sockets", where) * count_of(conf, "cores", where)
@@ -25,4 +29,4 @@ def request_of(vm: int, conf: PveConfig, intent: Intent) -> Request:
                    machine=machine_of(conf, where), intent=intent,
                    vhost_memory="hugepages", grows_hugepages=True,
                    hugepage_nodes=HUGEPAGE_NODES, replan=f"vstor pve apply {vm}",
-                   title=f"VM {vm}")
+                   title=f"VM {vm}", pins_at=PINS_AT)
