@@ -1,7 +1,7 @@
 """The Proxmox hookscript's cost, in one run, on a Proxmox tree in a
 temporary directory (as tests/test_pve.py builds it):
 
-1. a phase the hookscript does nothing for (post-start), divided by
+1. a phase the hookscript does nothing for (pre-stop), divided by
    `python3 -c pass`: the file imports nothing but sys for it;
 2. pre-start + post-stop of a VM with one qemu-storage-daemon disk (real
    daemons; needs root and qemu-storage-daemon), next to the libvirt hook's
@@ -74,7 +74,7 @@ def measure(root: str, runs: int, sanity: Sanity) -> None:
     hook = [f"{pve.snippets}/vstor", "100"]
     env = {**os.environ, "PVE_MIGRATED_FROM": ""}
     bare = _median(lambda: subprocess.run([sys.executable, "-c", "pass"], check=True), runs)
-    idle = _median(lambda: subprocess.run(hook + ["post-start"], check=True, env=env), runs)
+    idle = _median(lambda: subprocess.run(hook + ["pre-stop"], check=True, env=env), runs)
     starts, stops = [], []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -90,10 +90,10 @@ def measure(root: str, runs: int, sanity: Sanity) -> None:
         if holders([f"{root}/d0.raw"]):
             sanity.problem("a process still holds the VM's disk after post-stop")
     start, stop = statistics.median(starts), statistics.median(stops)
-    for label, value in (("post-start", idle), ("python3 -c pass", bare), ("pre-start", start),
+    for label, value in (("pre-stop", idle), ("python3 -c pass", bare), ("pre-start", start),
                          ("post-stop", stop), ("pve apply", apply)):
         sanity.figure(label, value)
-    print(f"hookscript, a phase it ignores (post-start): {idle * 1000:.1f} ms vs python3 -c pass "
+    print(f"hookscript, a phase it ignores (pre-stop): {idle * 1000:.1f} ms vs python3 -c pass "
           f"{bare * 1000:.1f} ms: ratio {idle / bare:.2f}")
     print(f"pre-start, one qemu-storage-daemon disk: {start * 1000:.0f} ms")
     print(f"post-stop of the same: {stop * 1000:.0f} ms")

@@ -435,6 +435,17 @@ def test_doctor_names_what_a_node_lacks(pve, tmp_path, capsys):
     assert pve.vstor("pve", "doctor") == 0
     out = capsys.readouterr().out
     assert "ok: VM 100: hookscript set, config carries its plan" in out
+    # A hookscript an older vstor installed (it ignored post-start): named, with the fix.
+    script = f"{pve.snippets}/vstor"
+    with open(script) as f:
+        current = f.read()
+    with open(script, "w") as f:
+        f.write(current.replace('["pre-start"], ["post-start"], ["post-stop"]', '["pre-start"], ["post-stop"]'))
+    assert pve.vstor("pve", "doctor") == 3
+    assert (f"PROBLEM: hookscript {script} is not this vstor's (an older one does not pin QEMU's "
+            "threads at post-start): run vstor pve hooks install") in capsys.readouterr().out
+    assert pve.vstor("pve", "hooks", "install") == 0 and pve.vstor("pve", "doctor") == 0
+    capsys.readouterr()
     pve.vm(text.replace("cores: 2", "cores: 3"))
     assert pve.vstor("pve", "doctor") == 3
     assert "PROBLEM: VM 100:" in capsys.readouterr().out

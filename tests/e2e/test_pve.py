@@ -59,15 +59,26 @@ class Shape:
     policy: str                 # what numa0 must say
     affinity: str               # the cores every QEMU thread may run on
     written: str                # the affinity line vstor writes for them
+    # After post-start: each vCPU's cores, and every other thread's.
+    vcpu_cores: tuple[str, ...] = ()
+    emulator: str = ""
+    housekeeping: str | None = None     # [cpu] housekeeping (None: unset)
+    cells: int = 1
 
 
 SHAPES = [
     # Core 0 is this 2-core host's housekeeping core: shared vCPUs float on
     # it with the emulator; core 1 is the one a dedicated vCPU can have.
     Shape("q35-shared-1disk", "q35", 2, ("vdb",), '<vstor:vm cpus="shared" numa="preferred"/>',
-          "preferred", "0", "0-0"),     # qemu-server's Perl takes "0" as false
+          "preferred", "0", "0-0", ("0", "0"), "0"),     # qemu-server's Perl takes "0" as false
     Shape("pc-dedicated-strict-2disks", "pc", 1, ("vdb", "vdc"),
-          '<vstor:vm cpus="dedicated" numa="strict"/>', "bind", "0-1", "0-1"),
+          '<vstor:vm cpus="dedicated" numa="strict"/>', "bind", "0-1", "0-1", ("1",), "0"),
+    # Two guest cells, one dedicated core each: with no housekeeping cores
+    # the emulator shares the VM's; qemu-server starts every thread on 0-1,
+    # post-start pins vCPU 0 to core 0 and vCPU 1 to core 1.
+    Shape("q35-two-cells-dedicated", "q35", 2, ("vdb", "vdc"),
+          '<vstor:vm cpus="dedicated" numa="strict" cells="2"/>', "bind", "0-1", "0-1",
+          ("0", "1"), "0-1", housekeeping="", cells=2),
 ]
 
 
@@ -289,6 +300,9 @@ def configured(node: Node, shape: Shape) -> PveConfig:
             f.truncate(DISK_BYTES)
     disks = "".join(f'\n  <vstor:disk target="{t}"><vstor:file path="{node.disk(t)}"/></vstor:disk>'
                     for t in shape.disks)
+    if shape.housekeeping is not None:
+        with node.conf.open("a") as f:
+            f.write(f"[cpu]\nhousekeeping = {shape.housekeeping}\n")
     node.intent.write_text(f'<vstor:vstor xmlns:vstor="https://vstor.dev/xmlns/domain/1">\n'
                            f'  {shape.vm}{disks}\n</vstor:vstor>\n')
     before = vm_config(shape)
@@ -321,9 +335,14 @@ def test_a_proxmox_vm_configured_by_vstor_boots_and_writes_through_its_disks(nod
     qemu-server would reaches the guest's writes into the backing files;
     post-stop leaves nothing."""
     conf = configured(node, shape)
-    vcpus = "0" if shape.cores == 1 else f"0-{shape.cores - 1}"
     assert conf.get("numa") == "1" and conf.get("hugepages") == "2"
-    assert conf.get("numa0") == f"cpus={vcpus},hostnodes=0,memory={MEMORY_MIB},policy={shape.policy}"
+    if shape.cells == 1:
+        vcpus = "0" if shape.cores == 1 else f"0-{shape.cores - 1}"
+        assert conf.get("numa0") == f"cpus={vcpus},hostnodes=0,memory={MEMORY_MIB},policy={shape.policy}"
+    else:
+        mib = MEMORY_MIB // shape.cells
+        assert [conf.get(f"numa{k}") for k in range(shape.cells)] == \
+            [f"cpus={k},hostnodes=0,memory={mib},policy={shape.policy}" for k in range(shape.cells)]
     assert conf.get("affinity") == shape.written
     sockets = [node.vhost_dir / f"{NAME}-{t}" for t in shape.disks]
     start = qemu_server_argv(node)
@@ -349,13 +368,17 @@ def test_a_proxmox_vm_configured_by_vstor_boots_and_writes_through_its_disks(nod
         "-nodefaults", "-display", "none", "-no-reboot",
         "-kernel", str(guest_image.kernel), "-initrd", str(guest_image.initrd), "-append", cmdline,
         "-serial", f"file:{console}", "-pidfile", str(node.run_dir / f"{VMID}.pid"),
-    ] + start["options"] + args
+        # The test's own: QEMU names each thread ("CPU 1/TCG"), apart from
+        # the monitor vstor asks which is which.
+        "-name", f"vm{VMID},debug-threads=on",
+    ] + start["monitor"] + start["options"] + args
     assert start["prefix"] == ["/usr/bin/taskset", "--cpu-list", "--all-tasks", shape.written]
     assert "mem-path=/run/hugepages/kvm/2048kB,share=on,prealloc=yes" in " ".join(argv)
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     node.qemus.append(proc)
     running_as_qemu_server_sees_it(node, proc, shape)
+    pinned_at_post_start(node, proc, shape)
     try:
         output, _ = proc.communicate(timeout=BOOT_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -394,11 +417,15 @@ def qemu_server_argv(node: Node) -> dict[str, list[str]]:
     assert start.code == 0, f"qemu-server refused the config vstor wrote: {start.err}"
     argv = start.argv
     kvm, machine = argv.index("/usr/bin/kvm"), argv.index("-machine")
-    options = []
+    options, monitor = [], []
     for option, value in zip(argv[kvm + 1:machine], argv[kvm + 2:machine]):
         if option in ("-smp", "-m", "-numa") or (option == "-object" and value.startswith("memory-backend-")):
             options += [option, value]
-    return {"prefix": argv[:kvm], "options": options, "args": argv[machine + 2:]}
+        elif value.startswith("socket,id=qmp,") or value == "chardev=qmp,mode=control":
+            # qemu-server's own monitor, in this tree's run directory.
+            monitor += [option, value.replace("/var/run/qemu-server", str(node.run_dir))]
+    assert len(monitor) == 4, argv
+    return {"prefix": argv[:kvm], "options": options, "monitor": monitor, "args": argv[machine + 2:]}
 
 
 def allowed_cpus(pid: int) -> set[str]:
@@ -411,6 +438,35 @@ def allowed_cpus(pid: int) -> set[str]:
             continue
         out.add(status.split("Cpus_allowed_list:")[1].split()[0])
     return out
+
+
+def threads_by_name(pid: int) -> dict[str, set[str]]:
+    """QEMU's thread names ("CPU 0/TCG", "IO mon_iothread", ...) -> the
+    Cpus_allowed_list of the threads of that name."""
+    out: dict[str, set[str]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            status = (task / "status").read_text()
+        except FileNotFoundError:       # a thread that just ended
+            continue
+        out.setdefault(name, set()).add(status.split("Cpus_allowed_list:")[1].split()[0])
+    return out
+
+
+def pinned_at_post_start(node: Node, proc: subprocess.Popen, shape: Shape) -> None:
+    """qemu-server runs post-start once QEMU runs: each vCPU thread ends on
+    its planned cores, every other thread on the emulator's; the pinning is
+    vstor status's to check."""
+    post = node.hook("post-start")
+    assert post.returncode == 0, post.stderr
+    threads = threads_by_name(proc.pid)
+    assert {n: threads[n] for n in threads if n.startswith("CPU ")} == \
+        {f"CPU {i}/TCG": {c} for i, c in enumerate(shape.vcpu_cores)}, threads
+    assert set().union(*(v for n, v in threads.items() if not n.startswith("CPU "))) == \
+        {shape.emulator}, threads
+    status = node.vstor("status", NAME)
+    assert "pinned by vstor at post-start: " in status and "PROBLEM" not in status, status
 
 
 def running_as_qemu_server_sees_it(node: Node, proc: subprocess.Popen, shape: Shape) -> None:

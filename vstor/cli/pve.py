@@ -16,7 +16,7 @@ from vstor import log
 from vstor.atomic import write_file
 from vstor.cli.context import say
 from vstor.cli.domains import format_plan, plan_to_json, where
-from vstor.cli.hooks import check_replaceable, remove_hook, render_hook
+from vstor.cli.hooks import check_replaceable, hook_source, remove_hook, render_hook
 from vstor.errors import BadInput, DoesNotFit, InUse
 from vstor.formats.pve.config import PveConfig
 from vstor.formats.pve.vm import name_of, uuid_of, vmid
@@ -303,7 +303,9 @@ def cmd_hooks_uninstall(ctx, args) -> int:
 
 def cmd_doctor(ctx, args) -> int:
     problems = 0
-    for ok, line in checks(_node(ctx), ctx.config):
+    with open(hook_source("proxmox/vstor")) as f:
+        source = f.read()
+    for ok, line in checks(_node(ctx), ctx.config, source=source):
         print(f"{'ok' if ok else 'PROBLEM'}: {line}")
         problems += not ok
     return 3 if problems else 0

@@ -19,7 +19,9 @@ _PAGE_KB = (2048, 1048576)
 
 
 def checks(node: Node, cfg: Config, hugepages: str = HUGEPAGES,
-           mounts: str = "/proc/self/mounts") -> list[tuple[bool, str]]:
+           mounts: str = "/proc/self/mounts", source: str | None = None) -> list[tuple[bool, str]]:
+    """`source`: this vstor's hookscript (hooks/proxmox/vstor), which the
+    installed one must be, but for what install writes into it."""
     out: list[tuple[bool, str]] = []
     if not node.is_proxmox():
         return [(False, f"{node.etc}/qemu-server does not exist: not a Proxmox VE node "
@@ -34,10 +36,27 @@ def checks(node: Node, cfg: Config, hugepages: str = HUGEPAGES,
                    "intents to every node a vstor VM may run on)")))
     script = os.path.join(store.snippets, "vstor")
     installed = os.path.isfile(script) and os.access(script, os.X_OK)
-    out.append((installed, f"hookscript {script} " + ("installed" if installed else
-                                                      "missing: run vstor pve hooks install")))
+    if installed and source is not None and not _same_script(script, source):
+        out.append((False, f"hookscript {script} is not this vstor's (an older one does not pin "
+                           "QEMU's threads at post-start): run vstor pve hooks install"))
+    else:
+        out.append((installed, f"hookscript {script} " + ("installed" if installed else
+                                                          "missing: run vstor pve hooks install")))
     out += _vms(node, hook_value(store.id))
     return out
+
+
+def _same_script(path: str, source: str) -> bool:
+    """The installed hookscript is `source` but for its interpreter line and
+    the CONFIG and SYSPATH lines install writes."""
+    def body(text: str) -> list[str]:
+        return [line for line in text.splitlines()[1:]
+                if not line.startswith(("CONFIG = ", "SYSPATH = "))]
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return body(f.read(1 << 20)) == body(source)
+    except OSError:
+        return False
 
 
 def _hugepage_mounts(base: str, mounts: str) -> list[tuple[bool, str]]:
