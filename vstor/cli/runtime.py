@@ -225,6 +225,9 @@ def _pve_elsewhere(ctx, records) -> dict[str, str]:
             for r in records if vmid_of(r.domain) and not node.running(vmid_of(r.domain))}
 
 
+STATUS_QMP_SECONDS = 3.0      # a hung QEMU's monitor delays status this long, once
+
+
 def _pve_pinning(ctx, records, elsewhere) -> dict[str, tuple[list[str] | None, str | None]]:
     """Per Proxmox VM running here: (what its post-start pinned, as the
     plan says it; a problem: a thread not where the plan pins it, or a
@@ -239,7 +242,7 @@ def _pve_pinning(ctx, records, elsewhere) -> dict[str, tuple[list[str] | None, s
         try:
             plan = manage.recorded_plan(manage.load(node, vm))
             lines = pinning.describe(plan)
-            wrong = pinning.check(plan, pinning.running(node, vm))
+            wrong = pinning.check(plan, pinning.running(node, vm, timeout=STATUS_QMP_SECONDS))
         except (ActionFailed, Unavailable, BadInput) as e:
             out[name] = (None, f"cannot check its threads' pinning: {e}")
             continue

@@ -77,14 +77,14 @@ def describe(plan: Plan) -> list[str]:
     return out
 
 
-def running(node, vm: int) -> Threads:
+def running(node, vm: int, timeout: float = QMP_TIMEOUT) -> Threads:
     """The threads of the VM's QEMU on this node (a vstor.pve.node.Node):
     Unavailable when it does not run."""
     pid = node.qemu_pid(vm)
     if pid is None:
         raise Unavailable(f"VM {vm}'s QEMU does not run (no live process behind "
                           f"{node.pidfile(vm)}): nothing pinned")
-    return threads(pid, node.qmp_path(vm))
+    return threads(pid, node.qmp_path(vm), timeout)
 
 
 def threads(pid: int, qmp_path: str, timeout: float = QMP_TIMEOUT) -> Threads:
