@@ -220,3 +220,68 @@ def test_the_driver_as_the_nova_user_plans_without_the_root_only_state_directory
             readable_records(f"{d}/state")
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# -- SPDK and NVMe-oF disks for a flavor with large pages (issue 31, item 1) ----------
+
+NVMF = {"vstor:disk.vdb.nvmf.transport": "rdma", "vstor:disk.vdb.nvmf.traddr": "192.168.100.8",
+        "vstor:disk.vdb.nvmf.subnqn": "nqn.2016-06.io.spdk:cnode1", "vstor:disk.vdb.readonly": "yes"}
+
+
+@pytest.fixture
+def spdk_conf(conf):
+    conf.write_text(conf.read_text() + "[cpu]\nreactors = 2,18\n")
+    return conf
+
+
+@pytest.mark.parametrize("nova_node, policy, said", [
+    (0, None, None),                    # Nova's node is the RDMA NIC's: nothing to say
+    (1, None, "Nova placed instance instance-0000002a on host node 1, vdb's SPDK reactor on node 0: "
+              "its I/O crosses the interconnect (vstor:numa=preferred)"),
+    (1, "strict", "Nova placed instance instance-0000002a on host node 1, vdb's SPDK reactor on "
+                  "node 0 (vstor:numa=strict)"),
+])
+def test_an_nvmf_disk_under_spdk_in_a_flavor_with_large_pages(spdk_conf, host_layout, nova_node,
+                                                              policy, said):
+    """Nova's own classes build the guest with its 2 MiB pages and its node;
+    vstor adds the SPDK vhost-user disk, places its reactor on the NIC's
+    node, places no hugepages, and says (or, strict, refuses) when Nova's
+    node is another."""
+    specs = {**NVMF, "hw:mem_page_size": "2MB", **({"vstor:numa": policy} if policy else {})}
+    spec = {**SPEC, "page_kb": 2048, "memory_nodes": [nova_node], "extra_specs": specs}
+    got = ask({"augment": {"spec": spec, "config": str(spdk_conf),
+                           "host_root": host_layout("two-socket")}})["augmented"]
+    if policy == "strict":
+        assert got == {"error": said + " (Nova reschedules it; or set vstor:numa=preferred on the "
+                                       "flavor)", "code": 3}, got
+        return
+    assert "xml" in got, got
+    xml = etree.fromstring(got["xml"].encode())
+    plan = xml.find(".//{https://vstor.dev/xmlns/domain/1}plan")
+    disk = plan.find("{https://vstor.dev/xmlns/domain/1}disk")
+    assert (disk.get("backend"), disk.get("reactor")) == ("spdk", "2")
+    assert plan.get("hugepages") in (None, "0") and plan.get("hugepage_kib") is None
+    vm = xml.find(".//{https://vstor.dev/xmlns/domain/1}vm")
+    assert vm.get("hugepages") == "external"
+    # Nova's pages, shared with SPDK; no memfd.
+    mb = xml.find("memoryBacking")
+    assert mb.find("hugepages/page").get("size") == "2048" and mb.find("access").get("mode") == "shared"
+    assert mb.find("source") is None
+    reasons = [r.text for r in plan.iterfind("{https://vstor.dev/xmlns/domain/1}reason")]
+    assert any("Nova's hugepages" in r for r in reasons), reasons
+    assert (said in reasons) if said else not any("Nova placed" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("page_kb, specs, message", [
+    (None, {}, "an SPDK disk needs the guest's memory in hugepages, and its flavor asks for none"),
+    (None, {"hw:mem_page_size": "large"}, "the flavor asks for large pages (hw:mem_page_size) but "
+                                          "the guest's memory is not hugepage-backed"),
+    (2048, {"hw:mem_page_size": "any"}, "an SPDK disk needs the guest's memory in hugepages, and "
+                                        "its flavor asks for none"),
+    (2048, {"hw:mem_page_size": "2MB", "vstor:numa": "loose"}, "vstor:numa='loose' is not preferred or strict"),
+])
+def test_an_spdk_disk_without_large_pages_is_refused(spdk_conf, host_layout, page_kb, specs, message):
+    spec = {**SPEC, "page_kb": page_kb, "memory_nodes": [0], "extra_specs": {**NVMF, **specs}}
+    got = ask({"augment": {"spec": spec, "config": str(spdk_conf),
+                           "host_root": host_layout("two-socket")}})["augmented"]
+    assert "error" in got and message in got["error"] and got["code"] == 2, got

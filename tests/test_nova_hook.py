@@ -73,7 +73,7 @@ def test_a_vstor_instance_placed_next_to_its_nvme_starts(domains, host_layout, t
     ("memory", 3, "its memory is bound to nodes [0, 1], not node 1"),
     ("blocked", 3, "0000:5f:00.0 is in PCI_BLOCKED"),
     ("two-nodes", 3, "its NVMe controllers sit on nodes [0, 1]"),
-    ("typo", 2, "vstor:numa='tight' is not one of strict"),
+    ("typo", 2, "vstor:numa='tight' is not one of strict, preferred"),
     ("unknown", 2, "unknown extra spec 'vstor:colour'"),
     ("stranger", 3, "disk vdb belongs to project p2, not this instance's (p1)"),
 ])

@@ -39,8 +39,10 @@ def register(sub) -> None:
                    help=f"the most vhost-user-blk disks each backend serves to Nova instances "
                         "here, in the provider config file (default: [nova] vhost_disks)")
     q.add_argument("--disk-spec", metavar="KEY=VALUE", action="append",
-                   help="with --flavors: a flavor's vstor:disk.* extra spec (repeat it); prints "
-                        "that flavor with the Placement resources and traits its disks need")
+                   help="with --flavors: a flavor's vstor:disk.* extra spec, or vstor:numa or "
+                        "hw:mem_page_size (repeat it); prints that flavor with the Placement "
+                        "resources and traits its disks need (and hw:mem_page_size for SPDK disks: "
+                        "--page-size, default large)")
     q.set_defaults(func=cmd_config)
     q = nsub.add_parser("install-driver", help="make vstor's compute driver loadable by Nova "
                                                "(compute_driver = vstor.VstorLibvirtDriver); a wheel "
@@ -63,7 +65,8 @@ def cmd_config(ctx, args) -> int:
     if args.disk_spec:
         if not (args.flavors and args.flavor):
             raise BadInput("--disk-spec describes a flavor's disks", hint="--flavors --flavor NAME")
-        print("\n".join(placement.disk_flavor_command(_specs(args.disk_spec), args.flavor)))
+        page = {"2M": "2MB", "1G": "1GB"}.get(args.page_size)
+        print("\n".join(placement.disk_flavor_command(_specs(args.disk_spec), args.flavor, page)))
         return 0
     if args.provider_config or args.output:
         _check_targets(args.provider_config, args.output)
@@ -105,8 +108,9 @@ def _specs(items: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
         key, eq, value = item.partition("=")
-        if not eq or not key.startswith("vstor:disk."):
-            raise BadInput(f"--disk-spec '{item[:60]}' is not vstor:disk.<...>=VALUE",
+        if not eq or not (key.startswith("vstor:disk.") or key in ("vstor:numa", "hw:mem_page_size")):
+            raise BadInput(f"--disk-spec '{item[:60]}' is not vstor:disk.<...>=VALUE (or "
+                           "vstor:numa, hw:mem_page_size)",
                            hint="like --disk-spec vstor:disk.vdb.file.path=/var/lib/vstor/images/db.raw")
         if key in out:
             raise BadInput(f"--disk-spec {key[:60]} is given twice")

@@ -143,6 +143,21 @@ class Domain:
         e = self.root.find("os/type")
         return e.get("machine", "") if e is not None else ""
 
+    def hugepage_kib(self) -> int | None:
+        """The page size of the guest memory's <hugepages> (the smallest one
+        named), KiB; None when its memory is not hugepage-backed."""
+        hp = self.root.find("memoryBacking/hugepages")
+        if hp is None:
+            return None
+        sizes = []
+        for page in hp.iterfind("page"):
+            try:
+                sizes.append(to_kib(page.get("size", ""), page.get("unit", "KiB")))
+            except ValueError:
+                raise BadInput(f"{self.origin}: <hugepages><page size='{page.get('size', '')[:20]}'> "
+                               "is not a page size") from None
+        return min(sizes) if sizes else 2048       # libvirt: the host's default size
+
     # -- vstor metadata (read through vstor.meta.metadata only) --------------
     def is_nova(self) -> bool:
         """Nova generated it: <nova:instance> in <metadata> (any version)."""

@@ -113,7 +113,9 @@ class DiskIntent:
 class VmIntent:
     numa: str = attr(Enum(("strict", "preferred", "none")), default="strict")
     cpus: str = attr(Enum(("dedicated", "shared", "external")), default="dedicated")
-    hugepages: str = attr(Enum(("auto", "none", "2M", "1G")), default="auto")
+    # 'external': the platform backs the guest's memory with hugepages of
+    # its own choosing (a Nova flavor's hw:mem_page_size): vstor places none.
+    hugepages: str = attr(Enum(("auto", "none", "2M", "1G", "external")), default="auto")
     migratable: bool = attr(YesNo(), default=False)
     latency: str = attr(Enum(("normal", "critical")), default="normal")
     # Guest NUMA cells: 'one'; 'spread' (one per host node the disks' devices

@@ -13,7 +13,9 @@ is built and parsed with the declaration every intent goes through
 (vstor.meta.intent), so a flavor is checked exactly as domain metadata is.
 Nova owns the instance's cores and memory: the VM part of the intent is
 fixed (cpus='external': Nova pins them; no NUMA binding, no hugepages of
-vstor's).
+vstor's).  A flavor whose hw:mem_page_size asks for large pages gets
+hugepages='external': the guest's memory is in Nova's hugepages, which
+vstor checks (an SPDK disk needs them) and never places.
 """
 
 from __future__ import annotations
@@ -31,17 +33,49 @@ from vstor.meta.xmlmodel import Q
 PREFIX_KEY = "vstor:disk."
 SOURCES = ("nvme", "nvmf", "file", "block")
 _KEY = re.compile(r"vstor:disk\.([a-z0-9]{1,8})\.(?:(nvme|nvmf|file|block)\.)?([a-z_]{1,32})")
+_PAGE = re.compile(r"(\d{1,12})([KMGT])i?B")     # oslo's IEC units, as Nova parses them
+_UNIT_KIB = {"K": 1, "M": 1024, "G": 1024 ** 2, "T": 1024 ** 3}
 _PROJECT = re.compile(r"[0-9a-f]{32}|[0-9a-f-]{36}|[A-Za-z0-9_-]{1,64}")
+
+
+NUMA_KEY = "vstor:numa"
+NUMA_POLICIES = ("preferred", "strict")
+
+
+def numa_policy(specs: dict[str, str], where: str) -> str:
+    """What vstor does when Nova puts the instance on another host node than
+    its SPDK disks' (vstor:numa): 'preferred' (the default) starts it and
+    says so in the plan; 'strict' refuses it (Nova reschedules)."""
+    value = str(specs.get(NUMA_KEY, "preferred"))
+    if value not in NUMA_POLICIES:
+        raise BadInput(f"{where}: {NUMA_KEY}='{value[:20]}' is not preferred or strict",
+                       hint=f"{NUMA_KEY}=preferred (the default) or strict")
+    return value
 
 
 def has_disks(specs: dict[str, str]) -> bool:
     return any(k.startswith(PREFIX_KEY) for k in specs)
 
 
+def large_pages(specs: dict[str, str]) -> bool:
+    """The flavor's hw:mem_page_size asks for hugepages of 2 MiB or more:
+    'large', or a size (KiB when bare, as nova.virt.hardware reads it).
+    'any' may end in small pages; an image may still ask for small ones
+    under 'large' (Nova lets it): the guest config says what Nova gave."""
+    value = str(specs.get("hw:mem_page_size", "")).strip()
+    if value == "large":
+        return True
+    if value.isdigit() and len(value) <= 12:
+        return int(value) >= 2048
+    m = _PAGE.fullmatch(value)
+    return bool(m) and int(m.group(1)) * _UNIT_KIB[m.group(2)] >= 2048
+
+
 def element(specs: dict[str, str], flavor: str = "the flavor") -> etree._Element:
     """<vstor:vstor> with a <vstor:vm> and a <vstor:disk> per target."""
     root = etree.Element(Q + "vstor", nsmap={PREFIX: NS})
-    etree.SubElement(root, Q + "vm", cpus="external", numa="none", hugepages="none")
+    etree.SubElement(root, Q + "vm", cpus="external", numa="none",
+                     hugepages="external" if large_pages(specs) else "none")
     disks: dict[str, etree._Element] = {}
     for key in sorted(k for k in specs if k.startswith(PREFIX_KEY)):
         m = _KEY.fullmatch(key)

@@ -19,7 +19,7 @@ import copy
 from nova.virt.libvirt import config as vconfig
 
 from vstor.config import Config
-from vstor.errors import BadInput
+from vstor.errors import BadInput, DoesNotFit
 from vstor.host.model import Host
 from vstor.meta.names import is_safe_name
 from vstor.meta.plan import DiskPlan, Plan
@@ -62,6 +62,45 @@ class SharedMemoryBacking(vconfig.LibvirtConfigGuestMemoryBacking):
         return root
 
 
+def _page_kib(mb) -> int | None:
+    """The hugepage size Nova backs the guest with (its smallest), KiB."""
+    pages = getattr(mb, "hugepages", None) or []
+    sizes = [int(p.size_kb) for p in pages if getattr(p, "size_kb", None)]
+    return min(sizes) if sizes else (2048 if pages else None)
+
+
+def _nova_nodes(numatune) -> set[int]:
+    """The host nodes Nova binds the guest's memory to."""
+    if numatune is None:
+        return set()
+    out = set(getattr(numatune.memory, "nodeset", None) or []) if numatune.memory else set()
+    for m in numatune.memnodes or []:
+        out.update(m.nodeset or [])
+    return {int(n) for n in out}
+
+
+def _on_novas_nodes(host: Host, plan: Plan, nova: set[int], policy: str, who: str) -> Plan:
+    """Nova picks the instance's host node; vstor the node of each SPDK
+    disk's reactor (its device's, where it has one).  Apart: refused under
+    'strict', said in the plan's reasons under 'preferred'."""
+    from vstor.records import replace
+    apart = []
+    for d in plan.disks:
+        cpu = host.cpu(d.reactor) if d.reactor is not None else None
+        if cpu is not None and nova and cpu.node not in nova:
+            apart.append((d.target, cpu.node))
+    if not apart:
+        return plan
+    said = ", ".join(f"{t}'s SPDK reactor on node {n}" for t, n in apart)
+    where = f"Nova placed {who} on host node{'s' if len(nova) > 1 else ''} " \
+            f"{','.join(map(str, sorted(nova)))}, {said}"
+    if policy == "strict":
+        raise DoesNotFit(f"{where} ({disks.NUMA_KEY}=strict)",
+                         hint=f"Nova reschedules it; or set {disks.NUMA_KEY}=preferred on the flavor")
+    return replace(plan, reasons=plan.reasons + (f"{where}: its I/O crosses the interconnect "
+                                                 f"({disks.NUMA_KEY}=preferred)",))
+
+
 class VstorMetadata(vconfig.LibvirtConfigObject):
     """vstor's element in <metadata>, as the hook reads it."""
 
@@ -89,13 +128,15 @@ def augment(guest: vconfig.LibvirtConfigGuest, specs: dict[str, str], flavor: st
     if not is_safe_name(guest.name):
         raise BadInput(f"instance name '{guest.name[:40]}' cannot name a socket",
                        hint="keep nova.conf's instance_name_template to letters, digits and _.+-")
+    policy = disks.numa_policy(specs, where)
+    page = _page_kib(guest.membacking)
     req = Request(name=guest.name, safe_name=guest.name, uuid=guest.uuid, vcpus=int(guest.vcpus),
                   memory_kib=int(guest.memory), machine=guest.os_mach_type or "pc", intent=intent,
-                  vhost_memory="platform-hugepages" if guest.membacking and guest.membacking.hugepages
-                  else "memfd",
+                  vhost_memory="platform-hugepages" if page else "memfd", platform_page_kib=page,
                   replan="re-create the instance (or resize it to a flavor with the right disks)",
                   title=f"instance {guest.name}", external_cpus=True)
     plan = plan_domain(host, cfg, req, ledger)
+    plan = _on_novas_nodes(host, plan, _nova_nodes(guest.numatune), policy, req.who)
     if any(d.mode != "vhost" for d in plan.disks):
         raise BadInput(f"{where}: vstor disks in a flavor are vhost-user disks; a whole controller "
                        "goes through Nova's own PCI passthrough", hint="see: vstor nova config")

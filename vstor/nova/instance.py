@@ -9,7 +9,11 @@ specs (Nova's validators pass keys in an unknown namespace):
     vstor:numa = strict    every vCPU pinned, and memory bound, to the node of
                            the NVMe controllers passed through (Nova's own
                            hw:pci_numa_affinity_policy=required decides the
-                           node; this makes a start that slipped refuse)
+                           node; this makes a start that slipped refuse);
+                           and (vstor's driver) the instance on its SPDK
+                           disks' reactors' node
+    vstor:numa = preferred (the default) started wherever Nova puts it; a
+                           plan on another node than its SPDK disks says so
 
 Every NVMe controller an instance passes through is checked as vstor checks
 its own passthrough: never one the host uses or `[pci] blocked` lists.
@@ -32,7 +36,7 @@ from vstor.meta.topology import hostdev_address
 
 NOVA_NS = "http://openstack.org/xmlns/libvirt/nova/1.1"
 N = "{%s}" % NOVA_NS
-SPECS = {"vstor:numa": ("strict",)}
+SPECS = {"vstor:numa": ("strict", "preferred")}
 
 
 @record

@@ -51,13 +51,14 @@ BACKENDS = {
     "qsd": Backend("qsd", "CUSTOM_VSTOR_VHOST_QSD", "CUSTOM_VSTOR_QSD"),
     "spdk": Backend("spdk", "CUSTOM_VSTOR_VHOST_SPDK", "CUSTOM_VSTOR_SPDK"),
 }
-# What vstor's compute driver can serve a Nova instance today: a flavor's
-# VM intent has hugepages='none' (Nova owns the memory, vstor.nova.disks),
-# and the planner refuses an SPDK disk without hugepages.  Widen this when
-# the driver places SPDK's hugepages alongside Nova's.
-NOVA_BACKENDS = ("qsd",)
-NOT_FOR_NOVA = ("vstor's Nova driver serves qemu-storage-daemon disks only (SPDK needs "
-                "hugepages vstor would have to place alongside Nova's)")
+# What vstor's compute driver serves a Nova instance: qemu-storage-daemon
+# disks, and SPDK disks (local NVMe or NVMe-oF) of a flavor whose
+# hw:mem_page_size gives the guest hugepages (Nova's: vstor places none,
+# vstor.nova.disks).
+NOVA_BACKENDS = ("qsd", "spdk")
+NOT_FOR_NOVA = "vstor's Nova driver does not serve it"
+SPDK_PAGES = ("an SPDK disk needs the guest's memory in hugepages: the flavor's "
+              "hw:mem_page_size must be large (or 2MB, 1GB)")
 
 
 @record
@@ -173,34 +174,46 @@ def disk_backend(d, flavor: str) -> str:
 
 
 def disk_flavor_specs(specs: dict[str, str], flavor: str,
-                      served: tuple[str, ...] = NOVA_BACKENDS) -> dict[str, str]:
+                      served: tuple[str, ...] = NOVA_BACKENDS, page: str | None = None) -> dict[str, str]:
     """The flavor properties that make Placement pick a host with room for
     the flavor's vstor disks (the specs are checked as vstor's driver
-    checks them)."""
+    checks them), and the large pages its SPDK disks need (`page`, or
+    'large', where the specs do not say hw:mem_page_size)."""
     where = f"flavor '{flavor}'"
     intent = disks.intent_of(specs, where)
     disks.projects_of(specs, intent, where)
+    disks.numa_policy(specs, where)
     if not intent.disks:
         raise BadInput(f"{where}: no vstor:disk.<target>.<source>.<attribute> spec",
                        hint="like vstor:disk.vdb.file.path=/var/lib/vstor/images/db.raw")
     count: dict[str, int] = {}
+    transports = set()
     for d in intent.disks:
         backend = disk_backend(d, where)
         if backend not in served:
             raise BadInput(f"{where}: disk {d.target} would be served by {_NAMES[backend]}: "
                            + NOT_FOR_NOVA, hint="use a file, block or nvme source with backend qsd")
+        if backend == "spdk" and "hw:mem_page_size" in specs and not disks.large_pages(specs):
+            raise BadInput(f"{where}: disk {d.target} is an SPDK disk; {SPDK_PAGES}",
+                           hint="hw:mem_page_size=large")
+        if d.source.kind == "nvmf":
+            transports.add(d.source.transport)
         count[backend] = count.get(backend, 0) + 1
     out = {}
+    if "spdk" in count and "hw:mem_page_size" not in specs:
+        out["hw:mem_page_size"] = page or "large"
     for backend, n in sorted(count.items()):
         out[f"resources:{BACKENDS[backend].resource_class}"] = str(n)
         out[f"trait:{BACKENDS[backend].trait}"] = "required"
+    for transport in sorted(transports):
+        out[f"trait:{NVMF_TRAITS[transport]}"] = "required"
     return out
 
 
-def disk_flavor_command(specs: dict[str, str], flavor: str) -> list[str]:
+def disk_flavor_command(specs: dict[str, str], flavor: str, page: str | None = None) -> list[str]:
     """`openstack flavor set` with the flavor's vstor disk specs and what
-    they ask of Placement."""
-    asks = disk_flavor_specs(specs, flavor)
+    they ask of Placement (and of Nova: an SPDK disk's large pages)."""
+    asks = disk_flavor_specs(specs, flavor, page=page)
     props = " ".join("--property " + shlex.quote(f"{k}={v}") for k, v in {**specs, **asks}.items())
     wants = ", ".join(f"{v} {k.split(':', 1)[1]}" for k, v in asks.items() if k.startswith("resources:"))
     return [f"# {flavor}: Placement gives it a host with {wants} left", f"openstack flavor set {flavor} {props}"]

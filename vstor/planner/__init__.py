@@ -24,7 +24,8 @@ from vstor.records import record, replace
 
 _PAGE_KIB = {"2M": 2048, "1G": 1048576}
 _SHARED = {"memfd": "memfd-backed shared memory",
-           "platform-hugepages": "the platform's hugepages (Nova's), shared"}
+           "platform-hugepages": "the guest's memory in Nova's hugepages (the flavor's "
+                                 "hw:mem_page_size; vstor places none), shared"}
 
 
 @record
@@ -52,6 +53,9 @@ class Request:
     title: str = ""
     # The platform pins the vCPUs (a Nova instance): cpus='external' allowed.
     external_cpus: bool = False
+    # The size of the hugepages the platform backs the guest with (Nova's,
+    # from the flavor's hw:mem_page_size), KiB; None: ordinary memory.
+    platform_page_kib: int | None = None
     # The platform binds hugepages only on host nodes below this (Proxmox's
     # qemu-server: 0-9); None: any node.
     hugepage_nodes: int | None = None
@@ -76,9 +80,12 @@ class Request:
 
     @classmethod
     def from_domain(cls, dom: Domain, imports=()) -> "Request":
+        nova = dom.is_nova()
+        page = dom.hugepage_kib() if nova else None
         return cls(dom.name, dom.safe_name, dom.uuid, dom.vcpus, dom.memory_kib,
-                   dom.machine, dom.intent(), tuple(imports), external_cpus=dom.is_nova(),
-                   gate=dom.gate())
+                   dom.machine, dom.intent(), tuple(imports), external_cpus=nova,
+                   vhost_memory="platform-hugepages" if page else "memfd",
+                   platform_page_kib=page, gate=dom.gate())
 
     @classmethod
     def keeping_cells(cls, dom: Domain, imports=()) -> "Request":
@@ -139,9 +146,14 @@ def _check_config(cfg: Config) -> None:
 
 
 def page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
+    """The size of the hugepages vstor places for the guest, KiB; None when
+    it places none (ordinary memory, or the platform's hugepages)."""
     wanted = req.intent.vm.hugepages
     spdk = any(c.backend == "spdk" for c in choices)
     shared = req.vhost_memory == "hugepages" and any(c.mode == "vhost" for c in choices)
+    if wanted == "external" or (spdk and req.external_cpus):
+        _platform_pages(req, spdk)
+        return None
     if wanted == "none" and spdk:
         raise BadInput(f"{req.who}: hugepages='none' with an SPDK disk; SPDK maps guest "
                        "memory in 2 MiB units and needs it hugepage-backed",
@@ -155,6 +167,25 @@ def page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
         raise BadInput(f"{req.who}: memory {req.memory_kib} KiB is not a whole number "
                        f"of {size} KiB hugepages", hint="round <memory> to the page size")
     return size
+
+
+def _platform_pages(req: Request, spdk: bool) -> None:
+    """A Nova instance's hugepages are Nova's: vstor checks that the flavor
+    asked for them where an SPDK disk needs them, and that Nova gave them."""
+    flavor = "set hw:mem_page_size=large (or 2MB, 1GB) on the flavor"
+    if not req.external_cpus:
+        raise BadInput(f"{req.who}: hugepages='external' is for Nova instances (the flavor's "
+                       "hw:mem_page_size)", hint="use hugepages='2M', '1G', 'auto' or 'none'")
+    if spdk and req.intent.vm.hugepages != "external":
+        raise BadInput(f"{req.who}: an SPDK disk needs the guest's memory in hugepages, and its "
+                       "flavor asks for none", hint=flavor)
+    if not req.platform_page_kib:
+        raise BadInput(f"{req.who}: the flavor asks for large pages (hw:mem_page_size) but the "
+                       "guest's memory is not hugepage-backed (an image's hw_mem_page_size=small?)",
+                       hint=flavor + ", and no small pages on the image")
+    if spdk and req.platform_page_kib < 2048:
+        raise BadInput(f"{req.who}: its guest memory is in {req.platform_page_kib} KiB pages; SPDK "
+                       "maps guest memory in 2 MiB units", hint=flavor)
 
 
 def _assemble(host, cfg, req, choices, page_kib, guest_cells: tuple[CellPlan, ...], disk_cell: dict,
