@@ -285,3 +285,61 @@ def test_an_spdk_disk_without_large_pages_is_refused(spdk_conf, host_layout, pag
     got = ask({"augment": {"spec": spec, "config": str(spdk_conf),
                            "host_root": host_layout("two-socket")}})["augmented"]
     assert "error" in got and message in got["error"] and got["code"] == 2, got
+
+
+def test_the_driver_plans_one_instance_at_a_time_and_counts_what_it_planned():
+    """nova-compute builds several guest configs at once, as `nova` (vstor's
+    planning lock is root's): the driver's own lock makes them one at a
+    time, and a plan counts in the next one's ledger until libvirt lists its
+    domain, or the spawn is given up (PENDING_SECONDS)."""
+    script = r'''
+import json, threading, time
+from vstor.meta.holding import Holding
+from vstor.meta.plan import Plan
+from vstor.nova import driver
+from vstor.planner.ledger import Ledger
+
+seen, inside, most = [], [0], [0]
+defined = []
+clock = [0.0]
+
+def make(name, cpu):
+    def f(ledger):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        seen.append((name, sorted(h.domain for h in ledger.holdings),
+                     sorted(ledger.cpu_owner)))
+        time.sleep(0.05)
+        inside[0] -= 1
+        return Plan(domain=name, vcpus=1, memory_kib=1024, reserved=(cpu,))
+    return f
+
+def ledger_of():
+    return Ledger([Holding.from_plan(Plan(domain=n, vcpus=1, memory_kib=1024)) for n in defined])
+
+threads = [threading.Thread(target=driver.plan_under_lock,
+                            args=(make(f"instance-{i}", i), ledger_of, lambda: clock[0]))
+           for i in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+first = dict((n, (doms, cpus)) for n, doms, cpus in seen)
+defined.append("instance-0")                   # libvirt lists it now: counted from libvirt
+driver.plan_under_lock(make("after-define", 9), ledger_of, lambda: clock[0])
+clock[0] = driver.PENDING_SECONDS + 1          # the other spawns were given up
+driver.plan_under_lock(make("after-timeout", 10), ledger_of, lambda: clock[0])
+print(json.dumps({"most": most[0], "seen": seen}))
+'''
+    done = subprocess.run([nova_python(), "-c", script], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    got = json.loads(done.stdout)
+    assert got["most"] == 1                                  # one plan at a time
+    seen = got["seen"]
+    # Each of the four counted every plan made before it (their reserved cores).
+    assert [len(doms) for _, doms, _ in seen[:4]] == [0, 1, 2, 3]
+    assert [cpus for _, _, cpus in seen[:4]][3] == sorted(int(n.split("-")[1]) for n, _, _ in seen[:3])
+    name, doms, _ = seen[4]
+    assert name == "after-define" and doms.count("instance-0") == 1 and len(doms) == 4
+    name, doms, _ = seen[5]
+    assert name == "after-timeout" and doms == ["instance-0"]

@@ -16,6 +16,9 @@ destination's up; the destination's hook places the arriving domain.
 
 from __future__ import annotations
 
+import threading
+import time
+
 from nova.virt.libvirt import driver as libvirt_driver
 from oslo_log import log as logging
 
@@ -23,9 +26,11 @@ from vstor import config as config_mod
 from vstor.errors import VstorError
 from vstor.host.read import read_host
 from vstor.host.sysfs import SysFS
+from vstor.meta.holding import Holding
 from vstor.nova import disks, migrate
 from vstor.nova.guest import augment
 from vstor.render.migration import reshare_memory
+from vstor.planner.ledger import Ledger
 from vstor.runtime.inventory import load_ledger, readable_records
 
 LOG = logging.getLogger(__name__)
@@ -39,6 +44,36 @@ def _vstor_migrate(step: str, instance, dest: str | None = None) -> str:
     return migrate.run(config_mod.load(), step, instance.name, dest)
 
 
+# The planning lock of one nova-compute.  It builds several instances'
+# guest configs at once (a thread or greenthread each); vstor's own lock is
+# root's, and nova-compute runs as `nova`.  So its plans are made one at a
+# time here, and each counts in the next one's ledger from the moment it is
+# made until libvirt lists its domain (Nova defines it right after) or
+# PENDING_SECONDS pass (a spawn that failed before defining it).  The
+# hook, as root and under vstor's lock, checks every plan again at the start.
+_PLANNING = threading.Lock()
+_pending: dict[str, tuple[float, Holding]] = {}
+PENDING_SECONDS = 600.0
+
+
+def plan_under_lock(make, ledger_of, now=time.monotonic):
+    """`make(ledger)` -> a Plan or None, with the plans made before it and
+    not yet in `ledger_of()` counted; the plan then counts for the next."""
+    with _PLANNING:
+        ledger = ledger_of()
+        known = {h.domain for h in ledger.holdings}
+        t = now()
+        for name, (at, _) in list(_pending.items()):
+            if name in known or t - at > PENDING_SECONDS:
+                del _pending[name]
+        if _pending:
+            ledger = Ledger(ledger.holdings + tuple(h for _, h in _pending.values()))
+        plan = make(ledger)
+        if plan is not None:
+            _pending[plan.domain] = (t, Holding.from_plan(plan))
+        return plan
+
+
 class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
 
     def _get_guest_config(self, instance, *args, **kwargs):
@@ -46,9 +81,10 @@ class VstorLibvirtDriver(libvirt_driver.LibvirtDriver):
         specs = dict(instance.flavor.extra_specs or {})
         if disks.has_disks(specs):
             cfg = config_mod.load()
-            ledger = load_ledger(self._host.get_connection(), readable_records(cfg.state_dir))
-            augment(guest, specs, instance.flavor.name, instance.project_id,
-                    read_host(SysFS("/")), cfg, ledger)
+            plan_under_lock(
+                lambda ledger: augment(guest, specs, instance.flavor.name, instance.project_id,
+                                       read_host(SysFS("/")), cfg, ledger),
+                lambda: load_ledger(self._host.get_connection(), readable_records(cfg.state_dir)))
         return guest
 
     def live_migration(self, context, instance, dest, post_method, recover_method,
