@@ -8,6 +8,7 @@ guest config Nova's classes build, and the result passes libvirt's schema
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 from lxml import etree
@@ -343,3 +344,50 @@ print(json.dumps({"most": most[0], "seen": seen}))
     assert name == "after-define" and doms.count("instance-0") == 1 and len(doms) == 4
     name, doms, _ = seen[5]
     assert name == "after-timeout" and doms == ["instance-0"]
+
+
+def test_nova_fits_a_large_page_flavor_with_an_spdk_disk_on_the_cpu_sets_vstor_wrote(
+        tmp_path, host_layout, host_model, spdk_conf):
+    """Nova's own NUMA fitting, on the host the nova.conf fragment vstor
+    wrote describes (cpu_dedicated_set and cpu_shared_set without the SPDK
+    reactors): a flavor with hw:mem_page_size=2MB and an SPDK NVMe-oF disk
+    fits, in 2 MiB pages, on dedicated cores that are never a reactor; the
+    instance's guest config, as Nova then builds it, gets its SPDK disk with
+    the reactor on the RDMA NIC's node."""
+    import json
+    root = host_layout("two-socket")
+    frag = tmp_path / "nova-vstor.conf"
+    done = subprocess.run([sys.executable, "-m", "vstor.cli.main", "--config", str(spdk_conf),
+                           "--host-root", root, "nova", "config", "-o", str(frag)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    host = host_model("two-socket")
+    nodes = [{"id": n.id, "cpus": list(n.cpus),
+              "siblings": sorted({tuple(sorted(host.cpu(c).siblings)) for c in n.cpus}),
+              "memory_mib": n.memory_kib // 1024,
+              "pages_2m": next((p.total for p in n.hugepages if p.size_kib == 2048), 0)}
+             for n in host.nodes]
+    specs = {**NVMF, "vstor:disk.vdb.readonly": "yes", "hw:mem_page_size": "2MB",
+             "hw:cpu_policy": "dedicated"}
+    fit = subprocess.run([nova_python(), os.path.join(ROOT, "tests", "nova", "numa_fit.py")],
+                         input=json.dumps({"conf": frag.read_text(), "nodes": nodes,
+                                           "flavor": {"vcpus": 4, "memory_mb": 8192,
+                                                      "extra_specs": specs}}),
+                         capture_output=True, text=True, timeout=300)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    got = json.loads(fit.stdout)
+    assert not {2, 18} & (set(got["dedicated"]) | set(got["shared"]))     # reactors: neither set
+    assert got["fitted"] is not None, got
+    (cell,) = got["fitted"]
+    pins = sorted(cell["pins"].values())
+    assert cell["pagesize"] == 2048 and len(pins) == 4
+    assert set(pins) <= set(got["dedicated"]) and not {2, 18} & set(pins)
+    # The guest config Nova builds from that fit, and vstor's driver step.
+    spec = {**SPEC, "vcpus": 4, "memory_kib": 8192 * 1024, "page_kb": 2048, "pins": pins,
+            "memory_nodes": [cell["id"]], "extra_specs": specs}
+    aug = ask({"augment": {"spec": spec, "config": str(spdk_conf), "host_root": root}})["augmented"]
+    assert "xml" in aug, aug
+    plan = etree.fromstring(aug["xml"].encode()).find(".//{https://vstor.dev/xmlns/domain/1}plan")
+    disk = plan.find("{https://vstor.dev/xmlns/domain/1}disk")
+    assert disk.get("backend") == "spdk" and int(disk.get("reactor")) not in pins
+    assert int(disk.get("reactor")) == 2            # the RDMA NIC's node 0
