@@ -2,16 +2,20 @@
 (nova 34.0.0, run by tests/nova/oracle.py): the provider config file
 through nova-compute's loader and resource tracker, the device specs
 through the PCI placement translator, the aliases through the request
-groups the scheduler sends Placement, and the flavor properties through
-Nova's extra-spec validators and its scheduler's resource request."""
+groups the scheduler sends Placement, the flavor properties through
+Nova's extra-spec validators and its scheduler's resource request, and the
+host's PCI devices through nova-compute's PCI tracker and the PciDeviceStats
+its scheduler filters and claims ask."""
 
 import os
 import re
+import shlex
 
 import pytest
 
 from tests.nova import ask
 from tests.helpers import conf_file, run_cli
+from tests.hostlayout import build_tree
 from vstor.config import Config
 from vstor.errors import BadInput, VstorError
 
@@ -45,13 +49,14 @@ def test_nova_compute_loads_the_provider_file_onto_its_compute_node(tmp_path, ca
     assert node["inventory"]["CUSTOM_VSTOR_VHOST_QSD"] == {
         "total": 12, "reserved": 0, "min_unit": 1, "max_unit": 12, "step_size": 1,
         "allocation_ratio": 1.0}
-    assert set(node["inventory"]) == {"VCPU", "CUSTOM_VSTOR_VHOST_QSD"}
+    assert node["inventory"]["CUSTOM_VSTOR_VHOST_SPDK"]["total"] == 12
+    assert set(node["inventory"]) == {"VCPU", "CUSTOM_VSTOR_VHOST_QSD", "CUSTOM_VSTOR_VHOST_SPDK"}
     assert set(node["traits"]) == {"COMPUTE_NODE", "OWNER_NOVA", "CUSTOM_VSTOR_QSD",
-                                   "CUSTOM_VSTOR_PASSTHROUGH"}
+                                   "CUSTOM_VSTOR_PASSTHROUGH", "CUSTOM_VSTOR_SPDK",
+                                   "CUSTOM_VSTOR_NVMF_RDMA", "CUSTOM_VSTOR_NVMF_TCP"}
     text = open(os.path.join(folder, "vstor.yaml")).read()
-    # SPDK is configured, but vstor's Nova driver cannot serve it: said, not offered.
-    assert re.search(r"# not offered: CUSTOM_VSTOR_VHOST_SPDK: vstor's Nova driver serves "
-                     r"qemu-storage-daemon disks only", text)
+    # SPDK's reactors are configured: its disks are offered (Nova's large pages, issue 31).
+    assert "# not offered: CUSTOM_VSTOR_VHOST_SPDK" not in text
 
 
 @pytest.mark.parametrize("layout, traits", [
@@ -59,8 +64,8 @@ def test_nova_compute_loads_the_provider_file_onto_its_compute_node(tmp_path, ca
     ("laptop", {"CUSTOM_VSTOR_SPDK", "CUSTOM_VSTOR_NVMF_TCP"}),     # no RDMA NIC
 ])
 def test_spdk_and_nvme_of_once_the_driver_serves_them(tmp_path, host_model, layout, traits):
-    """The day vstor's driver serves SPDK disks (NOVA_BACKENDS), the same
-    file carries them, and Nova takes it."""
+    """vstor's driver serves SPDK disks (NOVA_BACKENDS): the file carries
+    them, RDMA only with an RDMA NIC, and Nova takes it."""
     from vstor.nova import placement
     host = host_model(layout)
     v = placement.view(host, Config(reactors=(2,)), 0, qsd_installed=False, served=("qsd", "spdk"))
@@ -161,9 +166,9 @@ def test_the_passthrough_flavors_ask_through_the_alias(tmp_path, capsys, host_la
            "CUSTOM_VSTOR_NVME_8086_0A54 through the alias" in out
 
 
-def test_an_spdk_disk_could_never_start_in_a_nova_instance(host_model):
-    """Why the provider file offers no SPDK inventory: the planner refuses
-    such a flavor's disk (vstor.nova.placement.NOVA_BACKENDS)."""
+def test_an_spdk_disk_without_large_pages_could_never_start_in_a_nova_instance(host_model):
+    """A flavor's SPDK disk needs the flavor's large pages: without them the
+    planner refuses it (and `--flavors` writes hw:mem_page_size for it)."""
     from vstor.nova import disks
     from vstor.planner import Request, plan_domain
     from vstor.planner.ledger import Ledger
@@ -172,7 +177,8 @@ def test_an_spdk_disk_could_never_start_in_a_nova_instance(host_model):
     req = Request(name="instance-1", safe_name="instance-1", uuid=None, vcpus=2, memory_kib=2097152,
                   machine="q35", intent=disks.intent_of(specs), vhost_memory="platform-hugepages",
                   external_cpus=True)
-    with pytest.raises(BadInput, match="hugepages='none' with an SPDK disk"):
+    with pytest.raises(BadInput, match="an SPDK disk needs the guest's memory in hugepages, and "
+                                       "its flavor asks for none"):
         plan_domain(host_model("two-socket"), Config(reactors=(2, 18)), req, Ledger())
 
 
@@ -180,8 +186,9 @@ def test_an_spdk_disk_could_never_start_in_a_nova_instance(host_model):
     ({"vstor:disk.vdc.nvme.controller": "0000:5e:00.0", "vstor:disk.vdc.readonly": "yes"},
      "disk vdc has backend='auto': each host's [vhost] default_backend would choose"),
     ({"vstor:disk.vdc.nvmf.subnqn": "nqn.2014-08.org.example:a", "vstor:disk.vdc.nvmf.traddr": "10.0.0.1",
-      "vstor:disk.vdc.nvmf.transport": "tcp", "vstor:disk.vdc.readonly": "yes"},
-     "disk vdc would be served by SPDK: vstor's Nova driver serves qemu-storage-daemon disks only"),
+      "vstor:disk.vdc.nvmf.transport": "tcp", "vstor:disk.vdc.readonly": "yes",
+      "hw:mem_page_size": "small"},
+     "disk vdc is an SPDK disk; an SPDK disk needs the guest's memory in hugepages"),
     ({"vstor:disk.vdc.nvme.controller": "0000:5e:00.0", "vstor:disk.vdc.mode": "passthrough",
       "vstor:disk.vdc.readonly": "yes"},
      "asks for passthrough"),
@@ -285,3 +292,149 @@ def test_doctor_catches_vfs_enabled_after_nova_config_ran(tmp_path, capsys):
     _, out, _ = run_cli(capsys, "--config", cfg, "--host-root", root, "doctor")
     line, = [ln for ln in out.splitlines() if "nova offers" in ln]
     assert line.startswith("OK"), line
+
+
+# -- Nova's PCI tracker and its PciDeviceStats on every host layout ------------------------------------
+
+LAYOUTS = sorted(name[:-5] for name in os.listdir(os.path.join(os.path.dirname(__file__), "hosts"))
+                 if name.endswith(".toml"))
+# Controllers the firmware puts on no node (numa_node -1): on a host without
+# NUMA (libvirt's one cell), and on a two-node host beside one on node 1.
+NO_NODE = {
+    "flat": {"hostname": "flat", "numa": False, "node": [{"cores": 4, "memory": "16GiB"}],
+             "nvme": [{"address": "0000:03:00.0"}]},
+    "no-node": {"hostname": "no-node", "node": [{"cores": 4, "memory": "16GiB"}] + [{"cores": 4}],
+                "nvme": [{"address": "0000:03:00.0", "node": -1}, {"address": "0000:04:00.0", "node": -1},
+                         {"address": "0000:81:00.0", "node": 1}]},
+}
+COMMENT = re.compile(r"# (\S+): (\d+) controller\(s\)(?: on node\(s\) ([\d,]+))?; Placement: ")
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _pci_address(address: str) -> str:
+    dom, bus, rest = address.split(":")
+    slot, fn = rest.split(".")
+    return f"<address domain='0x{dom}' bus='0x{bus}' slot='0x{slot}' function='0x{fn}'/>"
+
+
+def _nodedevs(root: str) -> list[str]:
+    """Every PCI function of the layout's sysfs as libvirt's node device
+    driver shows it (node_device_conf.c): virt_functions when sriov_totalvfs
+    or the enabled VFs are above 0 (so an SR-IOV capable function without
+    VFs is a PF too), phys_function for a VF, numa only for a node >= 0."""
+    devices = os.path.join(root, "sys", "bus", "pci", "devices")
+    out = []
+    for address in sorted(os.listdir(devices)):
+        dev = os.path.join(devices, address)
+        dom, bus, rest = address.split(":")
+        slot, fn = rest.split(".")
+        caps = [f"<domain>{int(dom, 16)}</domain>", f"<bus>{int(bus, 16)}</bus>",
+                f"<slot>{int(slot, 16)}</slot>", f"<function>{int(fn, 16)}</function>",
+                f"<product id='{_read(dev + '/device')}'/>", f"<vendor id='{_read(dev + '/vendor')}'/>"]
+        if os.path.islink(dev + "/physfn"):
+            caps.append(f"<capability type='phys_function'>"
+                        f"{_pci_address(os.path.basename(os.readlink(dev + '/physfn')))}</capability>")
+        vfs = sorted(os.path.basename(os.readlink(os.path.join(dev, n))) for n in os.listdir(dev)
+                     if n.startswith("virtfn"))
+        total = int(_read(dev + "/sriov_totalvfs")) if os.path.exists(dev + "/sriov_totalvfs") else 0
+        if total or vfs:
+            caps.append(f"<capability type='virt_functions' maxCount='{total}'>"
+                        + "".join(map(_pci_address, vfs)) + "</capability>")
+        node = int(_read(dev + "/numa_node"))
+        if node >= 0:
+            caps.append(f"<numa node='{node}'/>")
+        out.append(f"<device><name>pci_{address.replace(':', '_').replace('.', '_')}</name>"
+                   f"<capability type='pci'>{''.join(caps)}</capability></device>")
+    return out
+
+
+def _host_cells(root: str) -> list[int]:
+    """The host NUMA cells Nova's libvirt driver reports: one per node, and
+    libvirt's one fake cell 0 on a host without NUMA."""
+    nodes = os.path.join(root, "sys", "devices", "system", "node")
+    found = sorted(int(n[4:]) for n in os.listdir(nodes) if re.fullmatch(r"node\d+", n)) \
+        if os.path.isdir(nodes) else []
+    return found or [0]
+
+
+def _with_vfs(root: str) -> set[str]:
+    devices = os.path.join(root, "sys", "bus", "pci", "devices")
+    return {a for a in os.listdir(devices)
+            if any(n.startswith("virtfn") for n in os.listdir(os.path.join(devices, a)))}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + ["flat", "no-node"])
+def test_nova_serves_each_alias_exactly_where_its_flavor_comment_says(tmp_path, capsys, host_layout, layout):
+    """Nova's own compute and scheduler code on every host layout: its
+    libvirt driver reports every PCI function (VFs as type-VF with their
+    PF, SR-IOV capable functions as type-PF); its PCI tracker takes what
+    the written [pci] device_spec matches, and the resource tracker's
+    Placement update makes a provider of each; for each flavor
+    `--flavors` prints, PciDeviceStats serves the alias's request exactly
+    as many times as the flavor comment says, on exactly its nodes (every
+    node for a controller on none), and refuses one more; Placement's
+    candidates for the alias are exactly the controllers the PCI filters
+    and the claim serve; no VF and no PF with VFs is ever handed out."""
+    root = build_tree(NO_NODE[layout], tmp_path / "root") if layout in NO_NODE else host_layout(layout)
+    conf, _ = _write(tmp_path, capsys, root)
+    if layout == "no-node":
+        # Nova's pools match an alias by model alone: the no-node alias would
+        # take node 1's controller, so vstor offers only that one, and says why.
+        assert re.findall(r'^device_spec = \{"address": "([^"]+)"', conf, re.M) == ["0000:81:00.0"]
+        assert conf.count("on no NUMA node, beside controllers of its model on nodes") == 2
+    code, out, err = run_cli(capsys, "--config", conf_file(tmp_path), "--host-root", root, "nova", "config",
+                             "--flavors")
+    offered = re.findall(r'^device_spec = \{"address": "([^"]+)"', conf, re.M)
+    lines = out.splitlines()
+    comments = [COMMENT.match(line) for line in lines if line.startswith("# ")]
+    flavors = {}
+    for line in lines:
+        if line.startswith("openstack flavor set "):
+            words = shlex.split(line)
+            flavors[words[3]] = dict(w.split("=", 1) for w in words[5::2])
+    assert len(comments) == len(flavors) and all(comments), out
+    if not offered:
+        assert code == 2 and not flavors and "no NVMe controller here can be offered" in err
+    else:
+        assert code == 0, err
+    cells = _host_cells(root)
+    got = ask({"conf": conf, "pci": {"nodedevs": _nodedevs(root), "cells": cells,
+                                     "flavors": flavors}})["pci"]
+    assert "pci_error" not in got, got["pci_error"]
+    reported = got["reported"]
+    vfs = {a for a, d in reported.items() if d["dev_type"] == "type-VF"}
+    never = vfs | _with_vfs(root)
+    assert got["tracked"] == sorted(offered)
+    assert not never & set(offered), f"offered a VF or a PF with VFs: {sorted(never & set(offered))}"
+    assert sorted(a for a, _, _ in got["providers"].values()) == sorted(offered)
+    handed_out = set()
+    for m in comments:
+        alias, count, nodes = m.group(1), int(m.group(2)), m.group(3)
+        asked = got["flavors"][alias]        # the flavor is named after its alias
+        (n, _, policy), = asked["requests"]
+        assert n == 1 and asked["numa_cells"] == 1, asked
+        claimed = {int(c): [a for devs in got_c for a in devs] for c, got_c in asked["claimed"].items()}
+        served = {int(c): k for c, k in asked["served"].items()}
+        assert all(len(claimed[c]) == served[c] for c in cells), (alias, served, claimed)
+        if nodes is not None:
+            assert policy == "required"
+            assert {c for c in cells if served[c]} == set(map(int, nodes.split(","))), (alias, served)
+            assert sum(served.values()) == count, (alias, served)
+            assert all(reported[a]["numa_node"] == c for c in cells for a in claimed[c]), (alias, claimed)
+        else:      # a controller on no node: any cell may have it
+            assert policy == "legacy" and all(served[c] == count for c in cells), (alias, served)
+        assert asked["anywhere"] == count, alias
+        host = [a for c in cells for devs in asked["host"]["claimed"][str(c)] for a in devs]
+        assert len(host) == len(set(host)) == count and asked["host"]["one_more"] == [False] * len(cells)
+        assert not set(host) & never and not set(host) & handed_out, (alias, host)
+        handed_out |= set(host)
+        for c in cells:
+            placed = asked["placed"].get(str(c), {})
+            assert set(placed) == set(host), (alias, c, placed)
+            assert {a for a, (scheduler, _) in placed.items() if scheduler} == set(claimed[c]) == \
+                   {a for a, (_, claim) in placed.items() if claim}, (alias, c, placed)
+    assert handed_out == set(offered)

@@ -3,11 +3,11 @@ stdin, one JSON answer on stdout.  Everything here is Nova's own code.
 
 request: {"conf": nova.conf text, "extra_specs": {key: value},
           "device_specs": [dict] (each parsed alone), "aliases": [str] (alias JSON),
-          "placement": {...} (see placement())}
+          "placement": {...} (see placement()), "pci": {...} (see pci())}
 answer:  {"whitelist": [spec tags], "aliases": {name: [numa_policy, specs]},
           "dedicated": [cpus], "shared": [cpus], "extra_specs": {key: error or null},
           "device_specs": [error or null], "alias_error": error or null,
-          "placement": {...}}"""
+          "placement": {...}, "pci": {...}}"""
 
 import json
 import os
@@ -65,6 +65,8 @@ def main() -> None:
             out["alias_error"] = f"{type(e).__name__}: {e}"
     if "placement" in req:
         out["placement"] = placement(req["placement"])
+    if "pci" in req:
+        out["pci"] = pci(req["pci"])
     if "guest" in req:
         out["xml"] = guest(req["guest"])
     if "driver" in req:
@@ -158,6 +160,154 @@ def placement(req: dict) -> dict:
                                    pci_requests=objects.InstancePCIRequests(requests=[]))
         group = scheduler_utils.ResourceRequest.from_request_spec(spec).get_request_group(None)
         out["unsuffixed"] = {"resources": group.resources, "required": sorted(group.required_traits)}
+    return out
+
+
+
+def pci(req: dict) -> dict:
+    """A compute host's PCI devices through nova-compute and the scheduler,
+    with the nova.conf already read (req "conf"):
+    - nodedevs ([libvirt node device XML]): what libvirt's nodedev driver
+      shows; Nova's libvirt driver makes its device dicts of them
+      (Host._get_pcidev_info): "reported";
+    - nova-compute's resource tracker: its PCI tracker (PciDevTracker, with
+      an empty device table where it reads the database) takes what
+      [pci] device_spec matches ("tracked"), and its Placement update
+      (update_provider_tree_for_pci) makes the providers ("providers",
+      name -> [device address, inventory, traits]) or raises ("pci_error");
+    - flavors ({name: extra specs}): the PCI requests nova-api makes of each
+      flavor, asked on every host NUMA cell (req "cells") the way the
+      scheduler (PciDeviceStats from the compute node's pools) and the
+      compute host's claim (the tracker's PciDeviceStats) ask them:
+      "served" (support_requests, then apply_requests, until refused),
+      "claimed" (consume_requests until refused: the devices handed out),
+      "anywhere" (the PCI filter's ask, without cells), "host" (one pool
+      for the host, cell after cell: the devices handed out, and whether
+      one more is refused on every cell), "placed" (which providers
+      Placement could hand the request group, and, for each, whether the
+      scheduler's and the claim's PciDeviceStats serve the request from
+      it on that cell)."""
+    import copy
+    import uuid
+    from types import SimpleNamespace
+    from unittest import mock
+    from xml.etree import ElementTree
+    import os_traits
+    from nova import context, objects
+    from nova.compute import pci_placement_translator, provider_tree
+    from nova.pci import manager, request as pci_request, stats as pci_stats
+    from nova.pci import utils as pci_utils
+    from nova.virt import hardware
+    from nova.virt.libvirt import host as libvirt_host
+    objects.register_all()
+    out = {}
+    nodedevs = [SimpleNamespace(XMLDesc=lambda flags, x=x: x, listCaps=lambda: ["pci"],
+                                name=lambda n=ElementTree.fromstring(x).findtext("name"): n)
+                for x in req["nodedevs"]]      # virNodeDevice, as far as Nova's driver reads it
+
+    def no_netdev(address, *a, **k):       # an NVMe function has no netdev
+        raise exception.PciDeviceNotFoundById(id=address)
+    with mock.patch.object(pci_utils, "get_mac_by_pci_address", no_netdev):
+        reported = [libvirt_host.Host._get_pcidev_info(libvirt_host.Host.__new__(libvirt_host.Host),
+                                                       dev.name(), dev, [], [], nodedevs) for dev in nodedevs]
+    out["reported"] = {d["address"]: {k: d.get(k) for k in ("dev_type", "numa_node", "parent_addr",
+                                                             "vendor_id", "product_id")}
+                       for d in reported}
+    ctx = context.get_admin_context()
+    node = objects.ComputeNode(id=1, numa_topology=None)
+    with mock.patch.object(objects.PciDeviceList, "get_by_compute_node",
+                           lambda *a, **k: objects.PciDeviceList(objects=[])):
+        tracker = manager.PciDevTracker(ctx, node)
+    tracker.update_devices_from_hypervisor_resources(json.dumps(reported))
+    out["tracked"] = sorted(d.address for d in tracker.pci_devs)
+    tree = provider_tree.ProviderTree()
+    root = str(uuid.uuid4())
+    name = req.get("node", "compute-7")
+    tree.new_root(name, root)
+    tree.update_traits(root, [os_traits.COMPUTE_NODE])
+    try:
+        pci_placement_translator.update_provider_tree_for_pci(tree, name, tracker, {}, [])
+    except (exception.NovaException, ValueError) as e:     # what stops nova-compute
+        out["pci_error"] = f"{type(e).__name__}: {e}"
+        return out
+    by_rp = {d.extra_info.get("rp_uuid"): d.address for d in tracker.pci_devs}
+    providers = {u: tree.data(u) for u in tree.get_provider_uuids() if u != root}
+    out["providers"] = {p.name: [by_rp.get(u), p.inventory, sorted(p.traits)] for u, p in providers.items()}
+    scheduler = pci_stats.PciDeviceStats(None, stats=tracker.stats.to_device_pools_obj())
+    image = objects.ImageMeta.from_dict({})
+
+    def cells_for(topology, cell):
+        if cell is None or topology is None:
+            return None
+        cells = copy.deepcopy(topology.cells)
+        for c in cells:
+            c.id = cell            # numa_fit_instance_to_host: the host cell it fits
+        return cells
+
+    def served(cells, requests, limit=64):
+        view = copy.deepcopy(scheduler)
+        n = 0
+        while n < limit and view.support_requests(requests, None, cells):
+            view.apply_requests(requests, None, cells)
+            n += 1
+        return n
+
+    def claimed(claim, cells, requests, limit=64):
+        got = []
+        for _ in range(limit):
+            try:
+                devs = claim.consume_requests(requests, cells)
+            except exception.PciDeviceRequestFailed:
+                break
+            got.append(sorted(d.address for d in devs))
+        return got
+
+    out["flavors"] = {}
+    for fname, specs in req["flavors"].items():
+        flavor = objects.Flavor(name=fname, flavorid=fname, vcpus=2, memory_mb=2048, root_gb=10,
+                                ephemeral_gb=0, swap=0, extra_specs=specs)
+        topology = hardware.numa_get_constraints(flavor, image)
+        requests = pci_request.get_pci_requests_from_flavor(     # as nova-api makes them
+            flavor, affinity_policy=hardware.get_pci_numa_policy_constraint(flavor, image)).requests
+        got = {"requests": [[r.count, r.spec, r.numa_policy] for r in requests],
+               "numa_cells": len(topology.cells) if topology else 0,
+               "served": {}, "claimed": {}, "placed": {},
+               "anywhere": served(None, requests)}
+        for cell in req["cells"]:
+            cells = cells_for(topology, cell)
+            got["served"][cell] = served(cells, requests)
+            got["claimed"][cell] = claimed(copy.deepcopy(tracker.stats), cells, requests)
+        claim = copy.deepcopy(tracker.stats)
+        got["host"] = {"claimed": {cell: claimed(claim, cells_for(topology, cell), requests)
+                                   for cell in req["cells"]}}
+        got["host"]["one_more"] = [claim.support_requests(requests, None, cells_for(topology, cell))
+                                   for cell in req["cells"]]
+        # With [filter_scheduler] pci_in_placement: Placement hands each
+        # request group a provider with its class and traits; the scheduler's
+        # PCI filters, then the claim, must serve the request from exactly it.
+        spec = objects.RequestSpec(requested_resources=None, pci_requests=objects.InstancePCIRequests(
+            requests=requests))
+        CONF.set_override("pci_in_placement", True, group="filter_scheduler")
+        spec.generate_request_groups_from_pci_requests()
+        CONF.clear_override("pci_in_placement", group="filter_scheduler")
+        for group in spec.requested_resources:
+            candidates = [u for u, p in providers.items()
+                          if all(p.inventory.get(rc, {}).get("total", 0) >= n
+                                 for rc, n in group.resources.items())
+                          and set(group.required_traits) <= set(p.traits)]
+            for cell in req["cells"]:
+                for u in candidates:
+                    mapping = {group.requester_id: [u]}
+                    asked = copy.deepcopy(requests)
+                    for r in asked:
+                        if group.requester_id.startswith(r.request_id):
+                            r.spec[0]["rp_uuids"] = u    # as the conductor records it
+                    got["placed"].setdefault(cell, {})[by_rp[u]] = [
+                        copy.deepcopy(scheduler).support_requests(requests, mapping,
+                                                                  cells_for(topology, cell)),
+                        bool(claimed(copy.deepcopy(tracker.stats), cells_for(topology, cell),
+                                     asked, limit=1))]
+        out["flavors"][fname] = got
     return out
 
 

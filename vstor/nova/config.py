@@ -93,10 +93,31 @@ def setup(host: Host, cfg: Config, ledger: Ledger) -> NovaSetup:
             offers.append(Offer(ctrl.address, _id(ctrl.vendor), _id(ctrl.device),
                                 ctrl.numa_node if ctrl.numa_node >= 0 else None,
                                 "type-PF" if ctrl.sriov_vfs else "type-PCI", ctrl.model))
+    offers, apart = _apart(offers)
+    excluded += apart
+    excluded.sort()
     reactors = tuple(sorted(cfg.reactors))
     shared = tuple(sorted(all_housekeeping(host, cfg) - set(reactors)))
     dedicated = tuple(sorted(c.id for c in host.cpus if c.id not in shared and c.id not in reactors))
     return NovaSetup(tuple(offers), tuple(excluded), dedicated, shared, reactors)
+
+
+def _apart(offers: list[Offer]) -> tuple[list[Offer], list[tuple[str, str]]]:
+    """Controllers on no NUMA node beside controllers of the same model on
+    one: not offered.  Without pci_in_placement, Nova's PCI pools match an
+    alias by vendor, product and type alone (nova/pci/stats.py ignores the
+    resource class), so the no-node alias would take the node's controller,
+    and with it the node alias cannot be served where its flavor says."""
+    bound = {(o.vendor_id, o.product_id, o.device_type) for o in offers if o.node is not None}
+    keep, apart = [], []
+    for o in offers:
+        if o.node is None and (o.vendor_id, o.product_id, o.device_type) in bound:
+            apart.append((o.address, "the firmware puts it on no NUMA node, beside controllers of "
+                                     "its model on nodes: Nova's PCI pools would give its alias "
+                                     "theirs; fix the firmware's NUMA node, or [pci] blocked it"))
+        else:
+            keep.append(o)
+    return keep, apart
 
 
 def _refusals(host: Host, cfg: Config, ledger: Ledger, ctrl: NvmeController) -> tuple[str, ...]:
