@@ -71,6 +71,18 @@ def test_an_spdk_disk_without_large_pages_is_refused(host_model, specs, page_kib
     assert e.value.hint.startswith("set hw:mem_page_size=large")
 
 
+def test_large_pages_with_qsd_disks_alone_start_on_memfd_when_nova_gives_none(host_model):
+    """(review) an image's hw_mem_page_size=small narrows the flavor's
+    'large': a qemu-storage-daemon disk needs no hugepages, so the instance
+    starts as it did before SPDK disks came to Nova."""
+    specs = {"vstor:disk.vdb.file.path": "/var/lib/vstor/images/db.raw", "vstor:disk.vdb.readonly": "yes",
+             "hw:mem_page_size": "large"}
+    req = replace(_request(specs, None), vhost_memory="memfd")
+    plan = plan_domain(host_model("two-socket"), Config(), req, Ledger())
+    assert plan.disks[0].backend == "qsd" and plan.hugepage_kib is None
+    assert any("memfd" in r for r in plan.reasons), plan.reasons
+
+
 def test_hugepages_external_is_for_nova_alone(host_model):
     req = _request({**NVMF, "hw:mem_page_size": "large"}, 2048)
     intent = replace(req.intent, vm=replace(req.intent.vm, cpus="dedicated", numa="strict"))
@@ -89,6 +101,13 @@ NOVA_XML = """<domain type='kvm'><name>instance-1</name><memory>2097152</memory>
     ("<memoryBacking><hugepages><page size='2048' unit='KiB' nodeset='0'/></hugepages></memoryBacking>", 2048),
     ("<memoryBacking><hugepages><page size='1' unit='G'/></hugepages></memoryBacking>", 1048576),
     ("<memoryBacking><hugepages/></memoryBacking>", 2048),
+    # Two guest cells, only cell 0's memory in hugepages: not hugepage-backed.
+    ("<memoryBacking><hugepages><page size='2048' unit='KiB' nodeset='0'/></hugepages></memoryBacking>"
+     "<cpu><numa><cell id='0' cpus='0' memory='1048576'/><cell id='1' cpus='1' memory='1048576'/>"
+     "</numa></cpu>", None),
+    ("<memoryBacking><hugepages><page size='2048' unit='KiB' nodeset='0-1'/></hugepages></memoryBacking>"
+     "<cpu><numa><cell id='0' cpus='0' memory='1048576'/><cell id='1' cpus='1' memory='1048576'/>"
+     "</numa></cpu>", 2048),
 ])
 def test_the_hook_reads_novas_pages_from_the_domain(backing, page):
     """The hook's request of a Nova domain: its hugepages as its XML says

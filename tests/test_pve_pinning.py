@@ -150,6 +150,7 @@ def test_post_start_pins_each_vcpu_of_a_two_cell_vm_to_its_cells_core(pve, qemus
     assert pve.vstor("status", "pve-100") == 1
     out = capsys.readouterr().out
     assert "PROBLEM: vCPU 1 (thread" in out and "runs on 0, the plan pins it to 1" in out, out
+    assert f"fix: {pve.snippets}/vstor 100 post-start)" in out, out
     assert pve.vstor("status", "--json", "pve-100") == 1
     row = json.loads(capsys.readouterr().out)[0]
     assert row["problem"].startswith("vCPU 1") and row["pinning"][0].startswith("cell 0:")
@@ -200,6 +201,20 @@ def test_a_three_cell_plan_pins_every_cell_and_the_io_threads(pve, qemus):
         "emulator cores 1"]
 
 
+def test_a_core_that_is_not_online_is_refused_before_any_thread_moves(pve, qemus):
+    """A planned core that is not online (the host lost it since the plan):
+    one line, exit 3, every thread where it was."""
+    from vstor.errors import DoesNotFit
+    from vstor.records import replace
+    q = Qemu(pve, "0-1", 4, iothreads=1)
+    qemus.append(q)
+    found = pinning.threads(q.pid, str(q.qmp))
+    with pytest.raises(DoesNotFit, match=r"to cores 7, which are not online \(cores 0-1 are\): "
+                                         r"nothing pinned"):
+        pinning.apply(replace(_three_cell_plan(), emulator=(0, 7)), found)
+    assert set(q.threads().values()) == {"0-1"}
+
+
 def test_the_plan_must_match_the_running_vcpus(pve, qemus):
     q = Qemu(pve, "0-1", 2)
     qemus.append(q)
@@ -242,3 +257,26 @@ def test_post_start_of_a_vm_without_vstor_does_nothing(pve):
     post = pve.hook(100, "post-start")
     assert post.returncode == 0 and post.stderr == ""
     assert time.monotonic() - started < 30
+
+
+def test_a_set_the_kernel_refuses_half_way_puts_every_moved_thread_back(pve, qemus, monkeypatch):
+    """The kernel refuses one thread's set (as it does for a core outside the
+    cpuset of QEMU's cgroup, which this machine's cgroups cannot show): the
+    threads pinned before it are put back, the refusal says so."""
+    import errno
+    from vstor.errors import ActionFailed
+    q = Qemu(pve, "0-1", 4, iothreads=2)
+    qemus.append(q)
+    found = pinning.threads(q.pid, str(q.qmp))
+    real, calls = os.sched_setaffinity, []
+
+    def refusing(tid, cpus):
+        calls.append(tid)
+        if len(calls) == 3:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        real(tid, cpus)
+    monkeypatch.setattr(pinning.os, "sched_setaffinity", refusing)
+    with pytest.raises(ActionFailed, match=r"Invalid argument; every thread moved was put back"):
+        pinning.apply(_three_cell_plan(), found)
+    assert len(calls) > 3                       # two moved, one refused, two put back
+    assert set(q.threads().values()) == {"0-1"}

@@ -225,7 +225,7 @@ def _pve_elsewhere(ctx, records) -> dict[str, str]:
             for r in records if vmid_of(r.domain) and not node.running(vmid_of(r.domain))}
 
 
-STATUS_QMP_SECONDS = 3.0      # a hung QEMU's monitor delays status this long, once
+STATUS_QMP_SECONDS = 3.0      # each step with a hung QEMU's monitor waits this long
 
 
 def _pve_pinning(ctx, records, elsewhere) -> dict[str, tuple[list[str] | None, str | None]]:
@@ -246,8 +246,9 @@ def _pve_pinning(ctx, records, elsewhere) -> dict[str, tuple[list[str] | None, s
         except (ActionFailed, Unavailable, BadInput) as e:
             out[name] = (None, f"cannot check its threads' pinning: {e}")
             continue
+        hook = os.path.join(node.snippets().snippets, "vstor")
         out[name] = (lines, f"{'; '.join(wrong)} (post-start did not pin it, or somebody moved it "
-                            f"since: see journalctl -t vstor; fix: stop and start VM {vm})"
+                            f"since: see journalctl -t vstor; fix: {hook} {vm} post-start)"
                      if wrong else None)
     return out
 

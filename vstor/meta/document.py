@@ -149,6 +149,8 @@ class Domain:
         hp = self.root.find("memoryBacking/hugepages")
         if hp is None:
             return None
+        if not self._all_cells_in(hp):
+            return None         # some guest cell's memory is ordinary: not hugepage-backed
         sizes = []
         for page in hp.iterfind("page"):
             try:
@@ -157,6 +159,23 @@ class Domain:
                 raise BadInput(f"{self.origin}: <hugepages><page size='{page.get('size', '')[:20]}'> "
                                "is not a page size") from None
         return min(sizes) if sizes else 2048       # libvirt: the host's default size
+
+    def _all_cells_in(self, hp) -> bool:
+        """Every guest NUMA cell's memory is in the <hugepages>: a <page>
+        without a nodeset covers them all, else their nodesets must."""
+        from vstor.cpulist import parse_cpulist
+        pages = hp.findall("page")
+        if not pages or any(p.get("nodeset") is None for p in pages):
+            return True
+        cells = {c.get("id", "") for c in self.root.iterfind("cpu/numa/cell")} or {"0"}
+        covered: set[str] = set()
+        for p in pages:
+            try:
+                covered.update(str(n) for n in parse_cpulist(p.get("nodeset", "")))
+            except ValueError:
+                raise BadInput(f"{self.origin}: <hugepages><page nodeset='{p.get('nodeset')[:20]}'> "
+                               "is not a list of guest cells") from None
+        return cells <= covered
 
     # -- vstor metadata (read through vstor.meta.metadata only) --------------
     def is_nova(self) -> bool:

@@ -152,8 +152,9 @@ def page_size(req: Request, choices: tuple[DiskChoice, ...]) -> int | None:
     spdk = any(c.backend == "spdk" for c in choices)
     shared = req.vhost_memory == "hugepages" and any(c.mode == "vhost" for c in choices)
     if wanted == "external" or (spdk and req.external_cpus):
-        _platform_pages(req, spdk)
-        return None
+        if spdk or req.platform_page_kib or not req.external_cpus:
+            _platform_pages(req, spdk)
+        return None         # qemu-storage-daemon disks alone: memfd will do (an image's small pages)
     if wanted == "none" and spdk:
         raise BadInput(f"{req.who}: hugepages='none' with an SPDK disk; SPDK maps guest "
                        "memory in 2 MiB units and needs it hugepage-backed",

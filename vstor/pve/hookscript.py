@@ -126,8 +126,11 @@ def _check_movable(cfg, vm: int, plan, source: str) -> None:
 
 def post_start(vm: int, migrated_from: str | None) -> None:
     here = _here()
-    if here.state().load(name_of(vm)) is None:
+    rec = here.state().load(name_of(vm))
+    if rec is None:
         return          # not a vstor VM, or pre-start refused it
+    if rec.domain != name_of(vm):
+        raise DoesNotFit(f"state record {name_of(vm)} belongs to '{rec.domain}', not VM {vm}")
     node = Node(here.config)
     path = node.config_path(vm, migrated_from)
     vmo = manage.load(node, vm, conf_path=path, conf=node.read_config(vm, path)[0])

@@ -17,9 +17,11 @@ pinned.  `vstor status` asks the same way and compares (check()).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 
-from vstor.errors import ActionFailed, Unavailable
+from vstor.errors import ActionFailed, DoesNotFit, Unavailable
 from vstor.host.model import format_cpulist
 from vstor.meta.plan import Plan
 
@@ -113,34 +115,55 @@ def threads(pid: int, qmp_path: str, timeout: float = QMP_TIMEOUT) -> Threads:
 
 def apply(plan: Plan, found: Threads) -> int:
     """Pin every thread of `found.pid` as the plan says; how many threads
-    were moved.  ActionFailed when the monitor's vCPUs are not the plan's
-    or the kernel refuses a set (a core that is gone)."""
+    were moved.  ActionFailed when the monitor's vCPUs are not the plan's,
+    a planned core is not one QEMU may run on, or the kernel refuses a set:
+    then every thread moved is put back where it was."""
     vcpus, emulator = wanted(plan)
     if not vcpus and not emulator:
         return 0
     _check_count(plan, found)
+    online = _online()
+    outside = set().union(*vcpus, emulator) - online
+    if outside:
+        raise DoesNotFit(f"the plan pins QEMU pid {found.pid}'s threads to cores "
+                         f"{format_cpulist(sorted(outside))}, which are not online (cores "
+                         f"{format_cpulist(sorted(online))} are): nothing pinned",
+                         hint="bring the cores online, or plan the VM again (vstor pve apply, "
+                              "with the VM stopped)")
     vcpu_tids = {tid: i for i, tid in found.vcpus.items()}
-    moved = 0
-    for _ in range(ROUNDS):
-        changed = 0
-        for tid in _tasks(found.pid):
-            want = (vcpus[vcpu_tids[tid]] if vcpus else None) if tid in vcpu_tids else emulator
-            if not want:
-                continue
+    before: dict[int, frozenset[int]] = {}
+    try:
+        with _alive(found.pid) as alive:
+            for _ in range(ROUNDS):
+                changed = 0
+                alive()
+                for tid in _tasks(found.pid):
+                    want = (vcpus[vcpu_tids[tid]] if vcpus else None) if tid in vcpu_tids else emulator
+                    if not want or _kernel_worker(found.pid, tid):
+                        continue
+                    have = _affinity(tid)
+                    if have is None or have == want:
+                        continue
+                    try:
+                        os.sched_setaffinity(tid, want)
+                    except ProcessLookupError:
+                        continue        # a worker thread that just ended
+                    except OSError as e:
+                        raise ActionFailed(f"cannot pin thread {tid} of QEMU pid {found.pid} to cores "
+                                           f"{format_cpulist(sorted(want))}: {e.strerror}; every "
+                                           "thread moved was put back") from None
+                    before.setdefault(tid, have)
+                    changed += 1
+                if not changed:
+                    break
+    except BaseException:
+        for tid, have in before.items():
             try:
-                if os.sched_getaffinity(tid) == want:
-                    continue
-                os.sched_setaffinity(tid, want)
-            except ProcessLookupError:
-                continue        # a worker thread that just ended
-            except OSError as e:
-                raise ActionFailed(f"cannot pin thread {tid} of QEMU pid {found.pid} to cores "
-                                   f"{format_cpulist(sorted(want))}: {e.strerror}") from None
-            changed += 1
-        moved += changed
-        if not changed:
-            break
-    return moved
+                os.sched_setaffinity(tid, have)
+            except OSError:
+                pass        # gone since: nothing to put back
+        raise
+    return len(before)
 
 
 def check(plan: Plan, found: Threads) -> list[str]:
@@ -162,7 +185,10 @@ def check(plan: Plan, found: Threads) -> list[str]:
         vcpu_tids = set(found.vcpus.values())
         stray = {}
         for tid in _tasks(found.pid):
-            have = None if tid in vcpu_tids else _affinity(tid)
+            # A kernel worker in QEMU's process (kvm-nx-lpage-recovery, vhost)
+            # takes the affinity of the thread that made it: the kernel's.
+            kernel = _kernel_worker(found.pid, tid)
+            have = None if tid in vcpu_tids or kernel else _affinity(tid)
             if have is not None and have != emulator:
                 stray[tid] = have
         if stray:
@@ -205,6 +231,54 @@ def _tasks(pid: int) -> set[int]:
         raise Unavailable(f"QEMU pid {pid} is gone") from None
     except OSError as e:
         raise Unavailable(f"cannot list /proc/{pid}/task: {e.strerror}") from None
+
+
+PF_KTHREAD, PF_USER_WORKER = 0x00200000, 0x00004000
+
+
+def _online() -> frozenset[int]:
+    from vstor.cpulist import parse_cpulist
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            return frozenset(parse_cpulist(f.read().strip()))
+    except (OSError, ValueError) as e:
+        raise Unavailable(f"cannot read /sys/devices/system/cpu/online: {e}") from None
+
+
+def _kernel_worker(pid: int, tid: int) -> bool:
+    """A thread the kernel runs in QEMU's process (its flags in
+    /proc/PID/task/TID/stat, the ninth field)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            raw = f.read(4096)
+    except OSError:
+        return False
+    fields = raw[raw.rfind(b")") + 2:].split()
+    try:
+        return bool(int(fields[6]) & (PF_KTHREAD | PF_USER_WORKER))
+    except (IndexError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _alive(pid: int):
+    """A check that `pid` is still the process it was when this began (a
+    pidfd: a pid reused since is another process, and fails the check)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise Unavailable(f"QEMU pid {pid} is gone: nothing pinned") from None
+
+    def check() -> None:
+        try:
+            signal.pidfd_send_signal(fd, 0)
+        except ProcessLookupError:
+            raise Unavailable(f"QEMU pid {pid} ended while its threads were pinned") from None
+    try:
+        check()
+        yield check
+    finally:
+        os.close(fd)
 
 
 def _affinity(tid: int) -> frozenset[int] | None:
