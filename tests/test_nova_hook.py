@@ -119,3 +119,27 @@ def test_a_pin_or_nodeset_vstor_cannot_read_is_refused_in_one_line(domains, host
     out = hook(domains["ok"].replace(old, new, 1), host=host_layout("two-socket"), tmp_path=tmp_path, timeout=20)
     err = out.stderr.decode()
     assert out.returncode == 2 and err.count("\n") == 1 and "is not a list of CPUs or nodes" in err, err
+
+
+def test_strict_refuses_an_spdk_disk_whose_reactor_left_novas_node(host_layout, tmp_path):
+    """(review) vstor:numa=strict is checked by the hook too, at every start:
+    the guest config the driver made (Nova's node 0, the SPDK reactor on the
+    RDMA NIC's node 0), then its <numatune> edited to node 1 (virsh edit, or
+    a destination that placed it elsewhere): refused in one line, exit 3."""
+    conf = tmp_path / "driver.conf"
+    conf.write_text(f"[paths]\nstate_dir = {tmp_path}/state\nvhost_dir = {tmp_path}/vhost\n"
+                    "[cpu]\nreactors = 2,18\n")
+    specs = {"vstor:disk.vdb.nvmf.transport": "rdma", "vstor:disk.vdb.nvmf.traddr": "192.168.100.8",
+             "vstor:disk.vdb.nvmf.subnqn": "nqn.2016-06.io.spdk:cnode1", "vstor:disk.vdb.readonly": "yes",
+             "hw:mem_page_size": "2MB", "vstor:numa": "strict"}
+    got = ask({"augment": {"spec": spec(hostdevs=[], pins=None, memory_nodes=[0], page_kb=2048,
+                                        extra_specs=specs),
+                           "config": str(conf), "host_root": host_layout("two-socket")}})["augmented"]
+    assert "xml" in got, got
+    moved = got["xml"].replace('<memory mode="strict" nodeset="0"/>', '<memory mode="strict" nodeset="1"/>')
+    assert moved != got["xml"]
+    out = hook(moved, host=host_layout("two-socket"), tmp_path=tmp_path)
+    err = out.stderr.decode()
+    assert out.returncode == 3 and err.count("\n") == 1, err
+    assert ("its memory is bound to nodes [1], its SPDK disks' reactors run on node 0 "
+            "(vstor:numa=strict)") in err

@@ -124,8 +124,11 @@ def _nova_prepare(cfg, dom, name: str) -> None:
         return
     from vstor.host.read import read_host
     from vstor.host.sysfs import SysFS
+    plan = dom.recorded_plan() if dom.has_vstor() else None
     found = nova.problems(read_host(SysFS(os.environ.get("VSTOR_HOST_ROOT", "/"))), cfg, inst,
-                          has_disks=dom.has_vstor())
+                          has_disks=dom.has_vstor(),
+                          reactors=tuple(d.reactor for d in plan.disks if d.reactor is not None)
+                          if plan else ())
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise DoesNotFit(f"Nova instance '{inst.name}' (flavor {inst.flavor}) cannot start: "

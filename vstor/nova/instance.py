@@ -94,9 +94,18 @@ def find(root) -> NovaInstance | None:
                  if inst.find(f"{N}owner/{N}project") is not None else ""))
 
 
-def problems(host: Host, cfg: Config, inst: NovaInstance, has_disks: bool = False) -> list[str]:
-    """Why the instance must not start as Nova placed it; [] when it may."""
+def problems(host: Host, cfg: Config, inst: NovaInstance, has_disks: bool = False,
+             reactors: tuple[int, ...] = ()) -> list[str]:
+    """Why the instance must not start as Nova placed it; [] when it may.
+    `reactors`: the cores of its SPDK disks' reactors, as its plan says."""
     out = []
+    if inst.specs.get("vstor:numa") == "strict" and inst.memory_nodes is not None:
+        cpu_node = {c.id: c.node for c in host.cpus}
+        apart = sorted({cpu_node.get(r) for r in reactors} - set(inst.memory_nodes) - {None})
+        if apart:
+            out.append(f"its memory is bound to nodes {list(inst.memory_nodes)}, its SPDK disks' "
+                       f"reactors run on node{'s' if len(apart) > 1 else ''} "
+                       f"{','.join(map(str, apart))} (vstor:numa=strict)")
     for key, owner in sorted(inst.specs.items()):
         if key.startswith("vstor:disk.") and key.endswith(".project") and owner != inst.project:
             out.append(f"its flavor's disk {key.split('.')[1]} belongs to project {owner}, "
