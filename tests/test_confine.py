@@ -429,3 +429,19 @@ def test_a_confined_process_opens_no_socket_at_all():
         assert done.stdout.strip() == "97"      # EAFNOSUPPORT
     finally:
         shutil.rmtree(base)
+
+
+def test_a_uid_another_process_runs_as_is_never_leased(tmp_path):
+    """Two vstors on one host (another qsd_dir: another lease directory, as
+    two test runs side by side) must not share a uid: a stop kills every
+    process of its daemon's uid.  A uid any process runs as is skipped."""
+    other = subprocess.Popen(["setpriv", f"--reuid={USERS[0]}", f"--regid={USERS[0]}", "--clear-groups",
+                              "sleep", "30"])
+    try:
+        assert until(lambda: USERS[0] in grant.uids_running(USERS), 10)
+        assert grant.lease(str(tmp_path), "vm1-vdb", USERS) == USERS[0] + 1
+        assert grant.lease(str(tmp_path), "vm1-vdb", USERS) == USERS[0] + 1   # held: the same
+    finally:
+        other.kill()
+        other.wait()
+    assert grant.lease(str(tmp_path), "vm2-vdb", USERS) == USERS[0]

@@ -4,7 +4,9 @@ Each confined qemu-storage-daemon runs as a uid of its own, from the range
 `[vhost] daemon_users` names (vstor.backends.qsd.jail).  The uid is leased
 to the daemon's name by a file `<qsd_dir>/users/<uid>` made with O_EXCL (so
 two starts never share one), holding what the grant below touched; a
-restart of the same daemon keeps it; `stop` gives it back.
+restart of the same daemon keeps it; `stop` gives it back.  A uid some
+process runs as is never leased (another vstor's daemon, under another
+qsd_dir, or anybody's): a stop kills every process of its daemon's uid.
 
 The daemon reopens its source through /proc/self/fd/N (QEMU's file drivers
 open by name), and the kernel checks that reopening against the source's
@@ -56,9 +58,10 @@ def lease(run_dir: str, name: str, users: tuple[int, int]) -> int:
     if held is not None:
         return held[0]
     where = users_dir(run_dir)
+    running = uids_running(users)
     for _ in range(3):      # the directory goes with its last lease (revoke)
         os.makedirs(where, mode=0o700, exist_ok=True)
-        taken = {int(f) for f in os.listdir(where) if f.isdigit()}
+        taken = {int(f) for f in os.listdir(where) if f.isdigit()} | running
         for uid in range(users[0], users[1] + 1):
             if uid in taken:
                 continue
@@ -75,8 +78,30 @@ def lease(run_dir: str, name: str, users: tuple[int, int]) -> int:
         else:
             break
     raise ActionFailed(f"no uid of [vhost] daemon_users {users[0]}-{users[1]} is free for "
-                       f"qemu-storage-daemon {name}: every one runs a daemon",
+                       f"qemu-storage-daemon {name}: every one is leased or runs a process",
                        hint="widen daemon_users in vstor.conf, or run vstor gc")
+
+
+def uids_running(users: tuple[int, int]) -> set[int]:
+    """The uids of `users` some process on the host runs as (real,
+    effective, saved or filesystem): another vstor's daemons (another
+    qsd_dir, its own leases), or anyone's.  A daemon never gets such a uid:
+    its stop kills every process of its uid."""
+    out: set[int] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"State:") and line.split()[1:2] in ([b"Z"], [b"X"]):
+                        break       # a zombie holds nothing and runs nothing
+                    if line.startswith(b"Uid:"):
+                        out.update(u for u in map(int, line.split()[1:5]) if users[0] <= u <= users[1])
+                        break
+        except (FileNotFoundError, ProcessLookupError):
+            continue        # ended meanwhile
+    return out
 
 
 def leased(run_dir: str, name: str) -> tuple[int, dict] | None:
