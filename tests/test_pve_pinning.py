@@ -280,3 +280,27 @@ def test_a_set_the_kernel_refuses_half_way_puts_every_moved_thread_back(pve, qem
         pinning.apply(_three_cell_plan(), found)
     assert len(calls) > 3                       # two moved, one refused, two put back
     assert set(q.threads().values()) == {"0-1"}
+
+
+def test_post_start_on_a_migrations_target_reads_the_config_where_it_still_is(pve, qemus, capsys):
+    """On a live migration's target qemu-server runs post-start before the
+    config moves: PVE_MIGRATED_FROM names the source node, whose directory
+    holds it; the pins are made from there."""
+    _two_cells(pve, capsys)
+    assert pve.hook(100, "pre-start").returncode == 0
+    here = Path(pve.etc, "qemu-server", "100.conf")
+    there = Path(pve.etc, "nodes", "other", "qemu-server", "100.conf")
+    there.write_text(here.read_text())
+    here.unlink()
+    q = Qemu(pve, "0-1", 2)
+    qemus.append(q)
+    post = pve.hook(100, "post-start", env={"PVE_MIGRATED_FROM": "other"})
+    assert post.returncode == 0, post.stderr
+    got = q.threads()
+    assert got["CPU 0/TCG"] == "0" and got["CPU 1/TCG"] == "1", got
+    bad = pve.hook(100, "post-start", env={"PVE_MIGRATED_FROM": "../x"})
+    assert bad.returncode == 2 and "is not a node name" in bad.stderr
+    here.write_text(there.read_text())
+    q.stop()
+    qemus.clear()
+    assert pve.hook(100, "post-stop").returncode == 0
