@@ -127,8 +127,8 @@ def _nova_prepare(cfg, dom, name: str) -> None:
     plan = dom.recorded_plan() if dom.has_vstor() else None
     found = nova.problems(read_host(SysFS(os.environ.get("VSTOR_HOST_ROOT", "/"))), cfg, inst,
                           has_disks=dom.has_vstor(),
-                          reactors=tuple(d.reactor for d in plan.disks if d.reactor is not None)
-                          if plan else ())
+                          reactors={d.target: d.reactor for d in plan.disks if d.reactor is not None}
+                          if plan else None)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise DoesNotFit(f"Nova instance '{inst.name}' (flavor {inst.flavor}) cannot start: "

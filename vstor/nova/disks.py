@@ -39,7 +39,7 @@ _PROJECT = re.compile(r"[0-9a-f]{32}|[0-9a-f-]{36}|[A-Za-z0-9_-]{1,64}")
 
 
 NUMA_KEY = "vstor:numa"
-NUMA_POLICIES = ("preferred", "strict")
+NUMA_POLICIES = ("strict", "preferred")
 
 
 def numa_policy(specs: dict[str, str], where: str) -> str:

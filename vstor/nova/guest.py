@@ -83,15 +83,12 @@ def _on_novas_nodes(host: Host, plan: Plan, nova: set[int], policy: str, who: st
     """Nova picks the instance's host node; vstor the node of each SPDK
     disk's reactor (its device's, where it has one).  Apart: refused under
     'strict', said in the plan's reasons under 'preferred'."""
+    from vstor.nova.instance import reactors_apart
     from vstor.records import replace
-    apart = []
-    for d in plan.disks:
-        cpu = host.cpu(d.reactor) if d.reactor is not None else None
-        if cpu is not None and nova and cpu.node not in nova:
-            apart.append((d.target, cpu.node))
+    apart = reactors_apart(host, {d.target: d.reactor for d in plan.disks if d.reactor is not None}, nova)
     if not apart:
         return plan
-    said = ", ".join(f"{t}'s SPDK reactor on node {n}" for t, n in apart)
+    said = ", ".join(f"{t}'s SPDK reactor on node {n}" for t, n in apart.items())
     where = f"Nova placed {who} on host node{'s' if len(nova) > 1 else ''} " \
             f"{','.join(map(str, sorted(nova)))}, {said}"
     if policy == "strict":

@@ -33,10 +33,11 @@ from vstor.host.model import Host, parse_cpulist
 from vstor.planner.passthrough import USERSPACE_DRIVERS, check_passthrough
 from vstor.records import record
 from vstor.meta.topology import hostdev_address
+from vstor.nova.disks import NUMA_KEY, NUMA_POLICIES
 
 NOVA_NS = "http://openstack.org/xmlns/libvirt/nova/1.1"
 N = "{%s}" % NOVA_NS
-SPECS = {"vstor:numa": ("strict", "preferred")}
+SPECS = {NUMA_KEY: NUMA_POLICIES}
 
 
 @record
@@ -94,14 +95,25 @@ def find(root) -> NovaInstance | None:
                  if inst.find(f"{N}owner/{N}project") is not None else ""))
 
 
+def reactors_apart(host: Host, reactors: dict[str, int], nodes: set[int]) -> dict[str, int]:
+    """{disk target: its reactor's node} of each SPDK disk whose reactor is
+    on none of `nodes`, the host nodes Nova placed the instance on (none
+    known: none apart)."""
+    out = {}
+    for target, core in reactors.items():
+        cpu = host.cpu(core)
+        if cpu is not None and nodes and cpu.node not in nodes:
+            out[target] = cpu.node
+    return out
+
+
 def problems(host: Host, cfg: Config, inst: NovaInstance, has_disks: bool = False,
-             reactors: tuple[int, ...] = ()) -> list[str]:
+             reactors: dict[str, int] | None = None) -> list[str]:
     """Why the instance must not start as Nova placed it; [] when it may.
-    `reactors`: the cores of its SPDK disks' reactors, as its plan says."""
+    `reactors`: {disk target: its SPDK reactor's core}, as its plan says."""
     out = []
-    if inst.specs.get("vstor:numa") == "strict" and inst.memory_nodes is not None:
-        cpu_node = {c.id: c.node for c in host.cpus}
-        apart = sorted({cpu_node.get(r) for r in reactors} - set(inst.memory_nodes) - {None})
+    if inst.specs.get(NUMA_KEY) == "strict" and inst.memory_nodes is not None:
+        apart = sorted(set(reactors_apart(host, reactors or {}, set(inst.memory_nodes)).values()))
         if apart:
             out.append(f"its memory is bound to nodes {list(inst.memory_nodes)}, its SPDK disks' "
                        f"reactors run on node{'s' if len(apart) > 1 else ''} "
