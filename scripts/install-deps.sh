@@ -3,14 +3,16 @@
 # qemu-storage-daemon, the headers libvirt-python builds against, and vstor
 # itself with its test dependencies (systemd-nspawn and mmdebstrap: the
 # systemd container of tests/systemd; getfacl, the judge of the ACL entries
-# confined daemons get).  Safe to run again.
+# confined daemons get; prometheus: promtool and a real Prometheus judge
+# vstor's metrics, python3-prometheus-client for Debian's python3).  Safe to
+# run again.
 set -eu
 cd "$(dirname "$0")/.."
 
 PKGS="libvirt-daemon-system libvirt-clients libvirt-dev pkg-config gcc python3-dev python3-venv
       qemu-system-x86 qemu-system-common qemu-utils libxml2-utils
       busybox-static cpio kmod xz-utils tcpdump arping iproute2 util-linux groff-base man-db
-      systemd-container mmdebstrap acl libseccomp2"
+      systemd-container mmdebstrap acl libseccomp2 prometheus python3-prometheus-client"
 
 missing=""
 for p in $PKGS; do

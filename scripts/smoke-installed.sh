@@ -63,9 +63,17 @@ fi
 check "the gc units" test -f /lib/systemd/system/vstor-gc.service -a -f /lib/systemd/system/vstor-gc.timer \
     -a -f /lib/systemd/system/vstor.slice
 check "the gc timer is enabled" test -L /etc/systemd/system/timers.target.wants/vstor-gc.timer
+check "the metrics units, not enabled" sh -c 'test -f /lib/systemd/system/vstor-metrics.service \
+    -a -f /lib/systemd/system/vstor-metrics-textfile.timer \
+    -a ! -e /etc/systemd/system/multi-user.target.wants/vstor-metrics.service'
+check "the Grafana dashboard" test -f /usr/share/vstor/grafana/vstor-dashboard.json
+check "vstor metrics show, by Debian's python3 and python3-prometheus-client" sh -c \
+    'vstor metrics show | grep -q "^vstor_gc_releases_total "'
 if command -v systemd-analyze >/dev/null; then
     check "systemd-analyze verify" systemd-analyze verify /lib/systemd/system/vstor-gc.service \
-        /lib/systemd/system/vstor-gc.timer /lib/systemd/system/vstor.slice
+        /lib/systemd/system/vstor-gc.timer /lib/systemd/system/vstor.slice \
+        /lib/systemd/system/vstor-metrics.service /lib/systemd/system/vstor-metrics-textfile.service \
+        /lib/systemd/system/vstor-metrics-textfile.timer
 fi
 check "man vstor, man vstor.conf" sh -c 'test -f /usr/share/man/man8/vstor.8.gz && test -f /usr/share/man/man5/vstor.conf.5.gz'
 check "bash completion" test -f /usr/share/bash-completion/completions/vstor

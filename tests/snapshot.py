@@ -59,6 +59,9 @@ def path_state(path: str, content: bool = True):
 # A state directory's index (vstor.runtime.index) is derived from its
 # records and rewritten whole: what it says counts, not which inode says it.
 DERIVED = "index"
+# What vstor counted for its metrics (vstor.counters): a refusal is counted
+# there, as it is logged; a count is not a change to the host.
+COUNTED = "metrics"
 
 
 def tree_state(root: str, content: bool = True) -> dict:
@@ -66,6 +69,8 @@ def tree_state(root: str, content: bool = True) -> dict:
     Below root/index (DERIVED), a file by its content alone."""
     out = {root: path_state(root, content)}
     for dirpath, dirs, files in os.walk(root):
+        if dirpath == root:
+            dirs[:] = [d for d in dirs if d != COUNTED]
         for name in dirs + files:
             p = os.path.join(dirpath, name)
             out[p] = path_state(p, content)

@@ -82,6 +82,12 @@ def test_bench_storm_quick():
     assert out.count("vs yardstick") == 3
 
 
+def test_bench_metrics_quick():
+    _need_qsd()
+    out = quick("bench_metrics.py", 300)
+    assert "2 disks of 2 domains" in out and "one scrape:" in out
+
+
 def test_bench_pve_quick():
     _need_qsd()
     out = quick("bench_pve.py", 300)

@@ -20,7 +20,7 @@ PKG = os.path.join(ROOT, "vstor")
 # layer, nor another part of its own layer: those are independent (the
 # renderers ask the planner nothing, Proxmox's code nothing of Nova's).
 LAYERS = (
-    ("vstor.errors", "vstor.records", "vstor.cpulist", "vstor.log_handlers"),
+    ("vstor.errors", "vstor.records", "vstor.cpulist", "vstor.log_handlers", "vstor.counters"),
     ("vstor.atomic", "vstor.log", "vstor.locking", "vstor.formats"),
     ("vstor.host.model",),
     ("vstor.meta",),
@@ -29,6 +29,7 @@ LAYERS = (
     ("vstor.backends",),
     ("vstor.runtime",),
     ("vstor.migration", "vstor.pve", "vstor.nova"),
+    ("vstor.metrics",),                             # what runs, for Prometheus and vstor top
     ("vstor.hook",),                                # the libvirt hook, past hooks/vstor
     ("vstor.cli", "vstor.pve.hookscript"),          # the CLI; Proxmox's hookscript
     ("vstor.docgen",),                              # built from the CLI's parsers

@@ -137,6 +137,27 @@ def test_libvirt_accepts_every_device_hotplug_gives_it(conn, host_model, tmp_pat
             conn.lookupByName(plan.domain).undefine()
 
 
+@pytest.mark.parametrize("template", TEMPLATES, ids=os.path.basename)
+def test_libvirt_accepts_the_iothreadpins_of_a_domain_with_iothreads(conn, host_model, tmp_path, template):
+    """A domain that declares I/O threads gets an iothreadpin for each, on
+    the emulator's cores (elements.cputune): libvirt would otherwise run
+    them on the dedicated vCPUs' cores."""
+    dom = _template(template, False)
+    iothreads = etree.fromstring("<iothreads>2</iothreads>")
+    dom.root.find("vcpu").addnext(iothreads)
+    iothreads.addnext(etree.fromstring("<iothreadids><iothread id='3'/></iothreadids>"))
+    plan = plan_domain(host_model("two-socket"), CFG, Request.from_domain(dom), Ledger())
+    out = render(dom, plan)
+    parsed = accepted(conn, out.to_string(), tmp_path)
+    try:
+        assert_libvirt_holds_what_vstor_built(out.root, parsed)
+        pins = {(p.get("iothread"), p.get("cpuset")) for p in parsed.iterfind("cputune/iothreadpin")}
+        assert {i for i, _ in pins} == {"1", "3"}
+        assert {c for _, c in pins} == {parsed.find("cputune/emulatorpin").get("cpuset")}
+    finally:
+        conn.lookupByName(plan.domain).undefine()
+
+
 VHOST_TEMPLATES = [(t, ro) for t, ro in SHAPES if "passthrough" not in t]
 
 

@@ -12,6 +12,7 @@ import shlex
 
 from tests.helpers import changes, hosts, kinds, on, on_a, running_nvme_on_a, running_on_a, two  # noqa: F401 (fixtures)
 from tests.helpers import migration_hook as hook, migration_records as records
+from tests.snapshot import COUNTED
 
 REPORT_KEYS = {"version", "domain", "destination", "answered", "error", "verdict", "live", "cold",
                "disks", "destination_problems", "placement"}
@@ -45,7 +46,7 @@ def tree(work: str) -> dict:
     the outputs; not the locks taken, nor the peer log."""
     out = {}
     for top, dirs, files in os.walk(work):
-        dirs[:] = [d for d in dirs if d != "host"]          # the host layouts (sysfs trees)
+        dirs[:] = [d for d in dirs if d not in ("host", COUNTED)]   # the host layouts (sysfs trees); counts
         for name in files:
             p = os.path.join(top, name)
             if "lock" not in name and name != "peer.log" and os.path.isfile(p) and not os.path.islink(p):

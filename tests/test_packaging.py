@@ -410,3 +410,18 @@ def test_what_the_debian_build_leaves_in_the_tree_is_ignored():
     with open(os.path.join(ROOT, ".gitignore")) as f:
         ignored = f.read().split()
     assert ".pybuild/" in ignored
+
+
+def test_the_metrics_units_are_shipped_but_not_enabled():
+    """A scrape endpoint is the operator's choice (which address, which
+    collector): the package installs both ways and enables neither."""
+    listed = [line.split()[0] for line in _read("debian", "vstor.install").splitlines() if line]
+    assert {"systemd/vstor-metrics.service", "systemd/vstor-metrics-textfile.service",
+            "systemd/vstor-metrics-textfile.timer", "etc/grafana/vstor-dashboard.json"} <= set(listed)
+    rules = [line for line in _read("debian", "rules").splitlines() if "vstor-metrics" in line]
+    assert rules and all("--no-enable --no-start" in line for line in rules)
+    serve = _read("systemd", "vstor-metrics.service")
+    assert "ExecStart=/usr/bin/vstor metrics serve --listen 127.0.0.1:" in serve
+    assert "ExecStart=/usr/bin/vstor metrics textfile /var/lib/prometheus/node-exporter/vstor.prom\n" in \
+        _read("systemd", "vstor-metrics-textfile.service")
+    assert "python3-prometheus-client" in _read("debian", "control")

@@ -15,6 +15,7 @@ import pytest
 
 from tests.pve import CFG2CMD, missing_cfg2cmd
 from tests.pve.oracle import showcmd
+from tests.snapshot import COUNTED
 from tests.helpers import CONF, PCI, Pve, judge, needs_root, pve_applied, pve_left, running_qemu
 from vstor.formats.pve.config import PveConfig
 
@@ -33,9 +34,11 @@ def pve_nvme(tmp_path, host_layout):
 
 
 def _tree(pve) -> dict:
-    """Every file under the test's root, but the locks vstor takes."""
+    """Every file under the test's root, but the locks vstor takes and
+    what it counted (tests/snapshot.py, COUNTED)."""
     return {p: open(p, "rb").read() for p in glob.glob(f"{pve.root}/**/*", recursive=True)
-            if os.path.isfile(p) and "/lock/" not in p and not p.endswith("plan.lock")}
+            if os.path.isfile(p) and "/lock/" not in p and not p.endswith("plan.lock")
+            and f"/{COUNTED}/" not in p}
 
 
 @pytest.mark.process

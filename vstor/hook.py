@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from vstor import config as config_mod
+from vstor import counters
 from vstor import log as vlog
 from vstor.errors import EXIT_ERROR, VstorError, one_line
 
@@ -50,16 +52,20 @@ def run(argv: list[str], xml: bytes) -> int:
         # restore (and anything newer): print nothing, libvirt keeps the XML.
         return 0
     vlog.setup(f"hook {op}")
+    began = time.monotonic()
+    code = EXIT_ERROR
     try:
-        return _dispatch(name, op, xml, argv[3] if len(argv) > 3 else "-")
+        code = _dispatch(name, op, xml, argv[3] if len(argv) > 3 else "-")
     except VstorError as e:
         vlog.refusal(f"{name}: {op} failed: {e}", e.exit_code, name)
         print(f"vstor: {e}", file=sys.stderr)
-        return e.exit_code
+        code = e.exit_code
     except Exception as e:      # never a traceback into libvirt's error message
         vlog.refusal(f"{name}: {op} failed: internal error: {type(e).__name__}: {e}", EXIT_ERROR, name)
         print(one_line(f"vstor: internal error in {op}: {type(e).__name__}: {e}"), file=sys.stderr)
-        return EXIT_ERROR
+    # Counted only for a vstor domain (_dispatch says where its counts go).
+    counters.add("hook", ("libvirt", op, str(code)), time.monotonic() - began)
+    return code
 
 
 def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
@@ -78,13 +84,16 @@ def _dispatch(name: str, op: str, xml: bytes, extra: str) -> int:
         dom = read(xml, f"domain '{name}'")
         if not dom.vstor:
             return 0
+        counters.at(cfg.state_dir)
         return _recorded(name, op, dom, Runtime(cfg, SysFS(root)), StateDir(cfg.state_dir), extra)
     from vstor.meta.document import Domain
     dom = Domain.parse(xml, f"domain '{name}'")
     if op == "prepare" and dom.is_nova():
+        counters.at(cfg.state_dir)
         _nova_prepare(cfg, dom, name)       # before vstor's own prepare, disks or not
     if not dom.has_vstor():
         return 0        # the marker was only mentioned, e.g. in a description
+    counters.at(cfg.state_dir)
     rt = Runtime(cfg, SysFS(root))
     state = StateDir(cfg.state_dir)
     if op == "migrate":

@@ -63,6 +63,8 @@ def change(domain: str | None, step: str, result: str, error: str | None = None)
 def refusal(message: str, exit_code: int, domain: str | None = None) -> None:
     """A command or hook that refused (the error's one line, its exit code)."""
     text = f"refused (exit {exit_code}): {message}"
+    from vstor import counters
+    counters.add("refusal", (_settings["command"].replace(" ", "-") or "vstor", str(exit_code)))
     _emit(ERR if exit_code in (1, 5) else WARNING, text, console=False, VSTOR_DOMAIN=domain,
           VSTOR_RESULT=REFUSED, VSTOR_EXIT=str(exit_code))
 

@@ -6,6 +6,7 @@ import sys
 from functools import cached_property
 
 from vstor import config as config_mod
+from vstor import counters
 from vstor.errors import Unavailable
 from vstor.runtime.context import HostContext, host_root
 from vstor.runtime.holders import recorded
@@ -24,14 +25,14 @@ class Context(HostContext):
 
     @cached_property
     def config(self):
-        return config_mod.load(self.args.config)
+        return _counting(config_mod.load(self.args.config), self.args)
 
     def undoing(self) -> "Context":
         """For a command that undoes what vstor holds (release, gc): the
         config's keys that read well when vstor.conf does not load, with a
         warning (vstor.config.for_undo)."""
         if "config" not in self.__dict__:
-            self.config = config_mod.for_undo(self.args.config, warn)
+            self.config = _counting(config_mod.for_undo(self.args.config, warn), self.args)
         return self
 
     def ledger(self):
@@ -66,6 +67,15 @@ class Context(HostContext):
             warn(f"cannot read {self.config.state_dir} ({why}); planning without what "
                  "domains prepared outside libvirt hold")
             return []
+
+
+def _counting(cfg, args):
+    """`cfg`, with this run's events (a refusal, a record gc released)
+    counted in its state directory for vstor's metrics; a dry run counts
+    nothing (it changes nothing on the host)."""
+    if not getattr(args, "dry_run", False):
+        counters.at(cfg.state_dir)
+    return cfg
 
 
 def say(message: str) -> None:

@@ -7,12 +7,12 @@ import os
 import sys
 
 from vstor import __version__, log
-from vstor.cli import config, domains, guestkit, hostcmds, hotplug, migrate, nova, pve, runtime
+from vstor.cli import config, domains, guestkit, hostcmds, hotplug, metrics, migrate, nova, pve, repair, runtime
 from vstor.cli.context import Context
 from vstor.cli.domains import is_file
 from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, VstorError, one_line
 
-COMMAND_MODULES = [hostcmds, domains, guestkit, runtime, hotplug, migrate, pve, nova, config]
+COMMAND_MODULES = [hostcmds, domains, guestkit, runtime, repair, hotplug, migrate, pve, nova, config, metrics]
 
 
 class _Parser(argparse.ArgumentParser):

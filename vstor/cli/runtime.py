@@ -89,6 +89,7 @@ def cmd_status(ctx, args) -> int:
     elsewhere = _pve_elsewhere(ctx, records)
     pinned = _pve_pinning(ctx, records, elsewhere)
     said = _libvirt_says(ctx, [r.domain for r in records if r.domain not in elsewhere])
+    drifted = _drift(ctx, rt, records, said)
     spare = spare_ports_of(ctx, records, said)
     spdk_pid = _spdk_pid(rt) if any(e.get("kind", "").startswith("spdk")
                                     for r in records for e in r.steps) else None
@@ -96,8 +97,10 @@ def cmd_status(ctx, args) -> int:
     rows = [{"domain": r.domain, "status": r.status, "libvirt": said.get(r.domain),
              "holding": r.holding, "elsewhere": elsewhere.get(r.domain),
              "problem": (_left_behind(r, said.get(r.domain)) or "; ".join(supervise.failures(state, r))
-                         or pinned.get(r.domain, (None, None))[1] or None),
+                         or pinned.get(r.domain, (None, None))[1]
+                         or drifted.get(r.domain, (None, None))[1] or None),
              "pinning": pinned.get(r.domain, (None, None))[0],
+             "drift": drifted.get(r.domain, (None, None))[0],
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
              "spare_ports": spare.get(r.domain),
              "steps": [{"step": s, "state": st, "problem": p, **labelled(entry, spdk_pid)}
@@ -105,7 +108,7 @@ def cmd_status(ctx, args) -> int:
             for r in records]
     # Like doctor's failed check: a step with a problem, or a record that
     # cannot be read, is exit 1 once everything has been printed.
-    code = 1 if damaged or any(row["problem"] or any(s["problem"] for s in row["steps"])
+    code = 1 if damaged or any(row["problem"] or row["drift"] or any(s["problem"] for s in row["steps"])
                                for row in rows) else 0
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
@@ -127,6 +130,9 @@ def cmd_status(ctx, args) -> int:
               f"sockets {', '.join(h.get('sockets', [])) or 'none'}")
         if row["problem"]:
             print(f"  PROBLEM: {row['problem']}")
+        for d in row["drift"] or ():
+            fix = f" (fix: vstor repair {row['domain']})" if d["repairable"] else ""
+            print(f"  PROBLEM: {d['message']}{fix}")
         if row["pinning"]:
             print(f"  pinned by vstor at post-start: {'; '.join(row['pinning'])}")
         if hotplug_text(row["spare_ports"]):
@@ -250,6 +256,22 @@ def _pve_pinning(ctx, records, elsewhere) -> dict[str, tuple[list[str] | None, s
         out[name] = (lines, f"{'; '.join(wrong)} (post-start did not pin it, or somebody moved it "
                             f"since: see journalctl -t vstor; fix: {hook} {vm} post-start)"
                      if wrong else None)
+    return out
+
+
+def _drift(ctx, rt, records, said) -> dict[str, tuple[list[dict] | None, str | None]]:
+    """Per libvirt domain running here: (how it differs from its plan,
+    vstor.runtime.drift; a problem: what could not be read to tell).  A
+    Proxmox VM's drift is its pinning (_pve_pinning)."""
+    from vstor.runtime import drift
+    out = {}
+    for r in records:
+        if said.get(r.domain) not in ("running", "paused") or r.status != PREPARED:
+            continue
+        try:
+            out[r.domain] = ([d.to_json() for d in drift.find(ctx.conn, rt, r)], None)
+        except (ActionFailed, Unavailable, BadInput) as e:
+            out[r.domain] = (None, f"cannot check whether it runs as planned: {e}")
     return out
 
 

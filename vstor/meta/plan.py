@@ -166,6 +166,27 @@ class Plan:
         return (CellPlan(0, self.node, tuple(range(self.vcpus)), self.memory_kib, self.hugepages,
                          self.emulator),)
 
+    def thread_pins(self) -> tuple[tuple[frozenset[int], ...], frozenset[int]]:
+        """The cores of each vCPU (by index) and of every other QEMU thread
+        (the emulator's and the I/O threads), as the plan gives them: a
+        dedicated vCPU its one core; a shared vCPU its cell's node's
+        housekeeping cores (every cell's, with one cell); ((), ...) when
+        the plan pins no vCPU.  The one answer: libvirt's <cputune>
+        (vstor.render.elements), Proxmox's post-start (vstor.pve.pinning)
+        and the drift check (vstor.runtime.drift) all take it from here."""
+        if self.cpus == "dedicated" and self.vcpu_pins:
+            vcpus = tuple(frozenset((c,)) for c in self.vcpu_pins)
+        elif self.cpus == "shared" and self.shared_cpus:
+            per = [frozenset(self.shared_cpus)] * self.vcpus
+            for cell in self.cells:
+                for v in cell.vcpus:
+                    if v < len(per):
+                        per[v] = frozenset(cell.emulator or self.shared_cpus)
+            vcpus = tuple(per)
+        else:
+            vcpus = ()
+        return vcpus, frozenset(self.emulator)
+
     def disk_cell(self, disk: DiskPlan) -> CellPlan:
         cells = self.guest_cells()
         return next((c for c in cells if c.id == disk.cell), cells[0])

@@ -267,3 +267,35 @@ def _reactors(host: Host, cfg: Config, plan: Plan) -> list[str]:
                        f"cores for node {cell.node} ([cpu] reactors: "
                        f"{format_cpulist(cfg.reactors) or 'none'})")
     return out
+
+
+def pin_problems(host: Host, cfg: Config, plan: Plan, running: Ledger) -> list[str]:
+    """Why a running domain's threads cannot be pinned again as its plan
+    says (vstor repair): each core a vCPU or idle sibling is dedicated to
+    must still be one the placement pools would give it (`cpu_problems`:
+    online, on its cell's node, not housekeeping or a reactor, not held by
+    another domain), and every other core the plan pins to (the emulator's,
+    the shared vCPUs') online.  `running` holds what the other domains have."""
+    taken = running.without(plan.domain, plan.uuid)
+    out: list[str] = []
+    pins = iter(plan.vcpu_pins if plan.cpus == "dedicated" else ())
+    for c in plan.guest_cells():
+        mine = tuple(islice(pins, len(c.vcpus)))
+        node = host.node(c.node) if c.node is not None else None
+        if node is None:
+            cores = frozenset(mine) | frozenset(plan.reserved)
+            outside = sorted(cores - {cpu.id for cpu in host.cpus})
+            held = sorted(x for x in cores if x in taken.cpu_owner)
+            out += [f"CPUs {format_cpulist(outside)} are not online on this host"] if outside else []
+            out += [f"CPU {x} is held by domain {taken.cpu_owner[x]}" for x in held[:1]]
+            continue
+        wanted = frozenset(mine) | frozenset(x for x in plan.reserved if x in node.cpus)
+        lines = cpu_problems(host, cfg, node, wanted, taken) if wanted else []
+        out += [f"guest cell {c.id}: {line}" for line in lines] if plan.cells else lines
+    vcpus, emulator = plan.thread_pins()
+    floating = (set().union(*vcpus) if plan.cpus == "shared" and vcpus else set()) | set(emulator)
+    outside = sorted(floating - {cpu.id for cpu in host.cpus})
+    if outside:
+        out.append(f"CPUs {format_cpulist(outside)} (emulator or shared vCPUs) are not online "
+                   "on this host")
+    return out

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
-from vstor import config as config_mod, log as vlog
+from vstor import config as config_mod, counters, log as vlog
 from vstor.errors import EXIT_BAD_INPUT, EXIT_ERROR, BadInput, DoesNotFit, VstorError, one_line
 from vstor.formats.pve.vm import name_of
 from vstor.hook import progress
@@ -49,6 +50,8 @@ def run(argv: list[str]) -> int:
     if phase == "pre-stop":
         return 0
     vlog.setup(f"hookscript {phase}")
+    began = time.monotonic()
+    code = EXIT_ERROR
     try:
         from vstor.formats.pve.vm import vmid as parse_vmid
         vm = parse_vmid(vmid)
@@ -58,16 +61,18 @@ def run(argv: list[str]) -> int:
             post_start(vm, os.environ.get("PVE_MIGRATED_FROM") or None)
         else:
             post_stop(vm)
-        return 0
+        code = 0
     except VstorError as e:
         vlog.refusal(f"VM {vmid}: {phase} failed: {e}", e.exit_code, f"pve-{vmid}" if vmid.isdigit() else None)
         print(f"vstor: {e}", file=sys.stderr)
-        return e.exit_code
+        code = e.exit_code
     except Exception as e:      # never a traceback into the task log
         vlog.refusal(f"VM {vmid}: {phase} failed: internal error: {type(e).__name__}: {e}", EXIT_ERROR,
                      f"pve-{vmid}" if vmid.isdigit() else None)
         print(one_line(f"vstor: internal error in {phase}: {type(e).__name__}: {e}"), file=sys.stderr)
-        return EXIT_ERROR
+    # Counted only for a vstor VM (each phase says where its counts go).
+    counters.add("hook", ("proxmox", phase, str(code)), time.monotonic() - began)
+    return code
 
 
 def _here():
@@ -88,6 +93,7 @@ def pre_start(vm: int, migrated_from: str | None) -> None:
                            "of another VM?)", hint=f"write its intent and run vstor pve apply {vm}, "
                                                    "or remove what is vstor's from its config")
         return          # the hookscript on a VM without vstor disks: nothing to do
+    counters.at(cfg.state_dir)
     vmo = manage.load(node, vm, conf_path=path, conf=conf)
     plan = manage.recorded_plan(vmo)
     manage.check_config(vmo, plan, node.qemu_version(), starting=True)
@@ -129,6 +135,7 @@ def post_start(vm: int, migrated_from: str | None) -> None:
     rec = here.state().load(name_of(vm))
     if rec is None:
         return          # not a vstor VM, or pre-start refused it
+    counters.at(here.config.state_dir)
     if rec.domain != name_of(vm):
         raise DoesNotFit(f"state record {name_of(vm)} belongs to '{rec.domain}', not VM {vm}")
     node = Node(here.config)
@@ -146,6 +153,7 @@ def post_stop(vm: int) -> None:
     rec = state.load(name)
     if rec is None:
         return
+    counters.at(here.config.state_dir)
     if rec.domain != name:
         raise DoesNotFit(f"state record {name} belongs to '{rec.domain}', not VM {vm}")
     release(here.runtime(), state, name, progress=_progress(vm))

@@ -17,11 +17,10 @@ pinned.  `vstor status` asks the same way and compares (check()).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 
 from vstor.errors import ActionFailed, DoesNotFit, Unavailable
+from vstor.host import threads as threads_of
 from vstor.host.model import format_cpulist
 from vstor.meta.plan import Plan
 
@@ -40,21 +39,9 @@ class Threads:
 
 def wanted(plan: Plan) -> tuple[tuple[frozenset[int], ...], frozenset[int]]:
     """The cores of each vCPU (by index) and of every other thread, as the
-    plan gives them: a dedicated vCPU its one core; a shared vCPU its
-    cell's node's housekeeping cores (every cell's, with one cell); ((), ())
-    when the plan pins nothing."""
-    if plan.cpus == "dedicated" and plan.vcpu_pins:
-        vcpus = tuple(frozenset((c,)) for c in plan.vcpu_pins)
-    elif plan.cpus == "shared" and plan.shared_cpus:
-        per = [frozenset(plan.shared_cpus)] * plan.vcpus
-        if plan.cells:
-            for cell in plan.cells:
-                for v in cell.vcpus:
-                    per[v] = frozenset(cell.emulator or plan.shared_cpus)
-        vcpus = tuple(per)
-    else:
-        vcpus = ()
-    return vcpus, frozenset(plan.emulator)
+    plan gives them (Plan.thread_pins: the same answer libvirt's <cputune>
+    is rendered from)."""
+    return plan.thread_pins()
 
 
 def describe(plan: Plan) -> list[str]:
@@ -122,7 +109,7 @@ def apply(plan: Plan, found: Threads) -> int:
     if not vcpus and not emulator:
         return 0
     _check_count(plan, found)
-    online = _online()
+    online = threads_of.online()
     outside = set().union(*vcpus, emulator) - online
     if outside:
         raise DoesNotFit(f"the plan pins QEMU pid {found.pid}'s threads to cores "
@@ -133,15 +120,15 @@ def apply(plan: Plan, found: Threads) -> int:
     vcpu_tids = {tid: i for i, tid in found.vcpus.items()}
     before: dict[int, frozenset[int]] = {}
     try:
-        with _alive(found.pid) as alive:
+        with threads_of.alive(found.pid, f"QEMU pid {found.pid}") as alive:
             for _ in range(ROUNDS):
                 changed = 0
                 alive()
                 for tid in _tasks(found.pid):
                     want = (vcpus[vcpu_tids[tid]] if vcpus else None) if tid in vcpu_tids else emulator
-                    if not want or _kernel_worker(found.pid, tid):
+                    if not want or threads_of.kernel_worker(found.pid, tid):
                         continue
-                    have = _affinity(tid)
+                    have = threads_of.affinity(tid)
                     if have is None or have == want:
                         continue
                     try:
@@ -177,7 +164,7 @@ def check(plan: Plan, found: Threads) -> list[str]:
         return [str(e)]
     out = []
     for i, tid in sorted(found.vcpus.items()):
-        have = _affinity(tid)
+        have = threads_of.affinity(tid)
         if vcpus and have is not None and have != vcpus[i]:
             out.append(f"vCPU {i} (thread {tid}) runs on {format_cpulist(sorted(have))}, "
                        f"the plan pins it to {format_cpulist(sorted(vcpus[i]))}")
@@ -187,8 +174,8 @@ def check(plan: Plan, found: Threads) -> list[str]:
         for tid in _tasks(found.pid):
             # A kernel worker in QEMU's process (kvm-nx-lpage-recovery, vhost)
             # takes the affinity of the thread that made it: the kernel's.
-            kernel = _kernel_worker(found.pid, tid)
-            have = None if tid in vcpu_tids or kernel else _affinity(tid)
+            kernel = threads_of.kernel_worker(found.pid, tid)
+            have = None if tid in vcpu_tids or kernel else threads_of.affinity(tid)
             if have is not None and have != emulator:
                 stray[tid] = have
         if stray:
@@ -225,64 +212,4 @@ def _own(tid: int, tasks: set[int], pid: int) -> int:
 
 
 def _tasks(pid: int) -> set[int]:
-    try:
-        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
-    except FileNotFoundError:
-        raise Unavailable(f"QEMU pid {pid} is gone") from None
-    except OSError as e:
-        raise Unavailable(f"cannot list /proc/{pid}/task: {e.strerror}") from None
-
-
-PF_KTHREAD, PF_USER_WORKER = 0x00200000, 0x00004000
-
-
-def _online() -> frozenset[int]:
-    from vstor.cpulist import parse_cpulist
-    try:
-        with open("/sys/devices/system/cpu/online") as f:
-            return frozenset(parse_cpulist(f.read().strip()))
-    except (OSError, ValueError) as e:
-        raise Unavailable(f"cannot read /sys/devices/system/cpu/online: {e}") from None
-
-
-def _kernel_worker(pid: int, tid: int) -> bool:
-    """A thread the kernel runs in QEMU's process (its flags in
-    /proc/PID/task/TID/stat, the ninth field)."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            raw = f.read(4096)
-    except OSError:
-        return False
-    fields = raw[raw.rfind(b")") + 2:].split()
-    try:
-        return bool(int(fields[6]) & (PF_KTHREAD | PF_USER_WORKER))
-    except (IndexError, ValueError):
-        return False
-
-
-@contextlib.contextmanager
-def _alive(pid: int):
-    """A check that `pid` is still the process it was when this began (a
-    pidfd: a pid reused since is another process, and fails the check)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        raise Unavailable(f"QEMU pid {pid} is gone: nothing pinned") from None
-
-    def check() -> None:
-        try:
-            signal.pidfd_send_signal(fd, 0)
-        except ProcessLookupError:
-            raise Unavailable(f"QEMU pid {pid} ended while its threads were pinned") from None
-    try:
-        check()
-        yield check
-    finally:
-        os.close(fd)
-
-
-def _affinity(tid: int) -> frozenset[int] | None:
-    try:
-        return frozenset(os.sched_getaffinity(tid))
-    except ProcessLookupError:
-        return None
+    return threads_of.tasks(pid, f"QEMU pid {pid}")

@@ -128,18 +128,30 @@ def vcpu(v, plan: Plan) -> None:
         del v.attrib["cpuset"]
 
 
-def cputune(ct, plan: Plan) -> None:
+def cputune(ct, plan: Plan, iothreads=()) -> None:
     """`ct` (a <cputune>, the operator's other children kept) with the
-    plan's pinning: one vcpupin per vCPU, then the emulator's."""
-    for tag in ("vcpupin", "emulatorpin"):
+    plan's pinning (Plan.thread_pins): a vcpupin for each vCPU whose cores
+    are not the <vcpu cpuset> it would float on, the emulatorpin, and an
+    iothreadpin for each of the domain's I/O threads (`iothreads`, their
+    ids).  Without one, libvirt runs an I/O thread on the <vcpu cpuset>, or
+    on every host CPU when there is none (qemuProcessSetupPid): on the
+    dedicated vCPUs' cores.  It goes where the emulator goes."""
+    for tag in ("vcpupin", "emulatorpin", "iothreadpin"):
         for e in ct.findall(tag):
             ct.remove(e)
+    vcpus, emulator = plan.thread_pins()
+    floating = frozenset(plan.shared_cpus)
     at = 0
-    for n, cpu in enumerate(plan.vcpu_pins):
-        ct.insert(at, etree.Element("vcpupin", vcpu=str(n), cpuset=str(cpu)))
+    for n, cores in enumerate(vcpus):
+        if cores != floating:
+            ct.insert(at, etree.Element("vcpupin", vcpu=str(n), cpuset=format_cpulist(cores)))
+            at += 1
+    if emulator:
+        ct.insert(at, etree.Element("emulatorpin", cpuset=format_cpulist(emulator)))
         at += 1
-    if plan.emulator:
-        ct.insert(at, etree.Element("emulatorpin", cpuset=format_cpulist(plan.emulator)))
+        for i in sorted(iothreads):
+            ct.insert(at, etree.Element("iothreadpin", iothread=str(i), cpuset=format_cpulist(emulator)))
+            at += 1
 
 
 def numatune(plan: Plan):

@@ -133,9 +133,33 @@ def share_domain_memory(root) -> None:
 
 def _cputune(root, plan: Plan) -> None:
     ct = _child(root, "cputune")
-    elements.cputune(ct, plan)
+    elements.cputune(ct, plan, iothread_ids(root))
     if len(ct) == 0:
         root.remove(ct)
+
+
+def iothread_ids(root) -> tuple[int, ...]:
+    """The ids of the I/O threads a domain declares, as libvirt reads them
+    (virDomainDefParseIOThreads): each <iothreadids><iothread id>, then, up
+    to the <iothreads> count, the lowest ids not listed."""
+    listed = []
+    for e in root.iterfind("iothreadids/iothread"):
+        try:
+            listed.append(int(e.get("id", "")))
+        except ValueError:
+            continue        # libvirt refuses the domain: nothing of it to pin
+    count = root.find("iothreads")
+    try:
+        want = int((count.text or "").strip()) if count is not None else 0
+    except ValueError:
+        want = 0
+    ids = list(dict.fromkeys(i for i in listed if i > 0))
+    taken, n = set(ids), 1
+    while len(ids) < min(want, 4096):
+        if n not in taken:
+            ids.append(n)
+        n += 1
+    return tuple(ids)
 
 
 def _numatune(root, plan: Plan) -> None:

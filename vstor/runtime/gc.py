@@ -11,6 +11,7 @@ import stat
 from contextlib import nullcontext
 from typing import Callable
 
+from vstor import counters
 from vstor.config import Config
 from vstor.errors import InUse, Unavailable, VstorError
 from vstor.meta.names import gate_path, is_disk_name, is_safe_name
@@ -69,6 +70,8 @@ def collect(rt: Runtime, state: StateDir, records: list[Record], running: set[st
                 try:    # as read: unchanged, under its record lock
                     release(rt, state, rec.key, progress=step, drop_exports=True,  # still needed: left above
                             seen=rec)
+                    if not rt.dry_run:
+                        counters.add("gc", ())
                 except InUse as e:      # a QEMU still connected: the others are collected all the same
                     say(f"Leaving {rec.domain}: {e}")
                     in_use.append(rec.domain)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+from vstor import counters
 from vstor.errors import ActionFailed, DoesNotFit, InUse
 from vstor.meta.names import is_safe_name
 from vstor.runtime import actions
@@ -173,6 +174,8 @@ def reconnect(rt: Runtime, state: StateDir, key: str, domain: str | None = None,
             try:
                 executor.repair(step, rt)
                 findings.append(f"{step.describe()}: {problem}; repaired")
+                if step.kind == "qsd-export":
+                    counters.add("restart", ("qemu-storage-daemon",))
             except Exception as e:
                 findings.append(f"{step.describe()}: {problem}; repair failed: {e}")
         if rec.status != PREPARED and all(e["state"] == DONE for e in rec.steps):

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from vstor import log
+from vstor import counters, log
 from vstor.errors import VstorError
 from vstor.runtime import actions, executor
 from vstor.runtime.journal import DONE
@@ -179,6 +179,7 @@ class Supervisor:
                 self._give_up(w, f"it could not be started again: {why}")
             return
         w.retry_at, w.failures = None, 0
+        counters.add("restart", ("qemu-storage-daemon",))
         from vstor.backends.qsd import daemon
         log.note(w.domain, f"qemu-storage-daemon {w.name} died; started again (pid "
                  f"{daemon.pid(w.step.export)}; restart {len(w.restarts)} of "

@@ -42,6 +42,7 @@ import contextlib
 import json
 import os
 
+from vstor import counters
 from vstor.errors import Unavailable
 from vstor.runtime.index.shape import (add_sums, boot_id, empty_sums, file_name, is_sums, is_summary,
                                        items, summary)
@@ -262,6 +263,7 @@ class Index:
         if records is None:
             damaged = []
             records = self.state.records(damaged)
+        counters.add("rebuild", ())
         self.state.drop_temporaries()
         new = self.path + ".new"
         _discard(new)
