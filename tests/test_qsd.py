@@ -959,6 +959,7 @@ def test_under_systemd_a_daemon_gets_a_scope_of_its_own(tmp_path, monkeypatch):
     argv = scope("vm1-vdb", booted=str(tmp_path))
     assert argv[:2] == ["/usr/bin/systemd-run", "--scope"] and argv[-1] == "--"
     assert "--slice=vstor.slice" in argv and "--collect" in argv
+    assert "--property=IOAccounting=yes" in argv        # its operations counted (vstor metrics)
 
 
 # -- issue 28: the other writer is named ------------------------------------------------------

@@ -59,7 +59,7 @@ MIRRORS = ("deb http://deb.debian.org/debian bookworm main",
 # package installs with no network.
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "libpam-systemd", "iproute2", "procps",
             "libvirt-daemon-system", "libvirt-clients", "qemu-system-x86", "qemu-system-common",
-            "qemu-utils", "python3", "python3-libvirt", "python3-lxml")
+            "qemu-utils", "python3", "python3-libvirt", "python3-lxml", "python3-prometheus-client")
 # Done in the bootstrapped tree before it is cached (a change here changes the key).
 PREPARE = (
     # nspawn mounts the cgroup v1 controllers read-only: libvirt must not try them.

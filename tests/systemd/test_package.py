@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -282,6 +283,12 @@ def test_install_and_start_a_domain(lab):
     assert scope.endswith(".scope"), scope
     rated = lab.box.run("systemd-analyze", "security", scope, check=False)
     assert rated.returncode != 0 and "is not a service unit" in rated.stderr, rated
+    # Its I/O operations are counted for the metrics (io.stat where the io
+    # controller is cgroup v2's; this host's is v1's, so only the setting is seen).
+    assert lab.box.run("systemctl", "show", "--property=IOAccounting", "--value", scope).stdout.strip() == "yes"
+    shown = lab.box.run("vstor", "metrics", "show").stdout
+    assert re.search(r'^vstor_disk_stats_up\{[^}]*backend="qsd"[^}]*\} 1\.0$', shown, re.M), shown
+    assert re.search(r'^vstor_disk_read_bytes_total\{[^}]*backend="qsd"', shown, re.M), shown
 
 
 def test_an_upgrade_keeps_every_daemon(running):

@@ -288,7 +288,9 @@ def scope(name: str, booted: str = "/run/systemd/system", what: str = "qemu-stor
     tool = proc.which("systemd-run") if os.path.isdir(booted) else None
     if not tool:
         return []
-    return [tool, "--scope", "--quiet", "--collect", "--slice=vstor.slice",
+    # IOAccounting: the kernel counts the scope's I/O operations per device
+    # (io.stat on cgroup v2), each disk's for vstor's metrics (vstor.metrics.collect).
+    return [tool, "--scope", "--quiet", "--collect", "--slice=vstor.slice", "--property=IOAccounting=yes",
             f"--description=vstor {what} {name}", "--"]
 
 
