@@ -9,7 +9,8 @@ import os
 import sys
 import time
 
-from vstor.errors import BadInput
+from vstor.cli.context import warn
+from vstor.errors import BadInput, Unavailable
 
 DEFAULT_LISTEN = "127.0.0.1:9743"
 TEXTFILE = "/var/lib/prometheus/node-exporter/vstor.prom"    # Debian's node_exporter reads *.prom there
@@ -51,13 +52,19 @@ def looker(ctx):
     state = ctx.state()
     proxmox = Node(ctx.config).is_proxmox()
 
+    said = [""]
+
     def look():
         rt, conn = ctx.runtime(), []
         try:
-            return collect.look(rt, state, drift=lambda rec: _drift(ctx, rt, conn, rec, proxmox))
+            got = collect.look(rt, state, drift=lambda rec: _drift(ctx, rt, conn, rec, proxmox))
         finally:
             for c in conn:
                 c.close()
+        if got.counts_error and got.counts_error != said[0]:     # once, not at every scrape
+            warn(f"{got.counts_error}: the counts are left out")
+        said[0] = got.counts_error
+        return got
     return look
 
 
@@ -89,7 +96,11 @@ def cmd_textfile(ctx, args) -> int:
         raise BadInput(f"{os.path.dirname(os.path.abspath(args.path))} is not a directory",
                        hint="install prometheus-node-exporter, or name the directory its "
                             "--collector.textfile.directory reads")
-    expose.write_textfile(args.path, looker(ctx))
+    try:
+        expose.write_textfile(args.path, looker(ctx))
+    except OSError as e:
+        raise Unavailable(f"cannot write {args.path}: {e.strerror}",
+                          hint="its directory must be a directory (never a link) root can write") from None
     return 0
 
 

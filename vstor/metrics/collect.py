@@ -66,6 +66,7 @@ class Look:
     domains: tuple[tuple[str, str, str], ...]       # (domain, uuid, record status)
     held: dict = field(default_factory=dict)        # step kind -> done steps
     totals: dict = field(default_factory=dict)      # vstor.metrics.totals
+    counts_error: str = ""                          # why the totals could not be read
     drift: tuple[tuple[str, str, str, int], ...] = ()   # (domain, uuid, what, differences)
     damaged: int = 0                                # state records that cannot be read
     seconds: float = 0.0                            # CPU time the look took
@@ -79,7 +80,7 @@ def look(rt, state, *, proc: str = "/proc", drift=None) -> Look:
     damaged: list[str] = []
     records = state.records(damaged)
     nodes = _cpu_nodes(rt.sysfs)
-    spdk = _Spdk(rt)
+    spdk: dict[str, _Spdk] = {}     # per SPDK application (a record's own socket: Runtime.of)
     disks, held, found = [], {}, []
     for rec in records:
         uuid = rec.uuid or ""
@@ -98,17 +99,23 @@ def look(rt, state, *, proc: str = "/proc", drift=None) -> Look:
             if step.kind == "qsd-export":
                 disks.append(_qsd(rec, uuid, step.export, nodes, proc))
             elif step.kind == "spdk-vhost":
-                disks.append(spdk.disk(rec, uuid, step, nodes))
-        for address in rec.holding.get("passthrough", []):
+                app = rt.of(rec)
+                asked = spdk.setdefault(app.cfg.spdk_socket, _Spdk(app))
+                disks.append(asked.disk(rec, uuid, step, nodes))
+        for address in sorted(rec.holding.get("passthrough", [])):
             node = rt.sysfs.read_int(f"/sys/bus/pci/devices/{address}/numa_node", default=-1)
             disks.append(Disk(rec.domain, uuid, address, "passthrough", node if node >= 0 else None,
                               up=False, why="a passed-through controller's I/O is the guest's"))
         differences = _drift(drift, rec)
         if differences is not None:
             found.extend((rec.domain, uuid, what, n) for what, n in _by_what(differences))
+    try:
+        counted, counts_error = totals_mod.fold(state.path), ""
+    except VstorError as e:     # the disks' figures still go out; the counts say they are not
+        counted, counts_error = {}, e.message
     return Look(at=time.monotonic(), disks=tuple(disks),
                 domains=tuple((r.domain, r.uuid or "", r.status) for r in records),
-                held=held, totals=totals_mod.fold(state.path), drift=tuple(found),
+                held=held, totals=counted, counts_error=counts_error, drift=tuple(found),
                 damaged=len(damaged), seconds=time.process_time() - began)
 
 
@@ -140,17 +147,34 @@ def _qsd(rec, uuid: str, export, nodes: dict[int, int], proc: str) -> Disk:
         stat = _read(f"{proc}/{pid}/stat")
         fields = stat[stat.rindex(")") + 2:].split()
         cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK        # utime, stime
-        ops = _cgroup_ops(pid, proc)
+        ops = _cgroup_ops(pid, proc, _served_device(pid, proc))
     except (OSError, ValueError, IndexError, KeyError) as e:
         return _down(base, f"cannot read its daemon's accounting (pid {pid}): {e}")
     return _replace(base, pid=pid, read_bytes=int(io["read_bytes"]), written_bytes=int(io["write_bytes"]),
                     reads=ops[0] if ops else None, writes=ops[1] if ops else None, cpu_seconds=cpu)
 
 
-def _cgroup_ops(pid: int, proc: str) -> tuple[int, int] | None:
+def _served_device(pid: int, proc: str) -> str | None:
+    """MAJ:MIN of what the daemon serves, by the descriptor it holds (its
+    command line names /proc/self/fd/N, never a path): a block device's
+    own number, a file's filesystem's."""
+    import stat as st
+    from vstor.backends.qsd import proc as qproc
+    from vstor.backends.qsd.export import export_opts
+    name = export_opts(qproc.cmdline(pid) or []).get("filename", "")
+    if not name.startswith("/proc/self/fd/"):
+        return None
+    s = os.stat(f"{proc}/{pid}/fd/{name[len('/proc/self/fd/'):]}")
+    dev = s.st_rdev if st.S_ISBLK(s.st_mode) else s.st_dev
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+def _cgroup_ops(pid: int, proc: str, device: str | None) -> tuple[int, int] | None:
     """(reads, writes) from io.stat of the daemon's own cgroup v2 scope
-    (vstor.slice/…scope: systemd-run made it for this daemon alone); None
-    when it has none."""
+    (vstor.slice/…scope: systemd-run made it for this daemon alone), on
+    the device it serves alone: a device mapper, md or loop device below
+    it counts its own clones of the same I/O on its own line.  None when
+    it has no such scope."""
     for line in _read(f"{proc}/{pid}/cgroup").splitlines():
         if not line.startswith("0::"):
             continue
@@ -162,12 +186,12 @@ def _cgroup_ops(pid: int, proc: str) -> tuple[int, int] | None:
                 text = _read(f"{mount}{path}/io.stat")
             except FileNotFoundError:
                 continue
-            reads = writes = 0
             for dev in text.splitlines():
-                kv = _keyed(" ".join(dev.split()[1:]).replace(" ", "\n"), "=")
-                reads += int(kv.get("rios", 0))
-                writes += int(kv.get("wios", 0))
-            return reads, writes
+                words = dev.split()
+                if words and words[0] == device:
+                    kv = _keyed("\n".join(words[1:]), "=")
+                    return int(kv.get("rios", 0)), int(kv.get("wios", 0))
+            return 0, 0         # nothing done on it yet
     return None
 
 

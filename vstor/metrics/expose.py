@@ -37,16 +37,31 @@ DAEMONS = ("qemu-storage-daemon",)      # what vstor supervise restarts
 
 
 class Collector:
-    """prometheus_client's custom collector: each scrape is one new look."""
+    """prometheus_client's custom collector: a scrape gets a new look,
+    unless one was taken less than `fresh` seconds ago (then that one: a
+    loop of requests, from anyone who can reach the endpoint, costs the
+    host one look per `fresh` seconds).  One look at a time; a scrape that
+    waits past `wait` seconds for one gets an error (HTTP 500), not a
+    thread piled on the others."""
 
-    def __init__(self, looker):
+    def __init__(self, looker, fresh: float = 0.0, wait: float = 30.0):
         import threading
         self.looker = looker        # () -> Look
-        self.one = threading.Lock()     # one look at a time: scrapes share the SPDK client
+        self.fresh, self.wait = fresh, wait
+        self.one = threading.Lock()
+        self.last: tuple[float, list] | None = None
 
     def collect(self):
-        with self.one:
-            return families(self.looker())
+        import time
+        if not self.one.acquire(timeout=self.wait):
+            raise TimeoutError(f"a look at the host has taken more than {self.wait:g}s")
+        try:
+            now = time.monotonic()
+            if self.last is None or now - self.last[0] >= self.fresh:
+                self.last = (now, families(self.looker()))
+            return self.last[1]
+        finally:
+            self.one.release()
 
     def describe(self):
         return []
@@ -63,7 +78,8 @@ def families(look: Look) -> list:
     for d in look.disks:
         labels = [d.domain, d.uuid, d.disk, d.backend, "" if d.node is None else str(d.node)]
         info.add_metric(labels, 1)
-        up.add_metric(labels, 1 if d.up else 0)
+        if d.backend != "passthrough":          # it has no figures to read: never "down"
+            up.add_metric(labels, 1 if d.up else 0)
         for f, family in counters.items():
             value = getattr(d, f)
             if d.up and value is not None:
@@ -91,7 +107,13 @@ def families(look: Look) -> list:
     for domain, uuid, what, n in look.drift:
         drift.add_metric([domain, uuid, what], n)
     out += [domains, held, damaged, drift]
-    out += _totals(look.totals)
+    counts = GaugeMetricFamily("vstor_counts_up", "1 if the counts of hook runs, refusals, restarts, "
+                                                  "rebuilds and gc releases could be read (0: vstor "
+                                                  "metrics show says why)")
+    counts.add_metric([], 0 if look.counts_error else 1)
+    out.append(counts)
+    if not look.counts_error:
+        out += _totals(look.totals)
     took = GaugeMetricFamily("vstor_collect_cpu_seconds", "CPU time vstor took to collect this scrape")
     took.add_metric([], look.seconds)
     out.append(took)
@@ -143,10 +165,10 @@ def _le(b: float) -> str:
     return repr(float(b))
 
 
-def registry(looker):
+def registry(looker, fresh: float = 0.0):
     from prometheus_client import CollectorRegistry
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(Collector(looker))
+    reg.register(Collector(looker, fresh))
     return reg
 
 
@@ -156,16 +178,34 @@ def text(looker) -> bytes:
 
 
 def write_textfile(path: str, looker) -> None:
-    """node_exporter's textfile collector reads `path`: written whole
-    (prometheus_client writes a temporary beside it and renames it)."""
-    from prometheus_client import write_to_textfile
-    write_to_textfile(path, registry(looker))
+    """node_exporter's textfile collector reads `path`: written whole, a
+    temporary beside it renamed over it, both by name inside the directory
+    opened once without following a link (Debian's textfile directory is
+    in one the prometheus user owns: a name there swapped for a link leads
+    root's write nowhere else)."""
+    import os
+    where, name = os.path.split(os.path.abspath(path))
+    data = text(looker)
+    tmp = f".{name}.{os.getpid()}.tmp"
+    dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                     dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
 
 
-def serve(address: str, port: int, looker) -> None:
-    """The scrape endpoint, until killed: one thread per scrape, each a
-    new look (prometheus_client's WSGI server)."""
+def serve(address: str, port: int, looker, fresh: float = 5.0) -> None:
+    """The scrape endpoint, until killed (prometheus_client's server: a
+    thread per request; at most one look per `fresh` seconds)."""
     import threading
     from prometheus_client import start_http_server
-    start_http_server(port, addr=address, registry=registry(looker))
+    start_http_server(port, addr=address, registry=registry(looker, fresh))
     threading.Event().wait()

@@ -38,8 +38,13 @@ def fold(state_dir: str) -> dict:
     """The totals with every event appended so far counted in, written
     back.  Without a state directory: nothing was ever counted."""
     where = os.path.join(state_dir, "metrics")
-    if not os.path.isdir(state_dir):
+    try:
+        os.stat(state_dir)
+    except FileNotFoundError:
         return empty()
+    except OSError as e:
+        raise Unavailable(f"cannot read vstor's state directory {state_dir}: {e.strerror}",
+                          hint="run as root (the state directory is root's)") from None
     try:
         os.makedirs(where, mode=0o700, exist_ok=True)
         with _locked(os.path.join(where, "lock")):
