@@ -23,7 +23,7 @@ from vstor.records import replace
 from vstor.render import elements
 from vstor.render.libvirt import iothread_ids, render
 from vstor.runtime import drift
-from vstor.runtime.drift import Controller, DaemonThreads, Difference, Live
+from vstor.runtime.drift import Change, Controller, DaemonThreads, Difference, Live
 
 HERE = os.path.dirname(__file__)
 TEMPLATE = os.path.join(HERE, "..", "xml-templates", "qsd-file.xml")
@@ -190,11 +190,11 @@ class _Dom:
         self._call("pinEmulator", cpumap)
 
 
-def test_a_failed_change_puts_back_every_change_made_before_it():
+def test_a_failed_change_puts_back_every_change_made_before_it(quiet_log):
     pytest.importorskip("libvirt")
     from vstor.errors import ActionFailed
     rec = type("Rec", (), {"domain": "vm1", "steps": []})()
-    diffs = [Difference("vcpu", "m", True, 1, (5,), (0, 1)), Difference("emulator", "m", True, None, (0, 1), (4,))]
+    diffs = [Change("vcpu", 1, (0, 1), (5,)), Change("emulator", None, (4,), (0, 1))]
     dom, said = _Dom(refuse="pinEmulator"), []
     with pytest.raises(ActionFailed) as e:
         drift._apply(dom, rec, diffs, 6, said.append)
@@ -205,3 +205,294 @@ def test_a_failed_change_puts_back_every_change_made_before_it():
     dom = _Dom()
     drift._apply(dom, rec, diffs, 6, said.append)
     assert [c[0] for c in dom.calls] == ["pinVcpuFlags", "pinEmulator"]
+
+
+# -- the repair journaled: its record, an interrupted run, its undo ---------------------------
+
+@pytest.fixture
+def quiet_log(monkeypatch):
+    """vstor.log's lines go nowhere (a pure test opens no syslog socket)."""
+    from vstor import log
+    monkeypatch.setattr(log, "_sinks", [])
+
+
+def _cpumap(cores, n=64) -> tuple:
+    return tuple(i in cores for i in range(n))
+
+
+class _Running:
+    """libvirt's running domain as find, repair and undo ask it: its live
+    XML (the plan in it) and its pins, which the pin calls change;
+    `refuse`: the one call that fails."""
+
+    def __init__(self, xml: str, plan: Plan, refuse: str | None = None):
+        vcpus, emulator = plan.thread_pins()
+        self.xml, self.refuse, self.calls = xml, refuse, []
+        self.vcpus, self.emulator, self.iothreads = [set(v) for v in vcpus], set(emulator), {1: set(emulator)}
+        self.nodes = drift.planned_numa(plan)[1]
+
+    def isActive(self):
+        return 1
+
+    def XMLDesc(self, flags):
+        return self.xml
+
+    def vcpuPinInfo(self, flags):
+        return [_cpumap(v) for v in self.vcpus]
+
+    def emulatorPinInfo(self, flags):
+        return _cpumap(self.emulator)
+
+    def ioThreadInfo(self, flags):
+        return [(i, _cpumap(c)) for i, c in self.iothreads.items()]
+
+    def numaParameters(self, flags):
+        return {"numa_mode": 0, "numa_nodeset": ",".join(map(str, self.nodes))}
+
+    def _change(self, name):
+        import libvirt
+        self.calls.append(name)
+        if name == self.refuse:
+            raise libvirt.libvirtError("Requested operation is not valid")
+
+    def pinVcpuFlags(self, i, cpumap, flags):
+        self._change("pinVcpuFlags")
+        self.vcpus[i] = {c for c, on in enumerate(cpumap) if on}
+
+    def pinEmulator(self, cpumap, flags):
+        self._change("pinEmulator")
+        self.emulator = {c for c, on in enumerate(cpumap) if on}
+
+    def pinIOThread(self, i, cpumap, flags):
+        self._change("pinIOThread")
+        self.iothreads[i] = {c for c, on in enumerate(cpumap) if on}
+
+
+@pytest.fixture
+def running(host_model, tmp_path, quiet_log):
+    """A running domain vstor holds (its record, no steps) and libvirt's
+    answers for it, as planned; the arguments repair and undo take."""
+    pytest.importorskip("libvirt")
+    from vstor.runtime.state import Record, StateDir
+    host = host_model("two-socket")
+    with open(TEMPLATE) as f:
+        dom = Domain.parse(f.read(), "template")
+    plan = plan_domain(host, CFG, Request.from_domain(dom), Ledger())
+    live = _Running(render(dom, plan).to_string(), plan)
+    state = StateDir(str(tmp_path / "state"))
+    from vstor.meta.holding import holding_to_json
+    state.save(Record(key=dom.safe_name, domain=dom.name, uuid=dom.uuid, status="prepared",
+                      holding=holding_to_json(Holding.from_plan(plan, active=True))))
+    e = type("Env", (), {})()
+    e.dom, e.plan, e.host, e.state, e.key, e.name = live, plan, host, state, dom.safe_name, dom.name
+    e.conn = type("Conn", (), {"lookupByUUIDString": lambda _s, _u: live, "lookupByName": lambda _s, _n: live})()
+    e.rt = type("Rt", (), {"cfg": CFG})()
+    e.said = []
+    e.repair = lambda dry_run=False: drift.repair(e.conn, e.rt, state, host, e.key, e.said.append, dry_run)
+    e.undo = lambda dry_run=False: drift.undo(e.conn, e.rt, state, e.key, e.said.append, dry_run)
+    e.record = lambda: state.load(e.key)
+    return e
+
+
+def _moved(e) -> tuple[set, set]:
+    """vCPU 0 and the emulator moved off the plan; what they were."""
+    was = set(e.dom.vcpus[0]), set(e.dom.emulator)
+    e.dom.vcpus[0], e.dom.emulator = {7}, {6, 7}
+    return was
+
+
+def test_a_repair_record_round_trips_and_an_old_record_without_one_still_loads(running, tmp_path):
+    from vstor.runtime.index import summary
+    from vstor.runtime.state import Record
+    rec = running.record()
+    assert rec.repair == {} and "repair" not in rec.to_json()       # kept only when set
+    rec.repair = {"status": "done", "at": 1.5, "changes": [
+        Change("vcpu", 0, (7,), (4,)).to_json(), Change("daemon", 4711, (3,), (0, 1), 4712).to_json()]}
+    before = summary(rec)
+    running.state.save(rec)
+    again = running.record()
+    assert again.repair == rec.repair and Record.from_json(again.to_json()) == again
+    assert running.state.unchanged(again)                          # gc's comparison, as read
+    assert summary(again) == before                                # the index sees no new key
+    assert [Change.from_json(c) for c in again.repair["changes"]][1].thread == 4712
+    for bad in ({"status": "fixing", "at": 1, "changes": []}, {"status": "done", "at": 1, "changes": [{}]},
+                {"status": "done", "at": 1, "changes": [{"what": "vcpu", "item": 0, "have": [-1], "want": [1]}]}):
+        rec.repair = bad
+        with pytest.raises(ValueError):
+            from vstor.runtime.recordfile import check_shape
+            check_shape(rec)
+
+
+def test_a_repair_is_recorded_before_its_first_change_and_kept_once_done(running):
+    vcpu, emulator = _moved(running)
+    seen = []
+    pin = running.dom.pinVcpuFlags
+
+    def pin_looking(i, cpumap, flags):
+        seen.append(running.record().repair)      # what the record says as the change is made
+        pin(i, cpumap, flags)
+    running.dom.pinVcpuFlags = pin_looking
+    done, left = running.repair()
+    assert [d.what for d in done] == ["vcpu", "emulator"] and left == []
+    assert seen[0]["status"] == "repairing"
+    assert [(c["what"], c["have"], c["want"]) for c in seen[0]["changes"]] == \
+        [("vcpu", [7], sorted(vcpu)), ("emulator", [6, 7], sorted(emulator))]
+    rec = running.record()
+    assert rec.repair["status"] == "done" and rec.repair["changes"] == seen[0]["changes"]
+    assert running.dom.vcpus[0] == vcpu and running.dom.emulator == emulator
+
+
+def test_a_repair_that_fails_leaves_the_record_as_it_was(running):
+    _moved(running)
+    running.dom.refuse = "pinEmulator"
+    from vstor.errors import ActionFailed
+    with pytest.raises(ActionFailed, match="every change made before it was undone"):
+        running.repair()
+    assert running.record().repair == {} and running.dom.vcpus[0] == {7}      # put back
+
+
+def test_an_interrupted_repair_is_finished_by_the_next_with_what_was_there_before(running):
+    vcpu, emulator = _moved(running)
+    # killed after its record and its first change (vCPU 0), before the emulator's
+    rec = running.record()
+    rec.repair = {"status": "repairing", "at": 1.0, "changes": [
+        Change("vcpu", 0, (7,), tuple(sorted(vcpu))).to_json(),
+        Change("emulator", None, (6, 7), tuple(sorted(emulator))).to_json()]}
+    running.state.save(rec)
+    running.dom.vcpus[0] = set(vcpu)
+    from vstor.cli.runtime import _unfinished_repair
+    assert _unfinished_repair(running.record()) == \
+        f"a repair of {running.name} was interrupted (fix: vstor repair {running.name})"
+    done, _ = running.repair()
+    assert running.said[0] == f"a repair of {running.name} was interrupted: finishing it"
+    assert [d.what for d in done] == ["emulator"] and running.dom.calls == ["pinEmulator"]
+    rec = running.record()
+    assert rec.repair["status"] == "done" and _unfinished_repair(rec) is None
+    assert [c["have"] for c in rec.repair["changes"]] == [[7], [6, 7]]      # the undo puts back both
+    running.undo()
+    assert running.dom.vcpus[0] == {7} and running.dom.emulator == {6, 7}
+    assert running.record().repair == {}
+
+
+def test_killed_after_its_last_change_the_next_repair_marks_it_done(running):
+    rec = running.record()
+    rec.repair = {"status": "repairing", "at": 1.0, "changes": [Change("vcpu", 0, (7,), (4,)).to_json()]}
+    running.state.save(rec)
+    assert running.repair() == ([], [])
+    assert running.record().repair["status"] == "done" and running.dom.calls == []
+
+
+def test_undo_puts_back_what_the_repair_found_and_forgets_it(running):
+    _moved(running)
+    running.repair()
+    running.said.clear()
+    back = running.undo(dry_run=True)
+    assert [c.what for c in back] == ["vcpu", "emulator"] and running.record().repair["status"] == "done"
+    assert running.said[0].startswith("would put vCPU 0 back on 7") and running.dom.vcpus[0] != {7}
+    running.undo()
+    assert running.dom.vcpus[0] == {7} and running.dom.emulator == {6, 7}
+    assert running.record().repair == {}
+    assert [d.what for d in drift.find(running.conn, running.rt, running.record())] == ["vcpu", "emulator"]
+
+
+def test_undo_refuses_with_nothing_to_undo_or_an_interrupted_repair(running):
+    from vstor.errors import BadInput
+    with pytest.raises(BadInput, match="no repair of domain .* since it started: there is nothing to undo") as e:
+        running.undo()
+    assert e.value.exit_code == 2 and e.value.hint
+    rec = running.record()
+    rec.repair = {"status": "repairing", "at": 1.0, "changes": []}
+    running.state.save(rec)
+    with pytest.raises(BadInput, match="was interrupted") as e:
+        running.undo()
+    assert e.value.hint == f"finish it first: vstor repair {running.name}"
+
+
+def test_undo_refuses_when_an_item_moved_since_the_repair(running):
+    from vstor.errors import DoesNotFit
+    _moved(running)
+    running.repair()
+    running.dom.emulator = {3}
+    running.dom.calls.clear()
+    with pytest.raises(DoesNotFit, match="the emulator threads: on 3 now, where the repair left ") as e:
+        running.undo()
+    assert e.value.exit_code == 3 and "nothing changed" in e.value.message
+    assert running.dom.calls == [] and running.record().repair["status"] == "done"
+
+
+def test_an_undo_that_fails_puts_back_and_keeps_the_repair(running):
+    from vstor.errors import ActionFailed
+    _moved(running)
+    running.repair()
+    kept = running.record().repair
+    running.dom.refuse = "pinEmulator"
+    with pytest.raises(ActionFailed, match="every change made before it was undone"):
+        running.undo()
+    assert running.record().repair == kept
+    assert not drift.find(running.conn, running.rt, running.record())       # as the repair left it
+
+
+def test_a_killed_undo_is_finished_by_the_next_undo_or_undone_by_a_repair(running):
+    vcpu, emulator = _moved(running)
+    running.repair()
+    rec = running.record()
+    rec.repair = {**rec.repair, "status": "undoing"}       # killed after vCPU 0 was put back
+    running.state.save(rec)
+    running.dom.vcpus[0] = {7}
+    assert "--undo" in drift.unfinished(rec)
+    running.said.clear()
+    running.undo()
+    assert running.said[0] == f"an undo of {running.name}'s last repair was interrupted: finishing it"
+    assert [line.split(" on ")[0] for line in running.said[1:]] == ["put back the emulator threads"]
+    assert running.dom.emulator == {6, 7} and running.record().repair == {}
+    # the same, undone by a repair instead: the record is the first repair's again
+    running.repair()
+    first = running.record().repair["changes"]
+    rec = running.record()
+    rec.repair = {**rec.repair, "status": "undoing"}
+    running.state.save(rec)
+    running.dom.vcpus[0] = {7}
+    running.repair()
+    assert running.record().repair["status"] == "done" and running.record().repair["changes"] == first
+    assert running.dom.vcpus[0] == vcpu
+
+
+def test_a_record_made_at_prepare_holds_no_repair():
+    from vstor.runtime.state import Record
+    assert Record(key="vm1", domain="vm1", uuid=None).repair == {}
+
+
+def test_a_plan_changed_in_the_live_xml_is_never_what_drift_is_judged_by(running):
+    """Whoever may define the domain can rewrite its live metadata (virsh
+    metadata --live): a plan whose cores are not the ones its start took is
+    refused, so neither status nor repair follow it onto another's cores."""
+    from vstor import records
+    from vstor.errors import Unavailable
+    forged = records.replace(running.plan, vcpu_pins=tuple(c + 1 for c in running.plan.vcpu_pins))
+    running.dom.xml = render(Domain.parse(running.dom.xml, "live"), forged).to_string()
+    with pytest.raises(Unavailable, match="does not place it where its start did"):
+        running.repair()
+    with pytest.raises(Unavailable, match="does not place it where its start did"):
+        drift.find(running.conn, running.rt, running.record())
+
+
+
+def test_a_repair_never_pins_onto_cores_its_start_would_not_give(host_model):
+    """The emulator's and shared vCPUs' cores are checked as the start checks
+    them (the placement's own), not only to be online: a plan putting them
+    on another domain's dedicated cores is refused before anything moves."""
+    from vstor import records
+    from vstor.planner import fit
+    host = host_model("two-socket")
+    with open(TEMPLATE) as f:
+        dom = Domain.parse(f.read(), "template")
+    victim = plan_domain(host, CFG, Request.from_domain(dom), Ledger())
+    held = records.replace(Holding.from_plan(records.replace(victim, domain="victim",
+                                                             uuid="11111111-1111-1111-1111-111111111111"),
+                                             active=True), volumes=frozenset(), sockets=frozenset())
+    me = plan_domain(host, CFG, Request.from_domain(dom), Ledger([held]))
+    assert fit.pin_problems(host, CFG, me, Ledger([held])) == []
+    onto = records.replace(me, emulator=tuple(victim.vcpu_pins))
+    assert fit.pin_problems(host, CFG, onto, Ledger([held]))
+    shared = records.replace(me, cpus="shared", shared_cpus=tuple(victim.vcpu_pins), vcpu_pins=(), reserved=())
+    assert fit.pin_problems(host, CFG, shared, Ledger([held]))

@@ -157,8 +157,11 @@ def test_a_crash_between_steps_is_undone_by_the_next_run(env):
     rec.steps.append(actions.to_json(steps[0], DONE))
     rec.steps.append(actions.to_json(steps[1], DOING))
     executor.do(steps[1], rt)
+    rec.repair = {"status": "done", "at": 1.0, "changes": [{"what": "vcpu", "item": 0, "have": [7],
+                                                            "want": [4]}]}     # the last run's
     env.state.save(rec)                                  # ... and the process dies here
     prepare(env.rt(), env.state, env.host(), dom)        # the next start
+    assert env.state.load("vm1").repair == {}            # a repair does not outlive its run
     assert len(env.spdk.params_of("bdev_nvme_attach_controller")) == 2   # undone, then redone once
     assert list(env.spdk.nvme) == ["vs_0000_5f_00_0"] and list(env.spdk.vhost) == ["vm1-vdb"]
     release(env.rt(), env.state, "vm1")

@@ -4,7 +4,8 @@ its plan four ways at once (`virsh vcpupin`, `virsh emulatorpin`, `virsh
 iothreadpin`, `taskset -p` on one daemon thread); `vstor status` names each
 (exit 1); `vstor repair --dry-run` changes nothing; `vstor repair` puts
 each back, as libvirt and the kernel (/proc) then say; a second repair
-changes nothing.  One domain start for it all: this machine has 2 cores."""
+changes nothing; `vstor repair --undo` puts each injected pin back, and a
+repair fixes them again.  One domain start for it all: this machine has 2 cores."""
 from __future__ import annotations
 
 import json
@@ -103,10 +104,24 @@ def test_drift_is_reported_repaired_and_a_second_repair_changes_nothing(vstor_en
                 pass        # a worker thread that ended
         status = json.loads(vstor(vstor_env, "status", "--json", NAME))[0]
         assert status["drift"] == [] and status["problem"] is None, status
+        assert status["repair"]["status"] == "done", status     # journaled: what it found, for --undo
 
         # -- a second repair changes nothing --------------------------------------------------------
         out = vstor(vstor_env, "repair", NAME)
         assert "nothing to repair" in out, out
+
+        # -- undone: each pin as it was injected; then repaired again ---------------------------
+        out = vstor(vstor_env, "repair", NAME, "--undo")
+        print(out)
+        assert "its last repair undone" in out, out
+        assert cores(dom.vcpuPinInfo(LIVE)[0]) == moved["vcpu"] and allowed(pid, tid) == moved["daemon"]
+        assert cores(dom.emulatorPinInfo(LIVE)) == moved["emulator"]
+        assert [cores(m) for _, m in dom.ioThreadInfo(LIVE)] == [set(other) if "iothread" in wrong else emulator]
+        vstor(vstor_env, "repair", NAME, "--undo", code=2)      # nothing left to undo
+        out = vstor(vstor_env, "repair", NAME)
+        assert f"{len(wrong)} difference" in out, out
+        assert cores(dom.vcpuPinInfo(LIVE)[0]) == vcpu and allowed(pid, tid) == planned
+        assert cores(dom.emulatorPinInfo(LIVE)) == emulator
         stop(dom)
         nothing_left(NAME)
     finally:

@@ -20,7 +20,7 @@ from vstor.migration import peer
 from vstor.pve.node import Node, RunGuard
 from vstor.runtime import actions, gc, supervise, virt
 from vstor.runtime.lifecycle import health, prepare, release
-from vstor.runtime.state import PREPARED, DamagedRecord
+from vstor.runtime.state import PREPARED, REPAIRED, DamagedRecord
 
 
 def register(sub) -> None:
@@ -97,11 +97,12 @@ def cmd_status(ctx, args) -> int:
     rows = [{"domain": r.domain, "status": r.status, "libvirt": said.get(r.domain),
              "holding": r.holding, "elsewhere": elsewhere.get(r.domain),
              "problem": (_left_behind(r, said.get(r.domain)) or "; ".join(supervise.failures(state, r))
-                         or pinned.get(r.domain, (None, None))[1]
+                         or _unfinished_repair(r) or pinned.get(r.domain, (None, None))[1]
                          or drifted.get(r.domain, (None, None))[1] or None),
              "pinning": pinned.get(r.domain, (None, None))[0],
              "drift": drifted.get(r.domain, (None, None))[0],
              "migration": {k: v for k, v in r.migration.items() if k != "xml"} or None,
+             "repair": r.repair or None,
              "spare_ports": spare.get(r.domain),
              "steps": [{"step": s, "state": st, "problem": p, **labelled(entry, spdk_pid)}
                        for entry, (s, st, p) in zip(r.steps, health(rt, r))]}
@@ -135,6 +136,11 @@ def cmd_status(ctx, args) -> int:
             print(f"  PROBLEM: {d['message']}{fix}")
         if row["pinning"]:
             print(f"  pinned by vstor at post-start: {'; '.join(row['pinning'])}")
+        if (row["repair"] or {}).get("status") == REPAIRED:
+            n = len(row["repair"]["changes"])
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["repair"]["at"]))
+            print(f"  last repair: {n} change{'s' if n != 1 else ''} at {when} "
+                  f"(vstor repair {row['domain']} --undo puts them back)")
         if hotplug_text(row["spare_ports"]):
             print(f"  hot-plug: {hotplug_text(row['spare_ports'])}")
         m = row["migration"] or {}
@@ -170,6 +176,14 @@ def _left_behind(rec, libvirt: str | None) -> str | None:
     return (f"libvirt says {libvirt} but vstor still holds its backends (its stop's release "
             f"did not run or failed: see journalctl -t vstor); fix: vstor release {rec.domain}, "
             "or vstor gc")
+
+
+def _unfinished_repair(rec) -> str | None:
+    """A repair of a running domain (or its undo) that was killed half-way."""
+    if rec.status != PREPARED or not rec.repair:
+        return None
+    from vstor.runtime import drift
+    return drift.unfinished(rec)
 
 
 def labelled(entry: dict, spdk_pid: int | None) -> dict:

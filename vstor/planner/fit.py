@@ -275,10 +275,14 @@ def pin_problems(host: Host, cfg: Config, plan: Plan, running: Ledger) -> list[s
     must still be one the placement pools would give it (`cpu_problems`:
     online, on its cell's node, not housekeeping or a reactor, not held by
     another domain), and every other core the plan pins to (the emulator's,
-    the shared vCPUs') online.  `running` holds what the other domains have."""
-    taken = running.without(plan.domain, plan.uuid)
+    the shared vCPUs') the ones the placement gives a cell on its node
+    (the start's own check, _cpus: its housekeeping cores), online.
+    `running` holds what the other domains have."""
+    taken = Overlay(running.without(plan.domain, plan.uuid))
     out: list[str] = []
+    several = bool(plan.cells)
     pins = iter(plan.vcpu_pins if plan.cpus == "dedicated" else ())
+    placed_emulator: set[int] = set()
     for c in plan.guest_cells():
         mine = tuple(islice(pins, len(c.vcpus)))
         node = host.node(c.node) if c.node is not None else None
@@ -289,9 +293,15 @@ def pin_problems(host: Host, cfg: Config, plan: Plan, running: Ledger) -> list[s
             out += [f"CPUs {format_cpulist(outside)} are not online on this host"] if outside else []
             out += [f"CPU {x} is held by domain {taken.cpu_owner[x]}" for x in held[:1]]
             continue
-        wanted = frozenset(mine) | frozenset(x for x in plan.reserved if x in node.cpus)
-        lines = cpu_problems(host, cfg, node, wanted, taken) if wanted else []
-        out += [f"guest cell {c.id}: {line}" for line in lines] if plan.cells else lines
+        placed = _cpus(host, cfg, plan, c, node, mine, taken, several)
+        if isinstance(placed, list):
+            out += [f"guest cell {c.id}: {line}" for line in placed] if several else placed
+            continue
+        placed_emulator.update(placed.emulator)
+        taken.take_node(plan.domain, placed.vcpu_pins + placed.reserved, c.node, None, 0, 0)
+    if several and not out and tuple(sorted(placed_emulator)) != plan.emulator:
+        out.append(f"the plan's emulator CPUs {format_cpulist(plan.emulator)} are not its cells' "
+                   f"housekeeping cores {format_cpulist(placed_emulator)}")
     vcpus, emulator = plan.thread_pins()
     floating = (set().union(*vcpus) if plan.cpus == "shared" and vcpus else set()) | set(emulator)
     outside = sorted(floating - {cpu.id for cpu in host.cpus})

@@ -94,6 +94,7 @@ def release(rt: Runtime, state: StateDir, key: str,
             rec.status = EXPORTING
             rec.holding = {**rec.holding, "cpus": [], "reactors": [], "hugepages": None,
                            "memory": None, "sockets": [], "connections": []}
+            rec.repair = {}     # what a repair pinned here left with the domain
             state.save(rec)
         return rec
 

@@ -33,6 +33,11 @@ INCOMING = "incoming"
 # The domain left by live migration and reads its disk through this host's
 # NVMe-oF export: the export and what it stands on stay until it is gone.
 EXPORTING = "exporting"
+# A repair of a running domain's pinning (the record's `repair`, vstor.runtime.drift):
+# written before its first change, done once every change is made; undoing
+# while `vstor repair --undo` puts back what it changed.  A record left
+# repairing or undoing is a run that was killed: the next one finishes it.
+REPAIRING, REPAIRED, UNDOING = "repairing", "done", "undoing"
 
 # The layout of a record file, written into it as "format".  0: a record
 # from before the field (vstor 0.1.0 wrote none), read as it always was.
@@ -69,8 +74,26 @@ def check_shape(rec) -> None:
                                             and rec.spdk_socket.startswith("/")
                                             and len(rec.spdk_socket) < 108 and "\0" not in rec.spdk_socket):
         raise ValueError("spdk_socket is not the absolute path of a Unix socket")
+    if rec.repair:
+        _check_repair(rec.repair)
     if rec.holding:
         holding_from_json(rec.holding)
+
+
+def _check_repair(repair) -> None:
+    if not (isinstance(repair, dict) and repair.get("status") in (REPAIRING, REPAIRED, UNDOING)
+            and type(repair.get("at")) in (int, float) and isinstance(repair.get("changes"), list)):
+        raise ValueError(f"repair is not {{status, at, changes}}: {str(repair)[:60]}")
+    for c in repair["changes"]:
+        if not (isinstance(c, dict) and isinstance(c.get("what"), str)
+                and (c.get("item") is None or type(c["item"]) in (int, str))
+                and type(c.get("thread", 0)) is int and _cpus(c.get("have")) and _cpus(c.get("want"))):
+            raise ValueError(f"a repair's change is not {{what, item, have, want}}: {str(c)[:60]}")
+
+
+def _cpus(value) -> bool:
+    """A list of CPU (or node) numbers."""
+    return isinstance(value, list) and all(type(x) is int and 0 <= x < 1 << 16 for x in value)
 
 
 # -- the state directory and vstor's files in it -----------------------------

@@ -39,7 +39,8 @@ from vstor.records import field, record
 from vstor.runtime.index import Index, plain, summary
 # The statuses and DamagedRecord are named here too, where a record's readers look.
 from vstor.runtime.recordfile import (EXPORTING, FIX, INCOMING, PREPARED, PREPARING,  # noqa: F401
-                                      RECORD_FORMAT, RELEASING, DamagedRecord, NotAFile,
+                                      RECORD_FORMAT, RELEASING, REPAIRED, REPAIRING, UNDOING,
+                                      DamagedRecord, NotAFile,
                                       check_format, check_shape, check_trusted, make_dirs, read_json,
                                       write_text)
 
@@ -59,6 +60,11 @@ class Record:
     # The SPDK application its SPDK steps were made through (its JSON-RPC
     # socket): their undo asks the same one, whatever vstor.conf says now.
     spdk_socket: str | None = None
+    # The last repair of the running domain's pinning (vstor.runtime.drift):
+    # {"status": "repairing" | "done" | "undoing", "at": its time,
+    # "changes": [{"what", "item", "have", "want"}, ...]}, written before its
+    # first change; kept once done, for `vstor repair --undo`.
+    repair: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         out = {"format": RECORD_FORMAT, "key": self.key, "domain": self.domain, "uuid": self.uuid,
@@ -66,6 +72,8 @@ class Record:
                "updated": self.updated}
         if self.spdk_socket:
             out["spdk_socket"] = self.spdk_socket
+        if self.repair:
+            out["repair"] = self.repair
         return {**out, "migration": self.migration} if self.migration else out
 
     @classmethod
@@ -73,7 +81,8 @@ class Record:
         return cls(key=data["key"], domain=data["domain"], uuid=data.get("uuid"),
                    status=data.get("status", PREPARING), holding=data.get("holding", {}),
                    steps=list(data.get("steps", [])), updated=data.get("updated", 0.0),
-                   migration=dict(data.get("migration") or {}), spdk_socket=data.get("spdk_socket"))
+                   migration=dict(data.get("migration") or {}), spdk_socket=data.get("spdk_socket"),
+                   repair=dict(data.get("repair") or {}))
 
 
 class StateDir:
@@ -154,6 +163,32 @@ class StateDir:
             if not dry_run:     # what a killed save of this record left (its record is whole)
                 _drop(self._file(key) + ".tmp")
             yield self
+
+    @contextlib.contextmanager
+    def repair_lock(self, key: str, dry_run: bool = False):
+        """One `vstor repair` of a domain at a time, refused at once when
+        another holds it (a byte of <state_dir>/repair.lock).  Taken before
+        the record lock, and held while libvirt is asked and told: the hooks
+        never take it, so a stop's release waiting for the record lock never
+        waits on a repair that waits on libvirt (which runs that release
+        with the domain locked)."""
+        if dry_run and not os.path.isdir(self.path):
+            yield self
+            return
+        self._ensure()
+        path = os.path.join(self.path, "repair.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise Unavailable(f"cannot lock {path}: {e.strerror}", hint="run as root") from None
+        try:
+            if not try_range(fd, key):
+                from vstor.errors import InUse
+                raise InUse(f"another vstor repair of '{key}' is under way",
+                            hint=f"let it finish (vstor status {key})")
+            yield self
+        finally:
+            os.close(fd)        # and with it the byte
 
     def holds_lock(self) -> bool:
         """This process holds the host lock."""
