@@ -288,7 +288,7 @@ def gc_leftovers(state_dir: str, cfg) -> list[str]:
     """What gc should have removed and did not: records, index entries,
     the fillers' files in the socket and daemon directories."""
     left = [f"{state_dir}/{n}" for n in os.listdir(state_dir)
-            if n not in ("index", "lock", "plan.lock", "domains")]
+            if n not in ("index", "lock", "plan.lock", "domains", "metrics")]   # metrics: what gc counted
     left += glob.glob(f"{state_dir}/domains/*")
     left += glob.glob(f"{state_dir}/index/keys/*") + glob.glob(f"{state_dir}/index/by/*/*")
     left += [p for d in (cfg.vhost_dir, cfg.qsd_dir) for p in glob.glob(f"{d}/fill*")]

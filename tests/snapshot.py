@@ -64,13 +64,19 @@ DERIVED = "index"
 COUNTED = "metrics"
 
 
+def _counts(path: str) -> bool:
+    """A state directory's metrics/, holding only what vstor.counters and
+    vstor.metrics.totals write there."""
+    return os.path.basename(path) == COUNTED and set(os.listdir(path)) <= {
+        "events", "events.old", "totals.json", "lock"}
+
+
 def tree_state(root: str, content: bool = True) -> dict:
     """Every entry under root (root included), by path; symlinks not followed.
     Below root/index (DERIVED), a file by its content alone."""
     out = {root: path_state(root, content)}
     for dirpath, dirs, files in os.walk(root):
-        if dirpath == root:
-            dirs[:] = [d for d in dirs if d != COUNTED]
+        dirs[:] = [d for d in dirs if not _counts(os.path.join(dirpath, d))]
         for name in dirs + files:
             p = os.path.join(dirpath, name)
             out[p] = path_state(p, content)
