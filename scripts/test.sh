@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sh scripts/install-deps.sh
-exec "$(sh scripts/python.sh)" -m pytest -q -ra "$@"
+# --durations: the slowest tests, named in every run (CI time is watched: docs/testing.md).
+exec "$(sh scripts/python.sh)" -m pytest -q -ra --durations=25 "$@"
