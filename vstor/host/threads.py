@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 
-from vstor.errors import Unavailable
+from vstor.errors import ActionFailed, Unavailable
 
 # The task flags (/proc/PID/task/TID/stat, the ninth field) of a thread the
 # kernel runs in a user process: a kernel thread, a user worker (vhost), an
@@ -20,6 +20,7 @@ from vstor.errors import Unavailable
 PF_IO_WORKER, PF_USER_WORKER, PF_KTHREAD = 0x00000010, 0x00004000, 0x00200000
 PF_NO_SETAFFINITY = 0x04000000
 KERNEL = PF_IO_WORKER | PF_USER_WORKER | PF_KTHREAD | PF_NO_SETAFFINITY
+ROUNDS = 3      # a thread the process starts while it is pinned is pinned by the next round
 
 
 def tasks(pid: int, who: str) -> set[int]:
@@ -85,3 +86,38 @@ def alive(pid: int, who: str):
         yield check
     finally:
         os.close(fd)
+
+
+
+def pin(pid: int, who: str, want_of, alive, moved) -> bool:
+    """Each thread of `pid` on the cores want_of(tid) gives (None or empty:
+    left where it is), round after round until a round moves none, at most
+    ROUNDS; the kernel's own threads in it left (kernel_worker).  `alive()`
+    (the caller's pidfd check) before each round; each thread checked to be
+    still `pid`'s just before its set (a thread id is reused once it ends);
+    moved(tid, had, now) after each set.  ActionFailed when the kernel
+    refuses one.  False when threads still moved in the last round."""
+    for _ in range(ROUNDS):
+        alive()
+        changed = 0
+        for tid in sorted(tasks(pid, who)):
+            want = want_of(tid)
+            if not want or kernel_worker(pid, tid):
+                continue
+            want = frozenset(want)
+            have = affinity(tid)
+            if have is None or have == want or not os.path.exists(f"/proc/{pid}/task/{tid}"):
+                continue
+            try:
+                os.sched_setaffinity(tid, want)
+            except ProcessLookupError:
+                continue        # a worker thread that just ended
+            except OSError as e:
+                from vstor.cpulist import format_cpulist
+                raise ActionFailed(f"cannot pin thread {tid} of {who} to cores "
+                                   f"{format_cpulist(sorted(want))}: {e.strerror}") from None
+            moved(tid, have, want)
+            changed += 1
+        if not changed:
+            return True
+    return False

@@ -25,7 +25,6 @@ from vstor.host.model import format_cpulist
 from vstor.meta.plan import Plan
 
 QMP_TIMEOUT = 10.0       # qemu-server's own monitor calls wait this long
-ROUNDS = 3               # a thread QEMU starts while we pin is pinned by the next round
 
 
 class Threads:
@@ -119,36 +118,20 @@ def apply(plan: Plan, found: Threads) -> int:
                               "with the VM stopped)")
     vcpu_tids = {tid: i for i, tid in found.vcpus.items()}
     before: dict[int, frozenset[int]] = {}
+    def want_of(tid: int):
+        return (vcpus[vcpu_tids[tid]] if vcpus else None) if tid in vcpu_tids else emulator
+    who = f"QEMU pid {found.pid}"
     try:
-        with threads_of.alive(found.pid, f"QEMU pid {found.pid}") as alive:
-            for _ in range(ROUNDS):
-                changed = 0
-                alive()
-                for tid in _tasks(found.pid):
-                    want = (vcpus[vcpu_tids[tid]] if vcpus else None) if tid in vcpu_tids else emulator
-                    if not want or threads_of.kernel_worker(found.pid, tid):
-                        continue
-                    have = threads_of.affinity(tid)
-                    if have is None or have == want:
-                        continue
-                    try:
-                        os.sched_setaffinity(tid, want)
-                    except ProcessLookupError:
-                        continue        # a worker thread that just ended
-                    except OSError as e:
-                        raise ActionFailed(f"cannot pin thread {tid} of QEMU pid {found.pid} to cores "
-                                           f"{format_cpulist(sorted(want))}: {e.strerror}; every "
-                                           "thread moved was put back") from None
-                    before.setdefault(tid, have)
-                    changed += 1
-                if not changed:
-                    break
-    except BaseException:
+        with threads_of.alive(found.pid, who) as alive:
+            threads_of.pin(found.pid, who, want_of, alive, lambda tid, had, _now: before.setdefault(tid, had))
+    except BaseException as e:
         for tid, have in before.items():
             try:
                 os.sched_setaffinity(tid, have)
             except OSError:
                 pass        # gone since: nothing to put back
+        if isinstance(e, ActionFailed):
+            raise ActionFailed(f"{e.message}; every thread moved was put back") from None
         raise
     return len(before)
 

@@ -292,9 +292,6 @@ def controllers(rt, rec) -> list[Controller]:
 
 # -- repair ----------------------------------------------------------------------------------
 
-ROUNDS = 3      # a daemon thread started while its threads are pinned is pinned by the next round
-
-
 @record(frozen=True)
 class Change:
     """One change a repair makes: `what` of `item` (a vCPU's index, an I/O
@@ -640,43 +637,18 @@ def _pin_daemon(rec, pid: int, undo: list, where: dict | None = None) -> list[Ch
         raise Unavailable(f"{who} is no longer one of domain '{rec.domain}''s daemons: nothing pinned")
     planned_cpus = frozenset(export.cpus)
     moved: list[Change] = []
+
+    def done(tid: int, have, want) -> None:
+        undo.append((f"thread {tid} of {who}", lambda: _put(tid, have)))
+        moved.append(Change("daemon", pid, _t(have), _t(want), tid))
     with threads.alive(pid, who) as alive:
         if daemon.pid(export) != pid:       # reused between the look and the pidfd
             raise Unavailable(f"{who} ended: nothing pinned")
-        for _ in range(ROUNDS):
-            alive()
-            changed = 0
-            for tid in sorted(threads.tasks(pid, who)):
-                want = planned_cpus if where is None else where.get(tid)
-                if want is None or threads.kernel_worker(pid, tid):
-                    continue
-                want = frozenset(want)
-                have = threads.affinity(tid)
-                if have is None or have == want:
-                    continue
-                if not os.path.exists(f"/proc/{pid}/task/{tid}"):
-                    continue        # ended since the list: its id may be another's by now
-                try:
-                    os.sched_setaffinity(tid, want)
-                except ProcessLookupError:
-                    continue        # a worker thread that just ended
-                except OSError as e:
-                    raise ActionFailed(f"cannot pin thread {tid} of {who} to CPUs {_cores(want)}: "
-                                       f"{e.strerror}") from None
-                undo.append((f"thread {tid} of {who}", lambda tid=tid, have=have: _put(tid, have)))
-                moved.append(Change("daemon", pid, _t(have), _t(want), tid))
-                changed += 1
-            if not changed:
-                break
-        else:
-            alive()
-            stray = [tid for tid in threads.tasks(pid, who) if not threads.kernel_worker(pid, tid)
-                     and (where is None or tid in where)
-                     and threads.affinity(tid) not in (None, frozenset(planned_cpus if where is None
-                                                                         else where[tid]))]
-            if stray:
-                raise ActionFailed(f"threads of {who} (thread {stray[0]}) move off their cores again "
-                                   f"after {ROUNDS} rounds: something else pins them")
+        settled = threads.pin(pid, who, lambda tid: planned_cpus if where is None else where.get(tid),
+                              alive, done)
+    if not settled:
+        raise ActionFailed(f"threads of {who} still moved off their cores after {threads.ROUNDS} "
+                           "rounds: something else pins them")
     return moved
 
 
