@@ -170,7 +170,8 @@ def test_counts_that_cannot_be_read_leave_the_disks_figures(state_dir):
     (state_dir / "metrics").mkdir(exist_ok=True)
     totals.fold(str(state_dir))
     (state_dir / "metrics" / "totals.json").write_text("[]")
-    rt = SimpleNamespace(sysfs=SimpleNamespace(listdir=lambda p: []))
+    from vstor.host.sysfs import SysFS
+    rt = SimpleNamespace(sysfs=SysFS(str(state_dir)))       # a host tree with nothing in it
     state = SimpleNamespace(path=str(state_dir), records=lambda damaged: [])
     look = collect.look(rt, state)
     fam = _families(expose.text(lambda: look))

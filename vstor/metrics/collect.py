@@ -126,13 +126,9 @@ def _target(rec, name: str) -> str:
 
 
 def _cpu_nodes(sysfs) -> dict[int, int]:
-    from vstor.cpulist import parse_cpulist
-    out = {}
-    for entry in sysfs.listdir("/sys/devices/system/node"):
-        if entry.startswith("node") and entry[4:].isdigit():
-            for cpu in parse_cpulist(sysfs.read(f"/sys/devices/system/node/{entry}/cpulist", "") or ""):
-                out[cpu] = int(entry[4:])
-    return out
+    """Each CPU's node, as the host model reads them (vstor.host.read)."""
+    from vstor.host.read import read_nodes, read_online_cpus
+    return {cpu: n.id for n in read_nodes(sysfs, read_online_cpus(sysfs)) for cpu in n.cpus}
 
 
 def _qsd(rec, uuid: str, export, nodes: dict[int, int], proc: str) -> Disk:
@@ -147,7 +143,7 @@ def _qsd(rec, uuid: str, export, nodes: dict[int, int], proc: str) -> Disk:
         stat = _read(f"{proc}/{pid}/stat")
         fields = stat[stat.rindex(")") + 2:].split()
         cpu = (int(fields[11]) + int(fields[12])) / CLK_TCK        # utime, stime
-        ops = _cgroup_ops(pid, proc, _served_device(pid, proc))
+        ops = _cgroup_ops(pid, proc)
     except (OSError, ValueError, IndexError, KeyError) as e:
         return _down(base, f"cannot read its daemon's accounting (pid {pid}): {e}")
     return _replace(base, pid=pid, read_bytes=int(io["read_bytes"]), written_bytes=int(io["write_bytes"]),
@@ -159,17 +155,16 @@ def _served_device(pid: int, proc: str) -> str | None:
     command line names /proc/self/fd/N, never a path): a block device's
     own number, a file's filesystem's."""
     import stat as st
-    from vstor.backends.qsd import proc as qproc
-    from vstor.backends.qsd.export import export_opts
-    name = export_opts(qproc.cmdline(pid) or []).get("filename", "")
-    if not name.startswith("/proc/self/fd/"):
+    from vstor.backends.qsd import daemon
+    held = daemon.held_source(pid, proc)
+    if held is None:
         return None
-    s = os.stat(f"{proc}/{pid}/fd/{name[len('/proc/self/fd/'):]}")
+    s = os.stat(held)
     dev = s.st_rdev if st.S_ISBLK(s.st_mode) else s.st_dev
     return f"{os.major(dev)}:{os.minor(dev)}"
 
 
-def _cgroup_ops(pid: int, proc: str, device: str | None) -> tuple[int, int] | None:
+def _cgroup_ops(pid: int, proc: str) -> tuple[int, int] | None:
     """(reads, writes) from io.stat of the daemon's own cgroup v2 scope
     (vstor.slice/…scope: systemd-run made it for this daemon alone), on
     the device it serves alone: a device mapper, md or loop device below
@@ -186,6 +181,7 @@ def _cgroup_ops(pid: int, proc: str, device: str | None) -> tuple[int, int] | No
                 text = _read(f"{mount}{path}/io.stat")
             except FileNotFoundError:
                 continue
+            device = _served_device(pid, proc)
             for dev in text.splitlines():
                 words = dev.split()
                 if words and words[0] == device:

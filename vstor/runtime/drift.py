@@ -331,8 +331,9 @@ def repair(conn, rt, state, host, key: str, say: Callable[[str], None],
     """Apply the plan again to the running domain of record `key`: each
     repairable difference put back as the plan says (libvirt's live APIs,
     the daemons' threads).  (what was repaired, or would be in a dry run;
-    what cannot be repaired live).  Under the domain's record lock: two
-    repairs of one domain never interleave.  Before the first change the
+    what cannot be repaired live).  Under the repair lock: two repairs of
+    one domain never interleave; the record lock only while the journal is
+    written (libvirt is never asked under it).  Before the first change the
     plan's cores are checked still to be the domain's (DoesNotFit, nothing
     changed) and the changes are written into the record's `repair`
     (repairing); once all are made it is done, kept for `undo`.  A change

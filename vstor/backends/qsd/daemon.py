@@ -23,7 +23,7 @@ from vstor.errors import ActionFailed, BadInput, Unavailable
 from vstor.host import sources
 from vstor.locking import range_locked
 
-__all__ = ["alive", "connect_as", "dry_run", "pid", "restart_if_dead", "start", "stop",
+__all__ = ["alive", "connect_as", "dry_run", "held_source", "pid", "restart_if_dead", "start", "stop",
            "stop_orphan"]
 
 
@@ -371,14 +371,24 @@ def _kill_all_of(uid: int) -> None:
                        stderr=subprocess.DEVNULL, check=False)
 
 
+def held_source(p: int, procfs: str = "/proc") -> str | None:
+    """<procfs>/PID/fd/N: the source daemon `p` holds, by the descriptor
+    its command line names (filename=/proc/self/fd/N, never a path); None
+    when it names none."""
+    name = export_opts(proc.cmdline(p) or []).get("filename", "")
+    if not name.startswith("/proc/self/fd/"):
+        return None
+    return f"{procfs}/{p}/fd/{name[len('/proc/self/fd/'):]}"
+
+
 def _source_fd(p: int) -> str | None:
     """/proc/PID/fd/N of the source the daemon holds, opened now (O_PATH)
     so that it outlives the daemon: the file, even renamed since."""
-    name = export_opts(proc.cmdline(p)).get("filename", "")
-    if not name.startswith("/proc/self/fd/"):
+    held = held_source(p)
+    if held is None:
         return None
     try:
-        fd = os.open(f"/proc/{p}/fd/{name[len('/proc/self/fd/'):]}", os.O_PATH | os.O_CLOEXEC)
+        fd = os.open(held, os.O_PATH | os.O_CLOEXEC)
     except OSError:
         return None
     return f"/proc/self/fd/{fd}"
